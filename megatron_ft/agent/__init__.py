@@ -1,0 +1,1 @@
+"""The per-node snapshot agent: shared-memory slots, versions, persistence, restore service."""

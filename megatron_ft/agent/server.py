@@ -1,0 +1,473 @@
+"""The per-node snapshot agent (REFT's snapshot management process).
+
+One long-lived process per node, started by ``megatron-ft launch`` before the trainers and not
+a child of any of them. It
+
+* owns the node's shared-memory slots: two per local rank (REFT's clean/dirty double buffer),
+  created and pre-faulted on first registration, re-adopted after an agent restart;
+* hands a trainer the slot to write next (``begin``) and never the one holding the newest
+  globally consistent version; flips a slot to CLEAN only when the trainer ``commit``s a
+  complete, well-formed snapshot;
+* persists the newest globally consistent version to disk every ``persist.interval`` steps,
+  and at once when a trainer's connection drops without ``bye`` ("save at breakpoint");
+* serves restarted trainers the list of clean versions it holds (they map the slot and read);
+* removes its segments on clean shutdown (``shutdown`` op, SIGTERM or SIGINT).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import socket
+import socketserver
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .. import config as ftconfig
+from .. import shm, snapfile
+from ..layout import Layout
+from ..protocol import recv_msg, send_msg, socket_path
+from . import persist
+
+log = logging.getLogger("megatron_ft.agent")
+
+SLOTS_PER_RANK = 2
+
+
+@dataclass
+class Slot:
+    index: int
+    segment: shm.Segment
+    state: int = snapfile.EMPTY
+    step: int = -1
+    pins: int = 0  # >0 while the agent reads it (persisting)
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    slots: list[Slot] = field(default_factory=list)
+    fingerprint: str = ""
+    global_step: int = -1
+
+    def clean(self) -> list[Slot]:
+        return sorted((s for s in self.slots if s.state == snapfile.CLEAN), key=lambda s: -s.step)
+
+    def slot_with(self, step: int) -> Optional[Slot]:
+        for s in self.slots:
+            if s.state == snapfile.CLEAN and s.step == step:
+                return s
+        return None
+
+
+class Agent:
+    def __init__(self, cfg: ftconfig.FTConfig, node: int):
+        self.cfg = cfg
+        self.node = node
+        self.run_id = cfg.run_id
+        self.lock = threading.RLock()
+        self.ranks: dict[int, RankRecord] = {}
+        self.connected: dict[int, int] = {}  # rank -> open trainer connections
+        self.persisted: list[int] = []
+        self.persist_errors: list[str] = []
+        self._persist_q: "queue.Queue[Optional[tuple[int, str]]]" = queue.Queue()
+        self._queued_steps: set[int] = set()
+        self._stop = threading.Event()
+        self._done = threading.Event()  # set when shutdown() has finished
+        self.socket_path = socket_path(cfg.agent.socket_dir, self.run_id, node)
+        self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
+        self._persist_thread: Optional[threading.Thread] = None
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ segments
+    def adopt_existing(self) -> int:
+        """Re-adopt slots left in shared memory by a previous agent of this node (agent restart)."""
+        n = 0
+        for rank, slot_idx, path in shm.list_segments(self.cfg.agent.shm_dir, self.run_id, self.node):
+            try:
+                seg = shm.open_segment(path)
+                hdr = snapfile.read_header(seg.mm)
+                state = hdr.state
+                if state == snapfile.WRITING:  # torn by a crash mid-snapshot
+                    snapfile.set_state(seg.mm, snapfile.EMPTY)
+                    state = snapfile.EMPTY
+                if state == snapfile.CLEAN:
+                    snapfile.read_version(seg.mm, hdr)  # well-formed record or not adopted as clean
+                fp = snapfile.read_layout(seg.mm, hdr).fingerprint()
+            except (snapfile.SnapshotFormatError, OSError, ValueError) as e:
+                log.warning("agent node %d: discarding unreadable segment %s: %s", self.node, path, e)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                continue
+            rec = self.ranks.setdefault(rank, RankRecord(rank))
+            rec.fingerprint = fp
+            rec.slots.append(Slot(slot_idx, seg, state, hdr.step if state == snapfile.CLEAN else -1))
+            rec.slots.sort(key=lambda s: s.index)
+            n += 1
+        if n:
+            log.info("agent node %d: adopted %d existing slots: %s", self.node, n, self.describe())
+        return n
+
+    def register(self, rank: int, layout_json: str) -> dict:
+        layout = Layout.from_json(layout_json.encode())
+        fp = layout.fingerprint()
+        geom = snapfile.geometry_for(layout, layout_json.encode())
+        with self.lock:
+            rec = self.ranks.get(rank)
+            if rec and rec.fingerprint == fp and len(rec.slots) == SLOTS_PER_RANK and all(
+                    s.segment.size >= geom.total for s in rec.slots):
+                return {"slots": [s.segment.path for s in rec.slots], "adopted": True}
+            if rec and any(s.pins for s in rec.slots):
+                raise RuntimeError(f"rank {rank}: slots are busy (being persisted); retry")
+            if rec:
+                log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
+                self._drop_rank(rec)
+            rec = RankRecord(rank, fingerprint=fp)
+            for i in range(SLOTS_PER_RANK):
+                path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, i))
+                seg = shm.create(path, geom.total)
+                snapfile.init_container(seg.mm, layout_json.encode(), geom)
+                rec.slots.append(Slot(i, seg))
+            self.ranks[rank] = rec
+            log.info("agent node %d: rank %d registered, 2 x %.1f MiB slots", self.node, rank, geom.total / 2**20)
+            return {"slots": [s.segment.path for s in rec.slots], "adopted": False}
+
+    def _drop_rank(self, rec: RankRecord) -> None:
+        for s in rec.slots:
+            s.segment.close()
+            try:
+                os.unlink(s.segment.path)
+            except FileNotFoundError:
+                pass
+        self.ranks.pop(rec.rank, None)
+
+    # ------------------------------------------------------------------ versions
+    def begin(self, rank: int, step: int) -> int:
+        with self.lock:
+            rec = self._rec(rank)
+            protected = rec.slot_with(rec.global_step) if rec.global_step >= 0 else None
+            if protected is None and rec.clean():
+                protected = rec.clean()[0]
+            candidates = [s for s in rec.slots if s is not protected and s.pins == 0]
+            if not candidates:
+                raise BusyError(f"rank {rank}: no free slot for step {step} (one is protected, one is being persisted)")
+            slot = min(candidates, key=lambda s: (s.state != snapfile.EMPTY, s.step))
+            snapfile.set_state(slot.segment.mm, snapfile.WRITING)
+            slot.state, slot.step = snapfile.WRITING, step
+            return slot.index
+
+    def commit(self, rank: int, slot_idx: int, step: int) -> None:
+        with self.lock:
+            slot = self._slot(rank, slot_idx)
+            if slot.state != snapfile.WRITING or slot.step != step:
+                raise RuntimeError(f"rank {rank} slot {slot_idx}: commit of step {step} but the slot is "
+                                   f"{snapfile.STATE_NAMES[slot.state]} for step {slot.step}")
+            hdr = snapfile.read_header(slot.segment.mm)
+            snapfile.read_version(slot.segment.mm, hdr)
+            if hdr.step != step:
+                raise RuntimeError(f"rank {rank} slot {slot_idx}: header step {hdr.step} != committed {step}")
+            snapfile.set_state(slot.segment.mm, snapfile.CLEAN)
+            slot.state = snapfile.CLEAN
+
+    def abort(self, rank: int, slot_idx: int) -> None:
+        with self.lock:
+            slot = self._slot(rank, slot_idx)
+            if slot.state == snapfile.WRITING:
+                snapfile.set_state(slot.segment.mm, snapfile.EMPTY)
+                slot.state, slot.step = snapfile.EMPTY, -1
+
+    def mark_global(self, rank: int, step: int) -> None:
+        """``step`` is clean on every rank of the job (the trainers agreed on it)."""
+        with self.lock:
+            rec = self._rec(rank)
+            rec.global_step = max(rec.global_step, step)
+            interval = self.cfg.persist.interval
+            if interval <= 0 or not self.ranks:
+                return
+            low = min(r.global_step for r in self.ranks.values())
+            if low >= 0 and low % interval == 0:
+                self.request_persist(low, "interval")
+
+    def newest_consistent_step(self) -> int:
+        """Newest step that every local rank holds clean (preferring globally agreed steps)."""
+        with self.lock:
+            if not self.ranks:
+                return -1
+            common: Optional[set[int]] = None
+            for rec in self.ranks.values():
+                steps = {s.step for s in rec.clean()}
+                common = steps if common is None else common & steps
+            if not common:
+                return -1
+            glob = [r.global_step for r in self.ranks.values() if r.global_step >= 0]
+            g = min(glob) if len(glob) == len(self.ranks) else -1
+            return g if g in common else max(common)
+
+    def list_versions(self, rank: int) -> list[dict]:
+        with self.lock:
+            rec = self.ranks.get(rank)
+            if rec is None:
+                return []
+            return [{"slot": s.index, "step": s.step, "state": snapfile.STATE_NAMES[s.state],
+                     "path": s.segment.path} for s in rec.clean()]
+
+    def status(self) -> dict:
+        with self.lock:
+            return {
+                "node": self.node, "run_id": self.run_id, "pid": os.getpid(),
+                "connected": {str(r): n for r, n in sorted(self.connected.items())},
+                "ranks": {str(r): {"global_step": rec.global_step,
+                                   "slots": [{"slot": s.index, "state": snapfile.STATE_NAMES[s.state],
+                                              "step": s.step, "pins": s.pins, "bytes": s.segment.size}
+                                             for s in rec.slots]}
+                          for r, rec in sorted(self.ranks.items())},
+                "persisted": list(self.persisted),
+                "persist_errors": list(self.persist_errors[-5:]),
+                "pending_persists": self._persist_q.qsize(),
+            }
+
+    def describe(self) -> str:
+        with self.lock:
+            return ", ".join(f"r{r}:" + "/".join(f"{snapfile.STATE_NAMES[s.state]}@{s.step}" for s in rec.slots)
+                             for r, rec in sorted(self.ranks.items()))
+
+    def _rec(self, rank: int) -> RankRecord:
+        rec = self.ranks.get(rank)
+        if rec is None:
+            raise KeyError(f"rank {rank} is not registered with the agent of node {self.node}")
+        return rec
+
+    def _slot(self, rank: int, idx: int) -> Slot:
+        rec = self._rec(rank)
+        if not 0 <= idx < len(rec.slots):
+            raise KeyError(f"rank {rank} has no slot {idx}")
+        return rec.slots[idx]
+
+    # ------------------------------------------------------------------ persistence
+    def request_persist(self, step: int, reason: str) -> bool:
+        with self.lock:
+            if step < 0 or step in self.persisted or step in self._queued_steps:
+                return False
+            self._queued_steps.add(step)
+        self._persist_q.put((step, reason))
+        return True
+
+    def trainer_lost(self, rank: int) -> None:
+        log.warning("agent node %d: trainer rank %d disconnected without bye (crashed?)", self.node, rank)
+        if self.cfg.persist.on_failure:
+            step = self.newest_consistent_step()
+            if step >= 0 and self.request_persist(step, f"breakpoint (rank {rank} lost)"):
+                log.warning("agent node %d: saving step %d at breakpoint", self.node, step)
+
+    def _persist_loop(self) -> None:
+        while not self._stop.is_set():
+            item = self._persist_q.get()
+            if item is None:
+                return
+            step, reason = item
+            try:
+                self._persist(step, reason)
+            except Exception as e:  # a failed persist never stops the agent
+                msg = f"persist of step {step} ({reason}) failed: {e}"
+                log.error("agent node %d: %s", self.node, msg)
+                with self.lock:
+                    self.persist_errors.append(msg)
+            finally:
+                with self.lock:
+                    self._queued_steps.discard(step)
+
+    def _persist(self, step: int, reason: str) -> None:
+        base = self.cfg.persist.dir
+        with self.lock:
+            slots = []
+            for rec in self.ranks.values():
+                s = rec.slot_with(step)
+                if s is None:
+                    raise RuntimeError(f"rank {rec.rank} no longer holds step {step} clean")
+                s.pins += 1
+                slots.append((rec.rank, s))
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            for rank, s in slots:
+                nbytes += persist.write_container(s.segment.mm, persist.rank_file(base, self.run_id, step, rank))
+        finally:
+            with self.lock:
+                for _, s in slots:
+                    s.pins -= 1
+        dt = time.perf_counter() - t0
+        with self.lock:
+            self.persisted.append(step)
+            ranks = list(self.ranks)
+        persist.prune(base, self.run_id, ranks, self.cfg.persist.keep, protect=step)
+        log.info("agent node %d: persisted step %d (%s): %.1f MiB in %.2f s", self.node, step, reason,
+                 nbytes / 2**20, dt)
+
+    # ------------------------------------------------------------------ serving
+    def serve_forever(self) -> None:
+        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        agent = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                agent._handle_connection(self.request)
+
+        class Server(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+        self._server = Server(self.socket_path, Handler)
+        self._persist_thread = threading.Thread(target=self._persist_loop, name="persist", daemon=True)
+        self._persist_thread.start()
+        log.info("agent node %d (pid %d) serving on %s", self.node, os.getpid(), self.socket_path)
+        try:
+            self._server.serve_forever(poll_interval=0.2)
+        finally:
+            self._server.server_close()
+
+    def _handle_connection(self, sock: socket.socket) -> None:
+        rank: Optional[int] = None
+        orderly = False
+        try:
+            while True:
+                try:
+                    msg = recv_msg(sock)
+                except ConnectionError:
+                    break
+                op = msg.get("op")
+                try:
+                    reply = self._dispatch(op, msg)
+                    if op == "hello":
+                        rank = int(msg["rank"])
+                        with self.lock:
+                            self.connected[rank] = self.connected.get(rank, 0) + 1
+                    if op == "bye":
+                        orderly = True
+                    send_msg(sock, {"ok": True, **reply})
+                except BusyError as e:
+                    send_msg(sock, {"ok": False, "error": str(e), "busy": True})
+                except Exception as e:  # report to the trainer, keep serving
+                    send_msg(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                if op == "shutdown":
+                    threading.Thread(target=self.shutdown, daemon=True).start()
+                    return
+                if op == "bye":
+                    return
+        finally:
+            if rank is not None:
+                with self.lock:
+                    self.connected[rank] = max(0, self.connected.get(rank, 1) - 1)
+                if not orderly and not self._stop.is_set():
+                    self.trainer_lost(rank)
+
+    def _dispatch(self, op: Optional[str], msg: dict) -> dict:
+        if op == "hello":
+            if msg.get("run_id") != self.run_id:
+                raise ValueError(f"run_id {msg.get('run_id')!r} does not match this agent's {self.run_id!r}")
+            return {"node": self.node, "agent_pid": os.getpid()}
+        if op == "register":
+            return self.register(int(msg["rank"]), msg["layout"])
+        if op == "begin":
+            return {"slot": self.begin(int(msg["rank"]), int(msg["step"]))}
+        if op == "commit":
+            self.commit(int(msg["rank"]), int(msg["slot"]), int(msg["step"]))
+            return {}
+        if op == "abort":
+            self.abort(int(msg["rank"]), int(msg["slot"]))
+            return {}
+        if op == "global":
+            self.mark_global(int(msg["rank"]), int(msg["step"]))
+            return {}
+        if op == "list":
+            return {"versions": self.list_versions(int(msg["rank"]))}
+        if op == "status":
+            return {"status": self.status()}
+        if op == "persist":
+            step = int(msg.get("step", self.newest_consistent_step()))
+            return {"queued": self.request_persist(step, "requested"), "step": step}
+        if op == "wait_persisted":
+            deadline = time.time() + float(msg.get("timeout", 60))
+            while time.time() < deadline:
+                with self.lock:
+                    if not self._queued_steps and self._persist_q.empty():
+                        return {"persisted": list(self.persisted)}
+                time.sleep(0.05)
+            raise TimeoutError("persists still pending")
+        if op in ("bye", "shutdown"):
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    def shutdown(self, remove_segments: bool = True) -> None:
+        """Clean shutdown: finish queued persists, remove segments and the socket."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._persist_q.put(None)
+        if self._server is not None:
+            self._server.shutdown()
+        if self._persist_thread is not None:
+            self._persist_thread.join(timeout=300)  # let queued persists finish
+        with self.lock:
+            if remove_segments:
+                for rec in list(self.ranks.values()):
+                    self._drop_rank(rec)
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        log.info("agent node %d: shut down%s", self.node, " (segments removed)" if remove_segments else "")
+        self._done.set()
+
+
+class BusyError(RuntimeError):
+    pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_ft.agent", description="megatron-ft per-node snapshot agent")
+    p.add_argument("--config", default=None, help="job YAML (default: embedded local-cpu.yaml)")
+    p.add_argument("--node", type=int, required=True, help="node index")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--persist-interval", type=int, default=None)
+    p.add_argument("--persist-dir", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[agent n{args.node} %(asctime)s] %(levelname)s %(message)s")
+    cfg = ftconfig.load(args.config)
+    changes: dict = {}
+    if args.run_id:
+        changes["run_id"] = args.run_id
+    pers = {}
+    if args.persist_interval is not None:
+        pers["interval"] = args.persist_interval
+    if args.persist_dir:
+        pers["dir"] = args.persist_dir
+    if pers:
+        changes["persist"] = pers
+    if changes:
+        cfg = ftconfig.replace(cfg, **changes)
+    agent = Agent(cfg, args.node)
+    agent.adopt_existing()
+
+    def on_signal(signum, frame):  # clean shutdown on SIGTERM / SIGINT
+        threading.Thread(target=agent.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent.serve_forever()
+    agent._done.wait(timeout=600)  # the shutdown thread drains persists and removes segments
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""The trainer-side entry point: restore on start, snapshot after every N-th iteration.
+
+Framework-neutral: it takes a StateAdapter (megatron, plain torch, ...). The training loop calls
+
+    ckpt = InMemoryCheckpointer(cfg, adapter, rank, world_size, topology)
+    result = ckpt.restore()                      # once, after building model and optimizer
+    loop:
+        ...forward/backward...
+        ckpt.before_optimizer_step()             # waits only if the last copy is unfinished
+        optimizer.step(); scheduler.step()
+        ckpt.after_iteration(iteration, consumed_samples)
+    ckpt.close()
+
+Every call is collective across all ranks (they create and use one gloo coordination group).
+Nothing here ever raises into training because a snapshot failed: failures are logged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import config as ftconfig
+from .protocol import AgentClient, socket_path
+from .recovery import Restorer, RestoreResult
+from .snapshot import SnapshotEngine
+
+log = logging.getLogger("megatron_ft")
+
+
+class InMemoryCheckpointer:
+    def __init__(self, cfg: ftconfig.FTConfig, adapter: Any, rank: int, world_size: int,
+                 topology: dict, node: Optional[int] = None, agent_socket: Optional[str] = None):
+        self.cfg = cfg
+        self.adapter = adapter
+        self.rank = rank
+        self.world_size = world_size
+        self.identity = {"run_id": cfg.run_id, "rank": rank, "world_size": world_size, "topology": topology}
+        self.node = node if node is not None else int(os.environ.get("MFT_NODE_RANK", rank // cfg.cluster.ranks_per_node))
+        self.coord_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        path = agent_socket or os.environ.get("MFT_AGENT_SOCKET") or socket_path(
+            cfg.agent.socket_dir, cfg.run_id, self.node)
+        self.client: Optional[AgentClient] = AgentClient(path)
+        try:
+            self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+                                 "pid": os.getpid(), "run_id": cfg.run_id})
+        except OSError as e:
+            log.error("rank %d: no snapshot agent at %s (%s): in-memory snapshots are off for this run; "
+                      "start jobs with `megatron-ft launch`", rank, path, e)
+            self.client = None
+        self.engine = (SnapshotEngine(self.client, rank, self.identity, cfg.snapshot.chunk_bytes, self.coord_group)
+                       if self.client is not None and cfg.snapshot.enabled else None)
+        self._events = _EventLog(rank)
+        self.last_restore: Optional[RestoreResult] = None
+
+    def restore(self) -> RestoreResult:
+        restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
+                            self.client, self.coord_group)
+        res = restorer.restore(self.adapter)
+        self.last_restore = res
+        if res.source == "none":
+            msg = "no valid in-memory or persisted snapshot: starting fresh"
+        else:
+            msg = f"restored step {res.step} from {res.source} in {res.seconds:.3f} s"
+        if self.rank == 0 or res.rejected:
+            log.warning("rank %d: %s%s", self.rank, msg, f" (rejected: {res.rejected})" if res.rejected else "")
+        if self.rank == 0:
+            print(f"[megatron-ft] {msg}", flush=True)
+        self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
+                            "rejected": res.rejected})
+        if res.source != "none" and self.engine is not None:
+            # every rank holds this step: tell the agent so it protects it until a newer one is agreed
+            self.engine.last_committed = self.engine.last_agreed = res.step
+            try:
+                self.client.request("global", rank=self.rank, step=res.step)  # type: ignore[union-attr]
+            except Exception:
+                pass
+        return res
+
+    def before_optimizer_step(self) -> None:
+        if self.engine is not None:
+            st = self.engine.wait()
+            if st is not None and not st.ok:
+                log.warning("rank %d: snapshot of step %d not taken: %s", self.rank, st.step, st.error)
+
+    def after_iteration(self, iteration: int, consumed_samples: int) -> None:
+        if self.engine is None or iteration % self.cfg.snapshot.interval:
+            return
+        if hasattr(self.adapter, "progress"):
+            self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
+        tensors, extra = self.adapter.capture()
+        self.engine.snapshot(iteration, tensors, extra)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.client is not None:
+            self.client.close(orderly=True)
+        self._events.close()
+
+
+class _EventLog:
+    """``$MFT_RUN_DIR/events/rank{R}.jsonl``: restores and other events, for the demo and tests."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._f = None
+        run_dir = os.environ.get("MFT_RUN_DIR")
+        if run_dir:
+            os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
+            self._f = open(os.path.join(run_dir, "events", f"rank{rank}.jsonl"), "a", encoding="utf-8")
+
+    def write(self, rec: dict) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "time": time.time(),
+                                      "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                                      **rec}) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -1,0 +1,306 @@
+"""``megatron-ft demo``: train the tiny GPT on CPU, kill trainers mid-run, recover, compare bit for bit.
+
+1. a reference run, uninterrupted and without megatron-ft, same seed;
+2. the same job with ``--inmem-ckpt`` under ``megatron-ft launch``; when the victim has finished
+   iteration ``--kill-at``, it is sent SIGKILL (``--fail trainer``: one trainer;
+   ``all-trainers``: every trainer of node 0; ``none``: nobody). torchrun restarts the workers,
+   which restore from their agents' shared memory;
+3. the final model, optimizer state, scheduler and RNG digests of every rank, and the loss of
+   every iteration (including re-run ones), are compared with the reference.
+
+The last line printed is one JSON object: scenario, recovered_from, resumed_step,
+lost_iterations, recovery_seconds, bitwise_identical, and details.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import yaml
+
+from . import config as ftconfig
+
+REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass  # a line being written
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@dataclass
+class JobSpec:
+    cfg: ftconfig.FTConfig
+    train_args: list[str]
+    workdir: str
+
+
+def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[str]:
+    return [
+        "--tensor-model-parallel-size", str(cfg.parallel.tensor),
+        "--pipeline-model-parallel-size", str(cfg.parallel.pipeline),
+        "--train-iters", str(iters), "--log-interval", "5", *extra,
+    ]
+
+
+def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
+               log_path: str) -> subprocess.Popen:
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_path = os.path.join(run_dir, "job.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
+           os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *script_args,
+           "--dump-final-state", os.path.join(run_dir, "final", "state")]
+    if inmem:
+        cmd += ["--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
+    logf = open(log_path, "wb")
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    try:
+        import psutil
+
+        procs = psutil.Process(p.pid).children(recursive=True)
+        for c in procs:
+            try:
+                c.kill()
+            except psutil.NoSuchProcess:
+                pass
+    except Exception:
+        pass
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_job(p: subprocess.Popen, timeout: float, what: str, log_path: str) -> None:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(p)
+        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s; log: {log_path}")
+    if rc != 0:
+        tail = open(log_path, errors="replace").read()[-3000:]
+        raise RuntimeError(f"{what} failed with exit code {rc}; log {log_path}:\n{tail}")
+
+
+def losses(run_dir: str) -> dict[tuple[int, int], set[str]]:
+    """(rank, iteration) -> loss hex strings seen (several when an iteration was re-run)."""
+    out: dict[tuple[int, int], set[str]] = {}
+    prog = os.path.join(run_dir, "progress")
+    for name in sorted(os.listdir(prog)) if os.path.isdir(prog) else []:
+        for rec in read_jsonl(os.path.join(prog, name)):
+            if rec.get("loss_hex") is not None:
+                out.setdefault((rec["rank"], rec["iteration"]), set()).add(rec["loss_hex"])
+    return out
+
+
+def final_states(run_dir: str, world: int) -> dict[int, dict]:
+    out = {}
+    for r in range(world):
+        path = os.path.join(run_dir, "final", f"state.rank{r}.json")
+        with open(path) as f:
+            out[r] = json.load(f)
+    return out
+
+
+def compare(ref_dir: str, run_dir: str, world: int) -> tuple[bool, list[str]]:
+    problems = []
+    ref_l, run_l = losses(ref_dir), losses(run_dir)
+    if not ref_l:
+        problems.append("reference run logged no losses")
+    for key, want in sorted(ref_l.items()):
+        got = run_l.get(key)
+        if got is None:
+            problems.append(f"rank {key[0]} iteration {key[1]}: no loss logged")
+        elif got != want:
+            problems.append(f"rank {key[0]} iteration {key[1]}: loss {sorted(got)} != reference {sorted(want)}")
+    try:
+        ref_s, run_s = final_states(ref_dir, world), final_states(run_dir, world)
+    except FileNotFoundError as e:
+        problems.append(f"final state missing: {e}")
+        return False, problems
+    for r in range(world):
+        for section in sorted(set(ref_s[r]) | set(run_s[r])):
+            if ref_s[r].get(section) != run_s[r].get(section):
+                a, b = ref_s[r].get(section), run_s[r].get(section)
+                keys = sorted(k for k in (set(a) | set(b)) if a.get(k) != b.get(k)) if isinstance(a, dict) and isinstance(b, dict) else []
+                problems.append(f"rank {r}: final {section} differs {keys[:4]}")
+    return not problems, problems
+
+
+def run_demo(args: argparse.Namespace) -> dict:
+    base = ftconfig.load(args.config)
+    workdir = os.path.abspath(args.workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    tag = f"demo-{args.fail}-{os.getpid()}"
+    cfg = ftconfig.replace(
+        base, run_id=tag,
+        persist={"dir": os.path.join(workdir, "persist")},
+        agent={"socket_dir": os.path.join(workdir, "sockets")},
+        launch={"rdzv_port": free_port()},
+    )
+    world = cfg.cluster.world_size
+    targs = training_args(cfg, args.iters, args.train_arg or [])
+    say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
+
+    # 1. reference
+    ref_dir = os.path.join(workdir, "reference")
+    say(f"[demo] reference run: {world} ranks (TP{cfg.parallel.tensor} PP{cfg.parallel.pipeline} "
+        f"DP{cfg.data_parallel}), {args.iters} iterations, no megatron-ft ...")
+    t0 = time.time()
+    ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port()})
+    p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=os.path.join(workdir, "reference.log"))
+    wait_job(p, args.timeout, "reference run", os.path.join(workdir, "reference.log"))
+    ref_seconds = time.time() - t0
+    say(f"[demo] reference done in {ref_seconds:.1f} s")
+
+    # 2. the job with megatron-ft and a failure
+    run_dir = os.path.join(workdir, "run")
+    log_path = os.path.join(workdir, "run.log")
+    say(f"[demo] megatron-ft run, failure: {args.fail}" + (f" after iteration {args.kill_at}" if args.fail != "none" else ""))
+    t0 = time.time()
+    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path)
+    victims = []
+    if args.fail == "trainer":
+        victims = [args.victim_rank if args.victim_rank is not None else world - 1]
+    elif args.fail == "all-trainers":
+        rpn = cfg.cluster.ranks_per_node
+        victims = list(range(args.victim_node * rpn, (args.victim_node + 1) * rpn))
+    kill_time = None
+    killed_pids = []
+    last_before_kill = 0
+    try:
+        if victims:
+            deadline = time.time() + args.timeout
+            while kill_time is None:
+                if p.poll() is not None:
+                    raise RuntimeError(f"job ended before the kill point; log {log_path}")
+                if time.time() > deadline:
+                    raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
+                recs = {v: [r for r in read_jsonl(os.path.join(run_dir, "progress", f"rank{v}.jsonl"))
+                            if r.get("restart_count", 0) == 0] for v in victims}
+                if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
+                    for v in victims:
+                        pid = recs[v][-1]["pid"]
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                            killed_pids.append(pid)
+                        except ProcessLookupError:
+                            pass
+                    kill_time = time.time()
+                    say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
+                else:
+                    time.sleep(0.02)
+            time.sleep(0.5)
+            last_before_kill = max((r["iteration"] for name in os.listdir(os.path.join(run_dir, "progress"))
+                                    for r in read_jsonl(os.path.join(run_dir, "progress", name))
+                                    if r.get("restart_count", 0) == 0), default=0)
+        wait_job(p, args.timeout, "megatron-ft run", log_path)
+    finally:
+        if p.poll() is None:
+            _kill_tree(p)
+    run_seconds = time.time() - t0
+
+    # 3. results
+    restores = [e for name in sorted(os.listdir(os.path.join(run_dir, "events")))
+                for e in read_jsonl(os.path.join(run_dir, "events", name)) if e.get("event") == "restore"] \
+        if os.path.isdir(os.path.join(run_dir, "events")) else []
+    after = [e for e in restores if e.get("restart_count", 0) > 0]
+    sources = sorted({e["source"] for e in after})
+    recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
+    resumed = max((e["step"] for e in after), default=-1)
+    recovery_seconds = None
+    if kill_time is not None:
+        firsts = [r["time"] for name in os.listdir(os.path.join(run_dir, "progress"))
+                  for r in read_jsonl(os.path.join(run_dir, "progress", name)) if r.get("restart_count", 0) > 0]
+        if firsts:
+            recovery_seconds = round(min(firsts) - kill_time, 3)
+    identical, problems = compare(ref_dir, run_dir, world)
+    summary = {
+        "scenario": args.fail,
+        "recovered_from": recovered_from if args.fail != "none" else "none",
+        "resumed_step": resumed,
+        "lost_iterations": (last_before_kill - resumed) if kill_time is not None and resumed >= 0 else
+        (last_before_kill if kill_time is not None else 0),
+        "recovery_seconds": recovery_seconds,
+        "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
+        "bitwise_identical": identical,
+        "killed_after_iteration": args.kill_at if kill_time is not None else None,
+        "last_iteration_before_kill": last_before_kill if kill_time is not None else None,
+        "iterations": args.iters,
+        "world_size": world,
+        "reference_seconds": round(ref_seconds, 1),
+        "run_seconds": round(run_seconds, 1),
+        "problems": problems[:10],
+        "workdir": workdir,
+    }
+    say("")
+    say("=" * 72)
+    say(f" scenario            : {args.fail}")
+    if kill_time is not None:
+        say(f" killed              : rank(s) {victims} after iteration {args.kill_at} "
+            f"(job had reached {last_before_kill})")
+        say(f" recovered from      : {summary['recovered_from']} (step {resumed}, "
+            f"{summary['lost_iterations']} iteration(s) lost)")
+        say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
+            f"(restore itself {summary['restore_seconds']} s)")
+    say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
+        f"every iteration's loss)")
+    for pr in problems[:10]:
+        say(f"   ! {pr}")
+    say("=" * 72)
+    return summary
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
+    p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
+    p.add_argument("--fail", choices=["trainer", "all-trainers", "none"], default="trainer")
+    p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
+    p.add_argument("--iters", type=int, default=24, help="training iterations")
+    p.add_argument("--victim-rank", type=int, default=None, help="--fail trainer: rank to kill (default: last)")
+    p.add_argument("--victim-node", type=int, default=0, help="--fail all-trainers: node whose trainers die")
+    p.add_argument("--workdir", default="/tmp/megatron-ft/demo")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.fail != "none" and not 1 <= args.kill_at < args.iters:
+        raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid: must be in [1, --iters - 1 = {args.iters - 1}]")
+    summary = run_demo(args)
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["bitwise_identical"] else 1

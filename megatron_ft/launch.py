@@ -1,0 +1,190 @@
+"""``megatron-ft launch``: per node, start the snapshot agent, then a real torchrun elastic agent.
+
+::
+
+    megatron-ft launch --nodes 2 --nproc-per-node 2 [--node-rank I] [--config F] -- script.py args...
+
+With ``--node-rank I`` this process is node I's launcher (one per machine). Without it, all N
+nodes are simulated on this machine: N launcher instances share a c10d rendezvous on loopback
+(the first hosts it), each with its own agent and its own shared memory.
+
+A node's launcher:
+
+1. starts the agent in its own session (it outlives every trainer and is nobody's child but
+   the launcher's) and waits for its socket;
+2. runs ``torchrun --rdzv-backend c10d --max-restarts R`` with ``MFT_NODE_RANK``, ``MFT_CONFIG``,
+   ``MFT_RUN_ID`` and ``MFT_AGENT_SOCKET`` in the workers' environment (trainers derive a stable
+   rank ``node_rank * nproc_per_node + local_rank`` from them, so a restarted worker finds its
+   own snapshots on its own node);
+3. restarts the agent if it dies while training runs (the new agent re-adopts the shared memory);
+4. when torchrun ends, asks the agent to shut down cleanly (segments removed) and returns
+   torchrun's exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import yaml
+
+from . import config as ftconfig
+from .protocol import AgentClient, socket_path
+
+
+def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    return path
+
+
+class NodeLauncher:
+    def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int, nodes: int, nproc: int,
+                 script: list[str], run_dir: str, log=print):
+        self.cfg, self.cfg_path, self.node, self.nodes, self.nproc = cfg, cfg_path, node, nodes, nproc
+        self.script = script
+        self.run_dir = run_dir
+        self.node_dir = os.path.join(run_dir, f"node{node}")
+        os.makedirs(self.node_dir, exist_ok=True)
+        self.sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
+        self.agent: Optional[subprocess.Popen] = None
+        self.torchrun: Optional[subprocess.Popen] = None
+        self.agent_restarts = 0
+        self.log = log
+
+    # ------------------------------------------------------------------ agent
+    def start_agent(self) -> None:
+        try:
+            os.unlink(self.sock)
+        except FileNotFoundError:
+            pass
+        logf = open(os.path.join(self.node_dir, "agent.log"), "ab")
+        self.agent = subprocess.Popen(
+            [sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node)],
+            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
+            f.write(str(self.agent.pid))
+        deadline = time.time() + self.cfg.agent.connect_timeout_s
+        while not os.path.exists(self.sock):
+            if self.agent.poll() is not None:
+                raise RuntimeError(f"node {self.node}: agent exited with {self.agent.returncode} at start-up; "
+                                   f"see {self.node_dir}/agent.log")
+            if time.time() > deadline:
+                raise RuntimeError(f"node {self.node}: agent did not open {self.sock} within "
+                                   f"{self.cfg.agent.connect_timeout_s} s")
+            time.sleep(0.05)
+
+    def stop_agent(self) -> None:
+        if self.agent is None or self.agent.poll() is not None:
+            return
+        try:
+            c = AgentClient(self.sock, timeout=10)
+            c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
+            c.request("shutdown")
+            c.close(orderly=False)
+            self.agent.wait(timeout=300)
+        except Exception:
+            self.agent.terminate()
+            try:
+                self.agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.agent.kill()
+
+    # ------------------------------------------------------------------ torchrun
+    def torchrun_cmd(self) -> list[str]:
+        lc = self.cfg.launch
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nodes}", f"--nproc-per-node={self.nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.master_addr}:{lc.rdzv_port}",
+            f"--rdzv-id={self.cfg.run_id}",
+            f"--rdzv-conf=is_host={'true' if self.node == 0 else 'false'}",
+            f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.5",
+            *self.script,
+        ]
+
+    def run(self) -> int:
+        self.start_agent()
+        env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
+                   MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir)
+        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env)
+        with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
+            f.write(str(self.torchrun.pid))
+        try:
+            while self.torchrun.poll() is None:
+                if self.agent is not None and self.agent.poll() is not None:
+                    self.agent_restarts += 1
+                    self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "
+                             f"(restart {self.agent_restarts}), it re-adopts the node's shared memory")
+                    self.start_agent()
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            self.torchrun.send_signal(signal.SIGINT)
+            self.torchrun.wait()
+        rc = self.torchrun.returncode
+        self.stop_agent()
+        return rc
+
+
+def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
+    """Start one launcher per simulated node on this machine and wait for all of them."""
+    procs = []
+    for i in range(args.nodes):
+        cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--nodes={args.nodes}",
+               f"--nproc-per-node={args.nproc_per_node}", f"--node-rank={i}", f"--run-dir={args.run_dir}"]
+        if args.config:
+            cmd.append(f"--config={args.config}")
+        procs.append(subprocess.Popen(cmd + ["--", *script], start_new_session=True))
+        if i == 0:
+            time.sleep(0.5)  # let node 0 host the rendezvous store first
+    rcs = []
+    try:
+        for p in procs:
+            rcs.append(p.wait())
+    except KeyboardInterrupt:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        rcs = [p.wait() for p in procs]
+    return max(rcs, default=0)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="start agents and torchrun (simulates all nodes when --node-rank is absent)")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="trainers per node (default: cluster.ranks_per_node)")
+    p.add_argument("--node-rank", type=int, default=None, help="this machine's node index; omit to simulate all nodes here")
+    p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
+    p.add_argument("--run-dir", default=None, help="logs, pids and progress (default: /tmp/megatron-ft/runs/<run_id>)")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    script = list(args.script)
+    if script and script[0] == "--":
+        script = script[1:]
+    if not script:
+        raise SystemExit("megatron-ft launch: give the training script after '--'")
+    cfg = ftconfig.load(args.config)
+    nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.cluster.ranks_per_node
+    if nodes < 1:
+        raise ftconfig.ConfigError(f"--nodes={nodes} is invalid: must be >= 1")
+    if nproc < 1:
+        raise ftconfig.ConfigError(f"--nproc-per-node={nproc} is invalid: must be >= 1")
+    if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
+        cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
+    args.nodes, args.nproc_per_node = nodes, nproc
+    args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
+    os.makedirs(args.run_dir, exist_ok=True)
+    if args.node_rank is None:
+        return simulate_nodes(args, script)
+    if not 0 <= args.node_rank < nodes:
+        raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid: must be in [0, {nodes - 1}]")
+    cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{args.node_rank}", "config.yaml"))
+    return NodeLauncher(cfg, cfg_path, args.node_rank, nodes, nproc, script, args.run_dir).run()

@@ -1,0 +1,187 @@
+"""What a megatron-core rank snapshots, and how it is put back (a StateAdapter).
+
+Per rank, following REFT's sharding:
+
+* ``model.c{chunk}.b{buffer}.param_data`` - each DDP buffer's contiguous parameter storage is
+  replicated across the data-parallel group, so this rank saves only its 1/DP slice; on
+  restore every replica all-gathers the slices (one full copy per sharding group).
+* ``optim.o{k}.g{group}.p{index}.{param|exp_avg|exp_avg_sq|step|...}`` - the distributed
+  optimizer's shard (already 1/DP), taken as is from the inner torch optimizer. A main param
+  that is a view of a parameter buffer (fp32 training) is not saved twice: the buffer slice
+  holds it.
+* ``rng.cpu``, ``rng.cuda`` (when present) and ``rng.tracker.<name>`` - the torch generators and
+  megatron's tensor-parallel RNG tracker states (small owned clones taken at capture).
+* JSON: Python and numpy RNG, the LR scheduler's state, the inner optimizer's param-group
+  hyper-parameters, and the job's progress (iteration, consumed samples).
+
+Parameters and optimizer state change only in ``optimizer.step()``, so the views stay valid
+while the background copy runs during the next forward/backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..layout import Layout, ShardSpec, dtype_from_name
+from ..state import (StateTensor, json_safe, numpy_rng_state, python_rng_state, restore_like,
+                     set_numpy_rng_state, set_python_rng_state)
+
+
+def _dp_group_and_rank():
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    return group, ps.get_data_parallel_rank(with_context_parallel=True), ps.get_data_parallel_world_size(
+        with_context_parallel=True)
+
+
+def _param_buffers(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for c, chunk in enumerate(model_chunks):
+        for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
+            for b, buf in enumerate(bufs):
+                if buf.param_data is not None:
+                    out.append((f"model.c{c}.{kind}{b}.param_data", buf.param_data))
+    if not out:
+        raise ValueError("no megatron DDP parameter buffers found: wrap the model chunks in "
+                         "megatron.core.distributed.DistributedDataParallel")
+    return out
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(o, "optimizer", o) for o in opts]
+
+
+class MegatronStateAdapter:
+    """StateAdapter for megatron-core model chunks + (distributed) optimizer + LR scheduler."""
+
+    def __init__(self, model_chunks: list, optimizer: Any, scheduler: Any = None):
+        self.model = model_chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.progress: dict = {"iteration": 0, "consumed_samples": 0}
+        self.restored_progress: Optional[dict] = None
+        self._rng_targets: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ capture
+    def _buffer_storages(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for _, t in _param_buffers(self.model)}
+
+    def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor, Any, str]]:
+        """(name, tensor, param, key) for the optimizer shard, in a deterministic order."""
+        aliased = self._buffer_storages()
+        out = []
+        for k, inner in enumerate(_inner_optimizers(self.optimizer)):
+            for g, group in enumerate(inner.param_groups):
+                for j, p in enumerate(group["params"]):
+                    prefix = f"optim.o{k}.g{g}.p{j}"
+                    if p.untyped_storage().data_ptr() not in aliased:
+                        out.append((f"{prefix}.param", p.data, p, "param"))
+                    for key, val in sorted(inner.state.get(p, {}).items()):
+                        if isinstance(val, torch.Tensor):
+                            out.append((f"{prefix}.{key}", val, p, key))
+        return out
+
+    def _rng_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        from megatron.core import tensor_parallel
+
+        out = [("rng.cpu", torch.get_rng_state())]
+        if torch.cuda.is_available():  # GPU path
+            out.append(("rng.cuda", torch.cuda.get_rng_state().cpu()))
+        for name, st in sorted(tensor_parallel.get_cuda_rng_tracker().get_states().items()):
+            out.append((f"rng.tracker.{name}", st.detach().cpu().clone()))
+        return out
+
+    def capture(self) -> tuple[list[StateTensor], dict]:
+        group, dp_rank, dp_size = _dp_group_and_rank()
+        tensors = [StateTensor(name, t, ShardSpec(dp_rank, dp_size, t.numel()), group)
+                   for name, t in _param_buffers(self.model)]
+        for name, t, _, key in self._optimizer_tensors():
+            if t.dim() == 0:  # e.g. Adam's step counter: tiny, and updated in place -> own it
+                t = t.detach().clone()
+            tensors.append(StateTensor(name, t))
+        tensors += [StateTensor(name, t) for name, t in self._rng_tensors()]
+        groups = []
+        nontensor_state = {}
+        for k, inner in enumerate(_inner_optimizers(self.optimizer)):
+            groups.append([{key: v for key, v in g.items() if key != "params"} for g in inner.param_groups])
+            for g, group_ in enumerate(inner.param_groups):
+                for j, p in enumerate(group_["params"]):
+                    rest = {key: v for key, v in inner.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
+                    if rest:
+                        nontensor_state[f"o{k}.g{g}.p{j}"] = rest
+        extra = {
+            "python_rng": python_rng_state(),
+            "numpy_rng": numpy_rng_state(),
+            "scheduler": json_safe(self.scheduler.state_dict(), "scheduler") if self.scheduler else None,
+            "param_groups": json_safe(groups, "param_groups"),
+            "optimizer_nontensor": json_safe(nontensor_state, "optimizer state"),
+            "progress": json_safe(self.progress, "progress"),
+        }
+        return tensors, extra
+
+    # ------------------------------------------------------------------ restore
+    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+        group, _, _ = _dp_group_and_rank()
+        out: dict[str, StateTensor] = {}
+        for name, t in _param_buffers(self.model):
+            out[name] = StateTensor(name, t, None, group)
+        # optimizer state: map saved names onto this process's optimizer, creating missing state
+        inners = _inner_optimizers(self.optimizer)
+        params = {}
+        for k, inner in enumerate(inners):
+            for g, group_ in enumerate(inner.param_groups):
+                for j, p in enumerate(group_["params"]):
+                    params[f"optim.o{k}.g{g}.p{j}"] = (inner, p)
+        self._rng_targets = {}
+        for e in layout.entries:
+            name, spec = e.spec.name, e.spec
+            if name in out:
+                out[name] = StateTensor(name, out[name].tensor, spec.shard, group)
+            elif name.startswith("optim."):
+                prefix, key = name.rsplit(".", 1)
+                if prefix not in params:
+                    raise KeyError(f"snapshot has optimizer state for {prefix}, which this optimizer lacks")
+                inner, p = params[prefix]
+                if key == "param":
+                    out[name] = StateTensor(name, p.data)
+                    continue
+                st = inner.state.setdefault(p, {})
+                cur = st.get(key)
+                if not isinstance(cur, torch.Tensor) or tuple(cur.shape) != spec.shape:
+                    st[key] = torch.zeros(spec.shape, dtype=dtype_from_name(spec.dtype), device=p.device)
+                out[name] = StateTensor(name, st[key])
+            elif name.startswith("rng."):
+                buf = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
+                self._rng_targets[name] = buf
+                out[name] = StateTensor(name, buf)
+            else:
+                raise KeyError(f"snapshot tensor {name!r} has no destination in this model")
+        return out
+
+    def finish_restore(self, extra: dict) -> None:
+        from megatron.core import tensor_parallel
+
+        rng = self._rng_targets
+        torch.set_rng_state(rng["rng.cpu"])
+        if "rng.cuda" in rng and torch.cuda.is_available():  # GPU path
+            torch.cuda.set_rng_state(rng["rng.cuda"])
+        tracker = {n[len("rng.tracker."):]: t for n, t in rng.items() if n.startswith("rng.tracker.")}
+        if tracker:
+            tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+        set_python_rng_state(extra["python_rng"])
+        set_numpy_rng_state(extra["numpy_rng"])
+        inners = _inner_optimizers(self.optimizer)
+        for inner, saved_groups in zip(inners, extra["param_groups"]):
+            for g, saved in zip(inner.param_groups, saved_groups):
+                g.update(restore_like(g, saved))
+        for key, rest in extra.get("optimizer_nontensor", {}).items():
+            k, g, j = (int(x[1:]) for x in key.split("."))
+            p = inners[k].param_groups[g]["params"][j]
+            inners[k].state.setdefault(p, {}).update(rest)
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.restored_progress = dict(extra["progress"])
+        self.progress = dict(extra["progress"])

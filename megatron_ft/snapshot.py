@@ -1,0 +1,216 @@
+"""Asynchronous snapshotting: trainer state -> the agent's shared-memory slot, in the background.
+
+Timeline of one snapshot at step s (REFT's clean/dirty double buffer)::
+
+    main thread:  optimizer.step(s) -> snapshot(s) -> forward/backward(s+1) ... -> wait() -> optimizer.step(s+1)
+    worker:                            begin -> copy chunk 0..n (fused copy+checksum) -> version record
+                                       -> commit (agent flips the slot CLEAN) -> agree on s with all ranks
+
+``snapshot()`` only captures references (parameters and optimizer state do not change until the
+next optimizer step) and tiny owned copies (RNG states), then returns. The copy runs on a
+worker thread whose copy loop releases the GIL. ``wait()`` blocks only if the copy is not done
+when the next optimizer step is about to modify the tensors.
+
+A failed snapshot never stops training: the error is logged, the slot aborted, and the step is
+simply not snapshotted. Every rank still takes part in the agreement for that step (so the
+coordination collective never hangs); the agreed step is the newest one *every* rank committed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import checksum, shm, snapfile
+from .layout import Layout, plan_layout
+from .protocol import AgentClient, AgentError
+from .state import StateTensor
+
+log = logging.getLogger("megatron_ft.snapshot")
+
+
+@dataclass
+class SnapshotStats:
+    step: int
+    ok: bool
+    error: str = ""
+    capture_s: float = 0.0  # time snapshot() spent on the training thread
+    copy_s: float = 0.0  # worker: begin .. commit
+    clean_at: float = 0.0  # wall clock when the agent marked it clean
+    agreed_step: int = -1
+    nbytes: int = 0
+
+
+@dataclass
+class _Job:
+    step: int
+    tensors: list[StateTensor]
+    extra: dict
+    slot: Optional[int]
+    started: float
+    stats: SnapshotStats
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class SnapshotEngine:
+    """Trainer-side staging of snapshots into this rank's agent slots."""
+
+    def __init__(self, client: AgentClient, rank: int, identity: dict, chunk_size: int,
+                 coord_group: Any = None, agree: bool = True):
+        self.client = client
+        self.rank = rank
+        self.identity = identity
+        self.chunk_size = chunk_size
+        self.coord_group = coord_group
+        self.agree = agree and dist.is_available() and dist.is_initialized()
+        self.layout: Optional[Layout] = None
+        self._slots: list[shm.Segment] = []
+        self._q: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._pending: Optional[_Job] = None
+        self.history: list[SnapshotStats] = []
+        self.last_committed = -1
+        self.last_agreed = -1
+        self._worker = threading.Thread(target=self._run, name=f"mft-snapshot-r{rank}", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ training thread
+    def snapshot(self, step: int, tensors: list[StateTensor], extra: dict) -> None:
+        """Start a snapshot of ``tensors``/``extra`` as step ``step``. Returns quickly."""
+        t0 = time.perf_counter()
+        self.wait()
+        stats = SnapshotStats(step, False)
+        slot: Optional[int] = None
+        try:
+            self._ensure_registered(tensors)
+            slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
+        except Exception as e:  # no snapshot this step; training goes on
+            stats.error = f"not started: {e}"
+            log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
+        job = _Job(step, tensors, extra, slot, time.time(), stats)
+        stats.capture_s = time.perf_counter() - t0
+        self._pending = job
+        self._q.put(job)
+
+    def wait(self) -> Optional[SnapshotStats]:
+        """Block until the pending snapshot (if any) is committed and agreed."""
+        job = self._pending
+        if job is None:
+            return None
+        job.done.wait()
+        self._pending = None
+        return job.stats
+
+    def close(self) -> None:
+        self.wait()
+        self._q.put(None)
+        self._worker.join(timeout=30)
+        for seg in self._slots:
+            seg.close()
+        self._slots = []
+
+    # ------------------------------------------------------------------ registration
+    def _ensure_registered(self, tensors: list[StateTensor]) -> None:
+        specs = [t.spec() for t in tensors]
+        if self.layout is not None and [e.spec for e in self.layout.entries] == specs:
+            return
+        layout = plan_layout(specs, self.chunk_size, self.identity)
+        reply = self.client.request("register", rank=self.rank, layout=layout.to_json().decode())
+        for seg in self._slots:
+            seg.close()
+        self._slots = [shm.open_segment(p) for p in reply["slots"]]
+        self.layout = layout
+        log.info("rank %d: registered %d tensors, %.1f MiB in %d chunks (%s)", self.rank, len(specs),
+                 layout.data_nbytes / 2**20, layout.num_chunks, "adopted" if reply.get("adopted") else "new slots")
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                if job.slot is not None:
+                    self._write(job)
+            except Exception as e:
+                job.stats.error = f"{type(e).__name__}: {e}"
+                log.warning("rank %d: snapshot of step %d failed: %s", self.rank, job.step, job.stats.error)
+                try:
+                    self.client.request("abort", rank=self.rank, slot=job.slot)
+                except Exception:
+                    pass
+            try:
+                self._agree(job)
+            except Exception as e:
+                log.warning("rank %d: agreement for step %d failed: %s", self.rank, job.step, e)
+            self.history.append(job.stats)
+            if len(self.history) > 1000:
+                del self.history[:500]
+            job.done.set()
+
+    def _write(self, job: _Job) -> None:
+        assert self.layout is not None and job.slot is not None
+        layout = self.layout
+        t0 = time.perf_counter()
+        seg = self._slots[job.slot]
+        hdr = snapfile.read_header(seg.mm)
+        area = seg.array[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
+        sources = [_bytes_of(t.saved_view()) for t in job.tensors]
+        sums = []
+        for i in range(layout.num_chunks):
+            lo, hi = layout.chunk_bounds(i)
+            pieces = layout.pieces(i)
+            if len(pieces) == 1 and pieces[0].dst_offset == lo and pieces[0].src_end - pieces[0].src_start == hi - lo:
+                p = pieces[0]
+                sums.append(checksum.copy_checksum(area[lo:hi], sources[p.entry_index][p.src_start:p.src_end]))
+            else:
+                for p in pieces:
+                    n = p.src_end - p.src_start
+                    checksum.copy_checksum(area[p.dst_offset: p.dst_offset + n],
+                                           sources[p.entry_index][p.src_start:p.src_end])
+                sums.append(checksum.checksum(area[lo:hi]))
+        record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
+                  "extra": job.extra, "created": job.started, "identity": self.identity}
+        snapfile.write_version(seg.mm, job.step, record)
+        self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step)
+        job.stats.ok = True
+        job.stats.copy_s = time.perf_counter() - t0
+        job.stats.clean_at = time.time()
+        job.stats.nbytes = layout.data_nbytes
+        self.last_committed = job.step
+
+    def _agree(self, job: _Job) -> None:
+        """All ranks: the newest step every rank has committed; tell the agent it is consistent."""
+        if self.agree:
+            t = torch.tensor([self.last_committed], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
+            agreed = int(t.item())
+        else:
+            agreed = self.last_committed
+        job.stats.agreed_step = agreed
+        if agreed >= 0 and agreed > self.last_agreed:
+            self.last_agreed = agreed
+            try:
+                self.client.request("global", rank=self.rank, step=agreed)
+            except (AgentError, OSError, ConnectionError) as e:
+                log.warning("rank %d: could not tell the agent step %d is consistent: %s", self.rank, agreed, e)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (on CPU).
+
+    GPU path (thin, marked): a CUDA tensor is first copied to host memory here; a production
+    GPU build stages through pinned buffers on a side stream.
+    """
+    if t.device.type != "cpu":  # GPU path
+        t = t.to("cpu")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.view(-1).view(torch.uint8)

@@ -1,0 +1,199 @@
+"""The snapshot agent with real processes, sockets and shared memory (single node, no torch.distributed)."""
+import os
+import time
+
+import pytest
+import torch
+
+from megatron_ft import shm, snapfile
+from megatron_ft.agent import persist
+from megatron_ft.protocol import AgentError
+from megatron_ft.recovery import Restorer
+from megatron_ft.snapshot import SnapshotEngine
+from megatron_ft.state import TorchStateAdapter
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+
+def train_and_snapshot(client, cfg, steps, chunk=1 << 14, start=1, model=None):
+    m, opt = model or make_model()
+    ad = TorchStateAdapter(m, opt)
+    eng = SnapshotEngine(client, 0, identity(cfg), chunk)
+    for step in range(start, start + steps):
+        eng.wait()
+        loss = m(torch.randn(16, 32)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ad.extra = {"iteration": step}
+        eng.snapshot(step, *ad.capture())
+    eng.wait()
+    return m, opt, eng
+
+
+def identity(cfg):
+    return {"run_id": cfg.run_id, "rank": 0, "world_size": 1}
+
+
+def restorer(cfg, client):
+    return Restorer(0, 1, identity(cfg), cfg.run_id, cfg.persist.dir, client)
+
+
+def state_equal(m1, o1, m2, o2):
+    for (n, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), n
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        for k in o1.state[p1]:
+            assert torch.equal(o1.state[p1][k], o2.state[p2][k]), k
+
+
+def test_double_buffer_never_hands_out_the_clean_slot(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 1)
+    table = c.request("status")["status"]["ranks"]["0"]["slots"]
+    clean = [s["slot"] for s in table if s["state"] == "clean"]
+    assert len(clean) == 1
+    for step in (2, 3, 4):
+        slot = c.request("begin", rank=0, step=step)["slot"]
+        assert slot not in clean  # the newest agreed clean version is protected
+        c.request("abort", rank=0, slot=slot)
+    # commit of a step that was never begun is refused
+    with pytest.raises(AgentError, match="commit of step 9"):
+        c.request("commit", rank=0, slot=1 - clean[0], step=9)
+
+
+def test_restore_is_bit_exact_and_newest(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 5)
+    rng = torch.get_rng_state()
+    m2, opt2 = make_model(seed=1)
+    ad2 = TorchStateAdapter(m2, opt2)
+    res = restorer(agent.cfg, c).restore(ad2)
+    assert (res.source, res.step) == ("local_memory", 5)
+    assert ad2.restored_extra == {"iteration": 5}
+    state_equal(m, opt, m2, opt2)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_corrupt_chunk_falls_back_to_older_clean_version(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 3)
+    versions = c.request("list", rank=0)["versions"]
+    assert [v["step"] for v in versions] == [3, 2]
+    seg = shm.open_segment(versions[0]["path"])
+    hdr = snapfile.read_header(seg.mm)
+    seg.mm[hdr.geometry.data_off + 100] ^= 0xFF  # flip bits in chunk 0 of step 3
+    seg.close()
+    m2, opt2 = make_model(seed=1)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 2)
+    assert any("chunk 0 checksum mismatch" in r for r in res.rejected)
+
+
+def test_torn_snapshot_is_never_restored_after_agent_crash(agent):
+    c = agent.client()
+    train_and_snapshot(c, agent.cfg, 2)
+    # a writer begins step 3 and dies half way: the slot is WRITING, data half written
+    slot = c.request("begin", rank=0, step=3)["slot"]
+    seg = shm.open_segment(os.path.join(agent.cfg.agent.shm_dir, shm.segment_name(agent.cfg.run_id, 0, 0, slot)))
+    hdr = snapfile.read_header(seg.mm)
+    seg.mm[hdr.geometry.data_off: hdr.geometry.data_off + 64] = b"\x01" * 64
+    seg.close()
+    agent.kill()  # the agent dies too; its shared memory stays
+    agent.start()  # a new agent re-adopts the slots
+    c = agent.client()
+    status = c.request("status")["status"]["ranks"]["0"]["slots"]
+    assert sorted((s["state"], s["step"]) for s in status) == [("clean", 2), ("empty", -1)]
+    m2, opt2 = make_model(seed=1)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 2)
+
+
+def test_agent_restart_keeps_snapshots_and_trainer_reconnects(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 2)
+    agent.kill()
+    agent.start()
+    # the same client reconnects transparently and snapshotting continues
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 2, start=3, model=(m, opt))
+    assert [h.ok for h in eng.history] == [True, True]
+    m2, opt2 = make_model(seed=1)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 4)
+    state_equal(m, opt, m2, opt2)
+
+
+def test_snapshot_failure_never_raises_into_training(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 1)
+    agent.kill()  # no agent: begin fails; training must go on
+    ad = TorchStateAdapter(m, opt)
+    eng.snapshot(2, *ad.capture())
+    st = eng.wait()
+    assert not st.ok and "not started" in st.error
+
+
+def test_save_at_breakpoint_and_disk_fallback(agent):
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 3)
+    eng.close()
+    c.close(orderly=False)  # the trainer "dies": connection drops without bye
+    base = agent.cfg.persist.dir
+    deadline = time.time() + 30
+    while persist.complete_steps(base, agent.cfg.run_id, 1) != [3]:
+        assert time.time() < deadline, agent.log()
+        time.sleep(0.05)
+    agent.stop()  # clean shutdown removes the segments
+    assert shm.list_segments(agent.cfg.agent.shm_dir, agent.cfg.run_id, 0) == []
+    agent.start()  # cold start: memory is empty -> disk
+    c = agent.client()
+    m2, opt2 = make_model(seed=1)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("disk", 3)
+    state_equal(m, opt, m2, opt2)
+
+
+def test_periodic_persist_and_retention(job_config, tmp_path):
+    from megatron_ft import config as ftconfig
+    from conftest import AgentProc
+    import yaml
+
+    cfg, _ = job_config
+    cfg = ftconfig.replace(cfg, persist={"interval": 2, "keep": 2})
+    path = str(tmp_path / "job2.yaml")
+    yaml.safe_dump(cfg.to_dict(), open(path, "w"))
+    a = AgentProc(cfg, path).start()
+    try:
+        c = a.client()
+        train_and_snapshot(c, cfg, 7)
+        c.request("wait_persisted", timeout=30)
+        assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
+    finally:
+        a.kill()
+
+
+def test_cold_start_with_nothing_starts_fresh(agent):
+    c = agent.client()
+    m2, opt2 = make_model(seed=1)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert res.source == "none" and res.step == -1
+
+
+def test_shared_memory_too_small_is_a_clear_error(tmp_path):
+    with pytest.raises(shm.SharedMemoryError, match="shared memory too small"):
+        shm.create("/dev/shm/mft.test-too-big.n0.r0.s0", 1 << 50)
+    assert not os.path.exists("/dev/shm/mft.test-too-big.n0.r0.s0")
+
+
+def test_identity_mismatch_is_rejected(agent):
+    c = agent.client()
+    train_and_snapshot(c, agent.cfg, 2)
+    other = Restorer(0, 1, {**identity(agent.cfg), "world_size": 8}, agent.cfg.run_id, agent.cfg.persist.dir, c)
+    m2, opt2 = make_model(seed=1)
+    res = other.restore(TorchStateAdapter(m2, opt2))
+    assert res.source == "none"
+    assert any("world_size=1 does not match this job's 8" in r for r in res.rejected)
