@@ -111,7 +111,9 @@ class NodeLauncher:
     def run(self) -> int:
         self.start_agent()
         env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
-                   MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir)
+                   MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
+                   # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env)
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))

@@ -182,6 +182,9 @@ class MegatronStateAdapter:
             p = inners[k].param_groups[g]["params"][j]
             inners[k].state.setdefault(p, {}).update(rest)
         if self.scheduler is not None and extra.get("scheduler") is not None:
+            # load_state_dict() *adds* the saved step count (it calls step(increment=num_steps)),
+            # so start from zero: right for a fresh scheduler and for an in-process rollback alike
+            self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(extra["scheduler"])
         self.restored_progress = dict(extra["progress"])
         self.progress = dict(extra["progress"])

@@ -1,0 +1,45 @@
+"""Process-group set-up that survives torchrun elastic restarts.
+
+Two things differ from a plain ``init_process_group("env://")``:
+
+* **Stable ranks.** ``megatron-ft launch`` exports ``MFT_NODE_RANK``; the rank is then
+  ``MFT_NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``, the same in every restart, so a restarted
+  trainer lands on the node whose agent holds its snapshots (torchrun's c10d rendezvous may
+  hand out group ranks in a different order each round).
+* **A fresh store per restart.** With torch 2.13's default (the rendezvous TCPStore shared with
+  the workers), a restarted gloo group reads the *previous* round's peer addresses from the
+  store and fails with "connectFullMesh ... Connection refused". The launcher therefore sets
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each round gets a new master port, and the worker with
+  torchrun rank 0 hosts a new TCPStore there. Under a plain torchrun that shares its store we
+  prefix the keys with the restart count instead (correct on a single node).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def stable_rank() -> int:
+    node = os.environ.get("MFT_NODE_RANK")
+    if node is not None:
+        return int(node) * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+    return int(os.environ["RANK"])
+
+
+def init_process_group(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Initialise the default group from torchrun's environment; returns (rank, world_size)."""
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = stable_rank(), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        store: dist.Store = dist.PrefixStore(f"mft/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    else:
+        store = dist.TCPStore(addr, port, world, is_master=int(os.environ.get("RANK", rank)) == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return rank, world

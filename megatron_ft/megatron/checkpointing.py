@@ -1,0 +1,64 @@
+"""Training-loop hooks that wire megatron-ft into a megatron-core training script.
+
+``scripts/pretrain_gpt.py`` calls, in order: ``restore`` once after building the model,
+optimizer and scheduler; ``before_optimizer_step`` and ``after_iteration`` every iteration;
+``close`` at the end. ``objs`` is anything with ``model`` (list of DDP chunks), ``optimizer``,
+``scheduler`` and ``args`` attributes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .. import config as ftconfig
+from ..checkpointer import InMemoryCheckpointer
+from .state import MegatronStateAdapter
+
+log = logging.getLogger("megatron_ft")
+
+
+def megatron_topology() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+    }
+
+
+class MegatronCheckpointHooks:
+    def __init__(self, args: argparse.Namespace):
+        self.cfg = ftconfig.from_args(args)
+        self.ckpt: Optional[InMemoryCheckpointer] = None
+
+    def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
+        topo = megatron_topology()
+        want = (self.cfg.parallel.tensor, self.cfg.parallel.pipeline)
+        if (topo["tp"], topo["pp"]) != want:
+            raise ftconfig.ConfigError(
+                f"parallel.tensor={want[0]}, parallel.pipeline={want[1]} in the megatron-ft config do not match "
+                f"the job's --tensor-model-parallel-size={topo['tp']} --pipeline-model-parallel-size={topo['pp']}; "
+                f"they must be equal")
+        adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
+        self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
+        res = self.ckpt.restore()
+        if res.source == "none":
+            return iteration, consumed_samples
+        progress = adapter.restored_progress or {}
+        return int(progress["iteration"]), int(progress["consumed_samples"])
+
+    def before_optimizer_step(self, objs: Any, iteration: int) -> None:
+        if self.ckpt is not None:
+            self.ckpt.before_optimizer_step()
+
+    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
+        if self.ckpt is not None:
+            self.ckpt.after_iteration(iteration, consumed_samples)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()

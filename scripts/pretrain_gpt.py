@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Real megatron-core GPT pretraining loop on synthetic data (CPU/gloo or GPU/nccl).
+
+Launch with torchrun, e.g. TP1 PP2 DP2 on four processes::
+
+    MFT_RUN_DIR=/tmp/run torchrun --nproc-per-node 4 scripts/pretrain_gpt.py \\
+        --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --train-iters 20
+
+Everything is built from megatron-core itself: ``parallel_state``, ``GPTModel`` with the
+local layer spec, megatron's DDP wrapper, the distributed optimizer from
+``get_megatron_optimizer``, ``OptimizerParamScheduler`` and the pipeline schedules from
+``get_forward_backward_func``. On a machine without CUDA the CPU shims of
+:mod:`megatron_ft.megatron.cpu_compat` are installed first.
+
+The run is bit-for-bit deterministic: fixed seeds (python, numpy, torch and megatron's
+RNG tracker), a deterministic data order driven by ``consumed_samples``
+(:mod:`megatron_ft.data`) and one intra-op thread per process.
+
+Checkpointing hooks in at three marked places (search for ``HOOK``), through a
+:class:`TrainingHooks` object passed to :func:`train`:
+
+(a) ``restore``: after everything is built, before the loop; may restore state and
+    return a new ``iteration`` / ``consumed_samples`` (the data iterator is rebuilt);
+(b) ``before_optimizer_step``: after forward/backward and the gradient reduction, just
+    before ``optimizer.step()``;
+(c) ``after_iteration``: after a completed iteration (optimizer step, scheduler step,
+    ``iteration`` and ``consumed_samples`` updated).
+
+Per-iteration progress: with ``MFT_RUN_DIR`` set, every rank appends one JSON line per
+iteration to ``$MFT_RUN_DIR/progress/rank{RANK}.jsonl`` (flushed after each line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+# Allow running from a source checkout without installing the package.
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(_REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(_REPO_ROOT))
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.distributed import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_ft.data import (  # noqa: E402
+    MicroBatchIterator,
+    SyntheticTokenDataset,
+    build_data_iterator,
+)
+from megatron_ft.config import add_inmem_ckpt_args  # noqa: E402
+from megatron_ft.distributed import init_process_group  # noqa: E402
+from megatron_ft.megatron.cpu_compat import cpu_config_overrides, install_cpu_compat  # noqa: E402
+
+
+# ======================================================================================
+# Arguments
+# ======================================================================================
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Megatron-style command-line arguments (defaults: a tiny GPT, 20 iterations)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default: --seq-length")
+    g.add_argument("--vocab-size", type=int, default=128, help="synthetic vocabulary size")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the embedding table like Megatron (times the TP size)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+
+    g = p.add_argument_group("parallelism and batch")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=16)
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=2)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", default="cosine",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+
+    g = p.add_argument_group("logging and output")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--dump-final-state", metavar="PATH_PREFIX", default=None,
+                   help="write PATH_PREFIX.rank{R}.json with digests of the final state")
+    add_inmem_ckpt_args(p)
+    args = p.parse_args(argv)
+
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
+        p.error(
+            f"need 0 <= --lr-warmup-iters ({args.lr_warmup_iters}) < --lr-decay-iters "
+            f"({args.lr_decay_iters}, default: --train-iters)"
+        )
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
+    return args
+
+
+# ======================================================================================
+# Distributed setup
+# ======================================================================================
+def init_distributed(args: argparse.Namespace) -> None:
+    """Create the default process group (gloo without CUDA, nccl with) and Megatron's groups.
+
+    The rank is stable per simulated node and every elastic restart gets a fresh store
+    (see :mod:`megatron_ft.distributed`).
+    """
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world_size = init_process_group()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    args.rank = rank
+    args.world_size = world_size
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step != 0:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"micro-batch-size * data-parallel-size = {per_step}"
+        )
+    args.num_microbatches = args.global_batch_size // per_step
+
+
+def set_seeds(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's RNG tracker, as Megatron-LM does.
+
+    Pipeline stages get different seeds (``seed + 100 * pp_rank``); TP ranks get different
+    tensor-parallel dropout streams via ``model_parallel_cuda_manual_seed``.
+    """
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# ======================================================================================
+# Build
+# ======================================================================================
+@dataclass
+class TrainingObjects:
+    """Everything a training step, a checkpoint save or a restore needs."""
+
+    model: List[DistributedDataParallel]  # model chunks (one without virtual PP)
+    optimizer: Any  # megatron ChainedOptimizer; .chained_optimizers[0] is the DistributedOptimizer
+    scheduler: OptimizerParamScheduler
+    config: TransformerConfig
+    args: argparse.Namespace
+    dataset: Optional[SyntheticTokenDataset] = field(repr=False, default=None)
+
+
+def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    kwargs: Dict[str, Any] = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        # As Megatron-LM sets it; also makes the schedules call the autograd engine directly.
+        deallocate_pipeline_outputs=True,
+    )
+    if not torch.cuda.is_available():
+        kwargs.update(cpu_config_overrides())
+    config = TransformerConfig(**kwargs)
+    # Without this there is silently no data-parallel gradient reduction
+    # (megatron.training normally sets it).
+    config.finalize_model_grads_func = finalize_model_grads
+    return config
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[DistributedDataParallel]:
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=True,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)]
+
+
+def build_training_objects(args: argparse.Namespace) -> TrainingObjects:
+    """Seeds, model, distributed optimizer, LR scheduler and dataset (after init_distributed)."""
+    set_seeds(args.seed)
+    config = build_transformer_config(args)
+    model = build_model(args, config)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=True,
+        params_dtype=torch.float32,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    # Megatron counts scheduler steps in samples.
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    dataset = SyntheticTokenDataset(
+        vocab_size=args.vocab_size, seq_length=args.seq_length, seed=args.seed
+    )
+    return TrainingObjects(model, optimizer, scheduler, config, args, dataset)
+
+
+def build_iterator(objs: TrainingObjects, consumed_samples: int) -> MicroBatchIterator:
+    """This rank's micro-batch iterator, positioned at ``consumed_samples``."""
+    args = objs.args
+    if objs.dataset is None:
+        raise ValueError("TrainingObjects.dataset is not set")
+    return build_data_iterator(
+        objs.dataset,
+        consumed_samples=consumed_samples,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        total_samples=args.train_iters * args.global_batch_size,
+    )
+
+
+# ======================================================================================
+# Forward step and train step
+# ======================================================================================
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    """Megatron-LM's GPT loss: (sum of token losses, token count, {'lm loss': [sum, count]})."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(
+    data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module
+) -> Tuple[torch.Tensor, Callable[..., Any]]:
+    """One micro-batch forward. Every stage draws the batch, so all iterators stay in step."""
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+@dataclass
+class StepResult:
+    loss: Optional[float]  # mean token loss over the global batch (last stage only)
+    grad_norm: Optional[float]
+    update_successful: bool
+    lr: float
+
+
+class TrainingHooks:
+    """No-op hooks; checkpointing subclasses this and passes an instance to :func:`train`."""
+
+    def restore(
+        self, objs: TrainingObjects, iteration: int, consumed_samples: int
+    ) -> Tuple[int, int]:
+        """HOOK (a) "restore point": return the (iteration, consumed_samples) to start at."""
+        return iteration, consumed_samples
+
+    def before_optimizer_step(self, objs: TrainingObjects, iteration: int) -> None:
+        """HOOK (b) "before_optimizer_step": grads are reduced; params not yet updated."""
+
+    def after_iteration(self, objs: TrainingObjects, iteration: int, consumed_samples: int) -> None:
+        """HOOK (c) "after_iteration": ``iteration`` iterations are complete."""
+
+
+def train_step(
+    objs: TrainingObjects,
+    data_iterator: Iterator[Dict[str, torch.Tensor]],
+    iteration: int,
+    hooks: TrainingHooks,
+) -> StepResult:
+    """One iteration: forward/backward over all micro-batches, optimizer and LR step."""
+    args = objs.args
+    for chunk in objs.model:
+        chunk.zero_grad_buffer()
+    objs.optimizer.zero_grad()
+
+    forward_backward_func = get_forward_backward_func()
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=objs.model,
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=None,
+        forward_only=False,
+    )
+
+    # ---- HOOK (b) "before_optimizer_step" ------------------------------------------
+    hooks.before_optimizer_step(objs, iteration)
+
+    update_successful, grad_norm, _ = objs.optimizer.step()
+    if update_successful:
+        objs.scheduler.step(increment=args.global_batch_size)
+
+    loss: Optional[float] = None
+    if parallel_state.is_pipeline_last_stage():
+        # As Megatron-LM's train_step: sum [loss_sum, tokens] over micro-batches and DP.
+        val = torch.vstack([x["lm loss"].view(-1) for x in losses_reduced]).sum(dim=0)
+        torch.distributed.all_reduce(val, group=parallel_state.get_data_parallel_group())
+        loss = float((val[0] / val[1]).item())
+    lr = float(objs.optimizer.param_groups[0]["lr"])
+    return StepResult(
+        loss=loss,
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        update_successful=bool(update_successful),
+        lr=lr,
+    )
+
+
+# ======================================================================================
+# Progress output
+# ======================================================================================
+class ProgressWriter:
+    """Appends one JSON line per iteration to ``$MFT_RUN_DIR/progress/rank{RANK}.jsonl``."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._file: Optional[IO[str]] = None
+        run_dir = os.environ.get("MFT_RUN_DIR")
+        if run_dir:
+            path = Path(run_dir) / "progress" / f"rank{rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, iteration: int, consumed_samples: int, result: StepResult) -> None:
+        if self._file is None:
+            return
+        record = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "loss": result.loss,
+            "loss_hex": None if result.loss is None else float(result.loss).hex(),
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "time": time.time(),
+            "restart_count": self.restart_count,
+        }
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def is_logging_rank() -> bool:
+    """The one rank that prints: last pipeline stage, TP rank 0, DP rank 0."""
+    return (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+
+
+# ======================================================================================
+# Training loop
+# ======================================================================================
+def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple[int, int]:
+    """Run until ``args.train_iters``; returns the final (iteration, consumed_samples)."""
+    hooks = hooks or TrainingHooks()
+    args = objs.args
+    iteration = 0
+    consumed_samples = 0
+
+    # ---- HOOK (a) "restore point" --------------------------------------------------
+    # May load model/optimizer/scheduler/RNG state and move iteration/consumed_samples;
+    # the data iterator is built from consumed_samples afterwards.
+    iteration, consumed_samples = hooks.restore(objs, iteration, consumed_samples)
+    data_iterator = build_iterator(objs, consumed_samples)
+
+    for chunk in objs.model:
+        chunk.train()
+    progress = ProgressWriter(args.rank)
+    log = is_logging_rank()
+    t_last = time.time()
+    try:
+        while iteration < args.train_iters:
+            result = train_step(objs, data_iterator, iteration, hooks)
+            iteration += 1
+            consumed_samples += args.global_batch_size
+            assert data_iterator.consumed_samples == consumed_samples
+
+            # ---- HOOK (c) "after_iteration" ----------------------------------------
+            hooks.after_iteration(objs, iteration, consumed_samples)
+
+            progress.write(iteration, consumed_samples, result)
+            if log and iteration % args.log_interval == 0:
+                now = time.time()
+                ms = 1000.0 * (now - t_last) / args.log_interval
+                t_last = now
+                print(
+                    f"iteration {iteration:6d}/{args.train_iters} | consumed samples "
+                    f"{consumed_samples:8d} | {ms:7.1f} ms/it | lr {result.lr:.4e} | "
+                    f"lm loss {result.loss:.6f} | grad norm {result.grad_norm:.4f}",
+                    flush=True,
+                )
+    finally:
+        progress.close()
+    return iteration, consumed_samples
+
+
+# ======================================================================================
+# Final-state digest
+# ======================================================================================
+def _sha256_tensor(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and raw bytes."""
+    t = t.detach().cpu().contiguous().reshape(-1)
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _sha256_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def optimizer_state_tensors(objs: TrainingObjects) -> Dict[str, torch.Tensor]:
+    """This rank's fp32 main params and inner Adam state, in a deterministic order.
+
+    Keys ``opt{k}.group{g}.param{j}.{param|exp_avg|exp_avg_sq|step}`` follow the inner torch
+    optimizer's ``param_groups`` order, which the DistributedOptimizer builds
+    deterministically from the model's parameter order.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for k, dist_opt in enumerate(objs.optimizer.chained_optimizers):
+        inner = dist_opt.optimizer  # torch.optim.AdamW over this rank's shards
+        for g, group in enumerate(inner.param_groups):
+            for j, main_param in enumerate(group["params"]):
+                prefix = f"opt{k}.group{g}.param{j}"
+                out[f"{prefix}.param"] = main_param
+                for name, value in sorted(inner.state.get(main_param, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        out[f"{prefix}.{name}"] = value
+    return out
+
+
+def dump_final_state(objs: TrainingObjects, path: str) -> str:
+    """HOOK: write ``{path}.rank{R}.json`` with sha256 digests of this rank's final state.
+
+    Covers every model parameter (by name), the contiguous param buffers, every optimizer
+    state tensor, the scheduler state and all RNG states, so two runs can be compared bit
+    for bit. The file format may be replaced by the checkpointing code later.
+    """
+    params: Dict[str, str] = {}
+    buffers: Dict[str, str] = {}
+    for c, chunk in enumerate(objs.model):
+        for name, p in chunk.module.named_parameters():
+            params[f"chunk{c}.{name}"] = _sha256_tensor(p)
+        for b, buf in enumerate(chunk.buffers):
+            buffers[f"chunk{c}.buffer{b}.param_data"] = _sha256_tensor(buf.param_data)
+    optim = {k: _sha256_tensor(v) for k, v in optimizer_state_tensors(objs).items()}
+    np_state = np.random.get_state()
+    rng = {
+        "python": _sha256_json(random.getstate()),
+        "numpy": _sha256_json([np_state[0], np_state[1].tolist(), *np_state[2:]]),
+        "torch_cpu": _sha256_tensor(torch.get_rng_state()),
+        "tracker": {
+            name: _sha256_tensor(state)
+            for name, state in sorted(tensor_parallel.get_cuda_rng_tracker().get_states().items())
+        },
+    }
+    if torch.cuda.is_available():
+        rng["torch_cuda"] = _sha256_tensor(torch.cuda.get_rng_state())
+    record = {
+        "rank": objs.args.rank,
+        "model_params": params,
+        "param_buffers": buffers,
+        "optimizer": optim,
+        "optimizer_nontensor": _sha256_json(objs.optimizer.state_dict()),
+        "scheduler": objs.scheduler.state_dict(),
+        "rng": rng,
+    }
+    out = f"{path}.rank{objs.args.rank}.json"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    return out
+
+
+# ======================================================================================
+# Entry point
+# ======================================================================================
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    install_cpu_compat()  # CPU only; a no-op with CUDA
+    torch.set_num_threads(1)  # determinism (and 2-core machines)
+    init_distributed(args)
+    objs = build_training_objects(args)
+    hooks: TrainingHooks = TrainingHooks()
+    if args.inmem_ckpt:
+        from megatron_ft.megatron.checkpointing import MegatronCheckpointHooks
+
+        hooks = MegatronCheckpointHooks(args)  # type: ignore[assignment]
+    try:
+        train(objs, hooks)
+    finally:
+        if hasattr(hooks, "close"):
+            hooks.close()
+    if args.dump_final_state:
+        dump_final_state(objs, args.dump_final_state)
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
