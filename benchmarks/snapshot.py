@@ -2,8 +2,8 @@
 """Snapshot benchmark (issue 2): megatron-ft against the memory limit, torch.save and DCP, in one run.
 
 For every per-rank state size and rank count, ``ranks`` separate processes (torch.multiprocessing
-spawn, one gloo process group) hold the same synthetic training state and measure, one method
-after the other (fresh processes per method, so every method starts from the same memory):
+spawn, one gloo process group) hold the same synthetic training state and measure the methods one
+after the other, each leaving the memory as it found it (the agent is shut down after (b)):
 
 (a) ``raw copy``: one thread copies the state's bytes into an already touched /dev/shm buffer,
     with ``torch.Tensor.copy_`` and with libc ``memcpy``; the faster one (by median) is the
@@ -787,7 +787,7 @@ def targets_table(combos: list[ComboResult]) -> str:
         if c.skipped:
             continue
         ref = f"{fmt_s(c.raw.reference.median)} ({c.raw.reference_name})" if c.raw else "n/a"
-        cells = [("n/a" if t.value is None else f"{t.value:.3g}") + f" {verdict(t.ok)}" for t in targets(c)]
+        cells = ["n/a" if t.value is None else f"{t.value:.3g} {verdict(t.ok)}" for t in targets(c)]
         rows.append(f"| {c.size_mib} MiB | {c.ranks} | {ref} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -822,9 +822,9 @@ def machine() -> str:
     except OSError:
         pass
     try:
-        import megatron.core
+        import importlib.metadata
 
-        mcore = getattr(megatron.core, "__version__", "?")
+        mcore = importlib.metadata.version("megatron-core")
     except Exception:
         mcore = "not installed"
     with open("/proc/meminfo") as f:
@@ -914,7 +914,7 @@ def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[s
     old_main, old_demo = "\n".join(old[:split]).strip(), "\n".join(old[split:]).strip()
     main_part = main_body.strip() if main_body is not None else old_main
     demo_part = demo_body.strip() if demo_body is not None else old_demo
-    section = [SECTION, "", main_part, ""] + ([demo_part, ""] if demo_part else [])
+    section = [SECTION, ""] + ([main_part, ""] if main_part else []) + ([demo_part, ""] if demo_part else [])
     while before and not before[-1].strip():
         before.pop()
     out = "\n".join(before + ([""] if before else []) + section + after).rstrip() + "\n"
@@ -980,10 +980,19 @@ def run_demo_job(b: Bench, name: str, iters: int, inmem: bool) -> float:
     return statistics.median(times)
 
 
+def demo_accepts_inmem_ckpt() -> bool:
+    """Whether scripts/pretrain_gpt.py has the megatron-ft integration (``--inmem-ckpt``)."""
+    try:
+        out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--help"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "--inmem-ckpt" in out.stdout
+
+
 def run_demo(b: Bench, iters: int) -> DemoResult:
     d = DemoResult(iterations=iters)
-    script = open(os.path.join(REPO, "scripts", "pretrain_gpt.py"), encoding="utf-8").read()
-    integrated = "--inmem-ckpt" in script
+    integrated = demo_accepts_inmem_ckpt()
     for name, inmem in (("off", False), ("on", True)):
         if inmem and not integrated:
             d.notes.append("NOT MEASURED: scripts/pretrain_gpt.py has no `--inmem-ckpt` flag yet (the "

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from . import config as ftconfig
+from . import faults
 from .protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
@@ -90,6 +91,7 @@ class InMemoryCheckpointer:
     def after_iteration(self, iteration: int, consumed_samples: int) -> None:
         if self.engine is None or iteration % self.cfg.snapshot.interval:
             return
+        faults.maybe_fail("before-snapshot", iteration, self.rank)
         if hasattr(self.adapter, "progress"):
             self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
         tensors, extra = self.adapter.capture()

@@ -22,7 +22,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import yaml
@@ -54,13 +53,6 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
-@dataclass
-class JobSpec:
-    cfg: ftconfig.FTConfig
-    train_args: list[str]
-    workdir: str
-
-
 def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[str]:
     return [
         "--tensor-model-parallel-size", str(cfg.parallel.tensor),
@@ -70,7 +62,7 @@ def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[
 
 
 def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
-               log_path: str) -> subprocess.Popen:
+               log_path: str, env: Optional[dict] = None) -> subprocess.Popen:
     os.makedirs(run_dir, exist_ok=True)
     cfg_path = os.path.join(run_dir, "job.yaml")
     with open(cfg_path, "w") as f:
@@ -81,7 +73,8 @@ def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inm
     if inmem:
         cmd += ["--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
     logf = open(log_path, "wb")
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, **(env or {})))
 
 
 def _kill_tree(p: subprocess.Popen) -> None:
@@ -158,6 +151,51 @@ def compare(ref_dir: str, run_dir: str, world: int) -> tuple[bool, list[str]]:
     return not problems, problems
 
 
+def reference_matches(ref_dir: str, targs: list[str], world: int) -> bool:
+    try:
+        with open(os.path.join(ref_dir, "args.json")) as f:
+            rec = json.load(f)
+        final_states(ref_dir, world)
+    except (OSError, ValueError):
+        return False
+    return rec == {"train_args": targs, "world": world}
+
+
+def _attempt0(run_dir: str, rank: int) -> list[dict]:
+    return [r for r in read_jsonl(os.path.join(run_dir, "progress", f"rank{rank}.jsonl"))
+            if r.get("restart_count", 0) == 0]
+
+
+def kill_agent_when(run_dir: str, rank: int, iteration: int, node: int, p: subprocess.Popen, timeout: float,
+                    log_path: str) -> tuple[int, int]:
+    """SIGKILL node ``node``'s agent once ``rank`` finished ``iteration``."""
+    deadline = time.time() + timeout
+    while True:
+        recs = _attempt0(run_dir, rank)
+        if recs and recs[-1]["iteration"] >= iteration:
+            break
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"job never reached iteration {iteration}; log {log_path}")
+        time.sleep(0.02)
+    with open(os.path.join(run_dir, f"node{node}", "agent.pid")) as f:
+        pid = int(f.read())
+    os.kill(pid, signal.SIGKILL)
+    return node, pid
+
+
+def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: float, log_path: str) -> float:
+    """Wait for the injected faults' event lines; return the time of the first."""
+    deadline = time.time() + timeout
+    while True:
+        times = [e["time"] for v in victims for e in read_jsonl(os.path.join(run_dir, "events", f"rank{v}.jsonl"))
+                 if e.get("event") == "fault"]
+        if len(times) == len(victims):
+            return min(times)
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the injected fault never fired; log {log_path}")
+        time.sleep(0.05)
+
+
 def run_demo(args: argparse.Namespace) -> dict:
     base = ftconfig.load(args.config)
     workdir = os.path.abspath(args.workdir)
@@ -167,49 +205,67 @@ def run_demo(args: argparse.Namespace) -> dict:
     cfg = ftconfig.replace(
         base, run_id=tag,
         persist={"dir": os.path.join(workdir, "persist")},
-        agent={"socket_dir": os.path.join(workdir, "sockets")},
         launch={"rdzv_port": free_port()},
     )
     world = cfg.cluster.world_size
     targs = training_args(cfg, args.iters, args.train_arg or [])
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
 
-    # 1. reference
-    ref_dir = os.path.join(workdir, "reference")
-    say(f"[demo] reference run: {world} ranks (TP{cfg.parallel.tensor} PP{cfg.parallel.pipeline} "
-        f"DP{cfg.data_parallel}), {args.iters} iterations, no megatron-ft ...")
-    t0 = time.time()
-    ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port()})
-    p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=os.path.join(workdir, "reference.log"))
-    wait_job(p, args.timeout, "reference run", os.path.join(workdir, "reference.log"))
-    ref_seconds = time.time() - t0
-    say(f"[demo] reference done in {ref_seconds:.1f} s")
+    # 1. reference (or an earlier one with the same arguments)
+    ref_dir = os.path.abspath(args.reference_dir) if args.reference_dir else os.path.join(workdir, "reference")
+    ref_seconds = 0.0
+    if reference_matches(ref_dir, targs, world):
+        say(f"[demo] reusing the reference run in {ref_dir}")
+    else:
+        say(f"[demo] reference run: {world} ranks (TP{cfg.parallel.tensor} PP{cfg.parallel.pipeline} "
+            f"DP{cfg.data_parallel}), {args.iters} iterations, no megatron-ft ...")
+        shutil.rmtree(ref_dir, ignore_errors=True)
+        t0 = time.time()
+        ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port()})
+        ref_log = ref_dir + ".log"
+        p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log)
+        wait_job(p, args.timeout, "reference run", ref_log)
+        with open(os.path.join(ref_dir, "args.json"), "w") as f:
+            json.dump({"train_args": targs, "world": world}, f)
+        ref_seconds = time.time() - t0
+        say(f"[demo] reference done in {ref_seconds:.1f} s")
 
     # 2. the job with megatron-ft and a failure
     run_dir = os.path.join(workdir, "run")
     log_path = os.path.join(workdir, "run.log")
     say(f"[demo] megatron-ft run, failure: {args.fail}" + (f" after iteration {args.kill_at}" if args.fail != "none" else ""))
     t0 = time.time()
-    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path)
     victims = []
     if args.fail == "trainer":
         victims = [args.victim_rank if args.victim_rank is not None else world - 1]
     elif args.fail == "all-trainers":
         rpn = cfg.cluster.ranks_per_node
         victims = list(range(args.victim_node * rpn, (args.victim_node + 1) * rpn))
+    env = {}
+    if victims and args.kill_point != "after-iteration":
+        env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
+    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env)
     kill_time = None
     killed_pids = []
     last_before_kill = 0
+    agent_killed = None
     try:
-        if victims:
+        if args.kill_agent and victims:
+            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), args.victim_node
+                                           if args.fail == "all-trainers" else victims[0] // cfg.cluster.ranks_per_node,
+                                           p, args.timeout, log_path)
+            say(f"[demo] SIGKILL -> agent of node {agent_killed[0]} (pid {agent_killed[1]}); the launcher restarts it")
+        if victims and args.kill_point != "after-iteration":
+            kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
+            say(f"[demo] rank(s) {victims} SIGKILLed themselves at {args.kill_point} of step {args.kill_at}")
+        elif victims:
             deadline = time.time() + args.timeout
             while kill_time is None:
                 if p.poll() is not None:
                     raise RuntimeError(f"job ended before the kill point; log {log_path}")
                 if time.time() > deadline:
                     raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
-                recs = {v: [r for r in read_jsonl(os.path.join(run_dir, "progress", f"rank{v}.jsonl"))
-                            if r.get("restart_count", 0) == 0] for v in victims}
+                recs = {v: _attempt0(run_dir, v) for v in victims}
                 if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
                     for v in victims:
                         pid = recs[v][-1]["pid"]
@@ -222,6 +278,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                     say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
                 else:
                     time.sleep(0.02)
+        if victims:
             time.sleep(0.5)
             last_before_kill = max((r["iteration"] for name in os.listdir(os.path.join(run_dir, "progress"))
                                     for r in read_jsonl(os.path.join(run_dir, "progress", name))
@@ -256,6 +313,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         "recovery_seconds": recovery_seconds,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         "bitwise_identical": identical,
+        "kill_point": args.kill_point if kill_time is not None else None,
+        "agent_killed": agent_killed is not None,
         "killed_after_iteration": args.kill_at if kill_time is not None else None,
         "last_iteration_before_kill": last_before_kill if kill_time is not None else None,
         "iterations": args.iters,
@@ -295,6 +354,13 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--kill-point", default="after-iteration",
+                   choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit"],
+                   help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "
+                        "the victims SIGKILL themselves at that point of step --kill-at (fault injection)")
+    p.add_argument("--kill-agent", action="store_true",
+                   help="also SIGKILL the victims' node agent two iterations earlier (the launcher restarts it)")
+    p.add_argument("--reference-dir", default=None, help="reuse (or create) the reference run here")
     p.set_defaults(func=main)
 
 

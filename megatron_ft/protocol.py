@@ -137,5 +137,12 @@ class AgentClient:
             self._close_locked()
 
 
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path on Linux, minus the terminating NUL
+
+
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:
-    return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.sock"
+    path = f"{socket_dir.rstrip('/')}/{run_id}.node{node}.sock"
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise ValueError(f"agent.socket_dir={socket_dir!r} is too long: the agent socket path {path!r} has "
+                         f"{len(path.encode())} bytes, Unix sockets allow {MAX_SOCKET_PATH}; use a shorter directory")
+    return path

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checksum, shm, snapfile
+from . import checksum, faults, shm, snapfile
 from .layout import Layout, plan_layout
 from .protocol import AgentClient, AgentError
 from .state import StateTensor
@@ -170,15 +170,21 @@ class SnapshotEngine:
                 p = pieces[0]
                 sums.append(checksum.copy_checksum(area[lo:hi], sources[p.entry_index][p.src_start:p.src_end]))
             else:
-                for p in pieces:
+                for k, p in enumerate(pieces):
                     n = p.src_end - p.src_start
                     checksum.copy_checksum(area[p.dst_offset: p.dst_offset + n],
                                            sources[p.entry_index][p.src_start:p.src_end])
+                    if i == 0 and k == 0:
+                        faults.maybe_fail("mid-copy", job.step, self.rank)
                 sums.append(checksum.checksum(area[lo:hi]))
+            if i == 0:
+                faults.maybe_fail("mid-copy", job.step, self.rank)
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
         self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step)
+        faults.maybe_fail("after-commit", job.step, self.rank)
+        faults.maybe_fail("corrupt-after-commit", job.step, self.rank, before=lambda: _corrupt(area))
         job.stats.ok = True
         job.stats.copy_s = time.perf_counter() - t0
         job.stats.clean_at = time.time()
@@ -200,6 +206,11 @@ class SnapshotEngine:
                 self.client.request("global", rank=self.rank, step=agreed)
             except (AgentError, OSError, ConnectionError) as e:
                 log.warning("rank %d: could not tell the agent step %d is consistent: %s", self.rank, agreed, e)
+
+
+def _corrupt(area) -> None:
+    """Fault injection only: flip one byte of a committed snapshot."""
+    area[len(area) // 2] ^= 0xFF
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

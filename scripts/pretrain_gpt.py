@@ -122,6 +122,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
     g = p.add_argument_group("logging and output")
     g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (cleanly) once the iteration number is a multiple of this, as Megatron-LM does")
     g.add_argument("--dump-final-state", metavar="PATH_PREFIX", default=None,
                    help="write PATH_PREFIX.rank{R}.json with digests of the final state")
     add_inmem_ckpt_args(p)
@@ -478,6 +480,10 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
             hooks.after_iteration(objs, iteration, consumed_samples)
 
             progress.write(iteration, consumed_samples, result)
+            if args.exit_interval and iteration % args.exit_interval == 0 and iteration < args.train_iters:
+                if log:
+                    print(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})", flush=True)
+                break
             if log and iteration % args.log_interval == 0:
                 now = time.time()
                 ms = 1000.0 * (now - t_last) / args.log_interval

@@ -64,7 +64,6 @@ def job_config(tmp_path):
     run_id = f"t{uuid.uuid4().hex[:10]}"
     cfg = ftconfig.replace(ftconfig.load(), run_id=run_id,
                            cluster={"nodes": 1, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": 1},
-                           agent={"socket_dir": str(tmp_path / "sock")},
                            persist={"dir": str(tmp_path / "persist"), "interval": 0})
     path = str(tmp_path / "job.yaml")
     with open(path, "w") as f:

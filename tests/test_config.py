@@ -60,3 +60,18 @@ def test_flags_override_file(tmp_path, monkeypatch):
     args = p.parse_args(["--inmem-ckpt-config", str(f), "--inmem-ckpt-interval", "0"])
     with pytest.raises(config.ConfigError, match="snapshot.interval=0"):
         config.from_args(args)
+
+
+def test_socket_path_too_long_is_a_clear_error():
+    from megatron_ft.protocol import socket_path
+
+    with pytest.raises(ValueError, match=r"agent.socket_dir='/tmp/x+' is too long"):
+        socket_path("/tmp/" + "x" * 120, "run", 0)
+
+
+def test_launch_rejects_bad_node_rank(tmp_path, capsys):
+    from megatron_ft import cli
+
+    rc = cli.main(["launch", "--nodes", "2", "--node-rank", "5", "--run-dir", str(tmp_path), "--", "train.py"])
+    assert rc == 2
+    assert "--node-rank=5 is invalid: must be in [0, 1]" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""Fault injection for tests and the demo: a trainer SIGKILLs itself at a named point.
+
+Set ``MFT_FAULT_INJECT=<point>:<step>:<rank>[,<rank>...]``; it acts only in the first attempt
+(``TORCHELASTIC_RESTART_COUNT=0``), so the restarted job runs clean. Points:
+
+* ``before-snapshot`` - iteration ``step`` finished, its snapshot not yet started;
+* ``mid-copy``        - the snapshot of ``step`` has copied its first piece of tensor bytes, not the rest;
+* ``after-commit``    - the agent has marked the snapshot of ``step`` clean;
+* ``corrupt-after-commit`` - as ``after-commit``, but first flip a byte of the committed data
+  (a corrupted snapshot that restore must reject).
+
+The kill is a real ``SIGKILL`` of the process; an event line is written just before it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+POINTS = ("before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit")
+
+
+def _parse() -> Optional[tuple[str, int, set[int]]]:
+    spec = os.environ.get("MFT_FAULT_INJECT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None
+    try:
+        point, step, ranks = spec.split(":")
+        parsed = (point, int(step), {int(r) for r in ranks.split(",")})
+    except ValueError:
+        raise ValueError(f"MFT_FAULT_INJECT={spec!r} is invalid: expected <point>:<step>:<rank>[,<rank>...]") from None
+    if point not in POINTS:
+        raise ValueError(f"MFT_FAULT_INJECT point {point!r} is invalid: allowed {POINTS}")
+    return parsed
+
+
+_SPEC = _parse()
+
+
+def maybe_fail(point: str, step: int, rank: int, before: Optional[Callable[[], None]] = None) -> None:
+    if _SPEC is None or _SPEC[0] != point or _SPEC[1] != step or rank not in _SPEC[2]:
+        return
+    if before is not None:
+        before()
+    run_dir = os.environ.get("MFT_RUN_DIR")
+    if run_dir:
+        os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
+        with open(os.path.join(run_dir, "events", f"rank{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"event": "fault", "point": point, "step": step, "rank": rank,
+                                "pid": os.getpid(), "time": time.time(), "restart_count": 0}) + "\n")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed(point: str) -> bool:
+    return _SPEC is not None and _SPEC[0] == point
