@@ -534,7 +534,7 @@ def optimizer_state_tensors(objs: TrainingObjects) -> Dict[str, torch.Tensor]:
     return out
 
 
-def dump_final_state(objs: TrainingObjects, path: str) -> str:
+def dump_final_state(objs: TrainingObjects, path: str, progress: Optional[Dict[str, int]] = None) -> str:
     """HOOK: write ``{path}.rank{R}.json`` with sha256 digests of this rank's final state.
 
     Covers every model parameter (by name), the contiguous param buffers, every optimizer
@@ -563,6 +563,7 @@ def dump_final_state(objs: TrainingObjects, path: str) -> str:
         rng["torch_cuda"] = _sha256_tensor(torch.cuda.get_rng_state())
     record = {
         "rank": objs.args.rank,
+        "progress": progress or {},  # iteration and consumed samples (the data position)
         "model_params": params,
         "param_buffers": buffers,
         "optimizer": optim,
@@ -592,12 +593,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         hooks = MegatronCheckpointHooks(args)  # type: ignore[assignment]
     try:
-        train(objs, hooks)
+        iteration, consumed_samples = train(objs, hooks)
     finally:
         if hasattr(hooks, "close"):
             hooks.close()
     if args.dump_final_state:
-        dump_final_state(objs, args.dump_final_state)
+        dump_final_state(objs, args.dump_final_state,
+                         {"iteration": iteration, "consumed_samples": consumed_samples})
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
