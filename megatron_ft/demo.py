@@ -161,9 +161,13 @@ def reference_matches(ref_dir: str, targs: list[str], world: int) -> bool:
     return rec == {"train_args": targs, "world": world}
 
 
-def _attempt0(run_dir: str, rank: int) -> list[dict]:
-    return [r for r in read_jsonl(os.path.join(run_dir, "progress", f"rank{rank}.jsonl"))
-            if r.get("restart_count", 0) == 0]
+def _progress(run_dir: str, rank: int) -> list[dict]:
+    return read_jsonl(os.path.join(run_dir, "progress", f"rank{rank}.jsonl"))
+
+
+def _all_records(run_dir: str, kind: str) -> list[dict]:
+    d = os.path.join(run_dir, kind)
+    return [r for name in sorted(os.listdir(d)) for r in read_jsonl(os.path.join(d, name))] if os.path.isdir(d) else []
 
 
 def kill_agent_when(run_dir: str, rank: int, iteration: int, node: int, p: subprocess.Popen, timeout: float,
@@ -171,7 +175,7 @@ def kill_agent_when(run_dir: str, rank: int, iteration: int, node: int, p: subpr
     """SIGKILL node ``node``'s agent once ``rank`` finished ``iteration``."""
     deadline = time.time() + timeout
     while True:
-        recs = _attempt0(run_dir, rank)
+        recs = _progress(run_dir, rank)
         if recs and recs[-1]["iteration"] >= iteration:
             break
         if p.poll() is not None or time.time() > deadline:
@@ -265,7 +269,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                     raise RuntimeError(f"job ended before the kill point; log {log_path}")
                 if time.time() > deadline:
                     raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
-                recs = {v: _attempt0(run_dir, v) for v in victims}
+                recs = {v: _progress(run_dir, v) for v in victims}
                 if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
                     for v in victims:
                         pid = recs[v][-1]["pid"]
@@ -278,31 +282,27 @@ def run_demo(args: argparse.Namespace) -> dict:
                     say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
                 else:
                     time.sleep(0.02)
-        if victims:
-            time.sleep(0.5)
-            last_before_kill = max((r["iteration"] for name in os.listdir(os.path.join(run_dir, "progress"))
-                                    for r in read_jsonl(os.path.join(run_dir, "progress", name))
-                                    if r.get("restart_count", 0) == 0), default=0)
         wait_job(p, args.timeout, "megatron-ft run", log_path)
     finally:
         if p.poll() is None:
             _kill_tree(p)
     run_seconds = time.time() - t0
 
-    # 3. results
-    restores = [e for name in sorted(os.listdir(os.path.join(run_dir, "events")))
-                for e in read_jsonl(os.path.join(run_dir, "events", name)) if e.get("event") == "restore"] \
-        if os.path.isdir(os.path.join(run_dir, "events")) else []
-    after = [e for e in restores if e.get("restart_count", 0) > 0]
+    # 3. results. torchrun's restart counters differ between nodes (only the failed node's counts),
+    # so "before" and "after" the failure are told apart by process ids: the processes that logged
+    # progress before the kill are the first attempt, every other process came after.
+    progress = _all_records(run_dir, "progress")
+    first_pids = {r["pid"] for r in progress if kill_time is not None and r["time"] <= kill_time}
+    last_before_kill = max((r["iteration"] for r in progress if r["pid"] in first_pids), default=0)
+    after = [e for e in _all_records(run_dir, "events")
+             if e.get("event") == "restore" and kill_time is not None and e["pid"] not in first_pids]
     sources = sorted({e["source"] for e in after})
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
     resumed = max((e["step"] for e in after), default=-1)
     recovery_seconds = None
-    if kill_time is not None:
-        firsts = [r["time"] for name in os.listdir(os.path.join(run_dir, "progress"))
-                  for r in read_jsonl(os.path.join(run_dir, "progress", name)) if r.get("restart_count", 0) > 0]
-        if firsts:
-            recovery_seconds = round(min(firsts) - kill_time, 3)
+    restarted = [r["time"] for r in progress if kill_time is not None and r["pid"] not in first_pids]
+    if restarted:
+        recovery_seconds = round(min(restarted) - kill_time, 3)
     identical, problems = compare(ref_dir, run_dir, world)
     summary = {
         "scenario": args.fail,

@@ -1,7 +1,8 @@
 """Fault injection for tests and the demo: a trainer SIGKILLs itself at a named point.
 
-Set ``MFT_FAULT_INJECT=<point>:<step>:<rank>[,<rank>...]``; it acts only in the first attempt
-(``TORCHELASTIC_RESTART_COUNT=0``), so the restarted job runs clean. Points:
+Set ``MFT_FAULT_INJECT=<point>:<step>:<rank>[,<rank>...]``; each rank fires at most once per run
+(a marker file in ``$MFT_RUN_DIR/faults`` remembers it; torchrun's restart counter cannot, since
+only the failed node's counter moves), so the restarted job runs clean. Points:
 
 * ``before-snapshot`` - iteration ``step`` finished, its snapshot not yet started;
 * ``mid-copy``        - the snapshot of ``step`` has copied its first piece of tensor bytes, not the rest;
@@ -24,7 +25,7 @@ POINTS = ("before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit")
 
 def _parse() -> Optional[tuple[str, int, set[int]]]:
     spec = os.environ.get("MFT_FAULT_INJECT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not spec:
         return None
     try:
         point, step, ranks = spec.split(":")
@@ -42,16 +43,19 @@ _SPEC = _parse()
 def maybe_fail(point: str, step: int, rank: int, before: Optional[Callable[[], None]] = None) -> None:
     if _SPEC is None or _SPEC[0] != point or _SPEC[1] != step or rank not in _SPEC[2]:
         return
+    run_dir = os.environ.get("MFT_RUN_DIR")
+    if not run_dir:
+        raise RuntimeError("MFT_FAULT_INJECT needs MFT_RUN_DIR (to fire only once)")
+    marker = os.path.join(run_dir, "faults", f"rank{rank}.fired")
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return  # fired in an earlier attempt
     if before is not None:
         before()
-    run_dir = os.environ.get("MFT_RUN_DIR")
-    if run_dir:
-        os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
-        with open(os.path.join(run_dir, "events", f"rank{rank}.jsonl"), "a") as f:
-            f.write(json.dumps({"event": "fault", "point": point, "step": step, "rank": rank,
-                                "pid": os.getpid(), "time": time.time(), "restart_count": 0}) + "\n")
+    os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
+    with open(os.path.join(run_dir, "events", f"rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"event": "fault", "point": point, "step": step, "rank": rank,
+                            "pid": os.getpid(), "time": time.time()}) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def armed(point: str) -> bool:
-    return _SPEC is not None and _SPEC[0] == point
