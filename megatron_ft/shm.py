@@ -47,11 +47,18 @@ class Segment:
             pass
 
 
-def create(path: str, size: int) -> Segment:
-    """Create (or re-create) a segment of ``size`` bytes, reserve and pre-fault its pages."""
+def create(path: str, size: int, budget: Optional[int] = None) -> Segment:
+    """Create (or re-create) a segment of ``size`` bytes, reserve and pre-fault its pages.
+
+    ``budget``: bytes the caller may still allocate under its configured limit (None: no limit)."""
     directory = os.path.dirname(path) or "."
     if not os.path.isdir(directory):
         raise SharedMemoryError(f"shared-memory directory {directory!r} does not exist")
+    if budget is not None and size > budget:
+        raise SharedMemoryError(
+            f"shared memory too small: segment {os.path.basename(path)} needs {size / 2**20:.1f} MiB but only "
+            f"{budget / 2**20:.1f} MiB of the agent's budget is left; raise agent.shm_limit_mib "
+            f"(or set it to 0 to use all of {directory})")
     free = shm_free_bytes(directory)
     if size > free:
         raise SharedMemoryError(

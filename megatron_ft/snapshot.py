@@ -35,6 +35,10 @@ from .state import StateTensor
 
 log = logging.getLogger("megatron_ft.snapshot")
 
+# A failed registration (e.g. /dev/shm too small) is retried only this many steps later,
+# so a job without room for snapshots keeps training at full speed and logs rarely.
+REGISTER_RETRY_STEPS = 50
+
 
 @dataclass
 class SnapshotStats:
@@ -77,6 +81,7 @@ class SnapshotEngine:
         self.history: list[SnapshotStats] = []
         self.last_committed = -1
         self.last_agreed = -1
+        self._register_retry_step = -1  # after a failed registration, retry from this step on
         self._worker = threading.Thread(target=self._run, name=f"mft-snapshot-r{rank}", daemon=True)
         self._worker.start()
 
@@ -88,11 +93,18 @@ class SnapshotEngine:
         stats = SnapshotStats(step, False)
         slot: Optional[int] = None
         try:
-            self._ensure_registered(tensors)
+            if step < self._register_retry_step:
+                raise RuntimeError(f"registration failed earlier; retrying at step {self._register_retry_step}")
+            try:
+                self._ensure_registered(tensors)
+            except Exception:
+                self._register_retry_step = step + REGISTER_RETRY_STEPS
+                raise
             slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
         except Exception as e:  # no snapshot this step; training goes on
             stats.error = f"not started: {e}"
-            log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
+            if not str(e).startswith("registration failed earlier"):
+                log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
         job = _Job(step, tensors, extra, slot, time.time(), stats)
         stats.capture_s = time.perf_counter() - t0
         self._pending = job

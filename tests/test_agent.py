@@ -197,3 +197,33 @@ def test_identity_mismatch_is_rejected(agent):
     res = other.restore(TorchStateAdapter(m2, opt2))
     assert res.source == "none"
     assert any("world_size=1 does not match this job's 8" in r for r in res.rejected)
+
+
+
+def test_shared_memory_limit_refuses_registration_and_training_goes_on(job_config, tmp_path):
+    """Slots that do not fit the agent's shared-memory budget are refused with a clear error;
+    the trainer skips snapshots (retrying rarely) and keeps training."""
+    import yaml
+
+    from conftest import AgentProc
+    from megatron_ft import config as ftconfig
+
+    cfg, _ = job_config
+    cfg = ftconfig.replace(cfg, agent={"shm_limit_mib": 1})
+    path = str(tmp_path / "job-small.yaml")
+    yaml.safe_dump(cfg.to_dict(), open(path, "w"))
+    a = AgentProc(cfg, path).start()
+    try:
+        c = a.client()
+        m = torch.nn.Linear(512, 1024)  # 2 MiB of parameters: two slots do not fit in 1 MiB
+        ad = TorchStateAdapter(m)
+        eng = SnapshotEngine(c, 0, identity(cfg), 1 << 20)
+        for step in (1, 2):
+            eng.snapshot(step, *ad.capture())
+            st = eng.wait()
+            assert not st.ok
+        assert "shared memory too small" in eng.history[0].error
+        assert "agent.shm_limit_mib=1" in eng.history[0].error
+        assert "retrying at step" in eng.history[1].error  # no second attempt right away
+    finally:
+        a.kill()

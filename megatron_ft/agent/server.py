@@ -130,9 +130,23 @@ class Agent:
                 log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
                 self._drop_rank(rec)
             rec = RankRecord(rank, fingerprint=fp)
+            limit = self.cfg.agent.shm_limit_mib << 20
             for i in range(SLOTS_PER_RANK):
                 path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, i))
-                seg = shm.create(path, geom.total)
+                budget = None
+                if limit:
+                    used = sum(s.segment.size for r in self.ranks.values() for s in r.slots)
+                    used += sum(s.segment.size for s in rec.slots)
+                    budget = max(0, limit - used)
+                try:
+                    seg = shm.create(path, geom.total, budget)
+                except shm.SharedMemoryError as e:
+                    for s in rec.slots:  # do not keep half a rank
+                        s.segment.close()
+                        os.unlink(s.segment.path)
+                    if limit:
+                        raise shm.SharedMemoryError(f"{e} (agent.shm_limit_mib={self.cfg.agent.shm_limit_mib})") from None
+                    raise
                 snapfile.init_container(seg.mm, layout_json.encode(), geom)
                 rec.slots.append(Slot(i, seg))
             self.ranks[rank] = rec
