@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import config as ftconfig
 from . import faults
+from .policy.runtime import AutoIntervals
 from .protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
@@ -57,6 +58,9 @@ class InMemoryCheckpointer:
                        if self.client is not None and cfg.snapshot.enabled else None)
         self._events = _EventLog(rank)
         self.last_restore: Optional[RestoreResult] = None
+        # issue 6: "interval: auto" - measure the first snapshots, then pick the intervals
+        self.auto = (AutoIntervals(cfg, _max_over_ranks(self.coord_group))
+                     if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
     def restore(self) -> RestoreResult:
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
@@ -84,12 +88,18 @@ class InMemoryCheckpointer:
 
     def before_optimizer_step(self) -> None:
         if self.engine is not None:
+            t0 = time.perf_counter()
             st = self.engine.wait()
+            if self.auto is not None:
+                self.auto.waited(time.perf_counter() - t0, st)
             if st is not None and not st.ok:
                 log.warning("rank %d: snapshot of step %d not taken: %s", self.rank, st.step, st.error)
 
     def after_iteration(self, iteration: int, consumed_samples: int) -> None:
-        if self.engine is None or iteration % self.cfg.snapshot.interval:
+        if self.engine is not None and self.auto is not None:
+            self._auto_intervals()
+        every = self.auto.snapshot_every if self.auto is not None else self.cfg.snapshot.interval
+        if self.engine is None or iteration % every:
             return
         faults.maybe_fail("before-snapshot", iteration, self.rank)
         if hasattr(self.adapter, "progress"):
@@ -97,12 +107,46 @@ class InMemoryCheckpointer:
         tensors, extra = self.adapter.capture()
         self.engine.snapshot(iteration, tensors, extra)
 
+    def _auto_intervals(self) -> None:
+        """Issue 6: let the policy measure / decide; ask the agent to persist when it is due."""
+        # the policy's all-reduce shares the coordination group with the snapshot worker's
+        # agreement: make sure the worker is idle (it always is after before_optimizer_step)
+        self.engine.wait()  # type: ignore[union-attr]
+        decision = self.auto.tick()  # type: ignore[union-attr]
+        if decision is not None:
+            log.info("rank %d: %s", self.rank, decision.line)
+            if self.rank == 0:
+                print(f"[megatron-ft] {decision.line}", flush=True)
+            self._events.write({"event": "auto_intervals", "snapshot_every": decision.snapshot_every,
+                                "persist_every": decision.persist_every, "reason": decision.line})
+        step = self.auto.persist_step(self.engine.last_agreed)  # type: ignore[union-attr]
+        if step is not None and self.client is not None:
+            try:
+                self.client.request("persist", rank=self.rank, step=step)
+            except Exception as e:  # a persist request never stops training
+                log.warning("rank %d: could not ask the agent to persist step %d: %s", self.rank, step, e)
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
         if self.client is not None:
             self.client.close(orderly=True)
         self._events.close()
+
+
+def _max_over_ranks(group: Any):
+    """MAX all-reduce of a few floats over the coordination group (identity without one)."""
+    if group is None:
+        return None
+
+    def reduce(vals: list) -> list:
+        import torch
+
+        t = torch.tensor(vals, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+    return reduce
 
 
 class _EventLog:

@@ -1,4 +1,4 @@
-"""The ``megatron-ft`` command: launch, demo, status."""
+"""The ``megatron-ft`` command: launch, demo, status, simulate, plan."""
 from __future__ import annotations
 
 import argparse
@@ -32,8 +32,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     from . import demo, launch
 
+    from .redundancy import report as plan
+
     launch.add_parser(sub)
     demo.add_parser(sub)
+    plan.add_parser(sub)
+    from .policy import simulate
+
+    simulate.add_parser(sub)  # issue 6: goodput simulation
     p = sub.add_parser("status", help="print every agent's version table")
     p.add_argument("--config", default=None)
     p.set_defaults(func=_status)

@@ -40,6 +40,35 @@ def _check_str(path: str, value: Any, pattern: Optional[str] = None, what: str =
         _fail(path, value, what or f"must match {pattern}")
 
 
+def _check_num(path: str, value: Any, minimum: float = 0.0, maximum: Optional[float] = None,
+               strict: bool = False) -> None:
+    """A real number >= minimum (> minimum when ``strict``) and <= maximum."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+            or (value <= minimum if strict else value < minimum) or (maximum is not None and value > maximum)):
+        lo = f"> {minimum}" if strict else f">= {minimum}"
+        hi = f" and <= {maximum}" if maximum is not None else ""
+        _fail(path, value, f"must be a number {lo}{hi}")
+
+
+AUTO = "auto"
+
+
+def _normalize_auto_interval(obj: Any, section: str, placeholder: int, minimum: int) -> None:
+    """``interval: auto`` becomes ``interval=placeholder, auto=True`` (issue 6): readers that only
+    know numbers (the agent) see the placeholder; the trainer's policy picks the real interval
+    (``megatron_ft/policy/runtime.py``). A number together with ``auto: true`` is a conflict."""
+    if obj.interval == AUTO:
+        object.__setattr__(obj, "interval", placeholder)
+        object.__setattr__(obj, "auto", True)
+    if not isinstance(obj.auto, bool):
+        _fail(f"{section}.auto", obj.auto, "must be true or false")
+    if not isinstance(obj.interval, int) or isinstance(obj.interval, bool) or obj.interval < minimum:
+        _fail(f"{section}.interval", obj.interval, f"must be an integer >= {minimum} or 'auto'")
+    if obj.auto and obj.interval != placeholder:
+        _fail(f"{section}.interval", obj.interval,
+              f"conflicts with {section}.auto=true: write 'interval: auto', or a number without auto")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The machines: ``nodes`` x ``ranks_per_node`` training processes."""
@@ -72,12 +101,15 @@ class ParallelConfig:
 class SnapshotConfig:
     """In-memory snapshots (trainer -> agent shared memory)."""
 
-    interval: int = 1  # iterations between snapshots
+    interval: int = 1  # iterations between snapshots, or "auto" (issue 6: measured, then chosen)
     chunk_mib: int = 4  # checksum / copy unit
     enabled: bool = True
+    auto: bool = False  # set by "interval: auto"
+    measure_iterations: int = 5  # snapshots measured before "auto" decides
 
     def __post_init__(self) -> None:
-        _check_int("snapshot.interval", self.interval, 1)
+        _normalize_auto_interval(self, "snapshot", 1, 1)
+        _check_int("snapshot.measure_iterations", self.measure_iterations, 1)
         _check_int("snapshot.chunk_mib", self.chunk_mib, 1, 1024)
         if not isinstance(self.enabled, bool):
             _fail("snapshot.enabled", self.enabled, "must be true or false")
@@ -95,9 +127,12 @@ class PersistConfig:
     dir: str = "/tmp/megatron-ft/persist"
     keep: int = 2  # persisted steps kept per rank
     on_failure: bool = True  # "save at breakpoint" when a trainer dies
+    auto: bool = False  # set by "interval: auto": the trainers ask the agents to persist
+    bandwidth_mib_s: float = 500.0  # write bandwidth per node to dir; "auto" persists no faster
 
     def __post_init__(self) -> None:
-        _check_int("persist.interval", self.interval, 0)
+        _normalize_auto_interval(self, "persist", 0, 0)
+        _check_num("persist.bandwidth_mib_s", self.bandwidth_mib_s, 0.0, strict=True)
         _check_str("persist.dir", self.dir)
         _check_int("persist.keep", self.keep, 1)
         if not isinstance(self.on_failure, bool):
@@ -111,9 +146,11 @@ class AgentConfig:
     shm_dir: str = "/dev/shm"
     socket_dir: str = "/tmp/megatron-ft/sockets"
     connect_timeout_s: float = 60.0
+    shm_limit_mib: int = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
 
     def __post_init__(self) -> None:
         _check_str("agent.shm_dir", self.shm_dir)
+        _check_int("agent.shm_limit_mib", self.shm_limit_mib, 0)
         _check_str("agent.socket_dir", self.socket_dir)
         if not isinstance(self.connect_timeout_s, (int, float)) or self.connect_timeout_s <= 0:
             _fail("agent.connect_timeout_s", self.connect_timeout_s, "must be a positive number of seconds")
@@ -134,6 +171,123 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class FailureConfig:
+    """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
+
+    node_mttf_hours: float = 1600.0  # mean time to failure of one node; 1600 h = 1.5 % of nodes a day
+    weibull_shape: float = 1.0  # c in REFT eq. 1 (1 = exponential; > 1 wear-out, < 1 infant mortality)
+    software_fraction: float = 0.5  # failures that leave the node and its memory intact
+    replacement_minutes: float = 5.0  # wait for a new node when no standby is free (GEMINI: 4-7 min)
+    standby_nodes: int = 0  # idle spares that replace a failed node at once
+    restart_minutes: float = 4.5  # detect + restart + warm up, for every failure
+
+    def __post_init__(self) -> None:
+        _check_num("failure.node_mttf_hours", self.node_mttf_hours, 0.0, strict=True)
+        _check_num("failure.weibull_shape", self.weibull_shape, 0.0, 20.0, strict=True)
+        _check_num("failure.software_fraction", self.software_fraction, 0.0, 1.0)
+        _check_num("failure.replacement_minutes", self.replacement_minutes, 0.0)
+        _check_int("failure.standby_nodes", self.standby_nodes, 0)
+        _check_num("failure.restart_minutes", self.restart_minutes, 0.0)
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    """``megatron-ft simulate``: the job and the costs of each checkpointing strategy (docs/policy.md).
+    Defaults are GEMINI's GPT-2 100B on p4d.24xlarge (sections 7.2-7.3)."""
+
+    nodes: tuple = (16, 32, 64, 128, 256, 512, 1000)  # cluster sizes to sweep
+    gpus_per_node: int = 8
+    days: float = 30.0  # simulated wall time per run
+    runs: int = 3  # independent runs per point (seeds seed, seed+1, ...)
+    seed: int = 0
+    iteration_seconds: float = 62.0
+    snapshot_seconds: float = 3.0  # in-memory snapshot, start to complete in (peer) memory
+    snapshot_stall_seconds: float = 0.0  # training time lost per in-memory snapshot
+    memory_restore_seconds: float = 30.0  # resume from local memory
+    peer_restore_seconds: float = 60.0  # resume from a replica or by decoding
+    checkpoint_seconds: float = 558.0  # persistent checkpoint, start to durable (t_ckpt)
+    checkpoint_stall_seconds: float = 81.0  # serialization that blocks training, per checkpoint
+    retrieve_seconds: float = 558.0  # read the newest persistent checkpoint back (t_rtol)
+    fixed_interval_hours: float = 3.0  # persistent-only baseline (BLOOM: every 3 h)
+    persist_interval_hours: Any = AUTO  # megatron-ft's disk tier: hours or "auto"
+    replicas: int = 2  # replica scheme: copies per node (GEMINI m)
+    xor_group: int = 4  # xor scheme: nodes per parity group (REFT sharding group)
+    rs_k: int = 4  # rs scheme: data nodes per group (ECHECK k)
+    rs_m: int = 2  # rs scheme: parity nodes per group (ECHECK m)
+
+    def __post_init__(self) -> None:
+        nodes = self.nodes
+        if isinstance(nodes, int) and not isinstance(nodes, bool):
+            nodes = (nodes,)
+        if not isinstance(nodes, (list, tuple)) or not nodes:
+            _fail("simulate.nodes", self.nodes, "must be a non-empty list of integers >= 1")
+        for i, n in enumerate(nodes):
+            _check_int(f"simulate.nodes[{i}]", n, 1)
+        object.__setattr__(self, "nodes", tuple(nodes))
+        _check_int("simulate.gpus_per_node", self.gpus_per_node, 1)
+        _check_num("simulate.days", self.days, 0.0, strict=True)
+        _check_int("simulate.runs", self.runs, 1)
+        _check_int("simulate.seed", self.seed, 0)
+        _check_num("simulate.iteration_seconds", self.iteration_seconds, 0.0, strict=True)
+        for name in ("snapshot_seconds", "snapshot_stall_seconds", "memory_restore_seconds",
+                     "peer_restore_seconds", "checkpoint_stall_seconds", "retrieve_seconds"):
+            _check_num(f"simulate.{name}", getattr(self, name), 0.0)
+        _check_num("simulate.checkpoint_seconds", self.checkpoint_seconds, 0.0, strict=True)
+        _check_num("simulate.fixed_interval_hours", self.fixed_interval_hours, 0.0, strict=True)
+        if self.persist_interval_hours != AUTO:
+            _check_num("simulate.persist_interval_hours", self.persist_interval_hours, 0.0, strict=True)
+        _check_int("simulate.replicas", self.replicas, 1)
+        _check_int("simulate.xor_group", self.xor_group, 2)
+        _check_int("simulate.rs_k", self.rs_k, 1)
+        _check_int("simulate.rs_m", self.rs_m, 1)
+
+
+@dataclass(frozen=True)
+class RedundancyConfig:
+    """Peer redundancy of the in-memory snapshots against lost nodes (issue 3; ``megatron-ft plan``).
+
+    ``none``: each node keeps only its own snapshot; ``replica``: GEMINI's mixed placement of
+    ``replicas`` copies (the node's own included); ``xor``: REFT's RAIM5 parity inside each
+    sharding group (``group_size`` nodes per parity group, 0 = the sharding group's whole node set);
+    ``rs``: ECHECK's Cauchy Reed-Solomon with ``k`` data + ``m`` parity nodes per coding group.
+    """
+
+    scheme: str = "none"
+    replicas: int = 2  # replica: copies of each node's snapshot, its own included (GEMINI m)
+    group_size: int = 0  # xor: nodes per parity group; 0 = a whole sharding group (REFT)
+    k: int = 4  # rs: data nodes per coding group (ECHECK k)
+    m: int = 2  # rs: parity nodes per coding group; any m of a group's k + m nodes may fail
+
+    SCHEMES = ("none", "replica", "xor", "rs")
+
+    def __post_init__(self) -> None:
+        if self.scheme not in self.SCHEMES:
+            _fail("redundancy.scheme", self.scheme, f"must be one of {', '.join(self.SCHEMES)}")
+        _check_int("redundancy.replicas", self.replicas, 2)
+        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0 \
+                or self.group_size == 1:
+            _fail("redundancy.group_size", self.group_size,
+                  "must be 0 (a whole sharding group) or an integer >= 2 (nodes per parity group)")
+        _check_int("redundancy.k", self.k, 1)
+        _check_int("redundancy.m", self.m, 1)
+
+    def check_cluster(self, nodes: int) -> None:
+        """Cross-checks against ``cluster.nodes`` (called by :class:`FTConfig`)."""
+        if self.scheme == "replica" and self.replicas > nodes:
+            _fail("redundancy.replicas", self.replicas,
+                  f"a replica group needs cluster.nodes >= redundancy.replicas, but cluster.nodes={nodes}")
+        if self.scheme == "xor":
+            if nodes < 2:
+                _fail("redundancy.scheme", self.scheme, f"xor parity needs cluster.nodes >= 2, but cluster.nodes={nodes}")
+            if self.group_size > nodes:
+                _fail("redundancy.group_size", self.group_size,
+                      f"must be <= cluster.nodes={nodes} (or 0 for a whole sharding group)")
+        if self.scheme == "rs" and self.k + self.m > nodes:
+            _fail("redundancy.k", self.k, f"a coding group needs cluster.nodes >= redundancy.k + redundancy.m = "
+                                          f"{self.k + self.m}, but cluster.nodes={nodes}")
+
+
+@dataclass(frozen=True)
 class FTConfig:
     """Everything megatron-ft needs to know about a job."""
 
@@ -144,6 +298,9 @@ class FTConfig:
     persist: PersistConfig = field(default_factory=PersistConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    simulate: SimulateConfig = field(default_factory=SimulateConfig)
+    redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
 
     def __post_init__(self) -> None:
         _check_str("run_id", self.run_id, r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
@@ -155,13 +312,16 @@ class FTConfig:
                 f"cluster.nodes*cluster.ranks_per_node={self.cluster.world_size}: the world size must be a "
                 f"multiple of tensor*pipeline"
             )
+        self.redundancy.check_cluster(self.cluster.nodes)
 
     @property
     def data_parallel(self) -> int:
         return self.cluster.world_size // (self.parallel.tensor * self.parallel.pipeline)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["simulate"]["nodes"] = list(d["simulate"]["nodes"])  # YAML-safe (safe_dump has no tuples)
+        return d
 
 
 _SECTIONS = {
@@ -171,6 +331,9 @@ _SECTIONS = {
     "persist": PersistConfig,
     "agent": AgentConfig,
     "launch": LaunchConfig,
+    "failure": FailureConfig,
+    "simulate": SimulateConfig,
+    "redundancy": RedundancyConfig,
 }
 
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "local-cpu.yaml")
@@ -233,13 +396,17 @@ def add_inmem_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--inmem-ckpt", action="store_true", help="snapshot training state into host memory")
     g.add_argument("--inmem-ckpt-config", metavar="PATH", default=None,
                    help="megatron-ft cluster/job YAML (default: the embedded configs/local-cpu.yaml)")
-    g.add_argument("--inmem-ckpt-interval", type=int, metavar="N", default=None,
-                   help="iterations between in-memory snapshots (default 1)")
-    g.add_argument("--inmem-ckpt-persist-interval", type=int, metavar="N", default=None,
-                   help="iterations between snapshots persisted to disk by the agents (0: only on failure)")
+    g.add_argument("--inmem-ckpt-interval", type=_int_or_auto, metavar="N|auto", default=None,
+                   help="iterations between in-memory snapshots (default 1; auto: measured, then chosen)")
+    g.add_argument("--inmem-ckpt-persist-interval", type=_int_or_auto, metavar="N|auto", default=None,
+                   help="iterations between snapshots persisted to disk by the agents (0: only on failure; auto)")
     g.add_argument("--inmem-ckpt-persist-dir", metavar="DIR", default=None,
                    help="directory for persisted snapshots")
     return parser
+
+
+def _int_or_auto(text: str) -> Any:
+    return AUTO if text == AUTO else int(text)
 
 
 def from_args(args: argparse.Namespace) -> FTConfig:
@@ -251,8 +418,10 @@ def from_args(args: argparse.Namespace) -> FTConfig:
     pers: dict[str, Any] = {}
     if getattr(args, "inmem_ckpt_interval", None) is not None:
         snap["interval"] = args.inmem_ckpt_interval
+        snap["auto"] = args.inmem_ckpt_interval == AUTO
     if getattr(args, "inmem_ckpt_persist_interval", None) is not None:
         pers["interval"] = args.inmem_ckpt_persist_interval
+        pers["auto"] = args.inmem_ckpt_persist_interval == AUTO
     if getattr(args, "inmem_ckpt_persist_dir", None) is not None:
         pers["dir"] = args.inmem_ckpt_persist_dir
     changes: dict[str, Any] = {}

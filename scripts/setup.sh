@@ -5,5 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# ISA-L (Debian libisal2) for the fast Reed-Solomon codec (issue 3). Optional: without it the
+# rs codec falls back to the slower numpy bit-matrix code, and says so.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s libisal2 >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -qq libisal2 || { apt-get update -qq && apt-get install -y -qq libisal2; }; } >/dev/null 2>&1 \
+        || echo "note: could not install libisal2 (ISA-L); Reed-Solomon will use the slower numpy codec"
+fi
+
 "$PY" -m pip install --disable-pip-version-check -q -e ".[test]"
 "$PY" -c "import megatron_ft.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"

@@ -29,7 +29,7 @@ def test_shipped_config_file_matches_embedded_default():
     ({"run_id": "bad id!"}, r"run_id='bad id!'"),
     ({"parallel": {"pipeline": 3}}, r"does not divide the world size"),
     ({"snapshot": {"intervall": 2}}, r"unknown key\(s\) \['snapshot.intervall'\]"),
-    ({"redundancy": "xor"}, r"unknown key\(s\) \['redundancy'\]"),
+    ({"redundancey": {"scheme": "xor"}}, r"unknown key\(s\) \['redundancey'\]"),
     ({"persist": {"on_failure": "yes"}}, r"persist.on_failure='yes'"),
 ])
 def test_bad_values_are_named(data, match):
