@@ -182,6 +182,11 @@ def main(args: argparse.Namespace) -> int:
     if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
         cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
     args.nodes, args.nproc_per_node = nodes, nproc
+    if cfg.redundancy.scheme != "none":
+        print(f"[megatron-ft launch] WARNING: redundancy.scheme={cfg.redundancy.scheme!r} is planned "
+              f"(`megatron-ft plan`) but peer exchange is not implemented in this version: snapshots survive "
+              f"trainer and agent crashes, not the loss of a node (persist to shared storage for that)",
+              file=sys.stderr, flush=True)
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
     if args.node_rank is None:
