@@ -74,8 +74,9 @@ import yaml  # noqa: E402
 
 from megatron_ft import checksum  # noqa: E402
 from megatron_ft import config as ftconfig  # noqa: E402
-from megatron_ft.layout import Layout  # noqa: E402
+from megatron_ft.layout import ALIGNMENT, Layout  # noqa: E402
 from megatron_ft.protocol import AgentClient, socket_path  # noqa: E402
+from megatron_ft import recovery  # noqa: E402
 from megatron_ft.recovery import Restorer  # noqa: E402
 from megatron_ft.snapshot import SnapshotEngine  # noqa: E402
 from megatron_ft.state import StateTensor  # noqa: E402
@@ -140,6 +141,11 @@ class MegatronFTResult:
     copy: Stat  # SnapshotStats.copy_s: the worker's begin..commit
     clean: Stat  # clean_at - start
     restore: Stat  # Restorer.restore() from agent memory
+    first_call: Stat  # the warm-up snapshot() call: registration, the agent creates + pre-faults 2 slots
+    restore_map: Stat  # breakdown of a restore, measured separately: Container() (mmap + MAP_POPULATE)
+    restore_verify: Stat  # identity + checksums of every chunk
+    restore_copy: Stat  # resolve_targets + load_into (memmove into the tensors)
+    restore_unmap: Stat  # Container.close()
 
 
 @dataclass
@@ -174,6 +180,7 @@ class DemoResult:
     off_s: Optional[float] = None  # median iteration time, snapshots off
     on_s: Optional[float] = None  # median iteration time, a snapshot every iteration
     iterations: int = 0
+    load: tuple[float, float] = (0.0, 0.0)  # 1-min load average before / after
     notes: list[str] = field(default_factory=list)
 
 
@@ -266,12 +273,14 @@ class RankContext:
 
 
 def rank_raw_copy(rc: RankContext) -> dict:
-    """(a) single-threaded copy of the state's bytes into a pre-faulted shared-memory buffer."""
+    """(a) single-threaded copy of the state's bytes into a pre-faulted shared-memory buffer,
+    packed as megatron-ft's layout packs them (64-byte aligned, in order)."""
     path = rc.path(f"raw.r{rc.rank}")
+    nbytes = rc.size_bytes + ALIGNMENT * len(rc.state)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, rc.size_bytes)
-        mm = mmap.mmap(fd, rc.size_bytes)
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
     out: dict[str, list[float]] = {"torch_copy": [], "memcpy": []}
@@ -281,6 +290,7 @@ def rank_raw_copy(rc: RankContext) -> dict:
         pieces, off = [], 0
         for t in rc.state.values():
             src = byte_view(t)
+            off = -(-off // ALIGNMENT) * ALIGNMENT
             pieces.append((dst[off: off + src.numel()], src))
             off += src.numel()
 
@@ -325,7 +335,9 @@ def rank_megatron_ft(rc: RankContext) -> dict:
     out: dict[str, list[float]] = {k: [] for k in ("stall", "snapshot_call", "wait", "copy", "clean", "restore")}
     try:
         step = 0
+        t0 = time.perf_counter()
         engine.snapshot(step, *adapter.capture())  # warm-up: register, the agent pre-faults both slots
+        out["first_call"] = [time.perf_counter() - t0]
         warm = engine.wait()
         assert warm is not None and warm.ok, warm
         for _ in range(rc.reps):
@@ -358,12 +370,37 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                                    f"{res.rejected}")
             if fingerprint(rc.state) != want or adapter.restored_extra != {"iteration": step}:
                 raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
+        restore_breakdown(rc, client, identity, adapter, step, out)
     finally:
         engine.close()
         client.close(orderly=True)
     out["_mapped_after_close"] = mapped_bytes(f"mft.{cfg.run_id}.")
     stop_agent(rc, cfg)
     return out
+
+
+def restore_breakdown(rc: RankContext, client: AgentClient, identity: dict, adapter: BenchStateAdapter,
+                      step: int, out: dict) -> None:
+    """The steps of a local-memory restore (recovery.py), timed one by one (no agreement)."""
+    path = next(v["path"] for v in client.request("list", rank=rc.rank)["versions"] if v["step"] == step)
+    keys = ("restore_map", "restore_verify", "restore_copy", "restore_unmap")
+    for key in keys:
+        out[key] = []
+    for _ in range(rc.reps):
+        zero_state(rc.state)
+        rc.barrier()
+        t0 = time.perf_counter()
+        cont = recovery.Container(path)
+        t1 = time.perf_counter()
+        cont.check_identity(identity, step)
+        cont.verify()
+        t2 = time.perf_counter()
+        recovery.load_into(cont, adapter, recovery.resolve_targets(cont, adapter))
+        t3 = time.perf_counter()
+        cont.close()
+        t4 = time.perf_counter()
+        for key, dt in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            out[key].append(dt)
 
 
 def mapped_bytes(name_prefix: str) -> int:
@@ -624,7 +661,7 @@ RESULT_TYPES = {"raw": RawCopyResult, "mft": MegatronFTResult, "torch_save": Tor
 def agent_config(b: Bench, c: ComboResult) -> tuple[ftconfig.FTConfig, str]:
     """An isolated single-node job: own run id, socket dir and persist dir; no persisting."""
     run_id = b.combo_run_id(c)
-    cfg = ftconfig.replace(ftconfig.load(), run_id=run_id,
+    cfg = ftconfig.replace(ftconfig.FTConfig(), run_id=run_id,
                            cluster={"nodes": 1, "ranks_per_node": c.ranks}, parallel={"tensor": 1, "pipeline": 1},
                            agent={"shm_dir": SHM_DIR, "socket_dir": os.path.join(b.workdir, "sock")},
                            persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False})
@@ -683,11 +720,11 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
         return c
     print(f"[bench] {size_mib} MiB x {ranks} ranks: raw copy, megatron-ft, torch.save, dcp ...", end="", flush=True)
     t0 = time.time()
-    cfg, cfg_path = agent_config(b, c)
     out_dir = os.path.join(b.workdir, "results", f"{c.size_mib}m{c.ranks}r")
     failure = ""
     agent = None
     try:
+        cfg, cfg_path = agent_config(b, c)
         agent = start_agent(b, cfg, cfg_path)
         out_dir = b.spawn_ranks(c, cfg_path)
     except (KeyboardInterrupt, SystemExit):
@@ -695,13 +732,14 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
     except Exception as e:
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         failure = f"{type(e).__name__}: {lines[-1] if lines else ''}"
-        print(f"\n{e}\n--- agent log, last lines:\n{open(cfg_path + '.agent.log', errors='replace').read()[-1500:]}",
-              file=sys.stderr)
+        traceback.print_exc()
+        for log in glob.glob(os.path.join(b.workdir, f"{b.combo_run_id(c)}.yaml.agent.log")):
+            print(f"--- agent log, last lines:\n{open(log, errors='replace').read()[-1500:]}", file=sys.stderr)
     finally:
         if agent is not None:
             kill_tree(agent, grace_s=120)  # normally already gone (rank 0 shut it down)
             b.janitor.popens.remove(agent)
-        remove_shm(cfg.run_id)
+        remove_shm(b.combo_run_id(c))
     print(f" {time.time() - t0:.0f} s" + (" (FAILED)" if failure else ""), flush=True)
     for method, cls in RESULT_TYPES.items():
         per_rank = load_samples(out_dir, method, ranks)
@@ -738,24 +776,28 @@ def cell(s: Optional[Stat]) -> str:
 @dataclass
 class Target:
     name: str
-    value: Optional[float]  # the measured ratio (medians)
+    value: Optional[float]  # the ratio of the medians: PASS/FAIL
+    of_mins: Optional[float]  # the ratio of the minima (less sensitive to other jobs' load)
     limit: str
     ok: Optional[bool]
 
 
+def ratio(num: Optional[Stat], den: Optional[Stat]) -> tuple[Optional[float], Optional[float]]:
+    if num is None or den is None:
+        return None, None
+    return num.median / den.median, num.min / den.min
+
+
 def targets(c: ComboResult) -> list[Target]:
-    raw = c.raw.reference.median if c.raw else None
+    raw = c.raw.reference if c.raw else None
     m, t, d = c.mft, c.torch_save, c.dcp
-    out = []
-    v = m.stall.median / raw if m and raw else None
-    out.append(Target("stall / raw copy", v, f"<= {STALL_MAX}", None if v is None else v <= STALL_MAX))
-    v = m.clean.median / raw if m and raw else None
-    out.append(Target("clean / raw copy", v, f"<= {CLEAN_MAX}", None if v is None else v <= CLEAN_MAX))
-    v = t.load.median / m.restore.median if m and t else None
-    out.append(Target("torch.load / restore", v, f">= {RESTORE_MIN}", None if v is None else v >= RESTORE_MIN))
-    v = d.stall.median / m.stall.median if m and d else None
-    out.append(Target("dcp stall / mft stall", v, "> 1", None if v is None else v > 1.0))
-    return out
+    checks = [("stall / raw copy", ratio(m and m.stall, raw), f"<= {STALL_MAX}", lambda v: v <= STALL_MAX),
+              ("clean / raw copy", ratio(m and m.clean, raw), f"<= {CLEAN_MAX}", lambda v: v <= CLEAN_MAX),
+              ("torch.load / restore", ratio(t and t.load, m and m.restore), f">= {RESTORE_MIN}",
+               lambda v: v >= RESTORE_MIN),
+              ("dcp stall / mft stall", ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0)]
+    return [Target(name, med, mins, limit, None if med is None else ok(med))
+            for name, (med, mins), limit, ok in checks]
 
 
 def verdict(ok: Optional[bool]) -> str:
@@ -764,7 +806,8 @@ def verdict(ok: Optional[bool]) -> str:
 
 def results_table(combos: list[ComboResult]) -> str:
     head = ["state/rank", "ranks", "raw torch copy_", "raw memcpy", "sleep", "mft stall", "mft clean",
-            "mft copy", "mft restore", "torch.save", "torch.load", "dcp stall", "dcp clean", "dcp.load"]
+            "mft copy", "mft restore", "mft 1st snapshot()", "torch.save", "torch.load", "dcp stall", "dcp clean",
+            "dcp.load"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in combos:
         if c.skipped:
@@ -774,9 +817,25 @@ def results_table(combos: list[ComboResult]) -> str:
         vals = [f"{c.size_mib} MiB", str(c.ranks), cell(r.torch_copy if r else None), cell(r.memcpy if r else None),
                 fmt_s(c.compute_s) if c.raw else "n/a",
                 cell(m.stall if m else None), cell(m.clean if m else None), cell(m.copy if m else None),
-                cell(m.restore if m else None), cell(t.save if t else None), cell(t.load if t else None),
+                cell(m.restore if m else None), fmt_s(m.first_call.median) if m else "n/a",
+                cell(t.save if t else None), cell(t.load if t else None),
                 cell(d.stall if d else None), cell(d.clean if d else None), cell(d.load if d else None)]
         rows.append("| " + " | ".join(vals) + " |")
+    return "\n".join(rows)
+
+
+def restore_table(combos: list[ComboResult]) -> str:
+    """Where a megatron-ft restore spends its time, next to the raw copy of the same bytes."""
+    rows = ["| state/rank | ranks | restore | = map (MAP_POPULATE) | + verify checksums | + copy into tensors "
+            "| + unmap | raw copy | torch.load |", "|" + "---|" * 9]
+    for c in combos:
+        m = c.mft
+        if c.skipped or m is None:
+            continue
+        rows.append(f"| {c.size_mib} MiB | {c.ranks} | " + " | ".join(fmt_s(x.median) for x in (
+            m.restore, m.restore_map, m.restore_verify, m.restore_copy, m.restore_unmap)) +
+            f" | {fmt_s(c.raw.reference.median) if c.raw else 'n/a'} | "
+            f"{fmt_s(c.torch_save.load.median) if c.torch_save else 'n/a'} |")
     return "\n".join(rows)
 
 
@@ -787,7 +846,7 @@ def targets_table(combos: list[ComboResult]) -> str:
         if c.skipped:
             continue
         ref = f"{fmt_s(c.raw.reference.median)} ({c.raw.reference_name})" if c.raw else "n/a"
-        cells = ["n/a" if t.value is None else f"{t.value:.3g} {verdict(t.ok)}" for t in targets(c)]
+        cells = ["n/a" if t.value is None else f"{t.value:.3g} {verdict(t.ok)} ({t.of_mins:.3g})" for t in targets(c)]
         rows.append(f"| {c.size_mib} MiB | {c.ranks} | {ref} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -834,7 +893,8 @@ def machine() -> str:
             f"native fused copy+checksum: {'yes' if checksum.HAVE_NATIVE else 'NO (numpy fallback)'}")
 
 
-def main_report(combos: list[ComboResult], command: str, args: argparse.Namespace, elapsed: float) -> str:
+def main_report(combos: list[ComboResult], command: str, args: argparse.Namespace, elapsed: float,
+                load: tuple[float, float]) -> str:
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     notes = []
     for c in combos:
@@ -843,7 +903,8 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         for method, err in c.errors.items():
             notes.append(f"- {c.size_mib} MiB x {c.ranks} ranks, {method}: {err}")
     return "\n".join([
-        f"Measured {now} with `{command}` ({elapsed / 60:.1f} min) on {machine()}.",
+        f"Measured {now} with `{command}` ({elapsed / 60:.1f} min) on {machine()}; 1-min load average "
+        f"{load[0]:.1f} at the start, {load[1]:.1f} at the end (other jobs share the machine).",
         "",
         "What is measured (ranks = separate processes, one gloo group; every repetition starts on all "
         "ranks together and counts its slowest rank; every rank process runs `torch.set_num_threads(1)`):",
@@ -857,7 +918,8 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         f"`--compute-factor` ({args.compute_factor:g}) x the raw copy time (`time.sleep`: on a GPU "
         "machine compute does not use the host CPU); *clean* = `SnapshotStats.clean_at` - start; "
         "*copy* = the worker's begin..commit; *restore* = `Restorer.restore()` from agent memory "
-        "(checksums verified) into the zeroed state tensors.",
+        "(checksums verified) into the zeroed state tensors; *1st snapshot()* = the warm-up call, "
+        "which registers (the agent creates and pre-faults both slots; once per process start).",
         "- **torch.save** of the same state dict to /dev/shm (stall = clean = save time); restore = "
         "`torch.load(weights_only=True)` (new tensors, no copy into the model).",
         "- **dcp**: `torch.distributed.checkpoint.async_save` to a /dev/shm directory (default stager, "
@@ -872,7 +934,12 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "",
         results_table(combos),
         "",
-        "Targets (ratios of medians of this run):",
+        "Restore from agent memory, step by step (medians; the steps are timed in separate restores "
+        "without the cross-rank agreement, so they need not add up exactly):",
+        "",
+        restore_table(combos),
+        "",
+        "Targets: ratio of the medians of this run, PASS/FAIL, (ratio of the minima):",
         "",
         targets_table(combos),
         "",
@@ -890,7 +957,8 @@ def demo_report(d: DemoResult, command: str) -> str:
              f"`scripts/pretrain_gpt.py --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 "
              f"--train-iters {d.iterations}`, without and with `--inmem-ckpt` (persist interval 0); median "
              f"iteration time (slowest rank per iteration, from `progress/rank*.jsonl`) excluding the first "
-             f"5 iterations.", ""]
+             f"5 iterations. On this CPU-only machine the snapshot copy competes with training for the "
+             f"cores. 1-min load average {d.load[0]:.1f} before, {d.load[1]:.1f} after.", ""]
     if d.off_s is not None or d.on_s is not None:
         overhead = f"{(d.on_s / d.off_s - 1) * 100:+.1f}%" if d.on_s and d.off_s else "n/a"
         lines += ["| snapshots off | every iteration | overhead |", "|---|---|---|",
@@ -900,8 +968,11 @@ def demo_report(d: DemoResult, command: str) -> str:
 
 
 def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[str] = None) -> None:
-    """Replace this benchmark's section of ``path`` (other sections untouched); the main part and
-    the demo subsection are updated independently."""
+    """Rewrite this benchmark's section of ``path``; other ``## `` sections stay as they are.
+
+    Inside the section, the text before the first ``### `` heading is the main report (replaced
+    by a main run), the ``### Demo iteration time`` subsection is replaced by a demo run, and any
+    other ``### `` subsection (e.g. hand-written analysis) is kept."""
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
@@ -910,11 +981,21 @@ def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[s
     else:
         end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
         before, old, after = lines[:start], lines[start + 1:end], lines[end:]
-    split = next((i for i, ln in enumerate(old) if ln.startswith(DEMO_HEADING)), len(old))
-    old_main, old_demo = "\n".join(old[:split]).strip(), "\n".join(old[split:]).strip()
-    main_part = main_body.strip() if main_body is not None else old_main
-    demo_part = demo_body.strip() if demo_body is not None else old_demo
-    section = [SECTION, ""] + ([main_part, ""] if main_part else []) + ([demo_part, ""] if demo_part else [])
+    heads = [i for i, ln in enumerate(old) if ln.startswith("### ")]
+    main_part = "\n".join(old[: heads[0] if heads else len(old)]).strip()
+    subs = ["\n".join(old[a:b]).strip() for a, b in zip(heads, heads[1:] + [len(old)])]
+    if main_body is not None:
+        main_part = main_body.strip()
+    if demo_body is not None:
+        demo = [i for i, sub in enumerate(subs) if sub.startswith(DEMO_HEADING)]
+        if demo:
+            subs[demo[0]] = demo_body.strip()
+        else:
+            subs.insert(0, demo_body.strip())
+    section = [SECTION, ""]
+    for part in [main_part] + subs:
+        if part:
+            section += [part, ""]
     while before and not before[-1].strip():
         before.pop()
     out = "\n".join(before + ([""] if before else []) + section + after).rstrip() + "\n"
@@ -947,8 +1028,8 @@ def run_demo_job(b: Bench, name: str, iters: int, inmem: bool) -> float:
     run_id = f"{b.run_id}-demo-{name}"
     run_dir = os.path.join(b.workdir, f"demo-{name}")
     os.makedirs(run_dir, exist_ok=True)
-    cfg = ftconfig.replace(ftconfig.load(), run_id=run_id,
-                           agent={"socket_dir": os.path.join(b.workdir, "sock")},
+    cfg = ftconfig.replace(ftconfig.FTConfig(), run_id=run_id,  # 2 nodes x 2 ranks, TP1 PP2
+                           snapshot={"interval": 1}, agent={"socket_dir": os.path.join(b.workdir, "sock")},
                            persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False},
                            launch={"rdzv_port": free_port()})
     cfg_path = os.path.join(b.workdir, f"{run_id}.yaml")
@@ -992,6 +1073,7 @@ def demo_accepts_inmem_ckpt() -> bool:
 
 def run_demo(b: Bench, iters: int) -> DemoResult:
     d = DemoResult(iterations=iters)
+    load0 = os.getloadavg()[0]
     integrated = demo_accepts_inmem_ckpt()
     for name, inmem in (("off", False), ("on", True)):
         if inmem and not integrated:
@@ -1006,6 +1088,7 @@ def run_demo(b: Bench, iters: int) -> DemoResult:
         except Exception as e:
             d.notes.append(f"snapshots {name}: FAILED: {str(e).strip().splitlines()[0]}")
             traceback.print_exc()
+    d.load = (load0, os.getloadavg()[0])
     return d
 
 
@@ -1062,7 +1145,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
-    t_start = time.time()
+    t_start, load_start = time.time(), os.getloadavg()[0]
     try:
         if args.demo_iterations:
             d = run_demo(bench, args.demo_train_iters)
@@ -1074,7 +1157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0 if d.off_s is not None else 1
         print(f"[bench] run id {run_id}; {machine()}", flush=True)
         combos = [run_combo(bench, s, r) for s in args.size_list for r in args.rank_list]
-        body = main_report(combos, command, args, time.time() - t_start)
+        body = main_report(combos, command, args, time.time() - t_start, (load_start, os.getloadavg()[0]))
         print("\n" + SECTION + "\n\n" + body)
         if args.out:
             update_doc(args.out, main_body=body)

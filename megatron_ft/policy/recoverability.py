@@ -178,22 +178,17 @@ class Placement:
 
 
 def placement_strategy(n: int, m: int) -> tuple[list[list[int]], str]:
-    """GEMINI Algorithm 1, literally (0-based node ids).
+    """GEMINI Algorithm 1 (0-based node ids), from the planner :mod:`megatron_ft.redundancy.gemini`.
 
     >>> placement_strategy(4, 2)
     ([[0, 1], [2, 3]], 'group')
     >>> placement_strategy(5, 2)          # the remainder joins the last group, which becomes a ring
     ([[0, 1], [2, 3, 4]], 'mixed')
     """
-    if m < 1 or n < m:
-        raise ValueError(f"need 1 <= m <= N for {m} replicas on {n} nodes")
-    g = n // m
-    groups = [[m * i + j for j in range(m)] for i in range(g)]
-    strategy = "group"
-    if n % m:
-        strategy = "mixed"
-        groups[-1].extend(range(g * m, n))
-    return groups, strategy
+    from ..redundancy.gemini import placement_strategy as algorithm1
+
+    groups, strategy = algorithm1(n, m)
+    return [list(g) for g in groups], strategy
 
 
 def _split(n: int, size: int) -> list[tuple[int, ...]]:
