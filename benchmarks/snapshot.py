@@ -142,10 +142,10 @@ class MegatronFTResult:
     clean: Stat  # clean_at - start
     restore: Stat  # Restorer.restore() from agent memory
     first_call: Stat  # the warm-up snapshot() call: registration, the agent creates + pre-faults 2 slots
-    restore_map: Stat  # breakdown of a restore, measured separately: Container() (mmap + MAP_POPULATE)
-    restore_verify: Stat  # identity + checksums of every chunk
-    restore_copy: Stat  # resolve_targets + load_into (memmove into the tensors)
-    restore_unmap: Stat  # Container.close()
+    restore_map: Stat  # breakdown of a restore, measured separately: Container() (pread header + records)
+    restore_verify: Stat  # identity, layout and destinations (check_identity + resolve_targets)
+    restore_copy: Stat  # load_verified: pread straight into the tensors, every chunk checksummed
+    restore_unmap: Stat  # finish_load (shard all-gathers, JSON record) + close
 
 
 @dataclass
@@ -393,10 +393,11 @@ def restore_breakdown(rc: RankContext, client: AgentClient, identity: dict, adap
         cont = recovery.Container(path)
         t1 = time.perf_counter()
         cont.check_identity(identity, step)
-        cont.verify()
+        targets = recovery.resolve_targets(cont, adapter)
         t2 = time.perf_counter()
-        recovery.load_into(cont, adapter, recovery.resolve_targets(cont, adapter))
+        cont.load_verified(targets)
         t3 = time.perf_counter()
+        recovery.finish_load(cont, adapter, targets)
         cont.close()
         t4 = time.perf_counter()
         for key, dt in zip(keys, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -826,8 +827,8 @@ def results_table(combos: list[ComboResult]) -> str:
 
 def restore_table(combos: list[ComboResult]) -> str:
     """Where a megatron-ft restore spends its time, next to the raw copy of the same bytes."""
-    rows = ["| state/rank | ranks | restore | = map (MAP_POPULATE) | + verify checksums | + copy into tensors "
-            "| + unmap | raw copy | torch.load |", "|" + "---|" * 9]
+    rows = ["| state/rank | ranks | restore | = open (records) | + check identity/layout | + read into tensors "
+            "and verify | + finish | raw copy | torch.load |", "|" + "---|" * 9]
     for c in combos:
         m = c.mft
         if c.skipped or m is None:

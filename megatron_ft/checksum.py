@@ -37,6 +37,12 @@ def _load_native() -> Optional[ctypes.CDLL]:
         fn = lib.mft_copy_checksum
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
         fn.restype = ctypes.c_uint64
+        lib.mft_fl_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        lib.mft_fl_update.restype = None
+        lib.mft_fl_zeros.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        lib.mft_fl_zeros.restype = None
+        lib.mft_fl_final.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        lib.mft_fl_final.restype = ctypes.c_uint64
         return lib
     return None
 
@@ -101,3 +107,54 @@ def copy_checksum(dst: torch.Tensor | np.ndarray | None, src: torch.Tensor | np.
 
 def checksum(buf: torch.Tensor | np.ndarray) -> int:
     return copy_checksum(None, buf)
+
+
+class ChunkSum:
+    """The checksum of one chunk of ``nbytes``, fed piece by piece in address order, as if
+    ``checksum(chunk)`` were computed over the assembled bytes.
+
+    Pieces start at 32-byte aligned offsets; the bytes between pieces (alignment padding) are
+    zero. ``write`` copies a piece into the chunk's destination while summing it (one pass);
+    ``add`` sums bytes that are already in place (e.g. just read into a tensor). Without the
+    native library the pieces are assembled in a bounce buffer and summed with numpy."""
+
+    def __init__(self, nbytes: int, dst_chunk: Optional[np.ndarray] = None):
+        self.nbytes = nbytes
+        self.dst = dst_chunk
+        self.pos = 0  # bytes accounted for (a multiple of 32 between pieces)
+        self._state = (ctypes.c_uint64 * 8)() if _LIB is not None else None
+        self._bounce = np.zeros(nbytes, np.uint8) if _LIB is None and dst_chunk is None else None
+
+    def _advance(self, offset: int, n: int) -> None:
+        if offset < self.pos or offset % 32 or offset + n > self.nbytes:
+            raise ValueError(f"piece [{offset}, {offset + n}) of a {self.nbytes}-byte chunk is out of order, "
+                             f"out of range or not 32-byte aligned")
+        if self._state is not None:
+            _LIB.mft_fl_zeros(self._state, (offset - self.pos) // 32)
+        self.pos = offset + -(-n // 32) * 32
+
+    def write(self, offset: int, src: torch.Tensor | np.ndarray) -> None:
+        assert self.dst is not None, "ChunkSum.write needs a destination chunk"
+        n = _nbytes(src)
+        dst = self.dst[offset: offset + n]
+        self._advance(offset, n)
+        if self._state is None:
+            np.copyto(dst, _as_bytes(src))
+        else:
+            _LIB.mft_fl_update(self._state, dst.ctypes.data, _address(src), n)
+
+    def add(self, offset: int, buf: torch.Tensor | np.ndarray) -> None:
+        n = _nbytes(buf)
+        self._advance(offset, n)
+        if self._state is None:
+            target = self.dst if self.dst is not None else self._bounce
+            if self.dst is None:
+                np.copyto(target[offset: offset + n], _as_bytes(buf))
+        else:
+            _LIB.mft_fl_update(self._state, None, _address(buf), n)
+
+    def finish(self) -> int:
+        if self._state is None:
+            return checksum_numpy(self.dst if self.dst is not None else self._bounce)
+        _LIB.mft_fl_zeros(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
+        return int(_LIB.mft_fl_final(self._state, self.nbytes))

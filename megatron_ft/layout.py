@@ -146,6 +146,20 @@ class Layout:
             out.append(Piece(idx, s - e.offset, t - e.offset, s))
         return out
 
+    def all_pieces(self) -> list[list[Piece]]:
+        """``pieces(i)`` for every chunk in one sweep over the tensors (O(tensors + chunks)); a
+        snapshot engine computes this once per layout, not per snapshot."""
+        out: list[list[Piece]] = [[] for _ in range(self.num_chunks)]
+        cs = self.chunk_size
+        for idx, e in enumerate(self.entries):
+            pos, end = e.offset, e.end
+            while pos < end:
+                chunk = pos // cs
+                stop = min(end, (chunk + 1) * cs)
+                out[chunk].append(Piece(idx, pos - e.offset, stop - e.offset, pos))
+                pos = stop
+        return out
+
     def by_name(self) -> dict[str, TensorEntry]:
         return {e.spec.name: e for e in self.entries}
 

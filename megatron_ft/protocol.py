@@ -15,6 +15,7 @@ begin      rank, step                                  slot (index) | ok=false "
 commit     rank, slot, step                            -
 abort      rank, slot                                  -
 global     rank, step (consistent on every rank)       -
+invalidate rank, step (found corrupt at restore)       invalidated (bool)
 list       rank                                        versions: [{slot, step, state, path}]
 status     -                                           table of every rank's versions, persists
 persist    step                                        queued (bool)

@@ -15,8 +15,9 @@ model half overwritten.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -24,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checksum, shm, snapfile
+from . import checksum, snapfile
 from .agent import persist
 from .layout import Layout
 from .protocol import AgentClient
@@ -32,6 +33,8 @@ from .state import StateAdapter
 
 log = logging.getLogger("megatron_ft.recovery")
 MAX_CANDIDATES = 4
+# threads reading a snapshot back (read + checksum release the GIL); restore runs before training
+RESTORE_THREADS = min(4, os.cpu_count() or 1)
 
 
 @dataclass
@@ -51,19 +54,23 @@ class RestoreResult:
 
 
 class Container:
-    """A snapshot container (shared-memory slot or persisted file) opened read-only."""
+    """A snapshot container (shared-memory slot or persisted file), read with ``pread``.
+
+    Reading with ``pread`` instead of mapping the file avoids building (and tearing down) page
+    tables for every page of a multi-GiB slot: the kernel copies straight into the tensors."""
 
     def __init__(self, path: str):
         self.path = path
-        self.seg = shm.open_segment(path, writable=False, populate=True)
-        self.header = snapfile.read_header(self.seg.mm)
-        self.layout: Layout = snapfile.read_layout(self.seg.mm, self.header)
-        self.version = snapfile.read_version(self.seg.mm, self.header) if self.header.version_len else {}
-
-    @property
-    def data(self):
-        g = self.header.geometry
-        return self.seg.array[g.data_off: g.data_off + g.data_len]
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
+            g = self.header.geometry
+            head = os.pread(self.fd, g.version_off + self.header.version_len, 0)  # header + both records
+            self.layout: Layout = snapfile.read_layout(head, self.header)
+            self.version = snapfile.read_version(head, self.header) if self.header.version_len else {}
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def check_identity(self, identity: dict, step: Optional[int] = None) -> None:
         if self.header.state != snapfile.CLEAN:
@@ -78,22 +85,91 @@ class Container:
         if self.version.get("checksum") != checksum.ALGORITHM:
             raise snapfile.SnapshotFormatError(f"{self.path}: checksum algorithm {self.version.get('checksum')!r} "
                                                f"is not {checksum.ALGORITHM!r}")
+        if len(self.version.get("chunks", [])) != self.layout.num_chunks:
+            raise snapfile.SnapshotFormatError(f"{self.path}: {len(self.version.get('chunks', []))} checksums for "
+                                               f"{self.layout.num_chunks} chunks")
+
+    def load_verified(self, targets: dict) -> None:
+        """Read every tensor straight into its destination and verify each chunk's checksum in the
+        same pass (the bytes are summed while still in cache). Raises on the first mismatch; the
+        destinations may then hold part of this snapshot (the caller handles that)."""
+        sums = self.version["chunks"]
+        base = self.header.geometry.data_off
+        names = [e.spec.name for e in self.layout.entries]
+        views = {n: targets[n].saved_view().reshape(-1) for n in names}
+        all_pieces = self.layout.all_pieces()
+
+        def one_chunk(i: int) -> Optional[str]:
+            lo, hi = self.layout.chunk_bounds(i)
+            chunk = checksum.ChunkSum(hi - lo)
+            for p in all_pieces[i]:
+                dst = views[names[p.entry_index]]
+                if dst.device.type == "cpu":
+                    part = _byte_view(dst)[p.src_start:p.src_end]
+                else:  # GPU path: through a host buffer
+                    part = torch.empty(p.src_end - p.src_start, dtype=torch.uint8)
+                _pread_into(self.fd, part, base + p.dst_offset)
+                chunk.add(p.dst_offset - lo, part)
+                if dst.device.type != "cpu":  # GPU path
+                    _byte_view_gpu(dst)[p.src_start:p.src_end].copy_(part)
+            got = chunk.finish()
+            if f"{got:016x}" != sums[i]:
+                return f"{self.path}: chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})"
+            return None
+
+        # chunks are independent and the read + checksum calls release the GIL: use the idle cores
+        workers = max(1, min(RESTORE_THREADS, self.layout.num_chunks))
+        if workers == 1:
+            errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
+                errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
+        bad = [e for e in errors if e]
+        if bad:
+            raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
 
     def verify(self) -> None:
-        """Recompute every chunk checksum; raise on the first mismatch."""
-        sums = self.version.get("chunks", [])
-        if len(sums) != self.layout.num_chunks:
-            raise snapfile.SnapshotFormatError(f"{self.path}: {len(sums)} checksums for {self.layout.num_chunks} chunks")
-        data = self.data
+        """Recompute every chunk checksum without touching any training state."""
+        sums = self.version["chunks"]
+        base = self.header.geometry.data_off
+        buf = torch.empty(self.layout.chunk_size, dtype=torch.uint8)
         for i in range(self.layout.num_chunks):
             lo, hi = self.layout.chunk_bounds(i)
-            got = checksum.checksum(data[lo:hi])
-            if f"{got:016x}" != sums[i]:
-                raise snapfile.SnapshotFormatError(f"{self.path}: chunk {i} checksum mismatch "
-                                                   f"(stored {sums[i]}, computed {got:016x})")
+            part = buf[: hi - lo]
+            _pread_into(self.fd, part, base + lo)
+            if f"{checksum.checksum(part):016x}" != sums[i]:
+                raise snapfile.SnapshotFormatError(f"{self.path}: chunk {i} checksum mismatch")
 
     def close(self) -> None:
-        self.seg.close()
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _byte_view_gpu(t: torch.Tensor) -> torch.Tensor:  # GPU path
+    return t.view(torch.uint8)
+
+
+_PREAD_BLOCK = 1 << 30
+
+
+def _pread_into(fd: int, dst: torch.Tensor, offset: int) -> None:
+    """Fill the contiguous CPU uint8 tensor ``dst`` from ``fd`` at ``offset`` (releases the GIL)."""
+    n = dst.numel()
+    if not n:
+        return
+    mv = memoryview(dst.numpy()).cast("B")
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [mv[done: min(n, done + _PREAD_BLOCK)]], offset + done)
+        if got <= 0:
+            raise snapfile.SnapshotFormatError(f"snapshot ends early: {n - done} bytes missing at offset {offset + done}")
+        done += got
 
 
 def resolve_targets(container: Container, adapter: StateAdapter) -> dict:
@@ -109,19 +185,9 @@ def resolve_targets(container: Container, adapter: StateAdapter) -> dict:
     return targets
 
 
-def load_into(container: Container, adapter: StateAdapter, targets: dict) -> None:
-    """Copy a verified container's tensors into their destinations, re-assemble data-parallel
-    shards (all-gather over each shard's group) and apply the JSON record."""
-    data = container.data
-    for e in container.layout.entries:
-        dst = targets[e.spec.name].saved_view()
-        if not e.spec.nbytes:
-            continue
-        src = data[e.offset: e.offset + e.spec.nbytes]
-        if dst.device.type == "cpu":
-            ctypes.memmove(dst.data_ptr(), src.ctypes.data, e.spec.nbytes)  # releases the GIL
-        else:  # GPU path: host bytes -> device tensor
-            dst.copy_(torch.from_numpy(src.copy()).view(dst.dtype).view(dst.shape))
+def finish_load(container: Container, adapter: StateAdapter, targets: dict) -> None:
+    """After every rank verified its bytes: re-assemble data-parallel shards (all-gather over each
+    shard's group) and apply the JSON record."""
     for e in container.layout.entries:
         if e.spec.shard is not None:
             _gather_shard(targets[e.spec.name])
@@ -191,8 +257,15 @@ class Restorer:
 
     # ------------------------------------------------------------------ restore
     def restore(self, adapter: StateAdapter) -> RestoreResult:
+        """Try every common candidate, newest first, tier by tier. Each candidate: all ranks check
+        header, identity and layout (nothing touched yet) and agree; then each reads its bytes
+        straight into the training state verifying every chunk, and all agree again. A candidate
+        that fails the second agreement is invalidated where it was corrupt and the next one
+        overwrites the state completely; if none is left, :class:`RestoreFailed` is raised so the
+        process restarts clean instead of training on half-restored state."""
         t0 = time.perf_counter()
         rejected: list[str] = []
+        touched = False
         for tier, cands in (("local_memory", self.local_candidates), ("disk", self.disk_candidates)):
             by_step = {c.step: c for c in cands()}
             for step in self._common_steps(list(by_step)):
@@ -202,20 +275,50 @@ class Restorer:
                 try:
                     cont = Container(by_step[step].path)
                     cont.check_identity(self.identity, step)
-                    cont.verify()
                     targets = resolve_targets(cont, adapter)
                 except (snapfile.SnapshotFormatError, OSError, ValueError, KeyError) as e:
                     ok = False
                     rejected.append(f"{tier} step {step}: {e}")
                     log.warning("rank %d: rejecting %s step %d: %s", self.rank, tier, step, e)
+                if not self._all_ok(ok):
+                    if ok:
+                        rejected.append(f"{tier} step {step}: rejected by another rank")
+                    if cont is not None:
+                        cont.close()
+                    continue
+                assert cont is not None
+                touched = True
+                try:
+                    cont.load_verified(targets)
+                    ok = True
+                except (snapfile.SnapshotFormatError, OSError) as e:
+                    ok = False
+                    rejected.append(f"{tier} step {step}: {e}")
+                    log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
+                    self._invalidate(by_step[step])
                 if self._all_ok(ok):
-                    assert cont is not None
-                    load_into(cont, adapter, targets)
+                    finish_load(cont, adapter, targets)
                     extra = cont.version.get("extra", {})
                     cont.close()
                     return RestoreResult(tier, step, time.perf_counter() - t0, extra, rejected)
-                if cont is not None:
-                    cont.close()
+                cont.close()
                 if ok:
-                    rejected.append(f"{tier} step {step}: rejected by another rank")
+                    rejected.append(f"{tier} step {step}: corrupt on another rank")
+        if touched:
+            raise RestoreFailed(f"rank {self.rank}: every snapshot candidate failed after loading began "
+                                f"({rejected}); the corrupt copies were invalidated, restart to begin fresh")
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
+
+    def _invalidate(self, cand: Candidate) -> None:
+        """Make sure a corrupt copy is never offered again."""
+        try:
+            if cand.source == "local_memory" and self.client is not None:
+                self.client.request("invalidate", rank=self.rank, step=cand.step)
+            elif cand.source == "disk":
+                os.replace(cand.path, cand.path + ".corrupt")
+        except Exception as e:  # best effort: the checksum still rejects it next time
+            log.warning("rank %d: could not invalidate %s step %d: %s", self.rank, cand.source, cand.step, e)
+
+
+class RestoreFailed(RuntimeError):
+    """State was partly overwritten by snapshots that then failed verification; restart the process."""

@@ -75,6 +75,7 @@ class SnapshotEngine:
         self.coord_group = coord_group
         self.agree = agree and dist.is_available() and dist.is_initialized()
         self.layout: Optional[Layout] = None
+        self._pieces: list = []  # layout.all_pieces(), computed once per registration
         self._slots: list[shm.Segment] = []
         self._q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._pending: Optional[_Job] = None
@@ -138,6 +139,7 @@ class SnapshotEngine:
             seg.close()
         self._slots = [shm.open_segment(p) for p in reply["slots"]]
         self.layout = layout
+        self._pieces = layout.all_pieces()
         log.info("rank %d: registered %d tensors, %.1f MiB in %d chunks (%s)", self.rank, len(specs),
                  layout.data_nbytes / 2**20, layout.num_chunks, "adopted" if reply.get("adopted") else "new slots")
 
@@ -175,22 +177,14 @@ class SnapshotEngine:
         area = seg.array[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
         sources = [_bytes_of(t.saved_view()) for t in job.tensors]
         sums = []
-        for i in range(layout.num_chunks):
+        for i, pieces in enumerate(self._pieces):
             lo, hi = layout.chunk_bounds(i)
-            pieces = layout.pieces(i)
-            if len(pieces) == 1 and pieces[0].dst_offset == lo and pieces[0].src_end - pieces[0].src_start == hi - lo:
-                p = pieces[0]
-                sums.append(checksum.copy_checksum(area[lo:hi], sources[p.entry_index][p.src_start:p.src_end]))
-            else:
-                for k, p in enumerate(pieces):
-                    n = p.src_end - p.src_start
-                    checksum.copy_checksum(area[p.dst_offset: p.dst_offset + n],
-                                           sources[p.entry_index][p.src_start:p.src_end])
-                    if i == 0 and k == 0:
-                        faults.maybe_fail("mid-copy", job.step, self.rank)
-                sums.append(checksum.checksum(area[lo:hi]))
-            if i == 0:
-                faults.maybe_fail("mid-copy", job.step, self.rank)
+            chunk = checksum.ChunkSum(hi - lo, area[lo:hi])
+            for k, p in enumerate(pieces):
+                chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
+                if i == 0 and k == 0:
+                    faults.maybe_fail("mid-copy", job.step, self.rank)
+            sums.append(chunk.finish())
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)

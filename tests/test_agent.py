@@ -227,3 +227,23 @@ def test_shared_memory_limit_refuses_registration_and_training_goes_on(job_confi
         assert "retrying at step" in eng.history[1].error  # no second attempt right away
     finally:
         a.kill()
+
+
+def test_corrupt_only_version_is_invalidated_and_restore_fails_loudly(agent):
+    """Loading began from a snapshot that then failed its checksum and nothing else is left: the
+    trainer must not train on half-restored state (RestoreFailed), and the corrupt copy is gone."""
+    from megatron_ft.recovery import RestoreFailed
+
+    c = agent.client()
+    train_and_snapshot(c, agent.cfg, 1)
+    [v] = c.request("list", rank=0)["versions"]
+    seg = shm.open_segment(v["path"])
+    hdr = snapfile.read_header(seg.mm)
+    seg.mm[hdr.geometry.data_off + hdr.geometry.data_len - 8] ^= 0x01  # last chunk
+    seg.close()
+    m2, opt2 = make_model(seed=1)
+    with pytest.raises(RestoreFailed, match="chunk .* checksum mismatch"):
+        restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert c.request("list", rank=0)["versions"] == []  # invalidated at the agent
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))  # the restarted process
+    assert res.source == "none"

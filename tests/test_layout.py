@@ -103,3 +103,30 @@ def test_container_header_and_records():
     bad[0:8] = b"NOTASNAP"
     with pytest.raises(snapfile.SnapshotFormatError, match="magic"):
         snapfile.read_header(bad)
+
+
+def test_all_pieces_equals_per_chunk_pieces():
+    rng = np.random.default_rng(3)
+    specs = [TensorSpec(f"t{i}", "float32", (int(n),)) for i, n in enumerate(rng.integers(0, 3000, 40))]
+    for chunk in (64, 1024, 4096, 1 << 20):
+        lay = plan_layout(specs, chunk)
+        assert lay.all_pieces() == [lay.pieces(i) for i in range(lay.num_chunks)]
+
+
+def test_streaming_chunk_checksum_equals_checksum_of_the_assembled_chunk():
+    """Streaming checksum over pieces + zero padding == checksum of the finished chunk bytes."""
+    rng = np.random.default_rng(5)
+    specs = [TensorSpec(f"t{i}", "uint8", (int(n),)) for i, n in enumerate(rng.integers(0, 700, 25))]
+    lay = plan_layout(specs, 1024)
+    data = [rng.integers(0, 256, s.numel, dtype=np.uint8) for s in specs]
+    area = np.zeros(lay.data_nbytes, np.uint8)
+    for i, pieces in enumerate(lay.all_pieces()):
+        lo, hi = lay.chunk_bounds(i)
+        w = checksum.ChunkSum(hi - lo, area[lo:hi])
+        r = checksum.ChunkSum(hi - lo)
+        for p in pieces:
+            w.write(p.dst_offset - lo, data[p.entry_index][p.src_start:p.src_end])
+            r.add(p.dst_offset - lo, data[p.entry_index][p.src_start:p.src_end])
+        assert w.finish() == checksum.checksum_numpy(area[lo:hi]) == r.finish(), i
+    for e, d in zip(lay.entries, data):
+        assert np.array_equal(area[e.offset:e.offset + e.spec.nbytes], d)

@@ -35,10 +35,17 @@ typedef uint64_t lanes_t __attribute__((vector_size(32)));
 #define MFT_CLONES
 #endif
 
-/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the checksum of src. */
+/* Streaming form, for a chunk assembled from several pieces: the state is the 8 lane values.
+ * mft_fl_update copies (dst may be NULL) and adds n bytes; a tail of n % 32 bytes is padded with
+ * zeros, which is exact when the bytes that follow in the chunk up to the next 32-byte boundary
+ * are zero (alignment padding). mft_fl_zeros adds `groups` all-zero 32-byte groups. */
+typedef struct { uint64_t a[4], b[4]; } mft_fl_state; /* plain arrays: no alignment demands on callers */
+
 MFT_CLONES
-uint64_t mft_copy_checksum(void *dst, const void *src, uint64_t nbytes) {
-    lanes_t a = {0, 0, 0, 0}, b = {0, 0, 0, 0};
+void mft_fl_update(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes) {
+    lanes_t a, b;
+    memcpy(&a, st->a, 32);
+    memcpy(&b, st->b, 32);
     const unsigned char *s = (const unsigned char *)src;
     unsigned char *d = (unsigned char *)dst;
     uint64_t full = nbytes / 32;
@@ -63,8 +70,23 @@ uint64_t mft_copy_checksum(void *dst, const void *src, uint64_t nbytes) {
         if (d) memcpy(d + 32 * full, s + 32 * full, rest);
         a += w; b += a;
     }
-    uint64_t av[4], bv[4];
-    memcpy(av, &a, 32);
-    memcpy(bv, &b, 32);
-    return fold(av, bv, nbytes);
+    memcpy(st->a, &a, 32);
+    memcpy(st->b, &b, 32);
 }
+
+void mft_fl_zeros(mft_fl_state *st, uint64_t groups) {
+    for (int l = 0; l < 4; l++) st->b[l] += groups * st->a[l];
+}
+
+uint64_t mft_fl_final(const mft_fl_state *st, uint64_t nbytes) {
+    return fold(st->a, st->b, nbytes);
+}
+
+/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the checksum of src. */
+uint64_t mft_copy_checksum(void *dst, const void *src, uint64_t nbytes) {
+    mft_fl_state st;
+    memset(&st, 0, sizeof st);
+    mft_fl_update(&st, dst, src, nbytes);
+    return mft_fl_final(&st, nbytes);
+}
+

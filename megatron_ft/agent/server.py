@@ -197,6 +197,17 @@ class Agent:
                 snapfile.set_state(slot.segment.mm, snapfile.EMPTY)
                 slot.state, slot.step = snapfile.EMPTY, -1
 
+    def invalidate(self, rank: int, step: int) -> bool:
+        """A trainer found this version corrupt: never offer it again."""
+        with self.lock:
+            slot = self._rec(rank).slot_with(step)
+            if slot is None:
+                return False
+            snapfile.set_state(slot.segment.mm, snapfile.EMPTY)
+            slot.state, slot.step = snapfile.EMPTY, -1
+            log.warning("agent node %d: rank %d step %d invalidated (corrupt)", self.node, rank, step)
+            return True
+
     def mark_global(self, rank: int, step: int) -> None:
         """``step`` is clean on every rank of the job (the trainers agreed on it)."""
         with self.lock:
@@ -399,6 +410,8 @@ class Agent:
         if op == "abort":
             self.abort(int(msg["rank"]), int(msg["slot"]))
             return {}
+        if op == "invalidate":
+            return {"invalidated": self.invalidate(int(msg["rank"]), int(msg["step"]))}
         if op == "global":
             self.mark_global(int(msg["rank"]), int(msg["step"]))
             return {}
