@@ -145,7 +145,8 @@ def test_save_at_breakpoint_and_disk_fallback(agent):
     base = agent.cfg.persist.dir
     deadline = time.time() + 30
     while persist.complete_steps(base, agent.cfg.run_id, 1) != [3]:
-        assert time.time() < deadline, agent.log()
+        if time.time() > deadline:  # a wait limit, not a performance check
+            pytest.fail(f"step 3 was never persisted at breakpoint:\n{agent.log()}")
         time.sleep(0.05)
     agent.stop()  # clean shutdown removes the segments
     assert shm.list_segments(agent.cfg.agent.shm_dir, agent.cfg.run_id, 0) == []
