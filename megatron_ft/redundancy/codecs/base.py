@@ -401,6 +401,37 @@ class Codec(abc.ABC):
         """Write bytes ``[lo, hi)`` of the erased shards ``dsts`` from the survivors ``srcs``."""
 
 
+class MatrixCodec(Codec):
+    """A Reed-Solomon codec driven by a parity matrix: encoding runs a plan built from
+    ``parity_rows``; decoding runs a plan built (and cached) from the decode matrix of each
+    erasure pattern. Subclasses set ``parity_rows``, ``_enc_plan = _make_plan(parity_rows)`` and
+    ``_plans = LRUCache(...)``, and implement :meth:`_make_plan` and :meth:`_run_plan`."""
+
+    parity_rows: List[List[int]]
+    _enc_plan: Any
+    _plans: "LRUCache"
+
+    @abc.abstractmethod
+    def _make_plan(self, rows: List[List[int]]) -> Any:
+        """Precompute what :meth:`_run_plan` needs to apply the GF(2^8) matrix ``rows``."""
+
+    @abc.abstractmethod
+    def _run_plan(self, plan: Any, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
+        """Apply ``plan`` to bytes ``[lo, hi)``: ``dsts[i] = sum_j rows[i][j] * srcs[j]``."""
+
+    def _encode_range(self, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
+        self._run_plan(self._enc_plan, srcs, dsts, lo, hi)
+
+    def _decode_plan(self, survivors: Tuple[int, ...], erased: Tuple[int, ...]) -> Any:
+        from . import gf256
+
+        return self._plans.get_or((survivors, erased), lambda: self._make_plan(
+            gf256.decode_matrix(self.k, self.parity_rows, survivors, erased)))
+
+    def _decode_range(self, plan: Any, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
+        self._run_plan(plan, srcs, dsts, lo, hi)
+
+
 def validate_km(name: str, k: Any, m: Any, max_k: int, max_m: int) -> Tuple[int, int]:
     """Check ``k`` and ``m`` and return them as ints (clear :class:`CodecParameterError` otherwise)."""
     for what, v, hi in (("k", k, max_k), ("m", m, max_m)):

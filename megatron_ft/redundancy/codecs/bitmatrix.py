@@ -38,7 +38,7 @@ from typing import List, Tuple
 import numpy as np
 
 from . import gf256
-from .base import RS_MAX_K, RS_MAX_M, Codec, CodecDescriptor, CodecParameterError, LRUCache, validate_km
+from .base import RS_MAX_K, RS_MAX_M, MatrixCodec, CodecDescriptor, CodecParameterError, LRUCache, validate_km
 
 #: packet size of new rs-numpy codecs (recorded in the descriptor: it determines the bytes).
 #: 1-D packets this large keep numpy's per-call overhead small beside the XOR itself.
@@ -179,7 +179,7 @@ class _BitPlan:
     xor_only: bool
 
 
-class BitmatrixRSCodec(Codec):
+class BitmatrixRSCodec(MatrixCodec):
     """``rs-numpy``: Cauchy Reed-Solomon as an XOR-only bit-matrix code (``k`` 1..32, ``m`` 1..8)."""
 
     name = "rs-numpy"
@@ -280,12 +280,3 @@ class BitmatrixRSCodec(Codec):
         if pos < hi:
             gf256.matvec_bytes(plan.rows, srcs, dsts, pos, hi)
 
-    def _encode_range(self, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
-        self._run_plan(self._enc_plan, srcs, dsts, lo, hi)
-
-    def _decode_plan(self, survivors: Tuple[int, ...], erased: Tuple[int, ...]) -> _BitPlan:
-        return self._plans.get_or((survivors, erased), lambda: self._make_plan(
-            gf256.decode_matrix(self.k, self.parity_rows, survivors, erased)))
-
-    def _decode_range(self, plan: _BitPlan, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
-        self._run_plan(plan, srcs, dsts, lo, hi)

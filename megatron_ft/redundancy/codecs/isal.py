@@ -38,7 +38,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from . import gf256
-from .base import RS_MAX_K, RS_MAX_M, Codec, CodecDescriptor, CodecUnavailableError, LRUCache, validate_km
+from .base import RS_MAX_K, RS_MAX_M, MatrixCodec, CodecDescriptor, CodecUnavailableError, LRUCache, validate_km
 
 log = logging.getLogger("megatron_ft.redundancy.codecs")
 
@@ -215,7 +215,7 @@ class _Plan:
     extra: dict = field(default_factory=dict)
 
 
-class IsalRSCodec(Codec):
+class IsalRSCodec(MatrixCodec):
     """``rs-isal``: Cauchy Reed-Solomon, byte-wise over GF(2^8), ISA-L's matrix and kernels.
 
     ``k`` in 1..32, ``m`` in 1..8. Byte ``t`` of parity shard ``k+i`` is
@@ -281,12 +281,3 @@ class IsalRSCodec(Codec):
                 dp[i] = da[i] + o
             enc(n, k, r, tb, sp, dp)
 
-    def _encode_range(self, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
-        self._run_plan(self._enc_plan, srcs, dsts, lo, hi)
-
-    def _decode_plan(self, survivors: Tuple[int, ...], erased: Tuple[int, ...]) -> _Plan:
-        return self._plans.get_or((survivors, erased), lambda: self._make_plan(
-            gf256.decode_matrix(self.k, self.parity_rows, survivors, erased)))
-
-    def _decode_range(self, plan: _Plan, srcs: List[np.ndarray], dsts: List[np.ndarray], lo: int, hi: int) -> None:
-        self._run_plan(plan, srcs, dsts, lo, hi)
