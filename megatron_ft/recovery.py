@@ -128,18 +128,6 @@ class Container:
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
 
-    def verify(self) -> None:
-        """Recompute every chunk checksum without touching any training state."""
-        sums = self.version["chunks"]
-        base = self.header.geometry.data_off
-        buf = torch.empty(self.layout.chunk_size, dtype=torch.uint8)
-        for i in range(self.layout.num_chunks):
-            lo, hi = self.layout.chunk_bounds(i)
-            part = buf[: hi - lo]
-            _pread_into(self.fd, part, base + lo)
-            if f"{checksum.checksum(part):016x}" != sums[i]:
-                raise snapfile.SnapshotFormatError(f"{self.path}: chunk {i} checksum mismatch")
-
     def close(self) -> None:
         try:
             os.close(self.fd)

@@ -39,6 +39,10 @@ def identity(cfg):
     return {"run_id": cfg.run_id, "rank": 0, "world_size": 1}
 
 
+def a_status(client):
+    return client.request("status")["status"]
+
+
 def restorer(cfg, client):
     return Restorer(0, 1, identity(cfg), cfg.run_id, cfg.persist.dir, client)
 
@@ -170,8 +174,11 @@ def test_periodic_persist_and_retention(job_config, tmp_path):
     a = AgentProc(cfg, path).start()
     try:
         c = a.client()
-        train_and_snapshot(c, cfg, 7)
-        c.request("wait_persisted", timeout=30)
+        model = make_model()
+        for step in range(1, 8):  # one step at a time, each persist finished before the next snapshot
+            model = train_and_snapshot(c, cfg, 1, start=step, model=model)[:2]
+            c.request("wait_persisted", timeout=30)
+        assert sorted(a_status(c)["persisted"]) == [2, 4, 6]
         assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
     finally:
         a.kill()

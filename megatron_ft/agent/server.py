@@ -77,6 +77,7 @@ class Agent:
         self.persist_errors: list[str] = []
         self._persist_q: "queue.Queue[Optional[tuple[int, str]]]" = queue.Queue()
         self._queued_steps: set[int] = set()
+        self._persist_due = 0  # the next step at which an interval persist is due
         self._stop = threading.Event()
         self._done = threading.Event()  # set when shutdown() has finished
         self.socket_path = socket_path(cfg.agent.socket_dir, self.run_id, node)
@@ -217,7 +218,10 @@ class Agent:
             if interval <= 0 or not self.ranks:
                 return
             low = min(r.global_step for r in self.ranks.values())
-            if low >= 0 and low % interval == 0:
+            # due at the next multiple of the interval; if that step was skipped (its snapshot
+            # found both slots busy, e.g. during a persist) the next consistent step catches up
+            if low >= max(self._persist_due, interval):
+                self._persist_due = (low // interval + 1) * interval
                 self.request_persist(low, "interval")
 
     def newest_consistent_step(self) -> int:
