@@ -1,0 +1,13 @@
+"""Checkpoint-traffic planners (issue 4, item 2): where in an iteration the snapshot's bytes go over
+the network so that they do not slow training. Pure functions, no processes, no torch.
+
+* :mod:`.spans`  - idle spans, recorded events, the alpha-beta link model; network idle spans
+  (GEMINI section 5.4) and reserved pipeline bubbles (BAFT section 4.2.2) from a profiled
+  iteration, and their mean and variance across iterations
+* :mod:`.gemini` - GEMINI Algorithm 2: chunks of at most R/p bytes fitted into mu times each idle
+  span, the last span unbounded
+* :mod:`.baft`   - BAFT Algorithm 1 (bubbles shared with the previous stage, spilling into later
+  iterations) and Algorithm 2 (per bubble, the layers that fill it best, by dynamic programming)
+
+See docs/scheduling.md.
+"""
