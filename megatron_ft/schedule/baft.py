@@ -118,16 +118,12 @@ class TransferPlan:
         return self.slots[-1].iteration + 1 if self.slots else 1
 
 
-def _check_max_iterations(max_iterations: int) -> None:
-    _check_int("max_iterations", max_iterations, 1)
-
-
 def plan_transfer(sender_bubbles: Sequence[IdleSpan], receiver_bubbles: Sequence[IdleSpan], bytes_to_send: int,
                   link: LinkModel, sender: int = 1, receiver: int = 0, max_iterations: int = 10_000) -> TransferPlan:
     """Algorithm 1 (see the module docstring): append shared bubbles, iteration after iteration,
     until their capacity m reaches ``bytes_to_send``."""
     _check_int("bytes_to_send", bytes_to_send, 0)
-    _check_max_iterations(max_iterations)
+    _check_int("max_iterations", max_iterations, 1)
     slots: list[Slot] = []
     m = 0
     if bytes_to_send:

@@ -96,10 +96,8 @@ class LinkModel:
         return self.alpha_s + size / self.bandwidth
 
     def bytes_within(self, seconds: float) -> int:
-        """The largest whole number of bytes one transfer moves in ``seconds``: floor((t - alpha) B),
-        0 when ``t <= alpha``; infinite time gives -1 (no bound)."""
-        if math.isinf(seconds):
-            return -1
+        """The largest whole number of bytes one transfer moves in ``seconds`` (finite):
+        floor((t - alpha) B), 0 when ``t <= alpha``."""
         return max(0, math.floor((seconds - self.alpha_s) * self.bandwidth + _EPS))
 
 
@@ -176,8 +174,8 @@ def pipeline_bubbles(events: Sequence[Event], link: LinkModel,
     for s, e in _gaps(busy, 0.0, end):
         mid, head, tail = (s + e) / 2.0, 0.0, 0.0
         for ev in events:
-            if ev.kind in P2P_KINDS and ev.start <= e and ev.end >= s and (ev.start < e and ev.end > s
-                                                                            or ev.start == ev.end):
+            inside = ev.start < e and ev.end > s or ev.start == ev.end and s <= ev.start <= e
+            if ev.kind in P2P_KINDS and inside:
                 if (ev.start + ev.end) / 2.0 < mid:
                     head += link.time(ev.bytes)
                 else:
