@@ -6,25 +6,39 @@ The paper's pseudo-code (d idle spans t_1..t_d, mu in (0, 1)):
 
 .. code-block:: text
 
-     2  t[d] = +inf
-     5  remain_size = C
-     6  foreach t in T do
-     7    remain_span = mu * t
-     8    while remain_span > 0 do
-     9      if remain_span >= f(R/p) then
-    10        size = R/p
-    11      else
-    12        size = max{0, (remain_span - alpha) B}
-    14      size = min{remain_size, size}
-    15      if size > 0 then
-    16        remain_size = remain_size - size
-    17-18     remain_span = remain_span - f(remain_size)
-    19        partitions.add(size)
-    21      if remain_size == 0 then
-    22        if cpkt_id < m - 1 then cpkt_id = cpkt_id + 1; remain_size = C
-    26        else return partitions
+     1  Function checkpoint_partition():
+     2    t[d] = +inf
+     3    partitions = []
+     4    cpkt_id = 0
+     5    remain_size = C
+     6    foreach t in T do
+     7      remain_span = mu * t
+     8      while remain_span > 0 do
+     9        if remain_span >= f(R/p) then
+    10          size = R/p
+    11        else
+    12          size = max{0, (remain_span - alpha) B}
+    13        end
+    14        size = min{remain_size, size}
+    15        if size > 0 then
+    16          remain_size = remain_size - size
+    17          remain_span =
+    18            remain_span - f(remain_size)
+    19          partitions.add(size)
+    20        end
+    21        if remain_size == 0 then
+    22          if cpkt_id < m - 1 then
+    23            cpkt_id = cpkt_id + 1
+    24            remain_size = C
+    25          else
+    26            return partitions
+    27          end
+    28        end
+    29      end
+    30    end
+    31    return partitions
 
-Implemented line by line, with three repairs (docs/scheduling.md, "Where the paper is ambiguous"):
+Implemented line by line, with three repairs (docs/scheduling.md, "Where the papers are ambiguous"):
 
 * line 18 subtracts f(remain_size), the bytes *still to send*, which makes no sense (the prose:
   "it accordingly updates remain_span"); we subtract f(size), the time of the chunk just added;
