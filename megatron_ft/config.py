@@ -171,6 +171,36 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Coordination among the agents (issue 3): the key-value store, heartbeats, failure detection.
+
+    ``store``: ``embedded`` (a torch TCPStore hosted by the root agent; every agent runs one at
+    ``hosts[node]:store_port``, or ``127.0.0.1:store_port + node`` when ``hosts`` is empty, i.e.
+    all nodes simulated on one machine) or ``etcd://host:port`` (an external etcd cluster).
+    """
+
+    store: str = "embedded"
+    store_port: int = 29500
+    heartbeat_s: float = 0.5
+    timeout_s: float = 5.0
+    hosts: tuple = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not (self.store == "embedded" or re.fullmatch(
+                r"etcd://[A-Za-z0-9_.-]+:\d{1,5}", self.store)):
+            _fail("health.store", self.store, "must be 'embedded' or 'etcd://HOST:PORT'")
+        _check_int("health.store_port", self.store_port, 1024, 65535)
+        _check_num("health.heartbeat_s", self.heartbeat_s, 0.01)
+        _check_num("health.timeout_s", self.timeout_s, 0.1)
+        if self.timeout_s <= self.heartbeat_s:
+            _fail("health.timeout_s", self.timeout_s, f"must be larger than health.heartbeat_s={self.heartbeat_s}")
+        if isinstance(self.hosts, list):
+            object.__setattr__(self, "hosts", tuple(self.hosts))
+        if not isinstance(self.hosts, tuple) or not all(isinstance(h, str) and h for h in self.hosts):
+            _fail("health.hosts", self.hosts, "must be a list of host names, one per node (or empty: one machine)")
+
+
+@dataclass(frozen=True)
 class FailureConfig:
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
@@ -301,6 +331,7 @@ class FTConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
     def __post_init__(self) -> None:
         _check_str("run_id", self.run_id, r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
@@ -313,6 +344,8 @@ class FTConfig:
                 f"multiple of tensor*pipeline"
             )
         self.redundancy.check_cluster(self.cluster.nodes)
+        if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
+            _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")
 
     @property
     def data_parallel(self) -> int:
@@ -320,7 +353,8 @@ class FTConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["simulate"]["nodes"] = list(d["simulate"]["nodes"])  # YAML-safe (safe_dump has no tuples)
+        d["simulate"]["nodes"] = list(d["simulate"]["nodes"])
+        d["health"]["hosts"] = list(d["health"]["hosts"])  # YAML-safe (safe_dump has no tuples)
         return d
 
 
@@ -334,6 +368,7 @@ _SECTIONS = {
     "failure": FailureConfig,
     "simulate": SimulateConfig,
     "redundancy": RedundancyConfig,
+    "health": HealthConfig,
 }
 
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "local-cpu.yaml")

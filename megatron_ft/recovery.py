@@ -28,7 +28,7 @@ import torch.distributed as dist
 from . import checksum, snapfile
 from .agent import persist
 from .layout import Layout
-from .protocol import AgentClient
+from .protocol import AgentClient, AgentError
 from .state import StateAdapter
 
 log = logging.getLogger("megatron_ft.recovery")
@@ -41,7 +41,7 @@ RESTORE_THREADS = min(4, os.cpu_count() or 1)
 class Candidate:
     step: int
     path: str
-    source: str  # "local_memory" | "disk"
+    source: str  # "local_memory" | "peer_memory" | "decoded" | "disk"
 
 
 @dataclass
@@ -218,6 +218,29 @@ class Restorer:
             return []
         return [Candidate(v["step"], v["path"], "local_memory") for v in versions]
 
+    def memory_candidates(self) -> list[Candidate]:
+        """Local versions; when this node has none (a replacement for a lost node), the versions
+        its agent can rebuild from the redundancy group (copied whole or decoded)."""
+        local = self.local_candidates()
+        if local or self.client is None:
+            return local
+        try:
+            versions = self.client.request("peer_list", rank=self.rank)["versions"]
+        except Exception as e:
+            log.warning("rank %d: no versions from peers (%s)", self.rank, e)
+            return []
+        return [Candidate(v["step"], "", v["source"]) for v in versions]
+
+    def _materialize(self, cand: Candidate) -> Candidate:
+        """A peer candidate is rebuilt into a local slot by the agent first."""
+        if cand.path or self.client is None:
+            return cand
+        self.client.request("recover", rank=self.rank, step=cand.step)
+        for c in self.local_candidates():
+            if c.step == cand.step:
+                return Candidate(c.step, c.path, cand.source)
+        raise OSError(f"the agent rebuilt step {cand.step} but does not list it")
+
     def disk_candidates(self) -> list[Candidate]:
         steps = persist.complete_steps(self.persist_dir, self.run_id, self.world_size)
         return [Candidate(s, persist.rank_file(self.persist_dir, self.run_id, s, self.rank), "disk") for s in steps]
@@ -254,17 +277,19 @@ class Restorer:
         t0 = time.perf_counter()
         rejected: list[str] = []
         touched = False
-        for tier, cands in (("local_memory", self.local_candidates), ("disk", self.disk_candidates)):
+        for tier, cands in (("memory", self.memory_candidates), ("disk", self.disk_candidates)):
             by_step = {c.step: c for c in cands()}
             for step in self._common_steps(list(by_step)):
                 cont: Optional[Container] = None
                 targets: dict = {}
                 ok = True
                 try:
+                    by_step[step] = self._materialize(by_step[step])
+                    tier = by_step[step].source
                     cont = Container(by_step[step].path)
                     cont.check_identity(self.identity, step)
                     targets = resolve_targets(cont, adapter)
-                except (snapfile.SnapshotFormatError, OSError, ValueError, KeyError) as e:
+                except (snapfile.SnapshotFormatError, OSError, ValueError, KeyError, AgentError) as e:
                     ok = False
                     rejected.append(f"{tier} step {step}: {e}")
                     log.warning("rank %d: rejecting %s step %d: %s", self.rank, tier, step, e)

@@ -84,6 +84,29 @@ class Agent:
         self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
         self._persist_thread: Optional[threading.Thread] = None
         self.started = time.time()
+        self.redundancy = None  # agent.redundancy.Redundancy when redundancy.scheme != none (start_peers)
+        self.store = None
+        self.monitor = None
+
+    def start_peers(self) -> None:
+        """Join the group's coordination store and peer transport (issue 3)."""
+        if self.cfg.redundancy.scheme == "none":
+            return
+        from ..health.monitor import Monitor
+        from ..health.store import EmbeddedStore
+        from .redundancy import Redundancy
+
+        h = self.cfg.health
+        self.store = EmbeddedStore(self.run_id, self.node, self.cfg.cluster.nodes, list(h.hosts), h.store_port,
+                                   h.timeout_s)
+        self.store.connect(self.cfg.agent.connect_timeout_s)
+        host = h.hosts[self.node] if h.hosts else "127.0.0.1"
+        self.redundancy = Redundancy(self, self.store, host)
+        self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s).start()
+        with self.lock:
+            for rec in self.ranks.values():
+                if rec.slots:
+                    self.redundancy.publish_size(rec.rank, rec.slots[0].segment.size)
 
     # ------------------------------------------------------------------ segments
     def adopt_existing(self) -> int:
@@ -124,6 +147,8 @@ class Agent:
             rec = self.ranks.get(rank)
             if rec and rec.fingerprint == fp and len(rec.slots) == SLOTS_PER_RANK and all(
                     s.segment.size >= geom.total for s in rec.slots):
+                if self.redundancy is not None:
+                    self.redundancy.publish_size(rank, rec.slots[0].segment.size)
                 return {"slots": [s.segment.path for s in rec.slots], "adopted": True}
             if rec and any(s.pins for s in rec.slots):
                 raise RuntimeError(f"rank {rank}: slots are busy (being persisted); retry")
@@ -151,6 +176,8 @@ class Agent:
                 snapfile.init_container(seg.mm, layout_json.encode(), geom)
                 rec.slots.append(Slot(i, seg))
             self.ranks[rank] = rec
+            if self.redundancy is not None:
+                self.redundancy.publish_size(rank, geom.total)
             log.info("agent node %d: rank %d registered, 2 x %.1f MiB slots", self.node, rank, geom.total / 2**20)
             return {"slots": [s.segment.path for s in rec.slots], "adopted": False}
 
@@ -170,7 +197,10 @@ class Agent:
             protected = rec.slot_with(rec.global_step) if rec.global_step >= 0 else None
             if protected is None and rec.clean():
                 protected = rec.clean()[0]
-            candidates = [s for s in rec.slots if s is not protected and s.pins == 0]
+            keep = {id(protected)}
+            if self.redundancy is not None:  # the newest version the group holds, and the one being exchanged
+                keep |= {id(rec.slot_with(st)) for st in self.redundancy.protected_steps()}
+            candidates = [s for s in rec.slots if id(s) not in keep and s.pins == 0]
             if not candidates:
                 raise BusyError(f"rank {rank}: no free slot for step {step} (one is protected, one is being persisted)")
             slot = min(candidates, key=lambda s: (s.state != snapfile.EMPTY, s.step))
@@ -214,6 +244,10 @@ class Agent:
         with self.lock:
             rec = self._rec(rank)
             rec.global_step = max(rec.global_step, step)
+            if self.redundancy is not None and self.ranks:
+                low = min(r.global_step for r in self.ranks.values())
+                if low >= 0 and len(self.ranks) == self.cfg.cluster.ranks_per_node:
+                    self.redundancy.version_global(low)
             interval = self.cfg.persist.interval
             if interval <= 0 or not self.ranks:
                 return
@@ -260,12 +294,63 @@ class Agent:
                 "persisted": list(self.persisted),
                 "persist_errors": list(self.persist_errors[-5:]),
                 "pending_persists": self._persist_q.qsize(),
+                "redundancy": self.redundancy.status() if self.redundancy is not None else None,
+                "root": self.store.root if self.store is not None else None,
             }
 
     def describe(self) -> str:
         with self.lock:
             return ", ".join(f"r{r}:" + "/".join(f"{snapfile.STATE_NAMES[s.state]}@{s.step}" for s in rec.slots)
                              for r, rec in sorted(self.ranks.items()))
+
+    # ------------------------------------------------------------------ for the peer redundancy
+    def pin_step(self, step: int) -> dict[int, Slot]:
+        """Pin every local rank's clean slot of ``step`` (KeyError if one does not hold it)."""
+        with self.lock:
+            out = {}
+            for rec in self.ranks.values():
+                s = rec.slot_with(step)
+                if s is None:
+                    raise KeyError(f"rank {rec.rank} does not hold step {step} clean")
+                out[rec.rank] = s
+            for s in out.values():
+                s.pins += 1
+            return out
+
+    def unpin(self, slots: dict[int, Slot]) -> None:
+        with self.lock:
+            for s in slots.values():
+                s.pins -= 1
+
+    def clean_steps(self) -> dict[int, list[int]]:
+        with self.lock:
+            return {r: [s.step for s in rec.clean()] for r, rec in self.ranks.items()}
+
+    def clean_segment(self, rank: int, step: int) -> shm.Segment:
+        with self.lock:
+            s = self._rec(rank).slot_with(step)
+            if s is None:
+                raise KeyError(f"rank {rank} step {step} is not held clean on node {self.node}")
+            return s.segment
+
+    def install_recovered(self, rank: int, step: int, data) -> None:
+        """Write a container rebuilt from peers into one of ``rank``'s slots and mark it clean
+        (the slots are created from the container's own layout when the rank has none)."""
+        data = memoryview(data).cast("B")
+        hdr = snapfile.read_header(data)
+        g = hdr.geometry
+        layout_json = bytes(data[g.layout_off: g.layout_off + g.layout_len])
+        with self.lock:
+            rec = self.ranks.get(rank)
+            if rec is None or any(s.segment.size < len(data) for s in rec.slots):
+                self.register(rank, layout_json.decode())
+                rec = self.ranks[rank]
+            slot = next((s for s in rec.slots if s.state != snapfile.CLEAN and s.pins == 0), None) or \
+                min((s for s in rec.slots if s.pins == 0), key=lambda s: s.step)
+            slot.segment.mm[: len(data)] = data
+            snapfile.set_state(slot.segment.mm, snapfile.CLEAN)
+            snapfile.read_version(slot.segment.mm, snapfile.read_header(slot.segment.mm))
+            slot.state, slot.step = snapfile.CLEAN, step
 
     def _rec(self, rank: int) -> RankRecord:
         rec = self.ranks.get(rank)
@@ -290,6 +375,8 @@ class Agent:
 
     def trainer_lost(self, rank: int) -> None:
         log.warning("agent node %d: trainer rank %d disconnected without bye (crashed?)", self.node, rank)
+        if self.monitor is not None:
+            self.monitor.report_software(rank)
         if self.cfg.persist.on_failure:
             step = self.newest_consistent_step()
             if step >= 0 and self.request_persist(step, f"breakpoint (rank {rank} lost)"):
@@ -421,6 +508,14 @@ class Agent:
             return {}
         if op == "list":
             return {"versions": self.list_versions(int(msg["rank"]))}
+        if op == "peer_list":
+            if self.redundancy is None:
+                return {"versions": []}
+            return {"versions": self.redundancy.candidates(int(msg["rank"]))}
+        if op == "recover":
+            if self.redundancy is None:
+                raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
+            return self.redundancy.recover(int(msg["rank"]), int(msg["step"]))
         if op == "status":
             return {"status": self.status()}
         if op == "persist":
@@ -448,6 +543,12 @@ class Agent:
             self._server.shutdown()
         if self._persist_thread is not None:
             self._persist_thread.join(timeout=300)  # let queued persists finish
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.redundancy is not None:
+            self.redundancy.close()
+            if remove_segments:
+                self.redundancy.remove_segments()
         with self.lock:
             if remove_segments:
                 for rec in list(self.ranks.values()):
@@ -489,6 +590,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = ftconfig.replace(cfg, **changes)
     agent = Agent(cfg, args.node)
     agent.adopt_existing()
+    agent.start_peers()
 
     def on_signal(signum, frame):  # clean shutdown on SIGTERM / SIGINT
         threading.Thread(target=agent.shutdown, daemon=True).start()

@@ -1,0 +1,537 @@
+"""The agent's peer redundancy: exchange every consistent version with the group, hold what the
+plan assigns this node in shared memory, and rebuild a lost node's ranks from the survivors.
+
+Data path of one version ``S`` (every local rank committed it and the trainers agreed on it):
+
+1. :meth:`Redundancy.exchange` pins the local ranks' slots of ``S`` and sends this node's
+   contributions (:func:`megatron_ft.redundancy.exchange.group_exchange`): whole containers for
+   copies, byte ranges for XOR pieces, partial RS parities encoded here (zeros for packets owned
+   elsewhere, this node's packets of a row pre-reduced) - straight from the shared-memory slot.
+2. Holders receive into a block version in shared memory (two per block: the newest version the
+   whole group holds is never overwritten), XOR-ing contributions as they arrive. When every block
+   this node holds for ``S`` is complete, it *announces* ``S`` to the group.
+3. ``S`` is *complete* on a node once every group member announced it; until then the agent
+   protects both the primary slot of the previous complete version and that of ``S`` (so a
+   version being encoded can always be decoded from: REFT's clean/dirty applied to the group).
+
+Recovery (:meth:`candidates`, :meth:`recover`): a replacement node's agent asks the group which
+versions every survivor holds (``holds``), finds for each step a recipe - a whole copy
+(``peer_memory``), or XOR / Reed-Solomon decoding from survivors' primaries and parity blocks
+(``decoded``) - and writes the rebuilt container into a local slot, where the trainer restores it
+with every checksum verified, as from local memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import shm, snapfile
+from ..layout import Layout
+from ..redundancy import exchange as xch
+from ..redundancy.codecs import get_codec
+from ..redundancy.plan import RedundancyPlan, plan_from_config
+from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
+
+log = logging.getLogger("megatron_ft.agent")
+
+EXCHANGE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class BlockVersion:
+    segment: shm.Segment
+    step: int = -1
+    got: set = field(default_factory=set)  # contributor nodes received
+    expect: int = 0
+    meta: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def complete(self) -> bool:
+        return self.step >= 0 and self.expect > 0 and len(self.got) >= self.expect
+
+
+class Redundancy:
+    """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``."""
+
+    def __init__(self, agent: Any, store: Any, host: str = "127.0.0.1"):
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.node = agent.node
+        self.store = store
+        self.plan: RedundancyPlan = plan_from_config(self.cfg)
+        self.gi = self.plan.node_group[self.node]
+        self.members = tuple(self.plan.groups[self.gi].members)
+        self.group_ranks = [r for n in self.members for r in self.plan.topology.ranks_of(n)]
+        self.lock = threading.RLock()
+        self.blocks: dict[str, list[BlockVersion]] = {}
+        self.announced: dict[int, int] = {}  # member -> newest step it announced holding
+        self.complete_step = -1
+        self.inflight_step = -1  # being exchanged (its primary slots stay protected)
+        self.inflight_since = 0.0
+        self.exchanged: list[dict] = []  # recent exchange records (status)
+        self._cv = threading.Condition(self.lock)
+        self._pending: Optional[int] = None
+        self._stop = threading.Event()
+        self._codec = None
+        if self.cfg.redundancy.scheme == "rs":
+            self._codec = get_codec("rs", self.cfg.redundancy.k, self.cfg.redundancy.m)
+        self.server = PeerServer(host, 0, self._handle).start()
+        self.address = f"{self.server.address[0]}:{self.server.address[1]}"
+        self.store.publish(f"addr/{self.node}", self.address)
+        self._thread = threading.Thread(target=self._loop, name="exchange", daemon=True)
+        self._thread.start()
+        log.info("agent node %d: %s, group %d %s, peer transport on %s", self.node, self.plan.label, self.gi,
+                 self.members, self.address)
+
+    # ------------------------------------------------------------------ protection (agent.begin)
+    def protected_steps(self) -> set[int]:
+        with self.lock:
+            if self.inflight_step >= 0 and time.time() - self.inflight_since > EXCHANGE_TIMEOUT_S:
+                log.error("agent node %d: exchange of step %d did not complete within %.0f s; giving it up",
+                          self.node, self.inflight_step, EXCHANGE_TIMEOUT_S)
+                self.inflight_step = -1
+            return {s for s in (self.complete_step, self.inflight_step) if s >= 0}
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"scheme": self.plan.scheme, "group": self.gi, "members": list(self.members),
+                    "complete_step": self.complete_step, "inflight_step": self.inflight_step,
+                    "announced": {str(k): v for k, v in self.announced.items()},
+                    "blocks": {k: [(v.step, v.complete) for v in vs] for k, vs in sorted(self.blocks.items())},
+                    "block_bytes": sum(v.segment.size for vs in self.blocks.values() for v in vs),
+                    "address": self.address, "exchanged": self.exchanged[-3:]}
+
+    # ------------------------------------------------------------------ sizes and addresses
+    def publish_size(self, rank: int, nbytes: int) -> None:
+        try:
+            self.store.publish(f"size/{rank}", str(nbytes))
+        except Exception as e:
+            log.warning("agent node %d: could not publish the size of rank %d: %s", self.node, rank, e)
+
+    def sizes(self, holds: Optional[dict] = None) -> dict[int, int]:
+        """Container size of every rank of the group: from the store, else (a lost rank whose
+        size went with a lost root store) from the sizes the survivors' blocks were built with."""
+        out = {}
+        known: dict[str, int] = {}
+        for h in (holds or {}).values():
+            known.update(h.get("sizes", {}))
+        for r in self.group_ranks:
+            v = known.get(str(r))
+            if v is None:
+                v = self.store.get(f"size/{r}")
+            if v is None:
+                raise RuntimeError(f"the container size of rank {r} is not known yet")
+            out[r] = int(v)
+        return out
+
+    def _wait_sizes(self, timeout: float = 30.0) -> dict[int, int]:
+        """Every rank of a consistent step has registered, but its agent may publish a moment later."""
+        deadline = time.time() + timeout
+        while True:
+            try:
+                return self.sizes()
+            except RuntimeError:
+                if time.time() > deadline or self._stop.is_set():
+                    raise
+                time.sleep(0.05)
+
+    def addr(self, node: int) -> tuple[str, int]:
+        # after a root failover the new store fills as the agents' next heartbeats re-publish
+        deadline = time.time() + 4 * self.cfg.health.heartbeat_s + 1.0
+        while (v := self.store.get(f"addr/{node}")) is None and time.time() < deadline:
+            time.sleep(0.05)
+        if v is None:
+            raise PeerError(f"node {node} has not published its peer address")
+        host, port = v.rsplit(":", 1)
+        return host, int(port)
+
+    def _client(self, node: int) -> PeerClient:
+        return PeerClient(self.addr(node), timeout=30)
+
+    # ------------------------------------------------------------------ sending (one version)
+    def version_global(self, step: int) -> None:
+        """Every local rank agreed on ``step``: exchange it (the newest pending one wins)."""
+        with self.lock:
+            if step <= max(self.complete_step, self.inflight_step):
+                return
+            self.inflight_step, self.inflight_since = step, time.time()
+            self._pending = step
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                while self._pending is None and not self._stop.is_set():
+                    self._cv.wait(timeout=0.5)
+                step, self._pending = self._pending, None
+            if step is None:
+                continue
+            try:
+                self.exchange(step)
+            except Exception as e:  # a failed exchange never stops the agent or training
+                log.error("agent node %d: exchange of step %d failed: %s", self.node, step, e)
+                with self.lock:
+                    if self.inflight_step == step:
+                        self.inflight_step = -1
+
+    def exchange(self, step: int) -> None:
+        t0 = time.perf_counter()
+        sizes = self._wait_sizes()
+        ex = xch.group_exchange(self.plan, self.gi, sizes)
+        meta = {"sizes": {str(r): s for r, s in sizes.items()},
+                "codec": self._codec.descriptor.to_dict() if self._codec else None}
+        slots = self.agent.pin_step(step)  # rank -> Slot (pinned) or KeyError
+        sent = 0
+        try:
+            rs_cache: dict[int, list[np.ndarray]] = {}
+            for c in ex.sent_by(self.node):
+                spec = ex.block(c.key)
+                payload = self._payload(c, spec, slots, rs_cache)
+                msg = {"op": "put", "key": c.key, "kind": c.kind, "step": step, "length": spec.length,
+                       "src": self.node, "expect": len(spec.contributors), "meta": meta}
+                if c.dst == self.node:
+                    self._receive(msg, memoryview(payload).cast("B"))
+                else:
+                    cl = self._client(c.dst)
+                    try:
+                        cl.request(msg, memoryview(payload).cast("B"))
+                    finally:
+                        cl.close()
+                sent += len(payload)
+        finally:
+            self.agent.unpin(slots)
+        held = ex.held_by(self.node)
+        if not held:
+            self._announce(step)
+        else:
+            self._maybe_announce(step, ex)
+        with self.lock:
+            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(time.perf_counter() - t0, 4)})
+            self.exchanged = self.exchanged[-10:]
+
+    def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs_cache: dict) -> Any:
+        if c.kind in (xch.COPY, xch.XOR):
+            (p,) = c.parts
+            return memoryview(slots[p.rank].segment.mm)[p.lo:p.hi]
+        row = spec.key.rsplit(".row", 1)[1]
+        key = int(row)
+        if key not in rs_cache:
+            codec = self._codec
+            zero = np.zeros(spec.length, np.uint8)
+            data = [zero] * codec.k
+            for p in c.parts:
+                buf = np.zeros(spec.length, np.uint8)
+                buf[: p.hi - p.lo] = np.frombuffer(slots[p.rank].segment.mm, np.uint8, p.hi - p.lo, p.lo)
+                data[p.index] = buf
+            out = [np.empty(spec.length, np.uint8) for _ in range(codec.m)]
+            codec.encode(data, out)
+            rs_cache[key] = out
+        return rs_cache[key][c.parity]
+
+    # ------------------------------------------------------------------ receiving
+    def _version_for(self, key: str, step: int, length: int, expect: int, meta: dict) -> Optional[BlockVersion]:
+        with self.lock:
+            vs = self.blocks.setdefault(key, [])
+            for v in vs:
+                if v.step == step:
+                    return v
+            if any(v.step > step for v in vs):
+                return None  # stale contribution
+            # two versions per block: never reuse the one of the newest step the group holds
+            v = None if len(vs) < 2 else min((v for v in vs if v.step != self.complete_step),
+                                             key=lambda b: b.step)
+            if v is not None and v.segment.size < length:
+                v.segment.close()
+                vs.remove(v)
+                v = None
+            if v is None:
+                path = os.path.join(self.cfg.agent.shm_dir, f"mft.{self.cfg.run_id}.n{self.node}.blk.{key}.{len(vs)}")
+                seg = shm.create(path, max(length, 1))
+                v = BlockVersion(seg)
+                vs.append(v)
+            v.step, v.got, v.expect, v.meta = step, set(), expect, meta
+            v.segment.array[:length] = 0
+            return v
+
+    def _receive(self, msg: dict, payload: Optional[memoryview], sock: Any = None) -> dict:
+        key, step, length, src = msg["key"], int(msg["step"]), int(msg["length"]), int(msg["src"])
+        n = int(msg.get("nbytes", len(payload) if payload is not None else 0))
+        if n > length:
+            raise ValueError(f"contribution of {n} bytes to block {key} of {length} bytes")
+        v = self._version_for(key, step, length, int(msg["expect"]), msg.get("meta") or {})
+        if v is None:
+            if sock is not None:
+                msg["_consumed"] = True
+                discard(sock, n)
+            return {"ignored": True}
+        dst = v.segment.array
+        if msg["kind"] == xch.COPY:
+            if sock is not None:
+                msg["_consumed"] = True
+                recv_into(sock, memoryview(v.segment.mm)[:n])
+            else:
+                dst[:n] = np.frombuffer(payload, np.uint8)
+        else:
+            if sock is not None:
+                tmp = np.empty(n, np.uint8)
+                msg["_consumed"] = True
+                recv_into(sock, memoryview(tmp))
+            else:
+                tmp = np.frombuffer(payload, np.uint8)
+            with v.lock:
+                np.bitwise_xor(dst[:n], tmp, out=dst[:n])
+        with self.lock:
+            if v.step == step:
+                v.got.add(src)
+        self._maybe_announce(step)
+        return {}
+
+    def _maybe_announce(self, step: int, ex: Optional[xch.GroupExchange] = None) -> None:
+        try:
+            ex = ex or xch.group_exchange(self.plan, self.gi, self.sizes())
+        except Exception:
+            return
+        with self.lock:
+            for spec in ex.held_by(self.node):
+                v = next((v for v in self.blocks.get(spec.key, []) if v.step == step), None)
+                if v is None or not v.complete:
+                    return
+            if self.announced.get(self.node, -1) >= step:
+                return
+        self._announce(step)
+
+    def _announce(self, step: int) -> None:
+        for n in self.members:
+            if n == self.node:
+                self._on_announce(self.node, step)
+                continue
+            try:
+                cl = self._client(n)
+                try:
+                    cl.request({"op": "announce", "node": self.node, "step": step})
+                finally:
+                    cl.close()
+            except (OSError, PeerError) as e:
+                log.warning("agent node %d: could not tell node %d that step %d is held: %s", self.node, n, step, e)
+
+    def _on_announce(self, node: int, step: int) -> None:
+        with self.lock:
+            self.announced[node] = max(self.announced.get(node, -1), step)
+            low = min(self.announced.get(n, -1) for n in self.members)
+            if low > self.complete_step:
+                self.complete_step = low
+                if self.inflight_step <= low:
+                    self.inflight_step = -1
+                log.info("agent node %d: step %d is complete in group %d %s", self.node, low, self.gi, self.members)
+
+    # ------------------------------------------------------------------ serving peers
+    def _handle(self, msg: dict, sock) -> tuple[dict, Any]:
+        op = msg.get("op")
+        if msg.get("run_id", self.cfg.run_id) != self.cfg.run_id:
+            raise ValueError(f"run_id {msg.get('run_id')!r} is not this agent's {self.cfg.run_id!r}")
+        if op == "put":
+            return self._receive(msg, None, sock), None
+        if op == "announce":
+            self._on_announce(int(msg["node"]), int(msg["step"]))
+            return {}, None
+        if op == "holds":
+            return self.holds(), None
+        if op == "get":
+            return {}, self._serve_get(msg)
+        raise ValueError(f"unknown peer op {op!r}")
+
+    def holds(self) -> dict:
+        with self.lock:
+            blocks = {k: [v.step for v in vs if v.complete] for k, vs in self.blocks.items()}
+            codecs = {k: v.meta.get("codec") for k, vs in self.blocks.items() for v in vs
+                      if v.complete and v.meta.get("codec")}
+            sizes = {}
+            for vs in self.blocks.values():
+                for v in vs:
+                    if v.complete:
+                        sizes.update(v.meta.get("sizes", {}))
+        with self.agent.lock:
+            sizes.update({str(r): rec.slots[0].segment.size for r, rec in self.agent.ranks.items() if rec.slots})
+        return {"primary": {str(r): s for r, s in self.agent.clean_steps().items()}, "blocks": blocks,
+                "codecs": codecs, "sizes": sizes,
+                "complete": self.complete_step, "pid": os.getpid()}
+
+    def _serve_get(self, msg: dict) -> memoryview:
+        step, lo, hi = int(msg["step"]), int(msg["lo"]), int(msg["hi"])
+        if msg["what"] == "primary":
+            mm = self.agent.clean_segment(int(msg["rank"]), step).mm  # KeyError if gone
+        else:
+            with self.lock:
+                v = next((v for v in self.blocks.get(msg["key"], []) if v.step == step and v.complete), None)
+            if v is None:
+                raise KeyError(f"block {msg['key']} step {step} is not held here")
+            mm = v.segment.mm
+        if not 0 <= lo <= hi <= len(mm):
+            raise ValueError(f"range [{lo}, {hi}) outside the {len(mm)}-byte buffer")
+        return memoryview(mm)[lo:hi]
+
+    # ------------------------------------------------------------------ recovery
+    def _group_holds(self) -> dict[int, dict]:
+        out = {}
+        for n in self.members:
+            if n == self.node:
+                continue
+            try:
+                cl = self._client(n)
+                try:
+                    out[n] = cl.request({"op": "holds"})
+                finally:
+                    cl.close()
+            except (OSError, PeerError) as e:
+                log.info("agent node %d: node %d unreachable for recovery (%s)", self.node, n, e)
+        return out
+
+    @staticmethod
+    def _has_primary(h: dict, rank: int, step: int) -> bool:
+        return step in h.get("primary", {}).get(str(rank), [])
+
+    @staticmethod
+    def _has_block(h: dict, key: str, step: int) -> bool:
+        return step in h.get("blocks", {}).get(key, [])
+
+    def _whole_at(self, holds: dict, rank: int, step: int) -> Optional[tuple[int, str, Optional[str]]]:
+        """(node, what, key) of a survivor holding ``rank``'s container whole at ``step``."""
+        for n, h in holds.items():
+            if self._has_primary(h, rank, step):
+                return n, "primary", None
+        for n, h in holds.items():
+            if self._has_block(h, f"copy.r{rank}", step):
+                return n, "block", f"copy.r{rank}"
+        return None
+
+    def _plan_recovery(self, holds: dict, rank: int, step: int, sizes: dict) -> Optional[tuple[str, Any]]:
+        for rec in xch.recipes(self.plan, rank, sizes):
+            if isinstance(rec, xch.CopyRecipe):
+                if rec.block.holder in holds and self._has_block(holds[rec.block.holder], rec.block.key, step):
+                    return "peer_memory", rec
+            elif isinstance(rec, xch.XorRecipe):
+                ok = all(x.parity.holder in holds and self._has_block(holds[x.parity.holder], x.parity.key, step)
+                         and all(self._whole_at(holds, p.rank, step) for _, p in x.others) for x in rec.pieces)
+                if ok:
+                    return "decoded", rec
+            elif isinstance(rec, xch.RsRecipe):
+                avail = sum(1 for j, d in enumerate(rec.data) if j != rec.index and (
+                    d is None or self._whole_at(holds, d[0], step)))
+                avail += sum(1 for b in rec.parity if b.holder in holds and self._has_block(holds[b.holder], b.key, step))
+                if avail >= rec.k:
+                    return "decoded", rec
+        return None
+
+    def candidates(self, rank: int) -> list[dict]:
+        """Steps of ``rank`` this node can rebuild from its group, newest first."""
+        holds = self._group_holds()
+        sizes = self.sizes(holds)
+        steps = set()
+        for h in holds.values():
+            for lst in h.get("primary", {}).values():
+                steps.update(lst)
+            for lst in h.get("blocks", {}).values():
+                steps.update(lst)
+        out = []
+        for s in sorted(steps, reverse=True):
+            how = self._plan_recovery(holds, rank, s, sizes)
+            if how is not None:
+                out.append({"step": s, "source": how[0]})
+        return out
+
+    def _fetch(self, node: int, what: str, ident: Any, step: int, lo: int, hi: int, dst: memoryview) -> None:
+        cl = self._client(node)
+        try:
+            msg = {"op": "get", "what": what, "step": step, "lo": lo, "hi": hi}
+            msg["rank" if what == "primary" else "key"] = ident
+            cl.get(msg, dst)
+        finally:
+            cl.close()
+
+    def _fetch_whole(self, holds: dict, rank: int, step: int, lo: int, hi: int, dst: memoryview) -> None:
+        where = self._whole_at(holds, rank, step)
+        if where is None:
+            raise PeerError(f"no survivor holds rank {rank} step {step}")
+        node, what, key = where
+        self._fetch(node, what, rank if what == "primary" else key, step, lo, hi, dst)
+
+    def recover(self, rank: int, step: int) -> dict:
+        """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
+        t0 = time.perf_counter()
+        holds = self._group_holds()
+        sizes = self.sizes(holds)
+        how = self._plan_recovery(holds, rank, step, sizes)
+        if how is None:
+            raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members")
+        source, rec = how
+        buf = np.zeros(sizes[rank], np.uint8)
+        mv = memoryview(buf)
+        if isinstance(rec, xch.CopyRecipe):
+            self._fetch(rec.block.holder, "block", rec.block.key, step, 0, sizes[rank], mv)
+        elif isinstance(rec, xch.XorRecipe):
+            for x in rec.pieces:
+                acc = np.zeros(x.parity.length, np.uint8)
+                self._fetch(x.parity.holder, "block", x.parity.key, step, 0, x.parity.length, memoryview(acc))
+                for _, p in x.others:
+                    part = np.empty(p.hi - p.lo, np.uint8)
+                    self._fetch_whole(holds, p.rank, step, p.lo, p.hi, memoryview(part))
+                    np.bitwise_xor(acc[: len(part)], part, out=acc[: len(part)])
+                buf[x.lo:x.hi] = acc[: x.hi - x.lo]
+        else:
+            self._decode_rs(holds, rec, step, buf)
+        self.agent.install_recovered(rank, step, buf)
+        dt = time.perf_counter() - t0
+        log.warning("agent node %d: rebuilt rank %d step %d from the group (%s) in %.3f s", self.node, rank, step,
+                    source, dt)
+        return {"source": source, "seconds": dt}
+
+    def _decode_rs(self, holds: dict, rec: xch.RsRecipe, step: int, buf: np.ndarray) -> None:
+        desc = None
+        avail: dict[int, np.ndarray] = {}
+        for j, d in enumerate(rec.data):
+            if j == rec.index or len(avail) >= rec.k:
+                continue
+            if d is None:
+                avail[j] = np.zeros(rec.length, np.uint8)
+            elif self._whole_at(holds, d[0], step):
+                a = np.zeros(rec.length, np.uint8)
+                self._fetch_whole(holds, d[0], step, 0, d[1], memoryview(a)[: d[1]])
+                avail[j] = a
+        for i, b in enumerate(rec.parity):
+            if len(avail) >= rec.k:
+                break
+            if b.holder in holds and self._has_block(holds[b.holder], b.key, step):
+                a = np.zeros(rec.length, np.uint8)
+                self._fetch(b.holder, "block", b.key, step, 0, rec.length, memoryview(a))
+                avail[rec.k + i] = a
+                desc = holds[b.holder].get("codecs", {}).get(b.key) or desc
+        # the codec recorded with the parity decodes it (a mismatching build refuses, by name)
+        codec = get_codec(desc) if desc else self._codec or get_codec("rs", rec.k, rec.m)
+        out = np.zeros(rec.length, np.uint8)
+        codec.decode(avail, [rec.index], {rec.index: out})
+        buf[:] = out[: rec.size]
+
+    def close(self) -> None:
+        self._stop.set()
+        with self.lock:
+            self._cv.notify_all()
+        self.server.close()
+
+    def remove_segments(self) -> None:
+        with self.lock:
+            for vs in self.blocks.values():
+                for v in vs:
+                    v.segment.close()
+                    try:
+                        os.unlink(v.segment.path)
+                    except FileNotFoundError:
+                        pass
+            self.blocks.clear()

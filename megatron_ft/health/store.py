@@ -1,0 +1,228 @@
+"""The coordination key-value store the agents share (GEMINI's health KV store).
+
+Embedded default: every agent hosts a torch ``TCPStore`` server at ``endpoint(node)``; the
+*root* agent's server is the store. The root is node 0 at start; when the root's server stops
+answering, every agent moves to the lowest-numbered other node whose server answers (all agents
+compute the same one), that node's agent makes itself root, and everyone re-publishes its keys.
+A node joining later (a replacement) asks the other nodes' servers which of them is root.
+
+``store: etcd://host:port`` uses an external etcd cluster instead (:mod:`.etcd`); it needs no
+election of a store (etcd is replicated), the root agent is then elected with a lease-less
+compare-and-set on ``root``.
+
+Keys (all under ``mft/<run_id>/``): ``root`` (node id), ``addr/<node>`` (peer transport
+``host:port``), ``hb/<node>`` (heartbeat JSON), ``failed/<node>`` (root's failure verdict JSON),
+``claim/<node>`` (standby that took a failed node's place).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import threading
+import time
+from typing import Optional, Protocol
+
+log = logging.getLogger("megatron_ft.health")
+
+
+class StoreUnavailable(RuntimeError):
+    pass
+
+
+class KV(Protocol):
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> Optional[str]: ...
+    def compare_set(self, key: str, expected: str, desired: str) -> str: ...
+    def delete(self, key: str) -> None: ...
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class TCPStoreKV:
+    """A client of one TCPStore server (keys prefixed; values are UTF-8 strings)."""
+
+    def __init__(self, host: str, port: int, prefix: str, timeout_s: float = 5.0):
+        import torch.distributed as dist
+
+        if not port_open(host, port):  # fail fast: TCPStore's own connect retries until its timeout
+            raise StoreUnavailable(f"no store at {host}:{port}")
+        try:
+            self._s = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise StoreUnavailable(f"store at {host}:{port}: {e}") from None
+        self.host, self.port, self.prefix = host, port, prefix
+        self._lock = threading.Lock()
+
+    def _call(self, fn, *args):
+        with self._lock:
+            try:
+                return fn(*args)
+            except Exception as e:
+                raise StoreUnavailable(f"store at {self.host}:{self.port}: {str(e).splitlines()[0]}") from None
+
+    def set(self, key: str, value: str) -> None:
+        self._call(self._s.set, self.prefix + key, value)
+
+    def get(self, key: str) -> Optional[str]:
+        k = self.prefix + key
+        if not self._call(self._s.check, [k]):
+            return None
+        return self._call(self._s.get, k).decode()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        return self._call(self._s.compare_set, self.prefix + key, expected, desired).decode()
+
+    def delete(self, key: str) -> None:
+        self._call(self._s.delete_key, self.prefix + key)
+
+
+class EmbeddedStore:
+    """This agent's own TCPStore server plus a client of the root's, with root failover."""
+
+    def __init__(self, run_id: str, node: int, nodes: int, hosts: list[str], port: int, timeout_s: float = 5.0):
+        import torch.distributed as dist
+
+        self.node, self.nodes, self.timeout_s = node, nodes, timeout_s
+        self.hosts = hosts
+        self.base_port = port
+        self.prefix = f"mft/{run_id}/"
+        host, p = self.endpoint(node)
+        self._server = dist.TCPStore("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, p,
+                                     is_master=True, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=timeout_s))
+        self.root = -1
+        self.kv: Optional[TCPStoreKV] = None
+        self.published: dict[str, str] = {}  # re-set on the new root after a failover
+        self._lock = threading.RLock()
+
+    def endpoint(self, node: int) -> tuple[str, int]:
+        """``hosts[node]:port`` on real clusters; one machine (no hosts): ``127.0.0.1:port + node``."""
+        if self.hosts:
+            return self.hosts[node], self.base_port
+        return "127.0.0.1", self.base_port + node
+
+    def _client(self, node: int) -> TCPStoreKV:
+        host, p = self.endpoint(node)
+        return TCPStoreKV(host, p, self.prefix, self.timeout_s)
+
+    def _root_claimed_by(self, node: int) -> Optional[int]:
+        try:
+            v = self._client(node).get("root")
+            return int(v) if v is not None else None
+        except StoreUnavailable:
+            return None
+
+    def connect(self, deadline_s: float = 60.0) -> int:
+        """Find (or become) the root; returns the root node id."""
+        deadline = time.time() + deadline_s
+        while True:
+            for j in range(self.nodes):
+                if j != self.node and self._root_claimed_by(j) == j:
+                    return self._follow(j)
+            if self.node == 0 or (self.root >= 0 and self._next_root_is_me()):
+                return self._become_root()
+            if time.time() > deadline:
+                raise StoreUnavailable(f"node {self.node}: no root agent found among {self.nodes} nodes")
+            time.sleep(0.2)
+
+    def _next_root_is_me(self) -> bool:
+        """After the root failed: am I the lowest-numbered node (other than the failed root)
+        whose server answers?"""
+        for j in range(self.nodes):
+            if j == self.root:
+                continue
+            if j == self.node:
+                return True
+            if port_open(*self.endpoint(j)):
+                return False
+        return False
+
+    def _become_root(self) -> int:
+        with self._lock:
+            self.kv = self._client(self.node)
+            self.kv.set("root", str(self.node))
+            self.root = self.node
+            log.warning("node %d: this agent is the root (store at %s:%d)", self.node, *self.endpoint(self.node))
+            self._republish()
+            return self.node
+
+    def _follow(self, j: int) -> int:
+        with self._lock:
+            self.kv = self._client(j)
+            if self.root != j:
+                log.info("node %d: root agent is node %d", self.node, j)
+            self.root = j
+            self._republish()
+            return j
+
+    def _republish(self) -> None:
+        for k, v in self.published.items():
+            self.kv.set(k, v)  # type: ignore[union-attr]
+
+    def failover(self) -> int:
+        """The root's store stopped answering: elect the next root and reconnect."""
+        with self._lock:
+            old = self.root
+            log.warning("node %d: root agent (node %d) unreachable; electing a new root", self.node, old)
+            deadline = time.time() + 10 * self.timeout_s
+            while time.time() < deadline:
+                if self._next_root_is_me():
+                    return self._become_root()
+                for j in range(self.nodes):
+                    if j not in (old, self.node) and self._root_claimed_by(j) == j:
+                        return self._follow(j)
+                time.sleep(0.2)
+            raise StoreUnavailable(f"node {self.node}: no new root after node {old} failed")
+
+    def _reconnect(self) -> None:
+        """The root's connection broke: the same root again if its server answers (a restarted or
+        replacement root agent on the same endpoint), else elect a new one."""
+        with self._lock:
+            if self.root >= 0 and port_open(*self.endpoint(self.root)):
+                if self.root == self.node:
+                    self._become_root()
+                else:
+                    self._follow(self.root)
+            else:
+                self.failover()
+
+    def _do(self, fn):
+        for attempt in range(2):
+            kv = self.kv
+            try:
+                if kv is None:
+                    raise StoreUnavailable("not connected")
+                return fn(kv)
+            except StoreUnavailable:
+                if attempt:
+                    raise
+                self._reconnect()
+
+    def publish(self, key: str, value: str) -> None:
+        """Set a key this node owns (kept and re-set on a new root after a failover)."""
+        with self._lock:
+            self.published[key] = value
+        self._do(lambda kv: kv.set(key, value))
+
+    def set(self, key: str, value: str) -> None:
+        self._do(lambda kv: kv.set(key, value))
+
+    def get(self, key: str) -> Optional[str]:
+        return self._do(lambda kv: kv.get(key))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        return self._do(lambda kv: kv.compare_set(key, expected, desired))
+
+    def delete(self, key: str) -> None:
+        self._do(lambda kv: kv.delete(key))
+
+    @property
+    def is_root(self) -> bool:
+        return self.root == self.node
