@@ -61,6 +61,84 @@ def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[
     ]
 
 
+# --redundancy SCHEME: a cluster on which the scheme is worth showing (all CPU, 4-6 processes)
+DEMO_SHAPES = {
+    "replica": {"redundancy": {"scheme": "replica", "replicas": 2}},  # 2 nodes x 2: each holds the other
+    "xor": {"cluster": {"nodes": 3, "ranks_per_node": 2}, "redundancy": {"scheme": "xor"}},  # RAIM5 over 3 nodes
+    "rs": {"cluster": {"nodes": 4, "ranks_per_node": 1}, "redundancy": {"scheme": "rs", "k": 2, "m": 2}},
+}
+DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` free ports above it (the agents' stores on one machine)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def default_victim_node(cfg: ftconfig.FTConfig) -> int:
+    """The highest node (not 0, which hosts the rendezvous) whose ranks no other node holds whole."""
+    from .redundancy.exchange import holders_of_whole
+    from .redundancy.plan import plan_from_config
+
+    plan = plan_from_config(cfg)
+    rpn = cfg.cluster.ranks_per_node
+    for n in range(cfg.cluster.nodes - 1, 0, -1):
+        if all(len(holders_of_whole(plan, r)) == 1 for r in range(n * rpn, (n + 1) * rpn)):
+            return n
+    return cfg.cluster.nodes - 1
+
+
+def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: list[int]) -> list[int]:
+    """Lose simulated node ``node``: SIGKILL its trainers, its launcher's process group (launcher,
+    torchrun) and its agent, and remove its shared memory, as if the machine had died."""
+    pids = []
+    for pid in trainer_pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+        except ProcessLookupError:
+            pass
+    node_dir = os.path.join(run_dir, f"node{node}")
+    for name in ("launcher.pid", "agent.pid"):
+        try:
+            with open(os.path.join(node_dir, name)) as f:
+                pid = int(f.read())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pids.append(pid)
+    for name in os.listdir(cfg.agent.shm_dir):
+        if name.startswith(f"mft.{cfg.run_id}.n{node}."):
+            os.unlink(os.path.join(cfg.agent.shm_dir, name))
+    return pids
+
+
+def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: int, targs: list[str], log_path: str) -> subprocess.Popen:
+    """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun."""
+    cfg_path = os.path.join(run_dir, "job.yaml")
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
+           f"--node-rank={node}", "--", os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *targs,
+           "--dump-final-state", os.path.join(run_dir, "final", "state"),
+           "--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
+    return subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
                log_path: str, env: Optional[dict] = None) -> subprocess.Popen:
     os.makedirs(run_dir, exist_ok=True)
@@ -210,7 +288,11 @@ def run_demo(args: argparse.Namespace) -> dict:
         base, run_id=tag,
         persist={"dir": os.path.join(workdir, "persist")},
         launch={"rdzv_port": free_port()},
+        health={"store_port": free_port_range(base.cluster.nodes + 8)},
     )
+    if args.redundancy:
+        cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
+                               health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
     world = cfg.cluster.world_size
     targs = training_args(cfg, args.iters, args.train_arg or [])
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
@@ -245,10 +327,21 @@ def run_demo(args: argparse.Namespace) -> dict:
     elif args.fail == "all-trainers":
         rpn = cfg.cluster.ranks_per_node
         victims = list(range(args.victim_node * rpn, (args.victim_node + 1) * rpn))
+    elif args.fail == "node":
+        if cfg.redundancy.scheme == "none":
+            raise ftconfig.ConfigError("--fail node needs peer redundancy: pass --redundancy replica|xor|rs "
+                                       "(or a --config with redundancy.scheme set)")
+        victim_node = args.victim_node if args.victim_node else default_victim_node(cfg)
+        if not 0 < victim_node < cfg.cluster.nodes:
+            raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail node: must be in "
+                                       f"[1, {cfg.cluster.nodes - 1}] (node 0 hosts the job's rendezvous)")
+        rpn = cfg.cluster.ranks_per_node
+        victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
     env = {}
     if victims and args.kill_point != "after-iteration":
         env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
     p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env)
+    replacement: Optional[subprocess.Popen] = None
     kill_time = None
     killed_pids = []
     last_before_kill = 0
@@ -270,7 +363,14 @@ def run_demo(args: argparse.Namespace) -> dict:
                 if time.time() > deadline:
                     raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
                 recs = {v: _progress(run_dir, v) for v in victims}
-                if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
+                if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims) and args.fail == "node":
+                    node = victims[0] // cfg.cluster.ranks_per_node
+                    killed_pids = kill_node(cfg, run_dir, node, [recs[v][-1]["pid"] for v in victims])
+                    kill_time = time.time()
+                    say(f"[demo] node {node} lost: SIGKILL -> its launcher, torchrun, trainers {victims} and agent "
+                        f"(pids {killed_pids}); its shared memory removed. Starting a replacement node {node}")
+                    replacement = start_replacement(cfg, run_dir, node, targs, os.path.join(workdir, "replacement.log"))
+                elif all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
                     for v in victims:
                         pid = recs[v][-1]["pid"]
                         try:
@@ -283,9 +383,12 @@ def run_demo(args: argparse.Namespace) -> dict:
                 else:
                     time.sleep(0.02)
         wait_job(p, args.timeout, "megatron-ft run", log_path)
+        if replacement is not None:
+            wait_job(replacement, args.timeout, "replacement node", os.path.join(workdir, "replacement.log"))
     finally:
-        if p.poll() is None:
-            _kill_tree(p)
+        for proc in (p, replacement):
+            if proc is not None and proc.poll() is None:
+                _kill_tree(proc)
     run_seconds = time.time() - t0
 
     # 3. results. torchrun's restart counters differ between nodes (only the failed node's counts),
@@ -296,7 +399,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     last_before_kill = max((r["iteration"] for r in progress if r["pid"] in first_pids), default=0)
     after = [e for e in _all_records(run_dir, "events")
              if e.get("event") == "restore" and kill_time is not None and e["pid"] not in first_pids]
-    sources = sorted({e["source"] for e in after})
+    # what the failed ranks recovered from (the others restore their own local copy)
+    sources = sorted({e["source"] for e in after if not victims or e["rank"] in victims})
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
     resumed = max((e["step"] for e in after), default=-1)
     recovery_seconds = None
@@ -345,11 +449,16 @@ def run_demo(args: argparse.Namespace) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--fail", choices=["trainer", "all-trainers", "none"], default="trainer")
+    p.add_argument("--fail", choices=["trainer", "all-trainers", "node", "none"], default="trainer",
+                   help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement")
+    p.add_argument("--redundancy", choices=sorted(DEMO_SHAPES), default=None,
+                   help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
     p.add_argument("--iters", type=int, default=24, help="training iterations")
     p.add_argument("--victim-rank", type=int, default=None, help="--fail trainer: rank to kill (default: last)")
-    p.add_argument("--victim-node", type=int, default=0, help="--fail all-trainers: node whose trainers die")
+    p.add_argument("--victim-node", type=int, default=0,
+                   help="--fail all-trainers: node whose trainers die; --fail node: the node lost (default: one "
+                        "whose ranks no other node holds whole, so xor/rs must decode)")
     p.add_argument("--workdir", default="/tmp/megatron-ft/demo")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")

@@ -109,6 +109,8 @@ class NodeLauncher:
         ]
 
     def run(self) -> int:
+        with open(os.path.join(self.node_dir, "launcher.pid"), "w") as f:
+            f.write(str(os.getpid()))
         self.start_agent()
         env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
@@ -182,11 +184,6 @@ def main(args: argparse.Namespace) -> int:
     if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
         cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
     args.nodes, args.nproc_per_node = nodes, nproc
-    if cfg.redundancy.scheme != "none":
-        print(f"[megatron-ft launch] WARNING: redundancy.scheme={cfg.redundancy.scheme!r} is planned "
-              f"(`megatron-ft plan`) but peer exchange is not implemented in this version: snapshots survive "
-              f"trainer and agent crashes, not the loss of a node (persist to shared storage for that)",
-              file=sys.stderr, flush=True)
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
     if args.node_rank is None:
