@@ -64,10 +64,11 @@ def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[
 # --redundancy SCHEME: a cluster on which the scheme is worth showing (all CPU, 4-6 processes)
 DEMO_SHAPES = {
     "replica": {"redundancy": {"scheme": "replica", "replicas": 2}},  # 2 nodes x 2: each holds the other
-    "xor": {"cluster": {"nodes": 3, "ranks_per_node": 2}, "redundancy": {"scheme": "xor"}},  # RAIM5 over 3 nodes
+    "xor": {"cluster": {"nodes": 3, "ranks_per_node": 2}, "redundancy": {"scheme": "xor"}},  # RAIM5 over 3 nodes, DP3
     "rs": {"cluster": {"nodes": 4, "ranks_per_node": 1}, "redundancy": {"scheme": "rs", "k": 2, "m": 2}},
 }
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
+DEMO_TRAIN_ARGS = {"xor": ["--global-batch-size", "12"]}  # a multiple of micro-batch 2 x DP 3
 
 
 def free_port_range(n: int) -> int:
@@ -294,7 +295,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
                                health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
     world = cfg.cluster.world_size
-    targs = training_args(cfg, args.iters, args.train_arg or [])
+    targs = training_args(cfg, args.iters, DEMO_TRAIN_ARGS.get(args.redundancy or "", []) + (args.train_arg or []))
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
 
     # 1. reference (or an earlier one with the same arguments)

@@ -59,3 +59,13 @@ def maybe_fail(point: str, step: int, rank: int, before: Optional[Callable[[], N
         f.write(json.dumps({"event": "fault", "point": point, "step": step, "rank": rank,
                             "pid": os.getpid(), "time": time.time()}) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_fail_agent(point: str, step: int) -> None:
+    """The node's agent SIGKILLs itself at ``point`` of ``step`` when ``MFT_AGENT_FAULT`` is
+    ``<point>:<step>`` (points: ``mid-exchange`` - after the first contribution of the version
+    left this node, before the rest: the node is lost in the middle of encoding/transfer)."""
+    spec = os.environ.get("MFT_AGENT_FAULT", "")
+    if spec != f"{point}:{step}":
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

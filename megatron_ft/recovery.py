@@ -279,13 +279,16 @@ class Restorer:
         touched = False
         for tier, cands in (("memory", self.memory_candidates), ("disk", self.disk_candidates)):
             by_step = {c.step: c for c in cands()}
+            if tier == "disk" and by_step:
+                log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
+                            "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
+                            "persisted checkpoint on disk", self.rank)
             for step in self._common_steps(list(by_step)):
                 cont: Optional[Container] = None
                 targets: dict = {}
                 ok = True
                 try:
                     by_step[step] = self._materialize(by_step[step])
-                    tier = by_step[step].source
                     cont = Container(by_step[step].path)
                     cont.check_identity(self.identity, step)
                     targets = resolve_targets(cont, adapter)
@@ -313,7 +316,7 @@ class Restorer:
                     finish_load(cont, adapter, targets)
                     extra = cont.version.get("extra", {})
                     cont.close()
-                    return RestoreResult(tier, step, time.perf_counter() - t0, extra, rejected)
+                    return RestoreResult(by_step[step].source, step, time.perf_counter() - t0, extra, rejected)
                 cont.close()
                 if ok:
                     rejected.append(f"{tier} step {step}: corrupt on another rank")
@@ -325,7 +328,7 @@ class Restorer:
     def _invalidate(self, cand: Candidate) -> None:
         """Make sure a corrupt copy is never offered again."""
         try:
-            if cand.source == "local_memory" and self.client is not None:
+            if cand.source in ("local_memory", "peer_memory", "decoded") and self.client is not None:
                 self.client.request("invalidate", rank=self.rank, step=cand.step)
             elif cand.source == "disk":
                 os.replace(cand.path, cand.path + ".corrupt")

@@ -1,62 +1,14 @@
 """Shared fixtures: a real snapshot agent process with its own run id, sockets and persist dir."""
 import os
-import signal
-import subprocess
-import sys
-import time
 import uuid
 
 import pytest
 import yaml
 
 from megatron_ft import config as ftconfig
-from megatron_ft.protocol import AgentClient, socket_path
+from megatron_ft.sim import AgentProc  # noqa: F401 (the tests' real agent process)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class AgentProc:
-    """A real agent subprocess (python -m megatron_ft.agent) for one simulated node."""
-
-    def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int = 0):
-        self.cfg, self.cfg_path, self.node = cfg, cfg_path, node
-        self.sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
-        self.proc = None
-        self.log_path = cfg_path + f".agent{node}.log"
-
-    def start(self) -> "AgentProc":
-        try:
-            os.unlink(self.sock)
-        except FileNotFoundError:
-            pass
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path,
-                                      "--node", str(self.node)], stdout=open(self.log_path, "ab"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 60
-        while not os.path.exists(self.sock):
-            assert self.proc.poll() is None, open(self.log_path).read()
-            if time.time() > deadline:  # a wait limit, not a performance check
-                pytest.fail(f"agent did not open its socket:\n{open(self.log_path).read()}")
-            time.sleep(0.02)
-        return self
-
-    def client(self, rank: int = 0) -> AgentClient:
-        c = AgentClient(self.sock)
-        c.connect({"rank": rank, "local_rank": rank, "pid": os.getpid(), "run_id": self.cfg.run_id})
-        return c
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-
-    def log(self) -> str:
-        return open(self.log_path).read()
 
 
 @pytest.fixture

@@ -1,115 +1,28 @@
-"""Peer redundancy with real agent processes: N simulated nodes (one agent each, its own shared
-memory, TCP between agents, the embedded TCPStore on the root agent), one trainer per node driven
-from this process. A node loss is SIGKILL of its agent plus removal of its shared memory; a fresh
-agent takes its place and the rank is restored bit for bit from the group."""
+"""Peer redundancy with real agent processes (megatron_ft.sim.LocalCluster): N simulated nodes, one
+agent each with its own shared memory, TCP between agents, the embedded TCPStore on the root
+agent; one trainer per node driven from this process. Losing a node = SIGKILL of its agent plus
+removal of its shared memory; a fresh agent takes its place and the rank is restored bit for bit
+from the group (or, past the scheme's tolerance, from disk)."""
+import logging
 import os
-import time
-import uuid
 
 import pytest
 import torch
-import yaml
 
-from megatron_ft import config as ftconfig
-from megatron_ft.demo import free_port
-from megatron_ft.recovery import Restorer
-from megatron_ft.snapshot import SnapshotEngine
-from megatron_ft.state import TorchStateAdapter
-
-from conftest import AgentProc
+from megatron_ft.sim import LocalCluster
 
 
-def make_model(rank, seed=0):
+def make_model(rank, seed):
     torch.manual_seed(seed + 100 * rank)
-    width = 64 + 16 * rank  # unequal state sizes: parity blocks are zero-padded
+    width = 256 + 32 * rank  # unequal state sizes: parity blocks are zero-padded
     m = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
 
-def identity(cfg, rank, world):
-    return {"run_id": cfg.run_id, "rank": rank, "world_size": world}
-
-
-class Cluster:
-    def __init__(self, tmp_path, nodes, **redundancy):
-        self.run_id = f"t{uuid.uuid4().hex[:10]}"
-        base = free_port()
-        self.cfg = ftconfig.replace(
-            ftconfig.load(), run_id=self.run_id, cluster={"nodes": nodes, "ranks_per_node": 1},
-            parallel={"tensor": 1, "pipeline": 1}, redundancy=redundancy,
-            persist={"dir": str(tmp_path / "persist"), "interval": 0, "on_failure": False},
-            health={"store_port": base if base + nodes < 65000 else 20000})
-        self.path = str(tmp_path / "job.yaml")
-        with open(self.path, "w") as f:
-            yaml.safe_dump(self.cfg.to_dict(), f)
-        self.nodes = nodes
-        self.agents = [AgentProc(self.cfg, self.path, n) for n in range(nodes)]
-        for a in self.agents:
-            a.start()
-        self.models = [make_model(r) for r in range(nodes)]
-        self.clients = [a.client(r) for r, a in enumerate(self.agents)]
-        self.engines = [SnapshotEngine(c, r, identity(self.cfg, r, nodes), 1 << 14)
-                        for r, c in enumerate(self.clients)]
-
-    def status(self, n):
-        return self.clients[n].request("status")["status"]
-
-    def train(self, steps, start=1):
-        for step in range(start, start + steps):
-            for r, (m, opt) in enumerate(self.models):
-                self.engines[r].wait()
-                torch.manual_seed(step * 1000 + r)
-                loss = m(torch.randn(8, 16)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                ad = TorchStateAdapter(m, opt)
-                ad.extra = {"iteration": step}
-                self.engines[r].snapshot(step, *ad.capture())
-            for e in self.engines:
-                e.wait()
-            self.wait_complete(step)
-
-    def wait_complete(self, step, nodes=None, timeout=60):
-        deadline = time.time() + timeout
-        nodes = range(self.nodes) if nodes is None else nodes
-        while True:
-            got = [self.status(n)["redundancy"]["complete_step"] for n in nodes]
-            if all(g >= step for g in got):
-                return
-            if time.time() > deadline:  # a wait limit, not a performance check
-                pytest.fail(f"step {step} not complete on every node: {got}; "
-                            + "\n".join(self.agents[n].log()[-3000:] for n in nodes))
-            time.sleep(0.05)
-
-    def lose_node(self, n):
-        """The node's memory is gone with it: kill its agent, drop its shared memory, start a fresh one."""
-        self.agents[n].kill()
-        for name in os.listdir(self.cfg.agent.shm_dir):
-            if name.startswith(f"mft.{self.run_id}.n{n}."):
-                os.unlink(os.path.join(self.cfg.agent.shm_dir, name))
-
-    def replace_node(self, n):
-        self.agents[n].start()
-        self.clients[n] = self.agents[n].client(n)
-
-    def restore(self, rank):
-        m2, opt2 = make_model(rank, seed=7)
-        res = Restorer(rank, self.nodes, identity(self.cfg, rank, self.nodes), self.run_id, self.cfg.persist.dir,
-                       self.clients[rank]).restore(TorchStateAdapter(m2, opt2))
-        return res, m2, opt2
-
-    def close(self):
-        for a in self.agents:
-            a.stop()
-        for name in os.listdir(self.cfg.agent.shm_dir):
-            if name.startswith(f"mft.{self.run_id}."):
-                os.unlink(os.path.join(self.cfg.agent.shm_dir, name))
-
-
-def assert_same(m1, o1, m2, o2):
-    for (n, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
-        assert torch.equal(a, b), n
+def assert_same(a, b):
+    (m1, o1), (m2, o2) = a, b
+    for (n, x), (_, y) in zip(m1.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(x, y), n
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         for k in o1.state[p1]:
             assert torch.equal(o1.state[p1][k], o2.state[p2][k]), k
@@ -117,19 +30,24 @@ def assert_same(m1, o1, m2, o2):
 
 @pytest.fixture
 def cluster(tmp_path, request):
-    nodes, red = request.param
-    c = Cluster(tmp_path, nodes, **red)
+    nodes, red = request.param[:2]
+    persist = request.param[2] if len(request.param) > 2 else 0
+    c = LocalCluster(str(tmp_path), nodes, make_model, chunk_bytes=1 << 14, persist_interval=persist, **red)
     yield c
     c.close()
 
 
+REPLICA = (2, {"scheme": "replica", "replicas": 2})
+XOR = (3, {"scheme": "xor"})
+RS = (4, {"scheme": "rs", "k": 2, "m": 2})
+
 SCHEMES = [
-    pytest.param((2, {"scheme": "replica", "replicas": 2}), 1, "peer_memory", id="replica"),
-    pytest.param((3, {"scheme": "xor"}), 1, "decoded", id="xor"),
+    pytest.param(REPLICA, 1, "peer_memory", id="replica"),
+    pytest.param(XOR, 1, "decoded", id="xor"),
     # k=2, m=2 on 4 nodes: D_0 = ranks 0, 1 on node 0, D_1 = ranks 2, 3 on node 2; rank 1 also
     # lives whole on data node 0 (peer_memory), rank 2 only on node 2: decoded
-    pytest.param((4, {"scheme": "rs", "k": 2, "m": 2}), 1, "peer_memory", id="rs-copy"),
-    pytest.param((4, {"scheme": "rs", "k": 2, "m": 2}), 2, "decoded", id="rs-decode"),
+    pytest.param(RS, 1, "peer_memory", id="rs-copy"),
+    pytest.param(RS, 2, "decoded", id="rs-decode"),
 ]
 
 
@@ -138,20 +56,103 @@ def test_one_node_lost_is_rebuilt_from_peers_bit_exact(cluster, lost, source):
     cluster.train(3)
     cluster.lose_node(lost)
     cluster.replace_node(lost)
-    res, m2, o2 = cluster.restore(lost)
+    res, model = cluster.restore(lost)
     assert (res.source, res.step) == (source, 3), res.rejected
-    assert_same(*cluster.models[lost], m2, o2)
-    assert not os.path.exists(cluster.cfg.persist.dir) or not os.listdir(cluster.cfg.persist.dir)  # no disk
+    assert_same(cluster.models[lost], model)
+    assert not os.path.exists(cluster.cfg.persist.dir)  # nothing was read from (or written to) disk
 
 
-@pytest.mark.parametrize("cluster", [SCHEMES[2].values[0]], indirect=True, ids=["rs"])
+@pytest.mark.parametrize("cluster", [RS], indirect=True, ids=["rs"])
 def test_rs_survives_m_lost_nodes_including_the_root(cluster):
     cluster.train(2)
-    for n in (0, 1):  # both of D_0's holders (node 0 is also the root agent with the store)
+    for n in (0, 1):  # both holders of D_0; node 0 is also the root agent holding the store
         cluster.lose_node(n)
     for n in (0, 1):
         cluster.replace_node(n)
     for n in (0, 1):
-        res, m2, o2 = cluster.restore(n)
+        res, model = cluster.restore(n)
         assert (res.source, res.step) == ("decoded", 2), res.rejected
-        assert_same(*cluster.models[n], m2, o2)
+        assert_same(cluster.models[n], model)
+    # the group protects new versions again, with the new root
+    cluster.train(1, start=3)
+    assert {cluster.status(n)["redundancy"]["complete_step"] for n in range(4)} == {3}
+
+
+@pytest.mark.parametrize("cluster", [REPLICA + (1,)], indirect=True, ids=["replica"])
+def test_whole_replica_group_lost_falls_back_to_disk(cluster, caplog):
+    cluster.train(2)
+    cluster.clients[0].request("wait_persisted", timeout=60)
+    cluster.clients[1].request("wait_persisted", timeout=60)
+    for n in (0, 1):
+        cluster.lose_node(n)
+    for n in (0, 1):
+        cluster.replace_node(n)
+    with caplog.at_level(logging.WARNING, logger="megatron_ft"):
+        res, model = cluster.restore(1)
+    assert (res.source, res.step) == ("disk", 2), res.rejected
+    assert_same(cluster.models[1], model)
+    assert "falling back to the newest persisted checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("cluster", [XOR], indirect=True, ids=["xor"])
+def test_node_lost_mid_exchange_recovers_the_previous_complete_version(cluster, monkeypatch):
+    cluster.train(2)
+    # node 1's agent dies after the first contribution of step 3 left it, before the rest
+    cluster.agents[1].kill()
+    monkeypatch.setenv("MFT_AGENT_FAULT", "mid-exchange:3")
+    cluster.agents[1].start()  # adopts node 1's slots; will die inside the exchange of step 3
+    monkeypatch.delenv("MFT_AGENT_FAULT")
+    cluster.clients[1] = cluster.agents[1].client(1)
+    cluster.train(1, start=3, wait_complete=False)
+    cluster.agents[1].proc.wait(timeout=120)
+    assert cluster.agents[1].proc.returncode == -9
+    cluster.lose_node(1)
+    cluster.replace_node(1)
+    res, model = cluster.restore(1)
+    assert (res.source, res.step) == ("decoded", 2), res.rejected
+    # step 2's state, not step 3's: rebuild the expected model from a run stopped at step 2
+    ref = state_after(2)
+    assert_same(ref, model)
+
+
+def state_after(steps):
+    """Rank 1's state after ``steps`` training steps (LocalCluster.train's recipe), recomputed here."""
+    m, opt = make_model(1, 0)
+    for step in range(1, steps + 1):
+        torch.manual_seed(step * 1000 + 1)
+        loss = m(torch.randn(8, 16)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("cluster", [XOR], indirect=True, ids=["xor"])
+def test_corrupt_parity_block_is_never_restored(cluster):
+    cluster.train(3)
+    cluster.lose_node(1)
+    cluster.replace_node(1)
+    # flip a byte in the data area of every step-3 parity block that rank 1's pieces decode from
+    shm_dir, run = cluster.cfg.agent.shm_dir, cluster.run_id
+    flipped = 0
+    for name in os.listdir(shm_dir):
+        if name.startswith(f"mft.{run}.") and ".blk.xor." in name:
+            path = os.path.join(shm_dir, name)
+            node = int(name.split(".")[2][1:])
+            st = cluster.status(node)["redundancy"]["blocks"]
+            key = name.split(".blk.")[1].rsplit(".", 1)[0]
+            idx = int(name.rsplit(".", 1)[1])
+            if st[key][idx][0] == 3:
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:  # 12 bytes spread over the block's second half
+                    for i in range(12):
+                        f.seek(size // 2 + i * (size // 2) // 12)
+                        b = f.read(1)
+                        f.seek(-1, 1)
+                        f.write(bytes([b[0] ^ 0xFF]))
+                flipped += 1
+    assert flipped
+    res, model = cluster.restore(1)
+    assert (res.source, res.step) == ("decoded", 2), res.rejected
+    assert any("step 3" in r for r in res.rejected)
+    assert_same(state_after(2), model)

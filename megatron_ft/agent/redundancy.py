@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import shm, snapfile
+from .. import faults, shm, snapfile
 from ..layout import Layout
 from ..redundancy import exchange as xch
 from ..redundancy.codecs import get_codec
@@ -205,6 +205,7 @@ class Redundancy:
                         cl.request(msg, memoryview(payload).cast("B"))
                     finally:
                         cl.close()
+                    faults.maybe_fail_agent("mid-exchange", step)
                 sent += len(payload)
         finally:
             self.agent.unpin(slots)

@@ -1,0 +1,187 @@
+"""Simulated nodes on one machine, for tests and benchmarks: one real agent process per node (its
+own shared memory, the peer transport, the embedded store), and one trainer per node driven from
+the calling process (a plain torch model + optimizer through the real SnapshotEngine and Restorer).
+
+Losing a node = SIGKILL of its agent and removal of its shared memory; a fresh agent takes its
+place with empty memory (``replace_node``), as a replacement machine would.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Callable, Optional
+
+import torch
+import yaml
+
+from . import config as ftconfig
+from .protocol import AgentClient, socket_path
+from .recovery import Restorer, RestoreResult
+from .snapshot import SnapshotEngine
+from .state import TorchStateAdapter
+
+
+class WaitTimeout(RuntimeError):
+    pass
+
+
+class AgentProc:
+    """A real agent subprocess (``python -m megatron_ft.agent``) for one simulated node."""
+
+    def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int = 0):
+        self.cfg, self.cfg_path, self.node = cfg, cfg_path, node
+        self.sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = cfg_path + f".agent{node}.log"
+
+    def start(self, timeout: float = 60.0) -> "AgentProc":
+        try:
+            os.unlink(self.sock)
+        except FileNotFoundError:
+            pass
+        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path,
+                                      "--node", str(self.node)], stdout=open(self.log_path, "ab"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while not os.path.exists(self.sock):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"agent exited at start-up:\n{self.log()}")
+            if time.time() > deadline:
+                raise WaitTimeout(f"agent did not open its socket:\n{self.log()}")
+            time.sleep(0.02)
+        return self
+
+    def client(self, rank: int = 0) -> AgentClient:
+        c = AgentClient(self.sock)
+        c.connect({"rank": rank, "local_rank": rank, "pid": os.getpid(), "run_id": self.cfg.run_id})
+        return c
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+def remove_run_segments(shm_dir: str, run_id: str, node: Optional[int] = None) -> None:
+    prefix = f"mft.{run_id}." + (f"n{node}." if node is not None else "")
+    for name in os.listdir(shm_dir):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+            except FileNotFoundError:
+                pass
+
+
+def free_port_range(n: int) -> int:
+    from .demo import free_port_range as f
+
+    return f(n)
+
+
+ModelFactory = Callable[[int, int], tuple]  # (rank, seed) -> (model, optimizer or None)
+
+
+class LocalCluster:
+    """``nodes`` agents with one trainer each; ``redundancy`` is the config section."""
+
+    def __init__(self, workdir: str, nodes: int, make_model: ModelFactory, chunk_bytes: int = 1 << 20,
+                 persist_interval: int = 0, **redundancy):
+        self.run_id = f"t{uuid.uuid4().hex[:10]}"
+        self.cfg = ftconfig.replace(
+            ftconfig.load(), run_id=self.run_id, cluster={"nodes": nodes, "ranks_per_node": 1},
+            parallel={"tensor": 1, "pipeline": 1}, redundancy=redundancy,
+            persist={"dir": os.path.join(workdir, "persist"), "interval": persist_interval, "on_failure": False},
+            health={"store_port": free_port_range(nodes + 1)})
+        os.makedirs(workdir, exist_ok=True)
+        self.path = os.path.join(workdir, f"{self.run_id}.yaml")
+        with open(self.path, "w") as f:
+            yaml.safe_dump(self.cfg.to_dict(), f)
+        self.nodes = nodes
+        self.make_model = make_model
+        self.agents = [AgentProc(self.cfg, self.path, n) for n in range(nodes)]
+        for a in self.agents:
+            a.start()
+        self.models = [make_model(r, 0) for r in range(nodes)]
+        self.clients = [a.client(r) for r, a in enumerate(self.agents)]
+        self.engines = [SnapshotEngine(c, r, self.identity(r), chunk_bytes) for r, c in enumerate(self.clients)]
+
+    def identity(self, rank: int) -> dict:
+        return {"run_id": self.cfg.run_id, "rank": rank, "world_size": self.nodes}
+
+    def status(self, n: int) -> dict:
+        return self.clients[n].request("status")["status"]
+
+    def train(self, steps: int, start: int = 1, wait_complete: bool = True) -> None:
+        for step in range(start, start + steps):
+            for r, (m, opt) in enumerate(self.models):
+                self.engines[r].wait()
+                torch.manual_seed(step * 1000 + r)
+                x = torch.randn(8, next(m.parameters()).shape[-1])
+                loss = m(x).pow(2).mean()
+                if opt is not None:
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                ad = TorchStateAdapter(m, opt)
+                ad.extra = {"iteration": step}
+                self.engines[r].snapshot(step, *ad.capture())
+            for e in self.engines:
+                e.wait()
+            if wait_complete and self.cfg.redundancy.scheme != "none":
+                self.wait_complete(step)
+
+    def wait_complete(self, step: int, nodes=None, timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        nodes = range(self.nodes) if nodes is None else nodes
+        while True:
+            got = [self.status(n)["redundancy"]["complete_step"] for n in nodes]
+            if all(g >= step for g in got):
+                return
+            if time.time() > deadline:
+                raise WaitTimeout(f"step {step} not complete on every node: {got}; "
+                                  + "\n".join(self.agents[n].log()[-3000:] for n in nodes))
+            time.sleep(0.02)
+
+    def lose_node(self, n: int) -> None:
+        """The node's memory goes with it: kill its agent, drop its shared memory."""
+        self.agents[n].kill()
+        remove_run_segments(self.cfg.agent.shm_dir, self.run_id, n)
+
+    def replace_node(self, n: int) -> None:
+        """A new machine in the lost node's place: a fresh agent and a fresh trainer process
+        (client and snapshot engine; the model object stands for the state it will restore)."""
+        self.agents[n].start()
+        self.clients[n] = self.agents[n].client(n)
+        self.engines[n] = SnapshotEngine(self.clients[n], n, self.identity(n), self.engines[n].chunk_size)
+
+    def restore(self, rank: int, seed: int = 7) -> tuple[RestoreResult, tuple]:
+        model = self.make_model(rank, seed)
+        res = Restorer(rank, self.nodes, self.identity(rank), self.run_id, self.cfg.persist.dir,
+                       self.clients[rank]).restore(TorchStateAdapter(*model))
+        return res, model
+
+    def close(self) -> None:
+        for c in self.clients:
+            try:
+                c.close(orderly=True)
+            except Exception:
+                pass
+        for a in self.agents:
+            a.stop()
+        remove_run_segments(self.cfg.agent.shm_dir, self.run_id)
