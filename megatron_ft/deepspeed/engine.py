@@ -259,6 +259,9 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
         raise ftconfig.ConfigError("DeepSpeed MoE layers are not supported by megatron-ft's in-memory tier yet "
                                    "(expert files are read across ranks)")
     topology = deepspeed_topology(engine)
+    if topology["pipeline_engine"] and engine.grid.get_slice_parallel_world_size() > 1:
+        raise ftconfig.ConfigError("the pipeline engine with tensor (slice) parallelism > 1 is not supported by "
+                                   "megatron-ft's in-memory tier yet (layer files are merged across slice ranks)")
     adapter = DeepSpeedStateAdapter()
     ckpt = InMemoryCheckpointer(cfg, adapter, dist.get_rank(), dist.get_world_size(), topology)
     ce = InMemoryCheckpointEngine(engine, ckpt, adapter)
@@ -281,8 +284,9 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
     def _get_all_ckpt_names(checkpoints_path, tag):
         if ce._load_root is None:
             return all_names(checkpoints_path, tag)
-        pattern = engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder="*")
-        return sorted(fnmatch.filter(ce.restored_paths(), os.path.abspath(pattern)))
+        # what the glob finds once every model-parallel rank has saved (this rank reads only its own)
+        return [engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder=f"{m:02d}")
+                for m in range(engine.mp_world_size)]
 
     engine._get_all_ckpt_names = _get_all_ckpt_names
 
@@ -309,6 +313,7 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
                 return None, None
             return _load_files(engine, disk_engine, ds_load, load_dir, tag, **kwargs)
         ce._load_root = os.path.abspath(os.path.join(load_dir, restored["tag"]))
+        _placeholders(ce._load_root, restored, res.step)
         try:
             result = ds_load(load_dir, tag=restored["tag"], **kwargs)
         finally:
@@ -329,6 +334,25 @@ def _load_files(engine: Any, disk_engine: Any, ds_load: Any, load_dir: str, tag:
         return ds_load(load_dir, tag=tag, **kwargs)
     finally:
         engine.checkpoint_engine = ce
+
+
+PLACEHOLDER = ("megatron-ft placeholder: DeepSpeed restored this file's contents from an in-memory snapshot "
+               "(tag {tag}, step {step}); it was never written to disk\n")
+
+
+def _placeholders(root: str, restored: dict, step: int) -> None:
+    """DeepSpeed's loader asserts ``os.path.exists`` on a file before reading it through the
+    checkpoint engine: give each restored file a one-line text placeholder (not loadable by
+    torch.load), never over an existing file."""
+    for name in restored["files"]:
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(PLACEHOLDER.format(tag=restored["tag"], step=step))
 
 
 def _set_rng(restored: dict) -> None:
