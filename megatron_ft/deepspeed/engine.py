@@ -18,7 +18,9 @@ and wraps ``engine.load_checkpoint``. What happens then::
                                                 run/step/topology identity): memory -> disk; read
                                                 into fresh buffers, never into the live model
       DeepSpeed's load_checkpoint(dir, tag)     with the snapshot's tag (not the `latest` file);
-                                                checkpoint_engine.load(dir/tag/F) rebuilds F
+                                                checkpoint_engine.load(dir/tag/F) rebuilds F (its
+                                                loader asserts os.path.exists(F): each restored F
+                                                missing on disk gets a one-line text placeholder)
       RNG (python, numpy, torch) restored last
 
 Which files a rank snapshots. DeepSpeed names files per rank; each rank keeps *all* files it
@@ -36,13 +38,17 @@ Snapshot step = ``engine.global_steps`` at commit; the tag is in the JSON record
 identity = (zero stage, dp, mp, pp, pipeline engine): a snapshot of another layout is rejected.
 A failed save (an unencodable value, no agent, no room) is logged and skipped; it never raises
 into training. Elastic ZeRO checkpoints and universal checkpoints read other ranks' files and
-are refused by :func:`enable_inmem_ckpt`.
+are refused by :func:`enable_inmem_ckpt`, as are MoE layers and the pipeline engine with tensor
+(slice) parallelism. Verified with DeepSpeed 0.19.8; besides the public CheckpointEngine API this
+module relies on ``engine._take_model_step``, ``engine._get_all_ckpt_names``/``_get_ckpt_name``,
+``engine.save_non_zero_checkpoint`` and ``PipelineModule.save_state_dict``/``ckpt_layer_path_list``.
 """
 from __future__ import annotations
 
 import fnmatch
 import logging
 import os
+import re
 from typing import Any, Optional
 
 import torch
@@ -61,6 +67,7 @@ log = logging.getLogger("megatron_ft.deepspeed")
 RECORD_FORMAT = "megatron-ft-deepspeed"
 RECORD_VERSION = 1
 ENGINE_NAME = "MegatronFTInMemoryCheckpointEngine"
+VERIFIED_DEEPSPEED = "0.19."
 
 
 class DeepSpeedStateAdapter:
@@ -201,16 +208,27 @@ class InMemoryCheckpointEngine(CheckpointEngine):
             raise FileNotFoundError(f"{path}: no megatron-ft snapshot is being loaded")
         name = self._file_name(path, self._load_root)
         files = self.adapter.restored["files"]
-        if name not in files:
+        if name not in files and self._resolve(name, files) == name:
             raise FileNotFoundError(f"{path}: the restored snapshot (tag {self.adapter.restored['tag']}) holds "
                                     f"{sorted(files)}")
-        tree, tensors = files[name]
+        tree, tensors = files[self._resolve(name, files)]
         # a fresh structure per call (DeepSpeed may modify what it loads); the buffers are owned by the
         # restored snapshot and dropped after load_checkpoint
         fix = None
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
             fix = lambda t: t.to(map_location)  # noqa: E731
         return codec.decode(tree, tensors, fix)
+
+    @staticmethod
+    def _resolve(name: str, files: dict) -> str:
+        """DeepSpeed reads model-parallel rank 0's model-states file on every rank (the loader's
+        file-count check, and the pipeline engine's common state); a rank is served its own
+        model-states file instead, which holds the same common fields (and its own client state)."""
+        m = _MODEL_STATES.fullmatch(name)
+        if name in files or m is None:
+            return name
+        own = [f for f in files if (g := _MODEL_STATES.fullmatch(f)) and g.group(1) == m.group(1)]
+        return own[0] if len(own) == 1 else name
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return True  # every rank snapshots what it reads back (see the module docstring)
@@ -220,6 +238,9 @@ class InMemoryCheckpointEngine(CheckpointEngine):
 
     def cleanup(self) -> None:
         self.ckpt.before_optimizer_step()
+
+
+_MODEL_STATES = re.compile(r"(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt")
 
 
 def _inside(path: str, root: str) -> bool:
@@ -243,8 +264,12 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
     embedded default, with ``$MFT_RUN_ID``). With ``fallback_to_files``, a ``load_checkpoint`` that
     finds no valid snapshot (memory or megatron-ft's disk tier) reads DeepSpeed's own files, if any.
     Returns the installed checkpoint engine (``.ckpt`` is the :class:`InMemoryCheckpointer`)."""
+    import deepspeed
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+    if not deepspeed.__version__.startswith(VERIFIED_DEEPSPEED):
+        log.warning("megatron-ft's DeepSpeed tier was verified with DeepSpeed %sx, this is %s: run "
+                    "tests/test_deepspeed.py before relying on it", VERIFIED_DEEPSPEED, deepspeed.__version__)
     if cfg is None:
         cfg = ftconfig.load(os.environ.get("MFT_CONFIG"))
         if os.environ.get("MFT_RUN_ID"):
@@ -284,9 +309,11 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
     def _get_all_ckpt_names(checkpoints_path, tag):
         if ce._load_root is None:
             return all_names(checkpoints_path, tag)
-        # what the glob finds once every model-parallel rank has saved (this rank reads only its own)
-        return [engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder=f"{m:02d}")
-                for m in range(engine.mp_world_size)]
+        # what the glob finds once every model-parallel rank has saved (see InMemoryCheckpointEngine._resolve)
+        names = [engine._get_ckpt_name(checkpoints_path, tag, mp_placeholder=f"{m:02d}")
+                 for m in range(_model_ranks(engine))]
+        _placeholders(names, ce.adapter.restored["tag"])
+        return names
 
     engine._get_all_ckpt_names = _get_all_ckpt_names
 
@@ -313,7 +340,7 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
                 return None, None
             return _load_files(engine, disk_engine, ds_load, load_dir, tag, **kwargs)
         ce._load_root = os.path.abspath(os.path.join(load_dir, restored["tag"]))
-        _placeholders(ce._load_root, restored, res.step)
+        _placeholders([os.path.join(ce._load_root, n) for n in restored["files"]], restored["tag"])
         try:
             result = ds_load(load_dir, tag=restored["tag"], **kwargs)
         finally:
@@ -336,23 +363,29 @@ def _load_files(engine: Any, disk_engine: Any, ds_load: Any, load_dir: str, tag:
         engine.checkpoint_engine = ce
 
 
-PLACEHOLDER = ("megatron-ft placeholder: DeepSpeed restored this file's contents from an in-memory snapshot "
-               "(tag {tag}, step {step}); it was never written to disk\n")
+PLACEHOLDER = ("megatron-ft placeholder: DeepSpeed read this file (tag {tag}) through megatron-ft's in-memory "
+               "tier; its contents were never written to disk\n")
 
 
-def _placeholders(root: str, restored: dict, step: int) -> None:
+def _model_ranks(engine: Any) -> int:
+    """How many ``mp_rank_XX`` model-states files DeepSpeed writes per tag (pipeline: one per
+    stage x slice rank, though ``engine.mp_world_size`` counts only the slice ranks)."""
+    grid = getattr(engine, "grid", None)
+    return int(grid.get_model_parallel_world_size()) if grid is not None else int(engine.mp_world_size)
+
+
+def _placeholders(paths: list[str], tag: str) -> None:
     """DeepSpeed's loader asserts ``os.path.exists`` on a file before reading it through the
-    checkpoint engine: give each restored file a one-line text placeholder (not loadable by
+    checkpoint engine: give each such file a one-line text placeholder (not loadable by
     torch.load), never over an existing file."""
-    for name in restored["files"]:
-        path = os.path.join(root, name)
+    for path in paths:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             continue
         with os.fdopen(fd, "w") as f:
-            f.write(PLACEHOLDER.format(tag=restored["tag"], step=step))
+            f.write(PLACEHOLDER.format(tag=tag))
 
 
 def _set_rng(restored: dict) -> None:
