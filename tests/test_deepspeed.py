@@ -13,14 +13,13 @@ Then every rank's final digests (parameters / ZeRO partitions, the optimizer's s
 scheduler, RNG, data position) and the loss of every iteration, re-run ones included, must equal
 the reference bit for bit.
 
-Codec units (no processes) run in the default suite; the end-to-end scenarios take 40-80 s each
-on 2 shared cores and are marked slow, except ZeRO-2 (~45 s) which keeps one real DeepSpeed
-recovery in the default suite.
+The default suite runs the codec units and one in-process DeepSpeed engine (world size 1) against
+a real agent (~20 s together). The end-to-end scenarios took 90-250 s each on 2 shared, heavily
+loaded cores and are marked slow (``pytest -m slow tests/test_deepspeed.py``).
 """
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 import yaml
 
 from megatron_ft import config as ftconfig
+from megatron_ft.demo import free_port, read_jsonl
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
@@ -94,24 +94,61 @@ def test_codec_refuses_unknown_objects():
         codec.decode({"$obj": "os.system", "state": {}}, [])
 
 
+# ---------------------------------------------------------------- one process, real agent
+
+
+def test_failed_save_is_skipped_and_load_restores_newest_good_snapshot(tmp_path, job_config, agent, monkeypatch):
+    """World size 1 in this process, a real agent: a save_checkpoint whose client state cannot be
+    encoded returns normally (no snapshot); load_checkpoint then restores the newest good save bit
+    for bit into a model that was changed afterwards."""
+    import torch.distributed as dist
+
+    cfg, _ = job_config
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("MFT_NODE_RANK", "0")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True})
+        from megatron_ft.deepspeed import enable_inmem_ckpt
+
+        ce = enable_inmem_ckpt(engine, cfg)
+
+        def step():
+            loss = engine(torch.randn(2, 8)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+
+        ckpt_dir = str(tmp_path / "ckpt")
+        step()
+        assert engine.save_checkpoint(ckpt_dir, client_state={"k": 1})
+        saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        saved_rng = torch.get_rng_state()
+        step()
+        assert engine.save_checkpoint(ckpt_dir, client_state={"bad": object()})  # logged, not raised
+        ce.ckpt.before_optimizer_step()
+        assert [h.step for h in ce.ckpt.engine.history] == [1]  # step 2 was never snapshotted
+        step()
+        torch.manual_seed(123)
+        path, client = engine.load_checkpoint(ckpt_dir)
+        assert path.endswith("global_step1/mp_rank_00_model_states.pt") and client["k"] == 1
+        assert engine.global_steps == 1
+        for n, p in engine.module.named_parameters():
+            assert torch.equal(p, saved[n]), n
+        assert torch.equal(torch.get_rng_state(), saved_rng)
+        ce.ckpt.close()
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- end to end
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_jsonl(path):
-    out = []
-    if os.path.exists(path):
-        for line in open(path):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # being written
-    return out
 
 
 def script_args(stage, pipeline, run_dir, inmem):
@@ -246,6 +283,7 @@ def check_recovery(tmp_path, stage, pipeline=False, fault=None):
     return step, after
 
 
+@pytest.mark.slow
 def test_zero2_sigkill_recovers_bit_exact(tmp_path):
     check_recovery(tmp_path, stage=2)
 
