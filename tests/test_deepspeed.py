@@ -1,0 +1,312 @@
+"""DeepSpeed through megatron-ft's in-memory tier: real agents, real torchrun restarts, real SIGKILL.
+
+Each scenario runs ``scripts/pretrain_deepspeed.py`` on 2 gloo ranks (1 simulated node) twice:
+
+1. the reference: plain torchrun, no checkpointing at all, uninterrupted;
+2. under ``megatron-ft launch`` (agent + torchrun with restarts) with ``--inmem-ckpt`` (a
+   DeepSpeed ``save_checkpoint`` into the agent's shared memory after every iteration). Rank 1 is
+   SIGKILLed from outside once it has logged iteration ``KILL_AT`` (or kills itself at a fault
+   point); torchrun restarts both ranks, ``engine.load_checkpoint`` restores the newest step both
+   ranks hold, verified, and training runs to the end.
+
+Then every rank's final digests (parameters / ZeRO partitions, the optimizer's state dict, LR
+scheduler, RNG, data position) and the loss of every iteration, re-run ones included, must equal
+the reference bit for bit.
+
+The default suite runs the codec units and one in-process DeepSpeed engine (world size 1) against
+a real agent (~20 s together). The end-to-end scenarios took 90-250 s each on 2 shared, heavily
+loaded cores and are marked slow (``pytest -m slow tests/test_deepspeed.py``).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import OrderedDict
+
+import pytest
+import torch
+import yaml
+
+from megatron_ft import config as ftconfig
+from megatron_ft.demo import free_port, read_jsonl
+
+deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "pretrain_deepspeed.py")
+ITERS, KILL_AT, SLEEP = 12, 5, 0.25
+TIMEOUT = 600
+
+
+# ---------------------------------------------------------------- codec (no processes)
+
+
+def test_codec_round_trip_is_exact_and_json():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from megatron_ft.deepspeed import codec
+
+    shared = torch.arange(6, dtype=torch.float32)
+    sd = {
+        "module": OrderedDict([("w", torch.randn(3, 2)), ("b", torch.zeros(0))]),
+        "optimizer_state_dict": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": shared}},
+                                 "param_groups": [{"params": [0], "betas": (0.9, 0.999), "lr": 1e-3}],
+                                 "loss_scaler": LossScaler(1.0), "dyn": DynamicLossScaler(2.0 ** 8, 1000, 1.0, 2, True, raise_error_at_min_scale=False),
+                                 "zero_stage": ZeroStageEnum.gradients,
+                                 "slices": [{"w": fragment_address(numel=6, start=0)}],
+                                 "again": shared},
+        "param_shapes": [OrderedDict([("w", torch.Size([3, 2]))])],
+        "odd": {"$t": "not a tensor", 1.5: float("inf"), (1, 2): float("nan"), "dt": torch.bfloat16},
+        "none": None, "flag": True, "ds_version": "0.19.8",
+    }
+    enc = codec.Encoder()
+    tree = json.loads(json.dumps(enc.encode(sd), allow_nan=False))  # strict JSON survives
+    back = codec.decode(tree, [t.clone() for t in enc.tensors])
+    assert len(enc.tensors) == 4  # "again" is the same tensor object as exp_avg: stored once
+    assert back["optimizer_state_dict"]["again"] is back["optimizer_state_dict"]["state"][0]["exp_avg"]
+    assert type(back["module"]) is OrderedDict and list(back["module"]) == ["w", "b"]
+    assert torch.equal(back["module"]["w"], sd["module"]["w"])
+    assert back["optimizer_state_dict"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.gradients
+    assert back["optimizer_state_dict"]["slices"][0]["w"] == fragment_address(numel=6, start=0)
+    assert vars(back["optimizer_state_dict"]["dyn"]) == vars(sd["optimizer_state_dict"]["dyn"])
+    assert isinstance(back["param_shapes"][0]["w"], torch.Size)
+    odd = back["odd"]
+    assert odd["$t"] == "not a tensor" and odd[1.5] == float("inf") and odd[(1, 2)] != odd[(1, 2)]
+    assert odd["dt"] is torch.bfloat16
+    assert 0 in back["optimizer_state_dict"]["state"]  # int keys stay ints
+
+
+def test_codec_refuses_unknown_objects():
+    from megatron_ft.deepspeed import codec
+
+    class Opaque:
+        pass
+
+    with pytest.raises(TypeError, match=r"state\.x\.y: value of type .*Opaque"):
+        codec.Encoder().encode({"x": {"y": Opaque()}})
+    with pytest.raises(ValueError, match="not allowed"):
+        codec.decode({"$obj": "os.system", "state": {}}, [])
+
+
+# ---------------------------------------------------------------- one process, real agent
+
+
+def test_failed_save_is_skipped_and_load_restores_newest_good_snapshot(tmp_path, job_config, agent, monkeypatch):
+    """World size 1 in this process, a real agent: a save_checkpoint whose client state cannot be
+    encoded returns normally (no snapshot); load_checkpoint then restores the newest good save bit
+    for bit into a model that was changed afterwards."""
+    import torch.distributed as dist
+
+    cfg, _ = job_config
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("MFT_NODE_RANK", "0")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+            "zero_allow_untested_optimizer": True})
+        from megatron_ft.deepspeed import enable_inmem_ckpt
+
+        ce = enable_inmem_ckpt(engine, cfg)
+
+        def step():
+            loss = engine(torch.randn(2, 8)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+
+        ckpt_dir = str(tmp_path / "ckpt")
+        step()
+        assert engine.save_checkpoint(ckpt_dir, client_state={"k": 1})
+        saved = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        saved_rng = torch.get_rng_state()
+        step()
+        assert engine.save_checkpoint(ckpt_dir, client_state={"bad": object()})  # logged, not raised
+        ce.ckpt.before_optimizer_step()
+        assert [h.step for h in ce.ckpt.engine.history] == [1]  # step 2 was never snapshotted
+        step()
+        torch.manual_seed(123)
+        path, client = engine.load_checkpoint(ckpt_dir)
+        assert path.endswith("global_step1/mp_rank_00_model_states.pt") and client["k"] == 1
+        assert engine.global_steps == 1
+        for n, p in engine.module.named_parameters():
+            assert torch.equal(p, saved[n]), n
+        assert torch.equal(torch.get_rng_state(), saved_rng)
+        ce.ckpt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def script_args(stage, pipeline, run_dir, inmem):
+    args = [SCRIPT, f"--zero-stage={stage}", f"--iters={ITERS}",
+            f"--dump-final-state={os.path.join(run_dir, 'final', 'state')}"]
+    if pipeline:
+        args.append("--pipeline")
+    if inmem:
+        args += ["--inmem-ckpt", f"--save-dir={os.path.join(run_dir, 'ckpt')}", f"--iter-sleep={SLEEP}"]
+    return args
+
+
+def env_for(run_dir, **extra):
+    env = dict(os.environ, DS_ACCELERATOR="cpu", MFT_RUN_DIR=run_dir, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MFT_FAULT_INJECT", None)
+    env.update(extra)
+    return env
+
+
+def wait(p, log, what):
+    try:
+        rc = p.wait(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"{what} did not finish in {TIMEOUT} s; log {log}")
+    if rc != 0:
+        pytest.fail(f"{what} exited {rc}:\n{open(log, errors='replace').read()[-4000:]}")
+
+
+def reference(tmp, stage, pipeline):
+    run_dir = str(tmp / "ref")
+    log = str(tmp / "ref.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", *script_args(stage, pipeline, run_dir, inmem=False)]
+    p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env_for(run_dir),
+                         start_new_session=True)
+    wait(p, log, "reference run")
+    return run_dir
+
+
+def job_config(tmp):
+    cfg = ftconfig.replace(ftconfig.load(), run_id=f"ds{uuid.uuid4().hex[:10]}",
+                           cluster={"nodes": 1, "ranks_per_node": 2}, parallel={"tensor": 1, "pipeline": 1},
+                           persist={"dir": str(tmp / "persist"), "interval": 0},
+                           launch={"rdzv_port": free_port(), "max_restarts": 2})
+    path = str(tmp / "job.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    return cfg, path
+
+
+def recovered_run(tmp, stage, pipeline, kill_rank=1, fault=None):
+    """The job under megatron-ft launch; rank ``kill_rank`` is SIGKILLed from outside once it logged
+    iteration KILL_AT (``fault=None``) or kills itself at a fault point (``MFT_FAULT_INJECT``)."""
+    cfg, cfg_path = job_config(tmp)
+    run_dir = str(tmp / "run")
+    log = str(tmp / "run.log")
+    extra = {"MFT_FAULT_INJECT": f"{fault}:{KILL_AT}:{kill_rank}"} if fault else {}
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
+           "--", *script_args(stage, pipeline, run_dir, inmem=True)]
+    p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env_for(run_dir, **extra),
+                         start_new_session=True)
+    killed = None
+    try:
+        if fault is None:
+            prog = os.path.join(run_dir, "progress", f"rank{kill_rank}.jsonl")
+            deadline = time.time() + TIMEOUT
+            while killed is None:
+                recs = [r for r in read_jsonl(prog) if r["iteration"] >= KILL_AT]
+                if recs:
+                    killed = recs[0]
+                    os.kill(recs[0]["pid"], signal.SIGKILL)
+                elif p.poll() is not None or time.time() > deadline:
+                    pytest.fail(f"rank {kill_rank} never reached iteration {KILL_AT}:\n"
+                                f"{open(log, errors='replace').read()[-4000:]}")
+                else:
+                    time.sleep(0.02)
+        wait(p, log, "megatron-ft run")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for name in os.listdir(cfg.agent.shm_dir):
+            if name.startswith(f"mft.{cfg.run_id}."):
+                os.unlink(os.path.join(cfg.agent.shm_dir, name))
+    return run_dir, killed
+
+
+def restores(run_dir):
+    out = []
+    for r in (0, 1):
+        out += [e for e in read_jsonl(os.path.join(run_dir, "events", f"rank{r}.jsonl")) if e["event"] == "restore"]
+    return out
+
+
+def compare(ref_dir, run_dir):
+    problems = []
+    for r in (0, 1):
+        want = {}
+        for rec in read_jsonl(os.path.join(ref_dir, "progress", f"rank{r}.jsonl")):
+            want[rec["iteration"]] = rec["loss_hex"]
+        got = {}
+        for rec in read_jsonl(os.path.join(run_dir, "progress", f"rank{r}.jsonl")):
+            got.setdefault(rec["iteration"], set()).add(rec["loss_hex"])
+        if sorted(want) != list(range(1, ITERS + 1)):
+            problems.append(f"reference rank {r} logged iterations {sorted(want)}")
+        for it, loss in sorted(want.items()):
+            if got.get(it) != {loss}:
+                problems.append(f"rank {r} iteration {it}: loss {sorted(got.get(it, ()))} != reference {loss}")
+        ref_s = json.load(open(os.path.join(ref_dir, "final", f"state.rank{r}.json")))
+        run_s = json.load(open(os.path.join(run_dir, "final", f"state.rank{r}.json")))
+        for section in sorted(set(ref_s) | set(run_s)):
+            if ref_s.get(section) != run_s.get(section):
+                problems.append(f"rank {r} final {section} differs")
+    return problems
+
+
+def check_recovery(tmp_path, stage, pipeline=False, fault=None):
+    ref_dir = reference(tmp_path, stage, pipeline)
+    run_dir, killed = recovered_run(tmp_path, stage, pipeline, fault=fault)
+    events = restores(run_dir)
+    # first start: nothing to restore; after the kill both ranks restore the same step from memory
+    assert [e["source"] for e in events if e["restart_count"] == 0] == ["none", "none"], events
+    after = [e for e in events if e["restart_count"] > 0]
+    assert len(after) == 2 and {e["source"] for e in after} == {"local_memory"}, events
+    assert len({e["step"] for e in after}) == 1, events
+    step = after[0]["step"]
+    if killed is not None:  # rank 1 had saved KILL_AT before logging it: nothing older than that is needed
+        assert KILL_AT <= step <= killed["iteration"] + 1, (step, killed, events)
+    problems = compare(ref_dir, run_dir)
+    assert not problems, problems
+    return step, after
+
+
+@pytest.mark.slow
+def test_zero2_sigkill_recovers_bit_exact(tmp_path):
+    check_recovery(tmp_path, stage=2)
+
+
+@pytest.mark.slow
+def test_zero1_sigkill_recovers_bit_exact(tmp_path):
+    check_recovery(tmp_path, stage=1)
+
+
+@pytest.mark.slow
+def test_zero3_sigkill_recovers_bit_exact(tmp_path):
+    check_recovery(tmp_path, stage=3)
+
+
+@pytest.mark.slow
+def test_zero3_corrupt_snapshot_is_never_restored(tmp_path):
+    """Rank 1 flips a byte of its committed snapshot of KILL_AT, then SIGKILLs itself: restore must
+    reject that step (checksum) and resume both ranks from KILL_AT - 1, still bit exact."""
+    step, after = check_recovery(tmp_path, stage=3, fault="corrupt-after-commit")
+    assert step == KILL_AT - 1
+    assert any("checksum mismatch" in r for e in after for r in e["rejected"]), after
+
+
+@pytest.mark.slow
+def test_pipeline_engine_sigkill_recovers_bit_exact(tmp_path):
+    check_recovery(tmp_path, stage=1, pipeline=True)
