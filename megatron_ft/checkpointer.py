@@ -104,7 +104,12 @@ class InMemoryCheckpointer:
         faults.maybe_fail("before-snapshot", iteration, self.rank)
         if hasattr(self.adapter, "progress"):
             self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
-        tensors, extra = self.adapter.capture()
+        try:
+            tensors, extra = self.adapter.capture()
+        except Exception as e:  # a state we cannot capture costs this snapshot, never the training
+            log.warning("rank %d: could not capture the state of step %d: %s", self.rank, iteration, e)
+            self.engine.skip(iteration, f"capture failed: {e}")
+            return
         self.engine.snapshot(iteration, tensors, extra)
 
     def _auto_intervals(self) -> None:

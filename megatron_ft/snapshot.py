@@ -111,6 +111,15 @@ class SnapshotEngine:
         self._pending = job
         self._q.put(job)
 
+    def skip(self, step: int, reason: str) -> None:
+        """Take part in step ``step``'s agreement without a snapshot (e.g. the state could not be
+        captured): the other ranks' collective never hangs, and the agreed step stays older."""
+        self.wait()
+        stats = SnapshotStats(step, False, error=f"not started: {reason}")
+        job = _Job(step, [], {}, None, time.time(), stats)
+        self._pending = job
+        self._q.put(job)
+
     def wait(self) -> Optional[SnapshotStats]:
         """Block until the pending snapshot (if any) is committed and agreed."""
         job = self._pending

@@ -581,6 +581,13 @@ def dump_final_state(objs: TrainingObjects, path: str, progress: Optional[Dict[s
 # ======================================================================================
 # Entry point
 # ======================================================================================
+def shutdown_distributed() -> None:
+    """Wait for every rank, then tear down Megatron's groups and the default process group."""
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     install_cpu_compat()  # CPU only; a no-op with CUDA
@@ -600,9 +607,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dump_final_state:
         dump_final_state(objs, args.dump_final_state,
                          {"iteration": iteration, "consumed_samples": consumed_samples})
-    torch.distributed.barrier()
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    shutdown_distributed()
     return 0
 
 

@@ -30,19 +30,25 @@ def megatron_topology() -> dict:
     }
 
 
+def checked_topology(cfg: ftconfig.FTConfig) -> dict:
+    """The job's topology, after checking it against the megatron-ft config's ``parallel`` section."""
+    topo = megatron_topology()
+    want = (cfg.parallel.tensor, cfg.parallel.pipeline)
+    if (topo["tp"], topo["pp"]) != want:
+        raise ftconfig.ConfigError(
+            f"parallel.tensor={want[0]}, parallel.pipeline={want[1]} in the megatron-ft config do not match "
+            f"the job's --tensor-model-parallel-size={topo['tp']} --pipeline-model-parallel-size={topo['pp']}; "
+            f"they must be equal")
+    return topo
+
+
 class MegatronCheckpointHooks:
     def __init__(self, args: argparse.Namespace):
         self.cfg = ftconfig.from_args(args)
         self.ckpt: Optional[InMemoryCheckpointer] = None
 
     def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
-        topo = megatron_topology()
-        want = (self.cfg.parallel.tensor, self.cfg.parallel.pipeline)
-        if (topo["tp"], topo["pp"]) != want:
-            raise ftconfig.ConfigError(
-                f"parallel.tensor={want[0]}, parallel.pipeline={want[1]} in the megatron-ft config do not match "
-                f"the job's --tensor-model-parallel-size={topo['tp']} --pipeline-model-parallel-size={topo['pp']}; "
-                f"they must be equal")
+        topo = checked_topology(self.cfg)
         adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
         self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
         res = self.ckpt.restore()

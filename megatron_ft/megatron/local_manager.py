@@ -1,0 +1,273 @@
+"""megatron-ft as Megatron-LM's non-persistent ``local`` checkpoint tier (``--non-persistent-ckpt-type in_memory``).
+
+Megatron-LM (``core_v0.16.1``) drives its local tier through ``checkpointing_context
+['local_checkpoint_manager']``, created in ``megatron/training/training.py``, and calls exactly:
+
+* ``save(state_dict, iteration, is_async=...)`` from ``save_checkpoint(..., non_persistent_ckpt=True)``,
+  every ``--non-persistent-save-interval`` iterations (only when ``--save`` is set). ``state_dict`` is
+  the ``MCoreTensorAwareStateDict`` built by ``tensor_aware_state_dict_cls.from_state_dict``: the
+  common part (args, iteration, scheduler, ...) plus the ``ShardedTensor``/``ShardedObject`` part;
+  with ``--non-persistent-local-ckpt-algo fully_parallel`` (the default) each data-parallel replica
+  keeps only the shards it is the main replica of. With ``is_async`` it must return an
+  ``AsyncRequest`` (Megatron adds finalize functions to it and schedules it), otherwise ``None``.
+* ``find_latest()`` from ``load_checkpoint`` (only when ``--load`` is set): the newest iteration
+  every rank can restore, or -1. If it is at least as new as the persistent checkpoint,
+* ``load()`` returns ``(tensor_aware_state_dict, checkpoint_name)``; Megatron calls
+  ``.to_state_dict(sharded_state_dict, algo=..., parallelization_group=...)`` on the first item
+  (which re-distributes the deduplicated shards) and loads model, optimizer, scheduler, RNG and
+  args from the result. It calls ``load()`` twice (``rank0=True`` for the common part, then for
+  everything).
+* ``local_ckpt_dir``: only printed (and joined into names); here it is the agents' persist dir.
+
+The mapping onto megatron-ft: ``save`` encodes the state dict with :mod:`.sdcodec` (tensors by
+reference, the rest as a versioned JSON record - no pickle) and hands it to the trainer's
+:class:`~megatron_ft.checkpointer.InMemoryCheckpointer` as the state of ``iteration``: the snapshot
+engine copies the tensors into this rank's agent slot in the background (fused copy + checksum),
+commits, and all ranks agree on the newest complete step. A global optimizer step pre-hook waits
+for that copy before the next ``optimizer.step()`` modifies the tensors - the only point where it
+can block training. ``find_latest`` runs megatron-ft's restore (newest step every rank holds,
+verified by checksum and run/rank/topology identity; local memory, then the agents' persisted
+copies) into freshly allocated tensors, so a torn or corrupt snapshot is never offered; ``load``
+rebuilds the tensor-aware state dict from those tensors. A failed snapshot is logged and costs only
+that snapshot; it never raises into training.
+
+Example (what the patched ``training.py`` does; all ranks, after ``initialize_megatron``)::
+
+    from megatron_ft.megatron.local_manager import InMemoryLocalCheckpointManager
+    checkpointing_context = {"local_checkpoint_manager": InMemoryLocalCheckpointManager.from_args(args)}
+
+Nothing here needs nvidia-resiliency-ext: :class:`InMemoryTensorAwareStateDict` is megatron-core's
+``MCoreTensorAwareStateDict`` with a ``from_state_dict`` that does not insist on it.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+from .. import config as ftconfig
+from ..checkpointer import InMemoryCheckpointer
+from ..layout import Layout, dtype_from_name
+from ..recovery import RestoreFailed
+from ..state import StateTensor
+from . import sdcodec
+from .checkpointing import checked_topology
+
+log = logging.getLogger("megatron_ft")
+
+CKPT_TYPE = "in_memory"
+
+
+class InMemoryTensorAwareStateDict(MCoreTensorAwareStateDict):
+    """``MCoreTensorAwareStateDict`` whose ``from_state_dict`` works without nvidia-resiliency-ext.
+
+    megatron-core's version refuses to run without NVRx only because NVRx's ``LocalCheckpointManager``
+    consumes it; the preprocessing, deduplication and ``to_state_dict`` are megatron-core's own,
+    reused here unchanged."""
+
+    @classmethod
+    def from_state_dict(cls, sharded_state_dict: Any, algo: str = "fully_parallel",
+                        parallelization_group: Any = None, cached_metadata: Any = None):
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        if algo not in ("atomic", "fully_parallel"):
+            raise ValueError(f"--non-persistent-local-ckpt-algo {algo!r} is not supported; "
+                             f"allowed: 'atomic', 'fully_parallel'")
+        fully_parallel = algo == "fully_parallel"
+        sharded_part, common = save_preprocess(sharded_state_dict, cached_metadata is None)
+        distribution = cls._get_distribution(fully_parallel, sharded_part, parallelization_group, cached_metadata)
+        if distribution is not None:
+            cls._remove_redundant_data(fully_parallel, sharded_part, distribution[0], parallelization_group)
+        return cls(common=common, sharded_state_dict=sharded_part), distribution
+
+
+class _StateDictAdapter:
+    """StateAdapter over one tensor-aware state dict (save) or freshly allocated tensors (restore)."""
+
+    def __init__(self) -> None:
+        self.state_dict: Optional[MCoreTensorAwareStateDict] = None
+        self.iteration = -1
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def capture(self) -> tuple[list[StateTensor], dict]:
+        sd = self.state_dict
+        assert sd is not None
+        record, tensors = sdcodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict})
+        if record["omitted"]:
+            log.info("in-memory checkpoint: args attributes that are not data are not kept: %s",
+                     ", ".join(record["omitted"][:10]))
+        out = []
+        for i, (path, t) in enumerate(zip(record["names"], tensors)):
+            if not t.is_contiguous():
+                t = t.contiguous()
+            if t.dim() == 0:  # scalars such as Adam's step are tiny: own them
+                t = t.clone()
+            out.append(StateTensor(tensor_name(i, path), t))
+        return out, {"state_dict": record, "iteration": self.iteration}
+
+    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+        self.loaded = {e.spec.name: torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
+                       for e in layout.entries}
+        return {name: StateTensor(name, t) for name, t in self.loaded.items()}
+
+    def finish_restore(self, extra: dict) -> None:
+        pass
+
+
+def tensor_name(index: int, path: str) -> str:
+    """Layout name of the ``index``-th tensor: ``tensor_name(3, "state_dict.sharded.model.w")``
+    -> ``'sd.00003.sharded.model.w'`` (the path only helps a human reading a layout)."""
+    path = re.sub(r"[^A-Za-z0-9_.\[\]-]", "_", path.removeprefix("state_dict."))
+    return f"sd.{index:05d}.{path[:96]}"
+
+
+@dataclass
+class _Loaded:
+    step: int
+    source: str = "none"
+    record: Optional[dict] = None
+    tensors: Optional[list] = None
+
+
+class InMemoryLocalCheckpointManager:
+    """Megatron-LM's ``local_checkpoint_manager`` contract on top of megatron-ft's agent (see module doc)."""
+
+    tensor_aware_state_dict_cls = InMemoryTensorAwareStateDict
+
+    def __init__(self, cfg: ftconfig.FTConfig, rank: int, world_size: int, topology: dict,
+                 agent_socket: Optional[str] = None):
+        self.cfg = cfg
+        self.rank = rank
+        self.local_ckpt_dir = cfg.persist.dir
+        self._adapter = _StateDictAdapter()
+        self._ckpt = InMemoryCheckpointer(cfg, self._adapter, rank, world_size, topology, agent_socket=agent_socket)
+        self._loaded: Optional[_Loaded] = None
+        self._closed = False
+        self._hook = None
+        if self._ckpt.engine is not None:
+            # the only wait: before the next optimizer step modifies the tensors being copied
+            self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        atexit.register(self.close)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "InMemoryLocalCheckpointManager":
+        """Collective: every rank, after Megatron's process groups exist."""
+        cfg = ftconfig.from_args(args)
+        return cls(cfg, dist.get_rank(), dist.get_world_size(), checked_topology(cfg))
+
+    # ------------------------------------------------------------------ save
+    def save(self, state_dict: MCoreTensorAwareStateDict, iteration: int, is_async: bool = False) -> Any:
+        """Snapshot ``state_dict`` as ``iteration``. Collective. Returns an ``AsyncRequest`` with
+        ``is_async`` (nothing for Megatron's async caller to run: the copy is already under way on
+        megatron-ft's worker thread), else ``None`` once the snapshot is committed and agreed."""
+        if not isinstance(state_dict, MCoreTensorAwareStateDict) or state_dict.is_hollow:
+            raise TypeError(f"save() takes the MCoreTensorAwareStateDict (with tensors) that "
+                            f"tensor_aware_state_dict_cls.from_state_dict built, got {type(state_dict).__name__}"
+                            f"{' (hollow)' if isinstance(state_dict, MCoreTensorAwareStateDict) else ''}")
+        self._loaded = None  # a restored copy is no longer needed once training saves again
+        self._adapter.state_dict, self._adapter.iteration = state_dict, iteration
+        try:
+            self._ckpt.after_iteration(iteration, 0)
+        except Exception as e:  # a failed checkpoint never kills training
+            log.warning("rank %d: in-memory checkpoint of iteration %d failed: %s", self.rank, iteration, e)
+        finally:
+            self._adapter.state_dict = None
+        if not is_async:
+            self._ckpt.before_optimizer_step()
+            return None
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+        return AsyncRequest(None, (), [])
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._ckpt.before_optimizer_step()
+
+    # ------------------------------------------------------------------ load
+    def find_latest(self) -> int:
+        """Newest iteration every rank holds intact (verified), or -1. Collective."""
+        if self._loaded is None:
+            self._loaded = self._restore()
+        return self._loaded.step
+
+    def _restore(self) -> _Loaded:
+        try:
+            res = self._ckpt.restore()
+        except RestoreFailed as e:  # only our scratch tensors were touched
+            log.warning("rank %d: no in-memory checkpoint can be loaded: %s", self.rank, e)
+            return _Loaded(-1)
+        if res.source == "none":
+            return _Loaded(-1)
+        record = res.extra["state_dict"]
+        names = [tensor_name(i, p) for i, p in enumerate(record["names"])]
+        tensors = [self._adapter.loaded[n] for n in names]
+        for i, spec in enumerate(sdcodec.tensor_specs(record)):
+            if spec["device"] == "cuda":  # GPU path
+                tensors[i] = tensors[i].to(torch.cuda.current_device())
+        self._adapter.loaded = {}
+        return _Loaded(res.step, res.source, record, tensors)
+
+    def load(self) -> tuple[MCoreTensorAwareStateDict, str]:
+        """``(tensor-aware state dict, checkpoint name)`` of the iteration :meth:`find_latest` found."""
+        if self.find_latest() < 0:
+            raise RuntimeError("load(): there is no in-memory checkpoint every rank can restore "
+                               "(find_latest() returned -1)")
+        loaded = self._loaded
+        assert loaded is not None and loaded.record is not None and loaded.tensors is not None
+        tree = sdcodec.decode(loaded.record, loaded.tensors)
+        tasd = InMemoryTensorAwareStateDict(common=tree["common"], sharded_state_dict=tree["sharded"])
+        return tasd, f"megatron-ft {loaded.source} run {self.cfg.run_id} iteration {loaded.step} rank {self.rank}"
+
+    def close(self) -> None:
+        """Finish the last snapshot and say goodbye to the agent (also run at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+        try:
+            self._ckpt.close()
+        except Exception as e:
+            log.warning("rank %d: closing the in-memory checkpointer: %s", self.rank, e)
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Called by the patched ``megatron/training/arguments.py:validate_args``.
+
+    ``--inmem-ckpt`` selects ``--non-persistent-ckpt-type in_memory`` (and the other way round);
+    ``--non-persistent-save-interval`` defaults to ``--inmem-ckpt-interval`` (1 for ``auto``, which
+    then picks its own interval among the iterations Megatron offers). Raises ``ConfigError``
+    naming the bad value."""
+    kind = getattr(args, "non_persistent_ckpt_type", None)
+    if getattr(args, "inmem_ckpt", False):
+        if kind not in (None, CKPT_TYPE):
+            raise ftconfig.ConfigError(f"--inmem-ckpt selects --non-persistent-ckpt-type {CKPT_TYPE}, but "
+                                       f"--non-persistent-ckpt-type {kind} was given; drop one of them")
+        args.non_persistent_ckpt_type = kind = CKPT_TYPE
+    if kind != CKPT_TYPE:
+        return
+    args.inmem_ckpt = True
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        raise ftconfig.ConfigError(f"--ckpt-format {args.ckpt_format}: in-memory checkpoints need "
+                                   f"--ckpt-format torch_dist (Megatron builds the sharded state dict only then)")
+    for flag in ("save", "load"):
+        if not getattr(args, flag, None):
+            raise ftconfig.ConfigError(f"--{flag} is not set: Megatron-LM takes non-persistent checkpoints only "
+                                       f"with --save and restores them only with --load; pass both (the same "
+                                       f"directory is fine, nothing is written there unless --save-interval says so)")
+    cfg = ftconfig.from_args(args)  # validates the megatron-ft config and flags
+    every = 1 if cfg.snapshot.auto else cfg.snapshot.interval
+    given = getattr(args, "non_persistent_save_interval", None)
+    if given is None:
+        args.non_persistent_save_interval = every
+    elif every != 1 and given != every:
+        raise ftconfig.ConfigError(
+            f"--non-persistent-save-interval {given} and --inmem-ckpt-interval "
+            f"{'auto' if cfg.snapshot.auto else every} disagree; set only one of them")

@@ -1,0 +1,175 @@
+"""The Megatron-LM local-tier contract (save / find_latest / load) of InMemoryLocalCheckpointManager.
+
+End to end: a real agent subprocess, two real megatron-core ranks under torchrun (data parallel 2,
+distributed optimizer, so ``fully_parallel`` deduplication and the re-distribution on load both
+run), and a second torchrun job whose fresh model and RNGs are scrambled, which restores and trains on.
+Every model, optimizer, scheduler and RNG digest must match the first run bit for bit.
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from megatron_ft import config as ftconfig
+from megatron_ft.megatron import local_manager, sdcodec
+
+from conftest import REPO, AgentProc
+
+ITERS = 4
+
+
+@pytest.fixture
+def two_rank_job(tmp_path):
+    run_id = f"lm{uuid.uuid4().hex[:10]}"
+    cfg = ftconfig.replace(ftconfig.load(), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 2},
+                           parallel={"tensor": 1, "pipeline": 1},
+                           persist={"dir": str(tmp_path / "persist"), "interval": 0})
+    path = str(tmp_path / "job.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    agent = AgentProc(cfg, path).start()
+    yield cfg, path, agent
+    agent.kill()
+    for name in os.listdir(cfg.agent.shm_dir):
+        if name.startswith(f"mft.{run_id}."):
+            os.unlink(os.path.join(cfg.agent.shm_dir, name))
+
+
+def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = dict(os.environ, MFT_CONFIG=cfg_path, MFT_AGENT_SOCKET=agent.sock, MFT_RUN_DIR=str(tmp_path / "run"),
+               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("MFT_FAULT_INJECT", None)
+    if fault:
+        env["MFT_FAULT_INJECT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + os.getpid() % 1000 + (7 if phase == "load" else 0)),
+           os.path.join(REPO, "tests", "local_manager_job.py"), "--phase", phase, "--out", str(out),
+           "--iters", str(ITERS)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if expect_ok and p.returncode != 0:
+        pytest.fail(f"{phase} phase failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}\n{agent.log()}")
+    if not expect_ok:
+        assert p.returncode != 0, "the fault injection did not kill the job"
+    return out
+
+
+def digests(out, tag):
+    recs = {}
+    for path in sorted(glob.glob(str(out / f"{tag}.rank*.json"))):
+        rec = json.load(open(path))
+        recs[rec["rank"]] = rec
+    assert sorted(recs) == [0, 1], f"missing digests for {tag}: {sorted(recs)}"
+    return recs
+
+
+def check_resume(out, found):
+    assert json.load(open(out / "found.json"))["found"] == found
+    for it in (found, found + 1):  # the restored state, then one more iteration trained from it
+        assert digests(out, f"load.it{it}") == digests(out, f"save.it{it}"), f"iteration {it} differs"
+
+
+def test_save_load_round_trip_bit_exact(tmp_path, two_rank_job):
+    cfg, path, agent = two_rank_job
+    out = run_phase(tmp_path, path, agent, "save")
+    # the load phase scrambles its fresh model and RNGs before restoring (tests/local_manager_job.py)
+    assert digests(out, "save.it1") != digests(out, f"save.it{ITERS}")
+    run_phase(tmp_path, path, agent, "load")
+    check_resume(out, ITERS)
+
+
+def test_torn_snapshot_is_not_offered(tmp_path, two_rank_job):
+    cfg, path, agent = two_rank_job
+    out = run_phase(tmp_path, path, agent, "save", fault=f"mid-copy:{ITERS}:1", expect_ok=False)
+    run_phase(tmp_path, path, agent, "load")
+    check_resume(out, ITERS - 1)
+
+
+def test_corrupt_snapshot_is_not_restored(tmp_path, two_rank_job):
+    cfg, path, agent = two_rank_job
+    out = run_phase(tmp_path, path, agent, "save", fault=f"corrupt-after-commit:{ITERS}:1",
+                    expect_ok=False)
+    run_phase(tmp_path, path, agent, "load")
+    check_resume(out, ITERS - 1)
+    events = [json.loads(ln) for ln in open(tmp_path / "run" / "events" / "rank1.jsonl") if '"restore"' in ln]
+    assert any("checksum mismatch" in r for e in events for r in e["rejected"]), events
+
+
+def test_nothing_to_find_returns_minus_one(tmp_path, two_rank_job):
+    cfg, path, agent = two_rank_job
+    out = run_phase(tmp_path, path, agent, "load")
+    assert json.load(open(out / "found.json"))["found"] == -1
+
+
+# ---------------------------------------------------------------- units (no processes)
+
+
+def test_codec_round_trip_is_exact_and_pickle_free():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.transformer.enums import AttnBackend
+
+    w = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    st = ShardedTensor.from_rank_offsets("decoder.w", w, (0, 0, 2), replica_id=(0, 1, 0))
+    obj = ShardedObject("rng_state", [{"np": np.random.get_state(), "t": torch.get_rng_state()}], (1, 1), (0, 0))
+    sd = {"args": argparse.Namespace(lr=3e-4, dtype=torch.bfloat16, be=AttnBackend.flash, fn=print,
+                                     nan=float("nan")),
+          "sharded": {"w": st, "o": obj, 0: (1, None, b"\x00\xff"), "s": slice(0, 5)}, "np": np.float32(0.5)}
+    rec, tensors = sdcodec.encode(sd)
+    text = json.dumps(rec)  # the record is plain JSON
+    back = sdcodec.decode(json.loads(text), [t.clone() for t in tensors])
+    ns = back["args"]
+    assert (ns.lr, ns.dtype, ns.be, ns.fn) == (3e-4, torch.bfloat16, AttnBackend.flash, None)
+    assert rec["omitted"] == ["state_dict.args.fn"] and ns.nan != ns.nan
+    bst = back["sharded"]["w"]
+    assert isinstance(bst, ShardedTensor) and torch.equal(bst.data.view(torch.int16), w.view(torch.int16))
+    assert (bst.global_shape, bst.global_offset, bst.replica_id) == (st.global_shape, st.global_offset, st.replica_id)
+    keys = back["sharded"]["o"].data[0]["np"][1]
+    assert keys.dtype == np.uint32 and (keys == np.random.get_state()[1]).all()
+    assert back["sharded"][0] == (1, None, b"\x00\xff") and back["sharded"]["s"] == slice(0, 5)
+    assert type(back["np"]) is np.float32
+
+
+def test_codec_names_what_it_cannot_store():
+    with pytest.raises(sdcodec.CodecError, match=r"state_dict\.x\.f: a value of type builtins.function"):
+        sdcodec.encode({"x": {"f": lambda: 0}})
+    with pytest.raises(sdcodec.CodecError, match="version 9 is not supported"):
+        sdcodec.decode({"format": sdcodec.FORMAT, "version": 9, "body": None, "names": []}, [])
+    with pytest.raises(sdcodec.CodecError, match="is not an enum class"):
+        sdcodec.decode({"format": sdcodec.FORMAT, "version": 1, "names": [],
+                        "body": {"$enum": "os:system", "name": "x"}}, [])
+
+
+def _args(**kw):
+    base = dict(inmem_ckpt=False, non_persistent_ckpt_type=None, ckpt_format="torch_dist", save="/s", load="/s",
+                non_persistent_save_interval=None, inmem_ckpt_config=None, inmem_ckpt_interval=None,
+                inmem_ckpt_persist_interval=None, inmem_ckpt_persist_dir=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_validate_args_selects_and_checks():
+    a = _args(inmem_ckpt=True, inmem_ckpt_interval=5)
+    local_manager.validate_args(a)
+    assert (a.non_persistent_ckpt_type, a.non_persistent_save_interval) == ("in_memory", 5)
+    a = _args(non_persistent_ckpt_type="in_memory", inmem_ckpt_interval="auto")
+    local_manager.validate_args(a)
+    assert (a.inmem_ckpt, a.non_persistent_save_interval) == (True, 1)
+    untouched = _args(non_persistent_ckpt_type="local")
+    local_manager.validate_args(untouched)
+    assert untouched.non_persistent_save_interval is None
+    for bad, msg in ((_args(inmem_ckpt=True, non_persistent_ckpt_type="global"), "non-persistent-ckpt-type global"),
+                     (_args(inmem_ckpt=True, ckpt_format="torch"), "--ckpt-format torch:"),
+                     (_args(inmem_ckpt=True, load=None), "--load is not set"),
+                     (_args(inmem_ckpt=True, inmem_ckpt_interval=3, non_persistent_save_interval=4), "disagree")):
+        with pytest.raises(ftconfig.ConfigError, match=msg):
+            local_manager.validate_args(bad)
+
