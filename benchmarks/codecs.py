@@ -25,7 +25,6 @@ import ctypes
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -204,16 +203,9 @@ def run(args) -> Tuple[str, List[str]]:
 
 def write_section(path: str, section: str) -> None:
     """Replace (or append) the '## Codecs (issue 3)' section, leaving the rest of the file alone."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pat = re.compile(r"^" + re.escape(SECTION) + r"[^\n]*\n.*?(?=^## |\Z)", re.S | re.M)
-    if pat.search(text):
-        text = pat.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text.rstrip("\n") + "\n")
-    os.replace(tmp, path)
+    from _docs import write_section as write
+
+    write(path, SECTION, section.split("\n", 1)[1])
 
 
 def main() -> int:

@@ -14,5 +14,6 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s libis
         || echo "note: could not install libisal2 (ISA-L); Reed-Solomon will use the slower numpy codec"
 fi
 
-"$PY" -m pip install --disable-pip-version-check -q -e ".[test]"
+# deepspeed (optional extra) is pure Python here: DS_BUILD_OPS=0 skips its CUDA/C++ op builds
+DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed]"
 "$PY" -c "import megatron_ft.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"

@@ -101,3 +101,18 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     missing = [p for p in problems if "no loss logged" in p]
     assert all("iteration" in p and int(p.split("iteration ")[1].split(":")[0]) <= 4 for p in missing)
     assert not [p for p in problems if p not in missing], problems
+
+
+def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
+    """Issue 3: a whole node (trainers, launcher, agent, shared memory) is lost and replaced; its
+    ranks come back from the replica on the other node, the rest from local memory."""
+    s = demo(tmp_path, reference_dir, "--fail=node", "--redundancy=replica", f"--kill-at={KILL_AT}")
+    assert s["recovered_from"] == "peer_memory"
+    assert s["resumed_step"] >= KILL_AT - 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["xor", "rs"])
+def test_node_lost_recovers_by_decoding(tmp_path, scheme):
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", f"--kill-at={KILL_AT}")
+    assert s["recovered_from"] == "decoded"
