@@ -184,6 +184,19 @@ class HealthConfig:
     heartbeat_s: float = 0.5
     timeout_s: float = 5.0
     hosts: tuple = ()
+    host_pattern: str = ""  # e.g. "gpu-{node:04d}.cluster.internal", instead of listing hosts
+
+    def host_of(self, node: int) -> str:
+        """Where node ``node``'s agent listens (store server, peer transport)."""
+        if self.hosts:
+            return self.hosts[node]
+        if self.host_pattern:
+            return self.host_pattern.format(node=node)
+        return "127.0.0.1"  # every node simulated on this machine
+
+    @property
+    def one_machine(self) -> bool:
+        return not self.hosts and not self.host_pattern
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not (self.store == "embedded" or re.fullmatch(
@@ -198,6 +211,11 @@ class HealthConfig:
             object.__setattr__(self, "hosts", tuple(self.hosts))
         if not isinstance(self.hosts, tuple) or not all(isinstance(h, str) and h for h in self.hosts):
             _fail("health.hosts", self.hosts, "must be a list of host names, one per node (or empty: one machine)")
+        if not isinstance(self.host_pattern, str) or (self.host_pattern and "{node" not in self.host_pattern):
+            _fail("health.host_pattern", self.host_pattern, "must be empty or a format string containing {node}, "
+                                                            "e.g. 'gpu-{node:04d}.cluster'")
+        if self.hosts and self.host_pattern:
+            _fail("health.host_pattern", self.host_pattern, "must be empty when health.hosts lists the hosts")
 
 
 @dataclass(frozen=True)

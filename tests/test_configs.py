@@ -1,0 +1,30 @@
+"""Every shipped cluster config is valid and plannable: `megatron-ft plan` runs on it (issue 5)."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ft import config as ftconfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+def test_there_are_real_cluster_examples():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"local-cpu.yaml", "a100-16x8-400g.yaml", "a100-4x4-100g.yaml", "h100-1000x8-rs.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[os.path.basename(p) for p in CONFIGS])
+def test_shipped_config_plans(path):
+    cfg = ftconfig.load(path)  # validated: raises ConfigError naming the field otherwise
+    out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "plan", "--config", path,
+                          "--state-bytes-per-rank", "1GiB"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"{cfg.cluster.nodes} nodes" in out.stdout or str(cfg.cluster.nodes) in out.stdout
+    if cfg.redundancy.scheme != "none":
+        assert "survive" in out.stdout.lower() or "failures" in out.stdout.lower()
+    if not cfg.health.one_machine:  # real clusters say where every node's agent listens
+        assert cfg.health.host_of(cfg.cluster.nodes - 1) != "127.0.0.1"
