@@ -75,11 +75,15 @@ class Redundancy:
         self.announced: dict[int, int] = {}  # member -> newest step it announced holding
         self.complete_step = -1
         self.inflight_step = -1  # being exchanged (its primary slots stay protected)
+        self.sending_step = -1  # its contributions are still being read from the primary slots
         self.inflight_since = 0.0
         self.exchanged: list[dict] = []  # recent exchange records (status)
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
+        g = self.plan.groups[self.gi]
+        #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
+        self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
         self._codec = None
         if self.cfg.redundancy.scheme == "rs":
             self._codec = get_codec("rs", self.cfg.redundancy.k, self.cfg.redundancy.m)
@@ -99,6 +103,10 @@ class Redundancy:
                           self.node, self.inflight_step, EXCHANGE_TIMEOUT_S)
                 self.inflight_step = -1
             return {s for s in (self.complete_step, self.inflight_step) if s >= 0}
+
+    def sending_steps(self) -> set[int]:
+        with self.lock:
+            return {self.sending_step} if self.sending_step >= 0 else set()
 
     def status(self) -> dict:
         with self.lock:
@@ -163,6 +171,7 @@ class Redundancy:
             if step <= max(self.complete_step, self.inflight_step):
                 return
             self.inflight_step, self.inflight_since = step, time.time()
+            self.sending_step = step
             self._pending = step
             self._cv.notify_all()
 
@@ -181,6 +190,10 @@ class Redundancy:
                 with self.lock:
                     if self.inflight_step == step:
                         self.inflight_step = -1
+            finally:
+                with self.lock:
+                    if self.sending_step == step:
+                        self.sending_step = -1
 
     def exchange(self, step: int) -> None:
         t0 = time.perf_counter()
