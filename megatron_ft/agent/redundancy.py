@@ -81,6 +81,7 @@ class Redundancy:
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
+        self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
         self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
@@ -164,6 +165,23 @@ class Redundancy:
     def _client(self, node: int) -> PeerClient:
         return PeerClient(self.addr(node), timeout=30)
 
+    def _send(self, node: int, msg: dict, payload: Optional[memoryview] = None) -> dict:
+        """A request on this node's kept-open connection to ``node`` (exchange thread only); one
+        reconnect if the peer restarted since."""
+        for attempt in (0, 1):
+            cl = self._conns.get(node)
+            try:
+                if cl is None:
+                    cl = self._conns[node] = self._client(node)
+                return cl.request(msg, payload)
+            except (OSError, ConnectionError):
+                self._conns.pop(node, None)
+                if cl is not None:
+                    cl.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------------ sending (one version)
     def version_global(self, step: int) -> None:
         """Every local rank agreed on ``step``: exchange it (the newest pending one wins)."""
@@ -213,22 +231,20 @@ class Redundancy:
                 if c.dst == self.node:
                     self._receive(msg, memoryview(payload).cast("B"))
                 else:
-                    cl = self._client(c.dst)
-                    try:
-                        cl.request(msg, memoryview(payload).cast("B"))
-                    finally:
-                        cl.close()
+                    self._send(c.dst, msg, memoryview(payload).cast("B"))
                     faults.maybe_fail_agent("mid-exchange", step)
                 sent += len(payload)
         finally:
             self.agent.unpin(slots)
+        send_seconds = time.perf_counter() - t0
         held = ex.held_by(self.node)
         if not held:
             self._announce(step)
         else:
             self._maybe_announce(step, ex)
         with self.lock:
-            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(time.perf_counter() - t0, 4)})
+            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5),
+                                   "with_announce_seconds": round(time.perf_counter() - t0, 5)})
             self.exchanged = self.exchanged[-10:]
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs_cache: dict) -> Any:
@@ -272,7 +288,8 @@ class Redundancy:
                 v = BlockVersion(seg)
                 vs.append(v)
             v.step, v.got, v.expect, v.meta = step, set(), expect, meta
-            v.segment.array[:length] = 0
+            if not key.startswith(xch.COPY + "."):  # XOR-accumulated: start from zeros (copies are overwritten)
+                v.segment.array[:length] = 0
             return v
 
     def _receive(self, msg: dict, payload: Optional[memoryview], sock: Any = None) -> dict:
@@ -535,6 +552,8 @@ class Redundancy:
 
     def close(self) -> None:
         self._stop.set()
+        for cl in self._conns.values():
+            cl.close()
         with self.lock:
             self._cv.notify_all()
         self.server.close()
