@@ -119,13 +119,14 @@ def tiers(workdir: str, nbytes: int) -> tuple[list[tuple], list[tuple]]:
         try:
             c.train(2)
             if red["scheme"] != "none":
+                ideal = {"replica": 2.0, "xor": 1 + 1 / (nodes - 1)}.get(red["scheme"])
+                if red["scheme"] == "rs":
+                    ideal = (red["k"] + red["m"]) / red["k"]
                 for n in range(nodes):
                     st = c.status(n)
-                    slots = sum(s["bytes"] for r in st["ranks"].values() for s in r["slots"])
-                    share = slots // 2
-                    blocks = st["redundancy"]["block_bytes"]
-                    mem.append((red["scheme"] + (f" k={red['k']} m={red['m']}" if "k" in red else ""), n, share,
-                                slots, blocks))
+                    sizes = [s["bytes"] for r in st["ranks"].values() for s in r["slots"]]
+                    mem.append((red["scheme"] + (f" k={red['k']} m={red['m']}" if "k" in red else ""), n,
+                                sizes[0], sum(sizes), len(sizes), st["redundancy"]["block_bytes"], ideal))
             if persist:
                 c.clients[0].request("wait_persisted", timeout=600)
             if lost is None:
@@ -158,14 +159,17 @@ def main() -> int:
              "**Recovery per tier** (restore of one rank's state on the node that needs it, including the "
              "rebuild from peers):", "", "| tier | source reported | seconds |", "|---|---|---|"]
     lines += [f"| {lbl} | {src} | {sec:.3f} |" for lbl, src, sec in rows]
-    lines += ["", "**Memory per node** (shared memory the agent holds after two versions; share = one copy of "
-              "the node's own state; primary = its two clean/dirty slots; blocks = two versions of what it holds "
-              "for peers). *One version* = one primary slot + one block version, against the scheme's ideal:", "",
-              "| scheme | node | share MiB | primary MiB | blocks MiB | resident / share | one version / share |",
-              "|---|---|---|---|---|---|---|"]
-    for scheme, n, share, slots, blocks in mem:
-        lines.append(f"| {scheme} | {n} | {share / 2**20:.1f} | {slots / 2**20:.1f} | {blocks / 2**20:.1f} | "
-                     f"{(slots + blocks) / share:.2f} | {(share + blocks / 2) / share:.2f} |")
+    lines += ["", "**Memory per node** (shared memory each agent holds after two versions). share = one copy of "
+              "the node's own state; primary = its slots (two: clean + staging; one on an rs parity node, whose "
+              "packets data nodes hold whole); blocks = two versions of what it holds for peers (the complete one "
+              "+ the one being received). *One version* = the clean primary + one block version, i.e. resident "
+              "minus staging; ideal = replica m, xor 1 + 1/(n-1), rs (k+m)/k shares:", "",
+              "| scheme | node | share MiB | primary MiB (slots) | blocks MiB | resident / share | one version / share "
+              "| ideal | one version / ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for scheme, n, share, slots, nslots, blocks, ideal in mem:
+        one = ((share if nslots == 2 else 0) + blocks / 2) / share
+        lines.append(f"| {scheme} | {n} | {share / 2**20:.1f} | {slots / 2**20:.1f} ({nslots}) | {blocks / 2**20:.1f} "
+                     f"| {(slots + blocks) / share:.2f} | {one:.2f} | {ideal:.2f} | {one / ideal:.2f} |")
     text = "\n".join(lines)
     print(text)
     if not args.no_docs:

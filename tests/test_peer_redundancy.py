@@ -65,6 +65,16 @@ def test_one_node_lost_is_rebuilt_from_peers_bit_exact(cluster, lost, source):
 @pytest.mark.parametrize("cluster", [RS], indirect=True, ids=["rs"])
 def test_rs_survives_m_lost_nodes_including_the_root(cluster):
     cluster.train(2)
+    # memory: data nodes (0, 2) keep two slots + copies, parity nodes (1, 3) one staging slot +
+    # parity; one version per node is (k+m)/k shares, as in ECHECK (here k=2, m=2: 2 shares)
+    for n in range(4):
+        st = cluster.status(n)
+        slots = [s["bytes"] for r in st["ranks"].values() for s in r["slots"]]
+        assert len(slots) == (2 if n in (0, 2) else 1), (n, slots)
+        share = slots[0]
+        one_version = (share if n in (0, 2) else 0) + st["redundancy"]["block_bytes"] / 2
+        assert one_version <= 1.1 * 2 * max(s["bytes"] for m in range(4)
+                                             for r in cluster.status(m)["ranks"].values() for s in r["slots"]), n
     for n in (0, 1):  # both holders of D_0; node 0 is also the root agent holding the store
         cluster.lose_node(n)
     for n in (0, 1):

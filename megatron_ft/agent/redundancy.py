@@ -75,11 +75,16 @@ class Redundancy:
         self.announced: dict[int, int] = {}  # member -> newest step it announced holding
         self.complete_step = -1
         self.inflight_step = -1  # being exchanged (its primary slots stay protected)
+        self.sending_step = -1  # its contributions are still being read from the primary slots
         self.inflight_since = 0.0
         self.exchanged: list[dict] = []  # recent exchange records (status)
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
+        self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
+        g = self.plan.groups[self.gi]
+        #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
+        self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
         self._codec = None
         if self.cfg.redundancy.scheme == "rs":
             self._codec = get_codec("rs", self.cfg.redundancy.k, self.cfg.redundancy.m)
@@ -99,6 +104,10 @@ class Redundancy:
                           self.node, self.inflight_step, EXCHANGE_TIMEOUT_S)
                 self.inflight_step = -1
             return {s for s in (self.complete_step, self.inflight_step) if s >= 0}
+
+    def sending_steps(self) -> set[int]:
+        with self.lock:
+            return {self.sending_step} if self.sending_step >= 0 else set()
 
     def status(self) -> dict:
         with self.lock:
@@ -156,6 +165,23 @@ class Redundancy:
     def _client(self, node: int) -> PeerClient:
         return PeerClient(self.addr(node), timeout=30)
 
+    def _send(self, node: int, msg: dict, payload: Optional[memoryview] = None) -> dict:
+        """A request on this node's kept-open connection to ``node`` (exchange thread only); one
+        reconnect if the peer restarted since."""
+        for attempt in (0, 1):
+            cl = self._conns.get(node)
+            try:
+                if cl is None:
+                    cl = self._conns[node] = self._client(node)
+                return cl.request(msg, payload)
+            except (OSError, ConnectionError):
+                self._conns.pop(node, None)
+                if cl is not None:
+                    cl.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     # ------------------------------------------------------------------ sending (one version)
     def version_global(self, step: int) -> None:
         """Every local rank agreed on ``step``: exchange it (the newest pending one wins)."""
@@ -163,6 +189,7 @@ class Redundancy:
             if step <= max(self.complete_step, self.inflight_step):
                 return
             self.inflight_step, self.inflight_since = step, time.time()
+            self.sending_step = step
             self._pending = step
             self._cv.notify_all()
 
@@ -181,6 +208,10 @@ class Redundancy:
                 with self.lock:
                     if self.inflight_step == step:
                         self.inflight_step = -1
+            finally:
+                with self.lock:
+                    if self.sending_step == step:
+                        self.sending_step = -1
 
     def exchange(self, step: int) -> None:
         t0 = time.perf_counter()
@@ -200,22 +231,20 @@ class Redundancy:
                 if c.dst == self.node:
                     self._receive(msg, memoryview(payload).cast("B"))
                 else:
-                    cl = self._client(c.dst)
-                    try:
-                        cl.request(msg, memoryview(payload).cast("B"))
-                    finally:
-                        cl.close()
+                    self._send(c.dst, msg, memoryview(payload).cast("B"))
                     faults.maybe_fail_agent("mid-exchange", step)
                 sent += len(payload)
         finally:
             self.agent.unpin(slots)
+        send_seconds = time.perf_counter() - t0
         held = ex.held_by(self.node)
         if not held:
             self._announce(step)
         else:
             self._maybe_announce(step, ex)
         with self.lock:
-            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(time.perf_counter() - t0, 4)})
+            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5),
+                                   "with_announce_seconds": round(time.perf_counter() - t0, 5)})
             self.exchanged = self.exchanged[-10:]
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs_cache: dict) -> Any:
@@ -259,7 +288,8 @@ class Redundancy:
                 v = BlockVersion(seg)
                 vs.append(v)
             v.step, v.got, v.expect, v.meta = step, set(), expect, meta
-            v.segment.array[:length] = 0
+            if not key.startswith(xch.COPY + "."):  # XOR-accumulated: start from zeros (copies are overwritten)
+                v.segment.array[:length] = 0
             return v
 
     def _receive(self, msg: dict, payload: Optional[memoryview], sock: Any = None) -> dict:
@@ -522,6 +552,8 @@ class Redundancy:
 
     def close(self) -> None:
         self._stop.set()
+        for cl in self._conns.values():
+            cl.close()
         with self.lock:
             self._cv.notify_all()
         self.server.close()

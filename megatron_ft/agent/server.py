@@ -145,7 +145,8 @@ class Agent:
         geom = snapfile.geometry_for(layout, layout_json.encode())
         with self.lock:
             rec = self.ranks.get(rank)
-            if rec and rec.fingerprint == fp and len(rec.slots) == SLOTS_PER_RANK and all(
+            nslots = self.slots_per_rank()
+            if rec and rec.fingerprint == fp and len(rec.slots) == nslots and all(
                     s.segment.size >= geom.total for s in rec.slots):
                 if self.redundancy is not None:
                     self.redundancy.publish_size(rank, rec.slots[0].segment.size)
@@ -157,7 +158,7 @@ class Agent:
                 self._drop_rank(rec)
             rec = RankRecord(rank, fingerprint=fp)
             limit = self.cfg.agent.shm_limit_mib << 20
-            for i in range(SLOTS_PER_RANK):
+            for i in range(nslots):
                 path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, i))
                 budget = None
                 if limit:
@@ -178,8 +179,18 @@ class Agent:
             self.ranks[rank] = rec
             if self.redundancy is not None:
                 self.redundancy.publish_size(rank, geom.total)
-            log.info("agent node %d: rank %d registered, 2 x %.1f MiB slots", self.node, rank, geom.total / 2**20)
+            log.info("agent node %d: rank %d registered, %d x %.1f MiB slots", self.node, rank, nslots,
+                     geom.total / 2**20)
             return {"slots": [s.segment.path for s in rec.slots], "adopted": False}
+
+    def slots_per_rank(self) -> int:
+        """Two (REFT's clean/dirty double buffer), or one on an rs parity node: every packet it
+        owns is also held whole by a data node of its group (ECHECK), so its own clean copy is only
+        a cache and the slot is the staging buffer; its trainers' software failures are then served
+        from the data node's copy when the slot is mid-write."""
+        if self.redundancy is not None and self.redundancy.own_copy_is_redundant:
+            return 1
+        return SLOTS_PER_RANK
 
     def _drop_rank(self, rec: RankRecord) -> None:
         for s in rec.slots:
@@ -200,6 +211,8 @@ class Agent:
             keep = {id(protected)}
             if self.redundancy is not None:  # the newest version the group holds, and the one being exchanged
                 keep |= {id(rec.slot_with(st)) for st in self.redundancy.protected_steps()}
+            if len(rec.slots) == 1:  # staging only: busy just while the exchange still reads it
+                keep = {id(rec.slot_with(st)) for st in self.redundancy.sending_steps()} if self.redundancy else set()
             candidates = [s for s in rec.slots if id(s) not in keep and s.pins == 0]
             if not candidates:
                 raise BusyError(f"rank {rank}: no free slot for step {step} (one is protected, one is being persisted)")
