@@ -82,6 +82,7 @@ class Redundancy:
         self._pending: Optional[int] = None
         self._stop = threading.Event()
         self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
+        self._ex_cache: Optional[tuple] = None
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
         self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
@@ -216,7 +217,7 @@ class Redundancy:
     def exchange(self, step: int) -> None:
         t0 = time.perf_counter()
         sizes = self._wait_sizes()
-        ex = xch.group_exchange(self.plan, self.gi, sizes)
+        ex = self._exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": self._codec.descriptor.to_dict() if self._codec else None}
         slots = self.agent.pin_step(step)  # rank -> Slot (pinned) or KeyError
@@ -322,12 +323,23 @@ class Redundancy:
         with self.lock:
             if v.step == step:
                 v.got.add(src)
-        self._maybe_announce(step)
+        self._maybe_announce(step, sizes=(msg.get("meta") or {}).get("sizes"))  # the sender's sizes
         return {}
 
-    def _maybe_announce(self, step: int, ex: Optional[xch.GroupExchange] = None) -> None:
+    def _exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange:
+        """The group's exchange for these container sizes (cached: sizes change only when a rank's
+        layout does)."""
+        key = tuple(sorted(sizes.items()))
+        with self.lock:
+            if self._ex_cache is None or self._ex_cache[0] != key:
+                self._ex_cache = (key, xch.group_exchange(self.plan, self.gi, sizes))
+            return self._ex_cache[1]
+
+    def _maybe_announce(self, step: int, ex: Optional[xch.GroupExchange] = None,
+                        sizes: Optional[dict] = None) -> None:
+        """Announce ``step`` once every block this node holds for it is complete."""
         try:
-            ex = ex or xch.group_exchange(self.plan, self.gi, self.sizes())
+            ex = ex or self._exchange_for({int(r): int(v) for r, v in sizes.items()} if sizes else self.sizes())
         except Exception:
             return
         with self.lock:
