@@ -151,7 +151,7 @@ def verdict(client, n):
 
 STORES = [pytest.param("embedded", 0, id="embedded-root-lost"),
           pytest.param("etcd", 0, id="etcd-root-lost"),
-          pytest.param("etcd", 2, id="etcd-node-lost")]
+          pytest.param("etcd", 2, id="etcd-node-lost", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("kind,lost", STORES)
