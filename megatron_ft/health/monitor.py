@@ -5,7 +5,10 @@ also re-publishes its keys on a new root after a failover, see :mod:`.store`). T
 watches all of them: a heartbeat that has not changed for ``health.timeout_s`` (measured on the
 root's own monotonic clock, so clocks of different machines never matter) is a *hardware*
 failure - the node's agent, and with it its memory, is gone - written to ``failed/<node>`` for
-standby launchers and operators; a new heartbeat pid for that node clears it. A trainer that died
+standby launchers and operators; a new heartbeat pid for that node clears it. The other agents
+follow the root's heartbeat; on a store that elects its root by heartbeats (etcd), they follow
+everyone's, and the lowest-numbered live one takes ``root`` over by compare-and-swap when the
+root's heartbeat goes stale (docs/health.md). A trainer that died
 while its agent lives is a *software* failure: the agent reports it (``report_software``) and
 recovery stays local.
 
