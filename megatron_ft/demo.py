@@ -130,11 +130,15 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
     return pids
 
 
-def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: int, targs: list[str], log_path: str) -> subprocess.Popen:
-    """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun."""
+def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int], targs: list[str],
+                      log_path: str) -> subprocess.Popen:
+    """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun.
+    ``node`` None: a standby launcher (``launch --standby``) that waits for the root agent's verdict
+    on a failed node and takes that node's place."""
     cfg_path = os.path.join(run_dir, "job.yaml")
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
-           f"--node-rank={node}", "--", os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *targs,
+           "--standby" if node is None else f"--node-rank={node}", "--",
+           os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *targs,
            "--dump-final-state", os.path.join(run_dir, "final", "state"),
            "--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
     return subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -343,6 +347,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
     p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env)
     replacement: Optional[subprocess.Popen] = None
+    replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
+    if args.standby:
+        replacement = start_replacement(cfg, run_dir, None, targs, replacement_log)
+        say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
     last_before_kill = 0
@@ -369,8 +377,11 @@ def run_demo(args: argparse.Namespace) -> dict:
                     killed_pids = kill_node(cfg, run_dir, node, [recs[v][-1]["pid"] for v in victims])
                     kill_time = time.time()
                     say(f"[demo] node {node} lost: SIGKILL -> its launcher, torchrun, trainers {victims} and agent "
-                        f"(pids {killed_pids}); its shared memory removed. Starting a replacement node {node}")
-                    replacement = start_replacement(cfg, run_dir, node, targs, os.path.join(workdir, "replacement.log"))
+                        f"(pids {killed_pids}); its shared memory removed. "
+                        + ("The standby takes its place once the root agent declares it failed" if args.standby
+                           else f"Starting a replacement node {node}"))
+                    if not args.standby:
+                        replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
                 elif all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
                     for v in victims:
                         pid = recs[v][-1]["pid"]
@@ -385,7 +396,8 @@ def run_demo(args: argparse.Namespace) -> dict:
                     time.sleep(0.02)
         wait_job(p, args.timeout, "megatron-ft run", log_path)
         if replacement is not None:
-            wait_job(replacement, args.timeout, "replacement node", os.path.join(workdir, "replacement.log"))
+            wait_job(replacement, args.timeout, "standby node" if args.standby else "replacement node",
+                     replacement_log)
     finally:
         for proc in (p, replacement):
             if proc is not None and proc.poll() is None:
@@ -420,6 +432,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         "bitwise_identical": identical,
         "kill_point": args.kill_point if kill_time is not None else None,
         "agent_killed": agent_killed is not None,
+        "standby": bool(args.standby),
         "killed_after_iteration": args.kill_at if kill_time is not None else None,
         "last_iteration_before_kill": last_before_kill if kill_time is not None else None,
         "iterations": args.iters,
@@ -470,6 +483,9 @@ def add_parser(sub) -> None:
                         "the victims SIGKILL themselves at that point of step --kill-at (fault injection)")
     p.add_argument("--kill-agent", action="store_true",
                    help="also SIGKILL the victims' node agent two iterations earlier (the launcher restarts it)")
+    p.add_argument("--standby", action="store_true",
+                   help="--fail node: start a standby launcher (launch --standby) with the job instead of a "
+                        "replacement after the loss; the root agent's failure verdict makes it take the node's place")
     p.add_argument("--reference-dir", default=None, help="reuse (or create) the reference run here")
     p.set_defaults(func=main)
 
@@ -477,6 +493,9 @@ def add_parser(sub) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.fail != "none" and not 1 <= args.kill_at < args.iters:
         raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid: must be in [1, --iters - 1 = {args.iters - 1}]")
+    if args.standby and args.fail != "node":
+        raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
+                                   "(--fail node)")
     summary = run_demo(args)
     print(json.dumps(summary), flush=True)
     return 0 if summary["bitwise_identical"] else 1

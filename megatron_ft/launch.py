@@ -3,6 +3,11 @@
 ::
 
     megatron-ft launch --nodes 2 --nproc-per-node 2 [--node-rank I] [--config F] -- script.py args...
+    megatron-ft launch --standby --nodes 2 --config F -- script.py args...
+
+With ``--standby`` this process is a spare machine: it polls the agents' store (docs/health.md)
+for the root agent's ``failed/<node>`` verdict, claims that node with a compare-and-set of
+``claim/<node>/<failed agent pid>`` and then runs as that node's launcher (below).
 
 With ``--node-rank I`` this process is node I's launcher (one per machine). Without it, all N
 nodes are simulated on this machine: N launcher instances share a c10d rendezvous on loopback
@@ -23,8 +28,10 @@ A node's launcher:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +164,53 @@ def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
     return max(rcs, default=0)
 
 
+def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout_s: float = 0.0,
+                      log=print) -> tuple[int, dict]:
+    """A standby's wait: poll the store (a :class:`~megatron_ft.health.store.StoreClient`) for a
+    root verdict ``failed/<node>`` and claim that node with a compare-and-set of
+    ``claim/<node>/<failed agent pid>`` from absent to ``who``; a node another standby claimed
+    first is skipped. Returns (node, verdict). ``timeout_s`` 0: wait for ever."""
+    from .health.store import StoreUnavailable
+
+    deadline = time.time() + timeout_s if timeout_s > 0 else float("inf")
+    warned = False
+    while True:
+        try:
+            for n in range(nodes):
+                v = client.get(f"failed/{n}")
+                if v is None:
+                    continue
+                verdict = json.loads(v)
+                key = f"claim/{n}/{verdict['pid']}"
+                owner = client.compare_set(key, "", who)
+                if owner == who:
+                    return n, verdict
+                log(f"[standby {who}] node {n} (agent pid {verdict['pid']}) already claimed by {owner}")
+            warned = False
+        except StoreUnavailable as e:
+            if not warned:
+                log(f"[standby {who}] store not answering yet, retrying: {e}")
+                warned = True
+        if time.time() > deadline:
+            raise TimeoutError(f"standby {who}: no failed node to take over within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]) -> int:
+    """``--standby``: wait for the root's failure verdict on some node, claim it, become it."""
+    from .health.store import StoreClient
+
+    who = f"{socket.gethostname()}:{os.getpid()}"
+    client = StoreClient(cfg)
+    print(f"[standby {who}] waiting for a failed node of run {cfg.run_id} ({client.where})", flush=True)
+    node, verdict = claim_failed_node(client, args.nodes, who, timeout_s=args.standby_timeout,
+                                      log=lambda m: print(m, flush=True))
+    print(f"[standby {who}] node {node} failed ({verdict.get('kind')}, agent pid {verdict['pid']}, detected by "
+          f"node {verdict.get('detected_by')}); claimed it, starting as node {node}", flush=True)
+    cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{node}", "config.yaml"))
+    return NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir).run()
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="start agents and torchrun (simulates all nodes when --node-rank is absent)")
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
@@ -164,6 +218,11 @@ def add_parser(sub) -> None:
     p.add_argument("--node-rank", type=int, default=None, help="this machine's node index; omit to simulate all nodes here")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
     p.add_argument("--run-dir", default=None, help="logs, pids and progress (default: /tmp/megatron-ft/runs/<run_id>)")
+    p.add_argument("--standby", action="store_true",
+                   help="a standby node: wait for the root agent's verdict that a node failed, claim that "
+                        "node rank (no two standbys take the same), then run as that node")
+    p.add_argument("--standby-timeout", type=float, default=0.0,
+                   help="--standby: give up after this many seconds without a failed node (0: wait for ever)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
     p.set_defaults(func=main)
 
@@ -186,6 +245,14 @@ def main(args: argparse.Namespace) -> int:
     args.nodes, args.nproc_per_node = nodes, nproc
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
+    if args.standby:
+        if args.node_rank is not None:
+            raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid with --standby: a standby "
+                                       "takes the rank of the node that failed")
+        if cfg.redundancy.scheme == "none":
+            raise ftconfig.ConfigError("--standby needs the agents' health store: redundancy.scheme is 'none' "
+                                       "(set replica, xor or rs), so no agent watches for failed nodes")
+        return run_standby(args, cfg, script)
     if args.node_rank is None:
         return simulate_nodes(args, script)
     if not 0 <= args.node_rank < nodes:

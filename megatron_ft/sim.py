@@ -98,16 +98,18 @@ ModelFactory = Callable[[int, int], tuple]  # (rank, seed) -> (model, optimizer 
 
 
 class LocalCluster:
-    """``nodes`` agents with one trainer each; ``redundancy`` is the config section."""
+    """``nodes`` agents with one trainer each; ``redundancy`` is the config section; ``config``:
+    more config sections (e.g. ``{"health": {"store": "etcd://127.0.0.1:2379"}}``)."""
 
     def __init__(self, workdir: str, nodes: int, make_model: ModelFactory, chunk_bytes: int = 1 << 20,
-                 persist_interval: int = 0, **redundancy):
+                 persist_interval: int = 0, config: Optional[dict] = None, **redundancy):
         self.run_id = f"t{uuid.uuid4().hex[:10]}"
+        extra = dict(config or {})
         self.cfg = ftconfig.replace(
             ftconfig.load(), run_id=self.run_id, cluster={"nodes": nodes, "ranks_per_node": 1},
             parallel={"tensor": 1, "pipeline": 1}, redundancy=redundancy,
             persist={"dir": os.path.join(workdir, "persist"), "interval": persist_interval, "on_failure": False},
-            health={"store_port": free_port_range(nodes + 1)})
+            health={"store_port": free_port_range(nodes + 1), **extra.pop("health", {})}, **extra)
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, f"{self.run_id}.yaml")
         with open(self.path, "w") as f:

@@ -14,6 +14,16 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s libis
         || echo "note: could not install libisal2 (ISA-L); Reed-Solomon will use the slower numpy codec"
 fi
 
+# etcd (Debian etcd-server, 3.4.x) for `health.store: etcd://HOST:PORT` and the tests that start
+# a real etcd server (tests/test_health.py; skipped without the binary). Optional like libisal2.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s etcd-server >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -qq etcd-server || { apt-get update -qq && apt-get install -y -qq etcd-server; }; } >/dev/null 2>&1 \
+        || echo "note: could not install etcd-server; health.store etcd:// tests will be skipped"
+elif ! command -v etcd >/dev/null 2>&1; then
+    echo "note: no etcd binary and cannot apt-get install etcd-server here (needs root + apt); etcd tests will be skipped"
+fi
+
 # deepspeed (optional extra) is pure Python here: DS_BUILD_OPS=0 skips its CUDA/C++ op builds
-DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed]"
+DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed,etcd]"
 "$PY" -c "import megatron_ft.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"

@@ -112,6 +112,16 @@ def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
 
 
 @pytest.mark.slow
+def test_node_lost_standby_takes_its_place(tmp_path, reference_dir):
+    """GEMINI's standby: a standby launcher (``launch --standby``) runs from the start; the root
+    agent's heartbeat verdict on the lost node makes it claim that node rank and rejoin the job."""
+    s = demo(tmp_path, reference_dir, "--fail=node", "--redundancy=replica", "--standby", f"--kill-at={KILL_AT}")
+    assert s["standby"] and s["recovered_from"] == "peer_memory"
+    log = (tmp_path / "demo" / "standby.log").read_text()
+    assert "claimed it, starting as node 1" in log, log[-2000:]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["xor", "rs"])
 def test_node_lost_recovers_by_decoding(tmp_path, scheme):
     s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", f"--kill-at={KILL_AT}")

@@ -93,12 +93,11 @@ class Agent:
         if self.cfg.redundancy.scheme == "none":
             return
         from ..health.monitor import Monitor
-        from ..health.store import EmbeddedStore
+        from ..health.store import make_store
         from .redundancy import Redundancy
 
         h = self.cfg.health
-        self.store = EmbeddedStore(self.run_id, self.node, self.cfg.cluster.nodes, list(h.hosts), h.store_port,
-                                   h.timeout_s)
+        self.store = make_store(self.cfg, self.node)
         self.store.connect(self.cfg.agent.connect_timeout_s)
         host = h.hosts[self.node] if h.hosts else "127.0.0.1"
         self.redundancy = Redundancy(self, self.store, host)

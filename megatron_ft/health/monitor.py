@@ -5,7 +5,10 @@ also re-publishes its keys on a new root after a failover, see :mod:`.store`). T
 watches all of them: a heartbeat that has not changed for ``health.timeout_s`` (measured on the
 root's own monotonic clock, so clocks of different machines never matter) is a *hardware*
 failure - the node's agent, and with it its memory, is gone - written to ``failed/<node>`` for
-standby launchers and operators; a new heartbeat pid for that node clears it. A trainer that died
+standby launchers and operators; a new heartbeat pid for that node clears it. The other agents
+follow the root's heartbeat; on a store that elects its root by heartbeats (etcd), they follow
+everyone's, and the lowest-numbered live one takes ``root`` over by compare-and-swap when the
+root's heartbeat goes stale (docs/health.md). A trainer that died
 while its agent lives is a *software* failure: the agent reports it (``report_software``) and
 recovery stays local.
 
@@ -37,7 +40,8 @@ class Monitor:
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.seq = 0
         self.failed: dict[int, dict] = {}  # root's verdicts
-        self._seen: dict[int, tuple[str, float]] = {}  # node -> (last heartbeat value, root time seen)
+        self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (last heartbeat value, our time seen)
+        self._pids: dict[int, int] = {}  # node -> agent pid whose verdict was last checked (root)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
@@ -48,37 +52,83 @@ class Monitor:
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             try:
-                self.seq += 1
-                self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq,
-                                                              "time": time.time()}))
-                if self.store.is_root:
-                    self._watch()
+                self.beat()
             except Exception as e:  # the store may be failing over; try again next beat
                 log.warning("node %d: heartbeat failed: %s", self.node, e)
+
+    def beat(self) -> None:
+        """One heartbeat: write ours; the root watches everyone's, the others the root's."""
+        self.seq += 1
+        self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time()}))
+        if self.store.is_root:
+            self._watch()
+        else:
+            self._watch_root()
+
+    def _observe(self, n: int, now: float) -> tuple[Optional[str], float, bool]:
+        """Node ``n``'s heartbeat value, how long (on our clock) since it last changed, and
+        whether it changed now (the first observation counts as a change). A heartbeat that
+        vanished (the embedded store moved to a new root without it) is no news: the last value."""
+        v = self.store.get(f"hb/{n}")
+        last = self._seen.get(n)
+        if v is None and last is not None and last[0] is not None:
+            v = last[0]
+        if last is None or last[0] != v:
+            self._seen[n] = (v, now)
+            return v, 0.0, True
+        return v, now - last[1], False
+
+    def _watch_root(self) -> None:
+        """Not root: follow the root's heartbeat (so a new root knows the old one's last pid and
+        when it stopped). On a store that elects its root by heartbeats (etcd), also follow the
+        others', and when the root's is stale and this node is the lowest-numbered one whose
+        heartbeat is fresh (itself included), compare-and-swap ``root`` to this node."""
+        root, now = self.store.root, time.monotonic()
+        if root < 0 or root == self.node:
+            return
+        elect = getattr(self.store, "elects_root_by_heartbeat", False)
+        ages = {n: self._observe(n, now) for n in range(self.nodes) if n != self.node and (elect or n == root)}
+        if not elect or ages[root][1] <= self.timeout_s:
+            return
+        live = [n for n in range(self.nodes) if n != root and (n == self.node or (
+            ages[n][0] is not None and ages[n][1] <= self.timeout_s))]
+        if live and live[0] == self.node:
+            self.store.take_root(root)
 
     def _watch(self) -> None:
         now = time.monotonic()
         for n in range(self.nodes):
             if n == self.node:
                 continue
-            v = self.store.get(f"hb/{n}")
+            v, age, changed = self._observe(n, now)
             if v is None:
                 continue
-            last = self._seen.get(n)
-            if last is None or last[0] != v:
-                self._seen[n] = (v, now)
-                if n in self.failed and json.loads(v)["pid"] != self.failed[n]["pid"]:
-                    log.warning("root: node %d is back (a replacement agent, pid %s)", n, json.loads(v)["pid"])
-                    del self.failed[n]
-                    self.store.delete(f"failed/{n}")
+            pid = json.loads(v)["pid"]
+            if changed:
+                self._clear_verdict(n, pid)
                 continue
-            if n not in self.failed and now - last[1] > self.timeout_s:
+            if n not in self.failed and age > self.timeout_s:
                 verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
-                           "pid": json.loads(v)["pid"], "detected_by": self.node, "time": time.time()}
+                           "pid": pid, "detected_by": self.node, "time": time.time()}
                 self.failed[n] = verdict
                 self.store.set(f"failed/{n}", json.dumps(verdict))
                 log.error("root: node %d missed heartbeats for %.1f s: hardware failure (agent and memory lost)",
-                          n, now - last[1])
+                          n, age)
+
+    def _clear_verdict(self, n: int, pid: int) -> None:
+        """A heartbeat from a new agent pid of a node judged failed (by us or an earlier root)."""
+        if n in self.failed:
+            old = self.failed[n]["pid"]
+        elif self._pids.get(n) != pid:
+            v = self.store.get(f"failed/{n}")
+            old = json.loads(v)["pid"] if v is not None else pid
+        else:
+            return
+        self._pids[n] = pid
+        if old != pid:
+            log.warning("root: node %d is back (a replacement agent, pid %s)", n, pid)
+            self.failed.pop(n, None)
+            self.store.delete(f"failed/{n}")
 
     def report_software(self, rank: int) -> None:
         """A local trainer died while this agent lives: a software failure (local recovery)."""

@@ -12,7 +12,7 @@ compare-and-set on ``root``.
 
 Keys (all under ``mft/<run_id>/``): ``root`` (node id), ``addr/<node>`` (peer transport
 ``host:port``), ``hb/<node>`` (heartbeat JSON), ``failed/<node>`` (root's failure verdict JSON),
-``claim/<node>`` (standby that took a failed node's place).
+``claim/<node>/<failed agent pid>`` (the standby launcher that took the failed node's place).
 """
 from __future__ import annotations
 
@@ -83,6 +83,23 @@ class TCPStoreKV:
         self._call(self._s.delete_key, self.prefix + key)
 
 
+def endpoint(hosts, base_port: int, node: int) -> tuple[str, int]:
+    """Node ``node``'s embedded store server: ``hosts[node]:port`` on real clusters; one machine
+    (no hosts): ``127.0.0.1:port + node``."""
+    if hosts:
+        return hosts[node], base_port
+    return "127.0.0.1", base_port + node
+
+
+def root_claimed_by(hosts, base_port: int, node: int, prefix: str, timeout_s: float) -> Optional[int]:
+    """The ``root`` value in node ``node``'s server (None: no answer or no root key)."""
+    try:
+        v = TCPStoreKV(*endpoint(hosts, base_port, node), prefix, timeout_s).get("root")
+        return int(v) if v is not None else None
+    except StoreUnavailable:
+        return None
+
+
 class EmbeddedStore:
     """This agent's own TCPStore server plus a client of the root's, with root failover."""
 
@@ -103,21 +120,14 @@ class EmbeddedStore:
         self._lock = threading.RLock()
 
     def endpoint(self, node: int) -> tuple[str, int]:
-        """``hosts[node]:port`` on real clusters; one machine (no hosts): ``127.0.0.1:port + node``."""
-        if self.hosts:
-            return self.hosts[node], self.base_port
-        return "127.0.0.1", self.base_port + node
+        return endpoint(self.hosts, self.base_port, node)
 
     def _client(self, node: int) -> TCPStoreKV:
         host, p = self.endpoint(node)
         return TCPStoreKV(host, p, self.prefix, self.timeout_s)
 
     def _root_claimed_by(self, node: int) -> Optional[int]:
-        try:
-            v = self._client(node).get("root")
-            return int(v) if v is not None else None
-        except StoreUnavailable:
-            return None
+        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, self.timeout_s)
 
     def connect(self, deadline_s: float = 60.0) -> int:
         """Find (or become) the root; returns the root node id."""
@@ -226,3 +236,74 @@ class EmbeddedStore:
     @property
     def is_root(self) -> bool:
         return self.root == self.node
+
+
+def make_store(cfg, node: int):
+    """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`)."""
+    h = cfg.health
+    if h.store.startswith("etcd://"):
+        from .etcd import EtcdStore
+
+        return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s)
+    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, list(h.hosts), h.store_port, h.timeout_s)
+
+
+class StoreClient:
+    """A client of the job's store for a process that is no agent (a standby launcher, an
+    operator's tool): with the embedded store it finds the root agent's server the way
+    :meth:`EmbeddedStore.connect` does and finds it again when the root moves; with etcd it talks
+    to etcd. Methods: get, set, compare_set, delete (:class:`KV`)."""
+
+    def __init__(self, cfg, timeout_s: Optional[float] = None):
+        h = cfg.health
+        self.cfg, self.timeout_s = cfg, timeout_s if timeout_s is not None else h.timeout_s
+        self.prefix = f"mft/{cfg.run_id}/"
+        self.kv: Optional[KV] = None
+        self.root = -1
+        if h.store.startswith("etcd://"):
+            from .etcd import EtcdKV
+
+            self.kv = EtcdKV(h.store, self.prefix, self.timeout_s)
+        self.where = h.store if self.kv is not None else (
+            f"embedded store (node servers from {':'.join(map(str, endpoint(h.hosts, h.store_port, 0)))})")
+
+    def connect(self, deadline_s: float = 60.0) -> "StoreClient":
+        deadline = time.time() + deadline_s
+        if self.cfg.health.store.startswith("etcd://"):
+            self.kv.wait_ready(deadline_s)  # type: ignore[union-attr]
+            return self
+        h = self.cfg.health
+        while True:
+            for j in range(self.cfg.cluster.nodes):
+                if root_claimed_by(h.hosts, h.store_port, j, self.prefix, self.timeout_s) == j:
+                    self.kv, self.root = TCPStoreKV(*endpoint(h.hosts, h.store_port, j), self.prefix,
+                                                    self.timeout_s), j
+                    return self
+            if time.time() > deadline:
+                raise StoreUnavailable(f"no root agent answered within {deadline_s:g} s ({self.where}, "
+                                       f"{self.cfg.cluster.nodes} nodes)")
+            time.sleep(0.2)
+
+    def _do(self, fn):
+        try:
+            if self.kv is None:
+                self.connect(10 * self.timeout_s)
+            return fn(self.kv)
+        except StoreUnavailable:
+            if self.cfg.health.store.startswith("etcd://"):
+                raise
+            self.kv = None  # the root moved (embedded): find it again, once
+            self.connect(10 * self.timeout_s)
+            return fn(self.kv)
+
+    def get(self, key: str) -> Optional[str]:
+        return self._do(lambda kv: kv.get(key))
+
+    def set(self, key: str, value: str) -> None:
+        self._do(lambda kv: kv.set(key, value))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        return self._do(lambda kv: kv.compare_set(key, expected, desired))
+
+    def delete(self, key: str) -> None:
+        self._do(lambda kv: kv.delete(key))

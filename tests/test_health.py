@@ -1,0 +1,222 @@
+"""The agents' health store and monitor (issue 3): the embedded TCPStore and a real etcd server
+(the ``etcd`` binary of Debian's etcd-server, started here on free loopback ports), root election
+and re-election after the root agent's process is SIGKILLed, heartbeat failure verdicts, standby
+claims, and a node (the root's too) lost and rebuilt from its peers bit for bit."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from megatron_ft import config as ftconfig
+from megatron_ft.demo import free_port
+from megatron_ft.health.store import StoreClient, StoreUnavailable
+from megatron_ft.launch import claim_failed_node
+from megatron_ft.sim import LocalCluster
+
+from test_peer_redundancy import assert_same, make_model
+
+ETCD = shutil.which("etcd")
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A one-member etcd cluster on loopback; yields its ``etcd://127.0.0.1:PORT``."""
+    if ETCD is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server; scripts/setup.sh does it as root)")
+    pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed (pip install -e '.[etcd]')")
+    d = tmp_path_factory.mktemp("etcd")
+    client, peer = free_port(), free_port()
+    log = open(d / "etcd.log", "wb")
+    proc = subprocess.Popen([ETCD, "--name", "t", "--data-dir", str(d / "data"),
+                             "--listen-client-urls", f"http://127.0.0.1:{client}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"etcd://127.0.0.1:{client}"
+    from megatron_ft.health.etcd import EtcdKV
+
+    try:
+        EtcdKV(url, "probe/").wait_ready(30)
+    except StoreUnavailable:
+        proc.kill()
+        pytest.fail(f"etcd did not become healthy:\n{(d / 'etcd.log').read_text()[-3000:]}")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def etcd_store(url, node, nodes=3, run_id=None):
+    from megatron_ft.health.etcd import EtcdStore
+
+    return EtcdStore(url, run_id or f"t{uuid.uuid4().hex[:8]}", node, nodes, timeout_s=2.0)
+
+
+# ---------------------------------------------------------------- etcd store API
+
+
+def test_etcd_kv_set_get_delete_compare_set(etcd):
+    from megatron_ft.health.etcd import EtcdKV
+
+    kv = EtcdKV(etcd, f"mft/{uuid.uuid4().hex[:8]}/")
+    assert kv.get("a") is None
+    kv.set("a", "1")
+    assert kv.get("a") == "1"
+    assert kv.compare_set("a", "2", "3") == "1"  # mismatch: unchanged, current value returned
+    assert kv.compare_set("a", "1", "3") == "3" and kv.get("a") == "3"
+    assert kv.compare_set("b", "", "x") == "x"  # "" = create if absent
+    assert kv.compare_set("b", "", "y") == "x"  # exists: not overwritten
+    assert kv.compare_set("c", "z", "w") == "" and kv.get("c") is None  # absent and expected a value
+    kv.set("u", "µ-π json {\"k\": 1}")
+    assert kv.get("u") == "µ-π json {\"k\": 1}"
+    kv.delete("a")
+    assert kv.get("a") is None
+    other = EtcdKV(etcd, f"mft/{uuid.uuid4().hex[:8]}/")  # keys are per prefix (run)
+    assert other.get("b") is None
+
+
+def test_etcd_unreachable_error_names_the_endpoint():
+    pytest.importorskip("etcd3gw")
+    port = free_port()  # nothing listens there
+    store = etcd_store(f"etcd://127.0.0.1:{port}", 0)
+    t0 = time.time()
+    with pytest.raises(StoreUnavailable, match=rf"etcd at 127\.0\.0\.1:{port} \(etcd://127\.0\.0\.1:{port}\).*"
+                                                r"still unreachable after 0\.5 s"):
+        store.connect(0.5)
+    assert time.time() - t0 < 10
+
+
+def test_bad_etcd_endpoint_is_rejected_with_the_value():
+    from megatron_ft.health.etcd import parse_endpoint
+
+    with pytest.raises(ftconfig.ConfigError, match="health.store.*etcd:/h:1.*'embedded' or 'etcd://HOST:PORT'"):
+        ftconfig.replace(ftconfig.load(), health={"store": "etcd:/h:1"})
+    with pytest.raises(ValueError, match="'etcd://h:99999' is invalid.*port 1-65535"):
+        parse_endpoint("etcd://h:99999")
+
+
+def test_etcd_root_is_put_if_absent_and_moves_by_compare_and_swap(etcd):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    stores = [etcd_store(etcd, n, 4, run) for n in range(4)]
+    assert stores[2].connect(5) == 2  # the first to arrive is root, whatever its number
+    assert [s.connect(5) for s in stores] == [2, 2, 2, 2]
+    assert [s.is_root for s in stores] == [False, False, True, False]
+    # the root went silent: three agents race to swap root from 2 to themselves; one wins
+    won, barrier = [], threading.Barrier(3)
+
+    def race(s):
+        barrier.wait()
+        if s.take_root(2):
+            won.append(s.node)
+
+    ts = [threading.Thread(target=race, args=(stores[n],)) for n in (0, 1, 3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(won) == 1
+    assert [s.is_root for s in stores].count(True) == 1 and stores[won[0]].is_root
+    assert not stores[2].is_root  # the old root sees it lost the root at its next check
+    assert not stores[0 if won[0] else 1].take_root(2)  # a late swap from the old value fails
+
+
+# ---------------------------------------------------------------- real agents: election, verdicts, rebuild
+
+FAST_HEALTH = {"heartbeat_s": 0.1, "timeout_s": 1.0}
+
+
+def wait_for(what, fn, timeout=30.0, cluster=None):
+    deadline = time.time() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.time() > deadline:
+            logs = "\n".join(a.log()[-2000:] for a in cluster.agents) if cluster else ""
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.05)
+
+
+def verdict(client, n):
+    v = client.get(f"failed/{n}")
+    return json.loads(v) if v is not None else None
+
+
+STORES = [pytest.param("embedded", 0, id="embedded-root-lost"),
+          pytest.param("etcd", 0, id="etcd-root-lost"),
+          pytest.param("etcd", 2, id="etcd-node-lost", marks=pytest.mark.slow)]
+
+
+class Standbys:
+    """Two standby claimers (megatron_ft.launch.claim_failed_node), each with its own StoreClient,
+    polling the job's store in threads until one claims a failed node; the other times out."""
+
+    def __init__(self, cfg, nodes, timeout_s):
+        self.got, self.errors = {}, []
+        self.threads = [threading.Thread(target=self._run, args=(cfg, nodes, f"spare{i}", timeout_s))
+                        for i in range(2)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, cfg, nodes, who, timeout_s):
+        try:
+            self.got[who] = claim_failed_node(StoreClient(cfg), nodes, who, poll_s=0.05, timeout_s=timeout_s,
+                                              log=lambda m: None)
+        except (TimeoutError, StoreUnavailable) as e:
+            self.errors.append(str(e))
+
+    def join(self):
+        for t in self.threads:
+            t.join()
+        return self.got, self.errors
+
+
+@pytest.mark.parametrize("kind,lost", STORES)
+def test_lost_node_gets_a_verdict_root_moves_and_node_is_rebuilt_from_peers(tmp_path, request, kind, lost):
+    health = dict(FAST_HEALTH, store=request.getfixturevalue("etcd")) if kind == "etcd" else FAST_HEALTH
+    c = LocalCluster(str(tmp_path), 3, make_model, chunk_bytes=1 << 14, config={"health": health},
+                     scheme="replica", replicas=2)
+    try:
+        client = StoreClient(c.cfg).connect(10)
+        assert client.get("root") == "0" and c.status(1)["root"] == 0
+        c.train(2)
+        standbys = Standbys(c.cfg, 3, timeout_s=20)
+        time.sleep(0.5)
+        assert not standbys.got  # nothing failed yet: both wait
+        pid = c.agents[lost].proc.pid
+        c.lose_node(lost)  # SIGKILL of the agent, its shared memory removed
+        new_root = 1 if lost == 0 else 0
+        v = wait_for(f"failed/{lost}", lambda: verdict(client, lost), cluster=c)
+        assert (v["node"], v["kind"], v["pid"], v["detected_by"]) == (lost, "hardware", pid, new_root)
+        assert client.get("root") == str(new_root)
+        assert {c.status(n)["root"] for n in range(3) if n != lost} == {new_root}
+        # exactly one standby claims the node (with the embedded store: on the new root's server)
+        who = wait_for("a standby's claim", lambda: client.get(f"claim/{lost}/{pid}"), cluster=c)
+        c.replace_node(lost)  # a fresh agent (new pid): the verdict is withdrawn, the root stays
+        wait_for(f"failed/{lost} cleared", lambda: verdict(client, lost) is None, cluster=c)
+        assert client.get("root") == str(new_root) and c.status(lost)["root"] == new_root
+        res, model = c.restore(lost)
+        assert (res.source, res.step) == ("peer_memory", 2), res.rejected
+        assert_same(c.models[lost], model)
+        c.train(1, start=3)  # the group protects new versions again under the new root
+        assert {c.status(n)["redundancy"]["complete_step"] for n in range(3)} == {3}
+        got, errors = standbys.join()
+        assert list(got) == [who] and got[who][0] == lost and got[who][1]["pid"] == pid, (got, errors)
+        assert len(errors) == 1 and "no failed node to take over within 20 s" in errors[0], errors
+    finally:
+        c.close()
+
+
+def test_standby_flag_rejects_node_rank(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "launch", "--standby", "--node-rank=1", "--nodes=2",
+                        f"--run-dir={tmp_path}", "--", "x.py"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ))
+    assert r.returncode != 0
+    assert "--node-rank=1 is invalid with --standby" in r.stderr + r.stdout
