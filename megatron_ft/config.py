@@ -194,6 +194,10 @@ class HealthConfig:
             return self.host_pattern.format(node=node)
         return "127.0.0.1"  # every node simulated on this machine
 
+    def host_list(self, nodes: int) -> list:
+        """Every node's host (empty: all nodes simulated on this machine, ports offset by node)."""
+        return [] if self.one_machine else [self.host_of(n) for n in range(nodes)]
+
     @property
     def one_machine(self) -> bool:
         return not self.hosts and not self.host_pattern

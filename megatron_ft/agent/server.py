@@ -99,7 +99,7 @@ class Agent:
         h = self.cfg.health
         self.store = make_store(self.cfg, self.node)
         self.store.connect(self.cfg.agent.connect_timeout_s)
-        host = h.hosts[self.node] if h.hosts else "127.0.0.1"
+        host = h.host_of(self.node)
         self.redundancy = Redundancy(self, self.store, host)
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s).start()
         with self.lock:

@@ -245,7 +245,7 @@ def make_store(cfg, node: int):
         from .etcd import EtcdStore
 
         return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s)
-    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, list(h.hosts), h.store_port, h.timeout_s)
+    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, h.host_list(cfg.cluster.nodes), h.store_port, h.timeout_s)
 
 
 class StoreClient:
@@ -264,8 +264,9 @@ class StoreClient:
             from .etcd import EtcdKV
 
             self.kv = EtcdKV(h.store, self.prefix, self.timeout_s)
+        self.hosts = h.host_list(cfg.cluster.nodes)
         self.where = h.store if self.kv is not None else (
-            f"embedded store (node servers from {':'.join(map(str, endpoint(h.hosts, h.store_port, 0)))})")
+            f"embedded store (node servers from {':'.join(map(str, endpoint(self.hosts, h.store_port, 0)))})")
 
     def connect(self, deadline_s: float = 60.0) -> "StoreClient":
         deadline = time.time() + deadline_s
@@ -275,8 +276,8 @@ class StoreClient:
         h = self.cfg.health
         while True:
             for j in range(self.cfg.cluster.nodes):
-                if root_claimed_by(h.hosts, h.store_port, j, self.prefix, self.timeout_s) == j:
-                    self.kv, self.root = TCPStoreKV(*endpoint(h.hosts, h.store_port, j), self.prefix,
+                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, self.timeout_s) == j:
+                    self.kv, self.root = TCPStoreKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
                                                     self.timeout_s), j
                     return self
             if time.time() > deadline:
