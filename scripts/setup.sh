@@ -6,23 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# ISA-L (Debian libisal2) for the fast Reed-Solomon codec (issue 3). Optional: without it the
-# rs codec falls back to the slower numpy bit-matrix code, and says so.
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s libisal2 >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    { apt-get install -y -qq libisal2 || { apt-get update -qq && apt-get install -y -qq libisal2; }; } >/dev/null 2>&1 \
-        || echo "note: could not install libisal2 (ISA-L); Reed-Solomon will use the slower numpy codec"
-fi
-
-# etcd (Debian etcd-server, 3.4.x) for `health.store: etcd://HOST:PORT` and the tests that start
-# a real etcd server (tests/test_health.py; skipped without the binary). Optional like libisal2.
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ] && ! dpkg -s etcd-server >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    { apt-get install -y -qq etcd-server || { apt-get update -qq && apt-get install -y -qq etcd-server; }; } >/dev/null 2>&1 \
-        || echo "note: could not install etcd-server; health.store etcd:// tests will be skipped"
-elif ! command -v etcd >/dev/null 2>&1; then
-    echo "note: no etcd binary and cannot apt-get install etcd-server here (needs root + apt); etcd tests will be skipped"
-fi
+# Optional Debian packages (CI runs as root on a fresh machine): install when apt and root are there.
+apt_optional() {  # apt_optional PACKAGE "what is missing without it"
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+        dpkg -s "$1" >/dev/null 2>&1 && return 0
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get install -y -qq "$1" || { apt-get update -qq && apt-get install -y -qq "$1"; }; } >/dev/null 2>&1 \
+            || echo "note: could not install $1; $2"
+    elif ! dpkg -s "$1" >/dev/null 2>&1; then
+        echo "note: $1 is not installed and this is not root with apt; $2"
+    fi
+}
+# ISA-L for the fast Reed-Solomon codec (issue 3); without it rs uses the slower numpy bit-matrix code
+apt_optional libisal2 "Reed-Solomon will use the slower numpy codec"
+# etcd 3.4 for `health.store: etcd://HOST:PORT` and the tests that start a real etcd server
+apt_optional etcd-server "health.store etcd:// tests will be skipped"
 
 # deepspeed (optional extra) is pure Python here: DS_BUILD_OPS=0 skips its CUDA/C++ op builds
 DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed,etcd]"
