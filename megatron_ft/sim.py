@@ -130,7 +130,10 @@ class LocalCluster:
         return self.clients[n].request("status")["status"]
 
     def train(self, steps: int, start: int = 1, wait_complete: bool = True) -> None:
+        """``steps`` iterations: every trainer computes its step, then all snapshot at once (as the
+        ranks of a job do, so the agents' exchanges start together)."""
         for step in range(start, start + steps):
+            captures = []
             for r, (m, opt) in enumerate(self.models):
                 self.engines[r].wait()
                 torch.manual_seed(step * 1000 + r)
@@ -142,7 +145,9 @@ class LocalCluster:
                     opt.step()
                 ad = TorchStateAdapter(m, opt)
                 ad.extra = {"iteration": step}
-                self.engines[r].snapshot(step, *ad.capture())
+                captures.append(ad.capture())
+            for r, cap in enumerate(captures):
+                self.engines[r].snapshot(step, *cap)
             for e in self.engines:
                 e.wait()
             if wait_complete and self.cfg.redundancy.scheme != "none":

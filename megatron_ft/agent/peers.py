@@ -30,6 +30,16 @@ from ..protocol import recv_msg, send_msg
 log = logging.getLogger("megatron_ft.agent")
 
 _IO_BLOCK = 8 << 20
+SOCKET_BUFFER = 4 << 20  # kernel socket buffers for bulk transfers (the default ~200 KiB stalls loopback)
+
+
+def tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
 
 
 def recv_into(sock: socket.socket, dst: memoryview) -> None:
@@ -61,7 +71,7 @@ class PeerClient:
     def __init__(self, addr: tuple[str, int], timeout: float = 30.0):
         self.addr = addr
         self.sock = socket.create_connection(addr, timeout=timeout)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(self.sock)
 
     def request(self, msg: dict, payload: Optional[memoryview] = None) -> dict:
         if payload is not None:
@@ -118,7 +128,7 @@ class PeerServer:
         return self
 
     def _serve(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock)
         while True:
             try:
                 msg = recv_msg(sock)

@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -83,6 +84,9 @@ class Redundancy:
         self._stop = threading.Event()
         self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
         self._ex_cache: Optional[tuple] = None
+        self._started: dict[int, float] = {}  # step -> when this node began exchanging it
+        self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
+        self._aconns: dict[int, PeerClient] = {}  # the announcer's open connections
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
         self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
@@ -166,17 +170,19 @@ class Redundancy:
     def _client(self, node: int) -> PeerClient:
         return PeerClient(self.addr(node), timeout=30)
 
-    def _send(self, node: int, msg: dict, payload: Optional[memoryview] = None) -> dict:
-        """A request on this node's kept-open connection to ``node`` (exchange thread only); one
-        reconnect if the peer restarted since."""
+    def _send(self, node: int, msg: dict, payload: Optional[memoryview] = None,
+              conns: Optional[dict] = None) -> dict:
+        """A request on a kept-open connection to ``node`` (``conns``: one dict per thread - the
+        exchange thread's by default, the announcer's); one reconnect if the peer restarted since."""
+        conns = self._conns if conns is None else conns
         for attempt in (0, 1):
-            cl = self._conns.get(node)
+            cl = conns.get(node)
             try:
                 if cl is None:
-                    cl = self._conns[node] = self._client(node)
+                    cl = conns[node] = self._client(node)
                 return cl.request(msg, payload)
             except (OSError, ConnectionError):
-                self._conns.pop(node, None)
+                conns.pop(node, None)
                 if cl is not None:
                     cl.close()
                 if attempt:
@@ -216,6 +222,8 @@ class Redundancy:
 
     def exchange(self, step: int) -> None:
         t0 = time.perf_counter()
+        with self.lock:
+            self._started[step] = t0
         sizes = self._wait_sizes()
         ex = self._exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
@@ -238,11 +246,10 @@ class Redundancy:
         finally:
             self.agent.unpin(slots)
         send_seconds = time.perf_counter() - t0
-        held = ex.held_by(self.node)
-        if not held:
-            self._announce(step)
+        if not ex.held_by(self.node):
+            self._announcer.submit(self._announce, step)
         else:
-            self._maybe_announce(step, ex)
+            self._announcer.submit(self._maybe_announce, step, ex)
         with self.lock:
             self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5),
                                    "with_announce_seconds": round(time.perf_counter() - t0, 5)})
@@ -323,7 +330,8 @@ class Redundancy:
         with self.lock:
             if v.step == step:
                 v.got.add(src)
-        self._maybe_announce(step, sizes=(msg.get("meta") or {}).get("sizes"))  # the sender's sizes
+        # announcing may talk to every member: not on the sender's critical path (reply first)
+        self._announcer.submit(self._maybe_announce, step, None, (msg.get("meta") or {}).get("sizes"))
         return {}
 
     def _exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange:
@@ -357,11 +365,7 @@ class Redundancy:
                 self._on_announce(self.node, step)
                 continue
             try:
-                cl = self._client(n)
-                try:
-                    cl.request({"op": "announce", "node": self.node, "step": step})
-                finally:
-                    cl.close()
+                self._send(n, {"op": "announce", "node": self.node, "step": step}, conns=self._aconns)
             except (OSError, PeerError) as e:
                 log.warning("agent node %d: could not tell node %d that step %d is held: %s", self.node, n, step, e)
 
@@ -371,6 +375,11 @@ class Redundancy:
             low = min(self.announced.get(n, -1) for n in self.members)
             if low > self.complete_step:
                 self.complete_step = low
+                t0 = self._started.pop(low, None)
+                for old in [s for s in self._started if s < low]:
+                    del self._started[old]
+                if t0 is not None:  # exchange start -> every member holds the version
+                    self.exchanged.append({"step": low, "complete_seconds": round(time.perf_counter() - t0, 5)})
                 if self.inflight_step <= low:
                     self.inflight_step = -1
                 log.info("agent node %d: step %d is complete in group %d %s", self.node, low, self.gi, self.members)
@@ -564,7 +573,8 @@ class Redundancy:
 
     def close(self) -> None:
         self._stop.set()
-        for cl in self._conns.values():
+        self._announcer.shutdown(wait=False)
+        for cl in list(self._conns.values()) + list(self._aconns.values()):
             cl.close()
         with self.lock:
             self._cv.notify_all()
