@@ -78,7 +78,8 @@ class Redundancy:
         self.inflight_step = -1  # being exchanged (its primary slots stay protected)
         self.sending_step = -1  # its contributions are still being read from the primary slots
         self.inflight_since = 0.0
-        self.exchanged: list[dict] = []  # recent exchange records (status)
+        self.exchanged: list[dict] = []  # recent records (status): sends {step, sent_bytes, seconds},
+        # completions {step, complete_seconds: this node's exchange start -> the group holds it}
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
@@ -91,8 +92,8 @@ class Redundancy:
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
         self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
         self._codec = None
-        if self.cfg.redundancy.scheme == "rs":
-            self._codec = get_codec("rs", self.cfg.redundancy.k, self.cfg.redundancy.m)
+        if self.plan.scheme == "rs":  # the group's own k: a remainder of nodes joins a group as data nodes
+            self._codec = get_codec("rs", g.k, g.m)
         self.server = PeerServer(host, 0, self._handle).start()
         self.address = f"{self.server.address[0]}:{self.server.address[1]}"
         self.store.publish(f"addr/{self.node}", self.address)
@@ -233,7 +234,7 @@ class Redundancy:
         try:
             rs_cache: dict[int, list[np.ndarray]] = {}
             for c in ex.sent_by(self.node):
-                spec = ex.block(c.key)
+                spec = ex.block(c.key, c.dst)
                 payload = self._payload(c, spec, slots, rs_cache)
                 msg = {"op": "put", "key": c.key, "kind": c.kind, "step": step, "length": spec.length,
                        "src": self.node, "expect": len(spec.contributors), "meta": meta}
@@ -251,8 +252,7 @@ class Redundancy:
         else:
             self._announcer.submit(self._maybe_announce, step, ex)
         with self.lock:
-            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5),
-                                   "with_announce_seconds": round(time.perf_counter() - t0, 5)})
+            self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5)})
             self.exchanged = self.exchanged[-10:]
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs_cache: dict) -> Any:

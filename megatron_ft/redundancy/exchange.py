@@ -35,6 +35,7 @@ and the same two for P_1 on node 3. Lose nodes 0 and 1: r0 = shard 0 of row 0, r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Optional
 
 from .echeck import CodingGroup
@@ -90,11 +91,13 @@ class GroupExchange:
     def sent_by(self, node: int) -> tuple[Contribution, ...]:
         return tuple(c for c in self.contributions if c.src == node)
 
-    def block(self, key: str) -> BlockSpec:
-        for b in self.blocks:
-            if b.key == key:
-                return b
-        raise KeyError(key)
+    @cached_property
+    def _by_key(self) -> dict[tuple[str, int], BlockSpec]:
+        return {(b.key, b.holder): b for b in self.blocks}
+
+    def block(self, key: str, holder: int) -> BlockSpec:
+        """Keys name a block within its holder (``copy.r5`` may live on several replica holders)."""
+        return self._by_key[(key, holder)]
 
 
 def _sizes_of(sizes: Mapping[int, int], ranks) -> dict[int, int]:
@@ -232,7 +235,7 @@ def recipes(plan: RedundancyPlan, rank: int, sizes: Mapping[int, int]) -> list:
                 if r2 != rank:
                     a, b = Piece(r2, p2, g.pieces).byte_range(sizes[r2])
                     others.append((n2, Part(r2, a, b)))
-            pieces.append(XorPiece(lo, hi, ex.block(f"xor.g{gi}.l{lane}.s{s}"), tuple(others)))
+            pieces.append(XorPiece(lo, hi, ex.block(f"xor.g{gi}.l{lane}.s{s}", g.parity_node(s)), tuple(others)))
         out.append(XorRecipe(rank, tuple(pieces)))
     elif isinstance(g, CodingGroup):
         j = g.chunk_of(rank)
@@ -241,7 +244,7 @@ def recipes(plan: RedundancyPlan, rank: int, sizes: Mapping[int, int]) -> list:
         data: list[Optional[tuple[int, int]]] = [None] * g.k
         for r in rg.ranks:
             data[g.chunk_of(r)] = (r, int(sizes[r]))
-        parity = tuple(ex.block(f"rs.g{gi}.p{i}.row{row}") for i in range(g.m))
+        parity = tuple(ex.block(f"rs.g{gi}.p{i}.row{row}", g.parity_nodes[i]) for i in range(g.m))
         out.append(RsRecipe(rank, int(sizes[rank]), row, j, parity[0].length, g.k, g.m, tuple(data), parity))
     return out
 
