@@ -59,6 +59,42 @@ class BlockVersion:
         return self.step >= 0 and self.expect > 0 and len(self.got) >= self.expect
 
 
+class _RowPipeline:
+    """ECHECK's encode -> send pipeline for one version: this node's rows (reduction groups) in
+    sending order; while row i's partial parities are sent, row i+1 is encoded on the encoder
+    thread (the codecs release the GIL). At most two rows of partials are alive at a time."""
+
+    def __init__(self, red: "Redundancy", contribs: list, slots: dict):
+        self.red, self.slots = red, slots
+        self.rows: list[str] = []  # row id = block key without the parity part
+        self.first: dict[str, tuple] = {}
+        for c, length in contribs:
+            rid = _row_id(c.key)
+            if rid not in self.first:
+                self.rows.append(rid)
+                self.first[rid] = (c, length)
+        self.futures: dict[str, Any] = {}
+
+    def _start(self, i: int) -> None:
+        if i < len(self.rows) and self.rows[i] not in self.futures:
+            c, length = self.first[self.rows[i]]
+            self.futures[self.rows[i]] = self.red._encoder.submit(self.red._encode_row, c, length, self.slots)
+
+    def partials(self, key: str) -> list:
+        i = self.rows.index(_row_id(key))
+        self._start(i)
+        self._start(i + 1)
+        for old in self.rows[:i]:
+            self.futures.pop(old, None)
+        return self.futures[self.rows[i]].result()
+
+
+def _row_id(key: str) -> str:
+    """``rs.g0.p1.row3`` -> ``rs.g0.row3`` (the same row of every parity)."""
+    head, row = key.rsplit(".row", 1)
+    return head.rsplit(".p", 1)[0] + ".row" + row
+
+
 class Redundancy:
     """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``."""
 
@@ -87,6 +123,7 @@ class Redundancy:
         self._ex_cache: Optional[tuple] = None
         self._started: dict[int, float] = {}  # step -> when this node began exchanging it
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")  # encodes row r+1 while r is sent
         self._aconns: dict[int, PeerClient] = {}  # the announcer's open connections
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
@@ -232,10 +269,11 @@ class Redundancy:
         slots = self.agent.pin_step(step)  # rank -> Slot (pinned) or KeyError
         sent = 0
         try:
-            rs_cache: dict[int, list[np.ndarray]] = {}
-            for c in ex.sent_by(self.node):
+            mine = ex.sent_by(self.node)
+            rs = _RowPipeline(self, [(c, ex.block(c.key, c.dst).length) for c in mine if c.kind == xch.RS], slots)
+            for c in mine:
                 spec = ex.block(c.key, c.dst)
-                payload = self._payload(c, spec, slots, rs_cache)
+                payload = self._payload(c, spec, slots, rs)
                 msg = {"op": "put", "key": c.key, "kind": c.kind, "step": step, "length": spec.length,
                        "src": self.node, "expect": len(spec.contributors), "meta": meta}
                 if c.dst == self.node:
@@ -255,24 +293,26 @@ class Redundancy:
             self.exchanged.append({"step": step, "sent_bytes": sent, "seconds": round(send_seconds, 5)})
             self.exchanged = self.exchanged[-10:]
 
-    def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs_cache: dict) -> Any:
+    def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs: "_RowPipeline") -> Any:
+        """The bytes of contribution ``c``: a view of the slot (copy, xor), or this node's partial
+        parity of its row (rs, from the encode pipeline)."""
         if c.kind in (xch.COPY, xch.XOR):
             (p,) = c.parts
             return memoryview(slots[p.rank].segment.mm)[p.lo:p.hi]
-        row = spec.key.rsplit(".row", 1)[1]
-        key = int(row)
-        if key not in rs_cache:
-            codec = self._codec
-            zero = np.zeros(spec.length, np.uint8)
-            data = [zero] * codec.k
-            for p in c.parts:
-                buf = np.zeros(spec.length, np.uint8)
-                buf[: p.hi - p.lo] = np.frombuffer(slots[p.rank].segment.mm, np.uint8, p.hi - p.lo, p.lo)
-                data[p.index] = buf
-            out = [np.empty(spec.length, np.uint8) for _ in range(codec.m)]
-            codec.encode(data, out)
-            rs_cache[key] = out
-        return rs_cache[key][c.parity]
+        return rs.partials(spec.key)[c.parity]
+
+    def _encode_row(self, c: xch.Contribution, length: int, slots: dict) -> list[np.ndarray]:
+        """This node's packets of one row as data shards (the others zero) -> its m partial parities."""
+        codec = self._codec
+        zero = np.zeros(length, np.uint8)
+        data = [zero] * codec.k
+        for p in c.parts:
+            buf = np.zeros(length, np.uint8)
+            buf[: p.hi - p.lo] = np.frombuffer(slots[p.rank].segment.mm, np.uint8, p.hi - p.lo, p.lo)
+            data[p.index] = buf
+        out = [np.empty(length, np.uint8) for _ in range(codec.m)]
+        codec.encode(data, out)
+        return out
 
     # ------------------------------------------------------------------ receiving
     def _version_for(self, key: str, step: int, length: int, expect: int, meta: dict) -> Optional[BlockVersion]:
@@ -574,6 +614,7 @@ class Redundancy:
     def close(self) -> None:
         self._stop.set()
         self._announcer.shutdown(wait=False)
+        self._encoder.shutdown(wait=False)
         for cl in list(self._conns.values()) + list(self._aconns.values()):
             cl.close()
         with self.lock:
