@@ -39,6 +39,8 @@ def _load_native() -> Optional[ctypes.CDLL]:
         fn.restype = ctypes.c_uint64
         lib.mft_fl_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
         lib.mft_fl_update.restype = None
+        lib.mft_fl_update_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        lib.mft_fl_update_nt.restype = None
         lib.mft_fl_zeros.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
         lib.mft_fl_zeros.restype = None
         lib.mft_fl_final.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
@@ -142,6 +144,21 @@ class ChunkSum:
             np.copyto(dst, _as_bytes(src))
         else:
             _LIB.mft_fl_update(self._state, dst.ctypes.data, _address(src), n)
+
+    def copy_to(self, offset: int, dst: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
+        """Copy the piece ``src`` (at ``offset`` of the chunk) into ``dst`` (any CPU buffer of the same
+        size) while summing it, in one pass. The native copy uses streaming (non-temporal) stores: for
+        a restore, whose destination is not read again soon, that saves reading every destination
+        line into the cache first. ``src`` should be small enough to be in cache (a read buffer)."""
+        n = _nbytes(src)
+        if _nbytes(dst) != n:
+            raise ValueError(f"copy_to: dst has {_nbytes(dst)} bytes, src has {n}")
+        if self._state is None:
+            np.copyto(_as_bytes(dst), _as_bytes(src))
+            self.add(offset, src)
+            return
+        self._advance(offset, n)
+        _LIB.mft_fl_update_nt(self._state, _address(dst), _address(src), n)
 
     def add(self, offset: int, buf: torch.Tensor | np.ndarray) -> None:
         n = _nbytes(buf)

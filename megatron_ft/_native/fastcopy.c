@@ -41,15 +41,38 @@ typedef uint64_t lanes_t __attribute__((vector_size(32)));
  * are zero (alignment padding). mft_fl_zeros adds `groups` all-zero 32-byte groups. */
 typedef struct { uint64_t a[4], b[4]; } mft_fl_state; /* plain arrays: no alignment demands on callers */
 
-MFT_CLONES
-void mft_fl_update(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes) {
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define MFT_HAVE_STREAM 1
+#else
+#define MFT_HAVE_STREAM 0
+#endif
+
+/* The loop of both update functions; `stream` (a constant in each caller, so it folds away)
+ * selects non-temporal stores for the copy. */
+static inline __attribute__((always_inline))
+void fl_update(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes, int stream) {
     lanes_t a, b;
     memcpy(&a, st->a, 32);
     memcpy(&b, st->b, 32);
     const unsigned char *s = (const unsigned char *)src;
     unsigned char *d = (unsigned char *)dst;
     uint64_t full = nbytes / 32;
-    if (d) {
+    if (d && stream) {
+#if MFT_HAVE_STREAM
+        for (uint64_t g = 0; g < full; g++) {
+            lanes_t w;
+            __m128i lo, hi;
+            memcpy(&w, s + 32 * g, 32);
+            memcpy(&lo, &w, 16);
+            memcpy(&hi, (const unsigned char *)&w + 16, 16);
+            _mm_stream_si128((__m128i *)(d + 32 * g), lo);
+            _mm_stream_si128((__m128i *)(d + 32 * g + 16), hi);
+            a += w; b += a;
+        }
+        _mm_sfence();
+#endif
+    } else if (d) {
         for (uint64_t g = 0; g < full; g++) {
             lanes_t w;
             memcpy(&w, s + 32 * g, 32);
@@ -72,6 +95,21 @@ void mft_fl_update(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes
     }
     memcpy(st->a, &a, 32);
     memcpy(st->b, &b, 32);
+}
+
+MFT_CLONES
+void mft_fl_update(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes) {
+    fl_update(st, dst, src, nbytes, 0);
+}
+
+/* As mft_fl_update with a destination, but the copy uses non-temporal (streaming) stores: the
+ * destination lines are written to memory without first being read into the cache (no
+ * read-for-ownership), less memory traffic for a large copy whose destination is not read again
+ * soon (a restore into the training state). Needs a 16-byte aligned dst (else, and off x86, the
+ * stores are normal ones). The checksum is the same. */
+MFT_CLONES
+void mft_fl_update_nt(mft_fl_state *st, void *dst, const void *src, uint64_t nbytes) {
+    fl_update(st, dst, src, nbytes, MFT_HAVE_STREAM && dst && ((uintptr_t)dst & 15) == 0);
 }
 
 void mft_fl_zeros(mft_fl_state *st, uint64_t groups) {

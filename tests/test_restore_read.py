@@ -1,0 +1,116 @@
+"""Container.load_verified: the read + verify pass of a restore, on both read paths (block buffer +
+streaming copy with the native library; straight into the tensors + numpy-compatible sum without)."""
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ft import checksum, recovery, snapfile
+from megatron_ft.layout import plan_layout
+from megatron_ft.state import StateTensor
+
+IDENTITY = {"run_id": "t", "rank": 0, "world_size": 1}
+PATHS = [pytest.param(True, id="block-buffer"), pytest.param(False, id="in-place")]
+
+
+def make_tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (70000 + 1,), dtype=torch.uint8, generator=g)
+    return {
+        "big": torch.randn(9000, generator=g),  # several chunks, several read blocks
+        "odd": torch.randint(0, 1 << 30, (333,), dtype=torch.int64, generator=g),
+        "misaligned": raw[1:],  # data_ptr not 16-byte aligned: the copy falls back to normal stores
+        "tiny": torch.tensor([3.5], dtype=torch.float64),
+        "empty": torch.empty(0),
+    }
+
+
+def write_container(path, tensors, chunk=8192):
+    specs = [StateTensor(n, t).spec() for n, t in tensors.items()]
+    lay = plan_layout(specs, chunk, IDENTITY)
+    g = snapfile.geometry_for(lay)
+    with open(path, "wb") as f:
+        f.truncate(g.total)
+    with open(path, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), g.total)
+    snapfile.init_container(mm, lay.to_json(), g)
+    area = np.frombuffer(mm, np.uint8, count=lay.data_nbytes, offset=g.data_off)
+    names = [e.spec.name for e in lay.entries]
+    sums = []
+    for i, pieces in enumerate(lay.all_pieces()):
+        lo, hi = lay.chunk_bounds(i)
+        cs = checksum.ChunkSum(hi - lo, area[lo:hi])
+        for p in pieces:
+            cs.write(p.dst_offset - lo, tensors[names[p.entry_index]].reshape(-1).view(torch.uint8)[p.src_start:p.src_end])
+        sums.append(cs.finish())
+    del area, cs
+    snapfile.write_version(mm, 1, {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
+                                   "extra": {}, "identity": IDENTITY})
+    snapfile.set_state(mm, snapfile.CLEAN)
+    mm.close()
+    return lay, g
+
+
+def load(path, dst):
+    cont = recovery.Container(path)
+    try:
+        cont.check_identity(IDENTITY, 1)
+        cont.load_verified({n: StateTensor(n, t) for n, t in dst.items()})
+    finally:
+        cont.close()
+
+
+@pytest.fixture
+def read_path(request, monkeypatch):
+    streaming = request.param
+    if streaming and not checksum.HAVE_NATIVE:
+        pytest.skip("native library not built")
+    monkeypatch.setattr(recovery, "STREAMING_RESTORE", streaming)
+    monkeypatch.setattr(recovery, "READ_BLOCK", 4096)  # pieces span several read blocks
+    return streaming
+
+
+@pytest.mark.parametrize("read_path", PATHS, indirect=True)
+def test_restore_is_bit_exact(tmp_path, read_path):
+    src = make_tensors()
+    write_container(tmp_path / "s.mft", src)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
+    load(tmp_path / "s.mft", dst)
+    for n in src:
+        assert torch.equal(src[n], dst[n]), n
+
+
+@pytest.mark.parametrize("read_path", PATHS, indirect=True)
+@pytest.mark.parametrize("where", ["first", "later-block", "misaligned", "last"])
+def test_a_flipped_byte_is_rejected(tmp_path, read_path, where):
+    src = make_tensors()
+    lay, g = write_container(tmp_path / "s.mft", src)
+    e = lay.by_name()
+    pos = {"first": 0, "later-block": e["big"].offset + 3 * 4096 + 17,
+           "misaligned": e["misaligned"].offset + 40000, "last": e["tiny"].offset + 7}[where]  # last byte of data
+    with open(tmp_path / "s.mft", "r+b") as f:
+        f.seek(g.data_off + pos)
+        b = f.read(1)
+        f.seek(g.data_off + pos)
+        f.write(bytes([b[0] ^ 0x10]))
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    with pytest.raises(snapfile.SnapshotFormatError, match=f"chunk {pos // lay.chunk_size} checksum mismatch"):
+        load(tmp_path / "s.mft", dst)
+
+
+@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
+@pytest.mark.parametrize("dst_offset", [0, 16, 1, 7])
+def test_streaming_copy_matches_checksum(dst_offset):
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 31, 32, 33, 4096, 100003):
+        src = rng.integers(0, 256, n, dtype=np.uint8)
+        out = np.zeros(n + 64, np.uint8)
+        base = (-out.ctypes.data) % 64 + dst_offset  # dst at a known alignment
+        cs = checksum.ChunkSum(n)
+        cs.copy_to(0, out[base: base + n], src)
+        assert cs.finish() == checksum.checksum_numpy(src)
+        assert np.array_equal(out[base: base + n], src)
+        assert not out[:base].any() and not out[base + n:].any()
