@@ -32,7 +32,14 @@ def _load_native() -> Optional[ctypes.CDLL]:
     for path in sorted(glob.glob(os.path.join(here, "_fastcopy*.so"))):
         try:
             lib = ctypes.CDLL(path)
-        except OSError:
+            for sym in ("mft_copy_checksum", "mft_fl_update", "mft_fl_update_nt", "mft_fl_zeros", "mft_fl_final"):
+                getattr(lib, sym)
+        except (OSError, AttributeError) as e:  # e.g. a build older than fastcopy.c
+            import logging
+
+            logging.getLogger("megatron_ft").warning(
+                "ignoring the native copy+checksum library %s (%s); the numpy fallback is slower. "
+                "Rebuild it with `pip install -e .` (or `python setup.py build_ext --inplace`)", path, e)
             continue
         fn = lib.mft_copy_checksum
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
