@@ -23,8 +23,9 @@ e.g. ``forward-backward``, ``forward-send``) and ``ckpt`` (checkpoint traffic ac
 
 Summary (:func:`summarize_rank`): per iteration, :func:`.spans.summarize_iteration`; spans shorter
 than ``min_span_s`` are dropped (scheduling noise between two operations); the first ``warmup``
-iterations are left out; iterations whose span counts differ from the most common ones are left out
-and named (``dropped``); :func:`.spans.summarize_profile` averages the rest. The link for the
+iterations are left out; :func:`.spans.average_spans` averages the idle spans over the iterations
+with the most common number of them, and the bubbles likewise (the others are named in
+``dropped``); the iteration time is averaged over all iterations after the warm-up. The link for the
 bubbles' reservation is given, or estimated as the fastest observed P2P transfer (bytes over
 recorded duration, which includes waiting: a lower bound of the real bandwidth).
 """
@@ -38,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..config import _fail
-from .spans import (EVENT_KINDS, P2P_KINDS, Event, IdleSpan, LinkModel, TimelineSummary, summarize_iteration,
-                    summarize_profile)
+from .spans import (EVENT_KINDS, P2P_KINDS, Event, IdleSpan, LinkModel, TimelineSummary, _mean_var, average_spans,
+                    summarize_iteration)
 
 PROFILE_FORMAT = "megatron-ft-profile"
 PROFILE_VERSION = 1
@@ -168,13 +169,16 @@ def _long(spans: Sequence[IdleSpan], min_span_s: float) -> tuple[IdleSpan, ...]:
 
 @dataclass(frozen=True)
 class RankSummary:
-    """What :func:`summarize_rank` found: ``summary`` averages the iterations in ``used``."""
+    """What :func:`summarize_rank` found: ``summary.idle_spans`` averages the iterations in
+    ``used_idle``, ``summary.bubbles`` those in ``used_bubbles``, ``summary.iteration_s`` all
+    iterations after the warm-up."""
 
     rank: int
     link: LinkModel
     summary: TimelineSummary
-    used: tuple[int, ...]  # iteration numbers averaged
-    dropped: tuple[tuple[int, str], ...] = field(default=())  # (iteration, why)
+    used_idle: tuple[int, ...]  # iteration numbers
+    used_bubbles: tuple[int, ...]
+    dropped: tuple[tuple[int, str], ...] = field(default=())  # (iteration, why), warm-up included
     min_span_s: float = DEFAULT_MIN_SPAN_S
 
     def to_dict(self) -> dict:
@@ -183,36 +187,46 @@ class RankSummary:
 
         s = self.summary
         return {"rank": self.rank, "bandwidth": self.link.bandwidth, "alpha_s": self.link.alpha_s,
-                "min_span_s": self.min_span_s, "iterations_used": list(self.used),
+                "min_span_s": self.min_span_s, "iterations_used_idle": list(self.used_idle),
+                "iterations_used_bubbles": list(self.used_bubbles),
                 "iterations_dropped": [{"iteration": i, "why": why} for i, why in self.dropped],
                 "iteration_s": s.iteration_s, "iteration_variance": s.iteration_variance,
                 "network_idle_spans": spans(s.idle_spans), "bubbles": spans(s.bubbles)}
 
 
+def _modal(per_it: Sequence[tuple[int, tuple[IdleSpan, ...]]], what: str, dropped: list) -> list:
+    """The iterations whose span count is the most common one (ties: the earliest such count)."""
+    counts = Counter(len(spans) for _, spans in per_it)
+    best = max(counts.values())
+    count = next(len(spans) for _, spans in per_it if counts[len(spans)] == best)
+    for n, spans in per_it:
+        if len(spans) != count:
+            dropped.append((n, f"{len(spans)} {what}, most iterations have {count}"))
+    return [(n, spans) for n, spans in per_it if len(spans) == count]
+
+
 def summarize_rank(profile: dict, link: Optional[LinkModel] = None, min_span_s: float = DEFAULT_MIN_SPAN_S,
                    warmup: int = 1) -> RankSummary:
     """Network idle spans and reserved bubbles of one rank, averaged over its profiled iterations
-    (see the module docstring)."""
+    (see the module docstring). Idle spans and bubbles are averaged separately, each over the
+    iterations that have the most common number of them (CPU jitter moves short spans across
+    ``min_span_s``)."""
     link = link or estimate_link([profile])
     its = profile["iterations"]
     if not its:
         _fail("profile.iterations", 0, f"rank {profile['rank']} recorded no complete iteration")
-    warmup = min(warmup, len(its) - 1)  # keep at least one
-    dropped = [(it["iteration"], "warm-up") for it in its[:warmup]]
-    per_it = []
-    for it in its[warmup:]:
-        t = summarize_iteration(profile["rank"], iteration_events(it), link, iteration_length(it))
-        per_it.append((it["iteration"], TimelineSummary(t.rank, t.iteration_s, _long(t.idle_spans, min_span_s),
-                                                        _long(t.bubbles, min_span_s))))
-    shapes = Counter((len(t.idle_spans), len(t.bubbles)) for _, t in per_it)
-    best = max(shapes.values())
-    shape = next(k for k in (tuple((len(t.idle_spans), len(t.bubbles))) for _, t in per_it) if shapes[k] == best)
-    used = []
-    for n, t in per_it:
-        if (len(t.idle_spans), len(t.bubbles)) == shape:
-            used.append((n, t))
-        else:
-            dropped.append((n, f"{len(t.idle_spans)} idle spans and {len(t.bubbles)} bubbles, most iterations "
-                               f"have {shape[0]} and {shape[1]}"))
-    return RankSummary(profile["rank"], link, summarize_profile([t for _, t in used]),
-                       tuple(n for n, _ in used), tuple(dropped), min_span_s)
+    warmup = max(0, min(warmup, len(its) - 1))  # keep at least one
+    dropped: list[tuple[int, str]] = [(it["iteration"], "warm-up") for it in its[:warmup]]
+    per_it = [(it["iteration"], summarize_iteration(profile["rank"], iteration_events(it), link,
+                                                    iteration_length(it))) for it in its[warmup:]]
+    idle = _modal([(n, _long(t.idle_spans, min_span_s)) for n, t in per_it], "network idle spans", dropped)
+    bubbles = _modal([(n, _long(t.bubbles, min_span_s)) for n, t in per_it], "bubbles", dropped)
+    iteration_s, variance = _mean_var([t.iteration_s for _, t in per_it])
+    idle_avg = average_spans([s for _, s in idle], "profile.idle_spans")
+    bubble_avg = average_spans([s for _, s in bubbles], "profile.bubbles")
+    # a span averaged over fewer iterations may end (by float noise or a short iteration mix) past the mean
+    iteration_s = max([iteration_s] + [s.end for s in idle_avg + bubble_avg])
+    summary = TimelineSummary(profile["rank"], iteration_s, idle_avg, bubble_avg, iterations=len(per_it),
+                              iteration_variance=variance)
+    return RankSummary(profile["rank"], link, summary, tuple(n for n, _ in idle), tuple(n for n, _ in bubbles),
+                       tuple(dropped), min_span_s)
