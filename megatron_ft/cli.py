@@ -1,4 +1,4 @@
-"""The ``megatron-ft`` command: launch, demo, status, simulate, plan."""
+"""The ``megatron-ft`` command: launch, demo, status, simulate, plan, timeline."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +40,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .policy import simulate
 
     simulate.add_parser(sub)  # issue 6: goodput simulation
+    from .schedule import timeline
+
+    timeline.add_parser(sub)  # issue 4: profiled timelines and the checkpoint plan
     p = sub.add_parser("status", help="print every agent's version table")
     p.add_argument("--config", default=None)
     p.set_defaults(func=_status)

@@ -16,7 +16,7 @@ The run is bit-for-bit deterministic: fixed seeds (python, numpy, torch and mega
 RNG tracker), a deterministic data order driven by ``consumed_samples``
 (:mod:`megatron_ft.data`) and one intra-op thread per process.
 
-Checkpointing hooks in at three marked places (search for ``HOOK``), through a
+Checkpointing hooks in at four marked places (search for ``HOOK``), through a
 :class:`TrainingHooks` object passed to :func:`train`:
 
 (a) ``restore``: after everything is built, before the loop; may restore state and
@@ -24,7 +24,9 @@ Checkpointing hooks in at three marked places (search for ``HOOK``), through a
 (b) ``before_optimizer_step``: after forward/backward and the gradient reduction, just
     before ``optimizer.step()``;
 (c) ``after_iteration``: after a completed iteration (optimizer step, scheduler step,
-    ``iteration`` and ``consumed_samples`` updated).
+    ``iteration`` and ``consumed_samples`` updated);
+(d) ``before_iteration``: at the start of each iteration (optional: called when the hooks
+    object has it; the profiler of ``--inmem-ckpt-profile-iterations`` uses it).
 
 Per-iteration progress: with ``MFT_RUN_DIR`` set, every rank appends one JSON line per
 iteration to ``$MFT_RUN_DIR/progress/rank{RANK}.jsonl`` (flushed after each line).
@@ -72,6 +74,7 @@ from megatron_ft.data import (  # noqa: E402
     build_data_iterator,
 )
 from megatron_ft.config import add_inmem_ckpt_args  # noqa: E402
+from megatron_ft.megatron.profiling import add_inmem_ckpt_profile_args  # noqa: E402
 from megatron_ft.distributed import init_process_group  # noqa: E402
 from megatron_ft.megatron.cpu_compat import cpu_config_overrides, install_cpu_compat  # noqa: E402
 
@@ -127,6 +130,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--dump-final-state", metavar="PATH_PREFIX", default=None,
                    help="write PATH_PREFIX.rank{R}.json with digests of the final state")
     add_inmem_ckpt_args(p)
+    add_inmem_ckpt_profile_args(p)
     args = p.parse_args(argv)
 
     if args.max_position_embeddings is None:
@@ -140,6 +144,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             f"need 0 <= --lr-warmup-iters ({args.lr_warmup_iters}) < --lr-decay-iters "
             f"({args.lr_decay_iters}, default: --train-iters)"
         )
+    if args.inmem_ckpt_profile_iterations < 0:
+        p.error(f"--inmem-ckpt-profile-iterations {args.inmem_ckpt_profile_iterations}: must be >= 0 (0: off)")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
     return args
@@ -352,6 +358,9 @@ class TrainingHooks:
     def after_iteration(self, objs: TrainingObjects, iteration: int, consumed_samples: int) -> None:
         """HOOK (c) "after_iteration": ``iteration`` iterations are complete."""
 
+    def before_iteration(self, objs: TrainingObjects, iteration: int) -> None:
+        """HOOK (d) "before_iteration": iteration ``iteration`` (0-based) is about to start."""
+
 
 def train_step(
     objs: TrainingObjects,
@@ -469,8 +478,12 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
     progress = ProgressWriter(args.rank)
     log = is_logging_rank()
     t_last = time.time()
+    before_iteration = getattr(hooks, "before_iteration", None)  # optional HOOK (d)
     try:
         while iteration < args.train_iters:
+            # ---- HOOK (d) "before_iteration" ----------------------------------------
+            if before_iteration is not None:
+                before_iteration(objs, iteration)
             result = train_step(objs, data_iterator, iteration, hooks)
             iteration += 1
             consumed_samples += args.global_batch_size
@@ -599,6 +612,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_ft.megatron.checkpointing import MegatronCheckpointHooks
 
         hooks = MegatronCheckpointHooks(args)  # type: ignore[assignment]
+    if args.inmem_ckpt_profile_iterations > 0:
+        from megatron_ft.megatron.profiling import ProfilingHooks
+
+        hooks = ProfilingHooks.from_args(hooks, args)  # type: ignore[assignment]
     try:
         iteration, consumed_samples = train(objs, hooks)
     finally:

@@ -1,0 +1,126 @@
+"""``--inmem-ckpt-profile-iterations W``: profile the first W iterations of a megatron-core job.
+
+:class:`ProfilingHooks` wraps the training loop's hooks (``scripts/pretrain_gpt.py``'s
+``TrainingHooks`` or :class:`~megatron_ft.megatron.checkpointing.MegatronCheckpointHooks`): after
+``restore`` it installs :mod:`.hooks` on the model config and the optimizer with a
+:class:`~megatron_ft.schedule.profiler.Profiler` as sink; ``before_iteration`` /
+``after_iteration`` delimit iterations (the wrapped ``after_iteration`` runs inside the iteration,
+so a snapshot's start shows in the timeline); after W iterations it writes
+``<dir>/rank{R}.json`` and removes the wrappers again (unless a scheduled transport still has
+callbacks registered), so later iterations run exactly as without profiling.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..schedule.profiler import Profiler
+from . import hooks as mhooks
+
+log = logging.getLogger("megatron_ft")
+
+
+def add_inmem_ckpt_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The profiler's flags. Separate from :func:`megatron_ft.config.add_inmem_ckpt_args` because
+    only loops that call :class:`ProfilingHooks` honour them (not yet the Megatron-LM patch set)."""
+    g = parser.add_argument_group("megatron-ft timeline profiler")
+    g.add_argument("--inmem-ckpt-profile-iterations", type=int, metavar="W", default=0,
+                   help="record each rank's timeline (compute, P2P, collectives, optimizer) for the first W "
+                        "iterations into --inmem-ckpt-profile-dir (0: off; GEMINI uses 20)")
+    g.add_argument("--inmem-ckpt-profile-dir", metavar="DIR", default=None,
+                   help="where rank{R}.json goes (default: $MFT_RUN_DIR/profile)")
+    return parser
+
+
+def profile_dir(args: argparse.Namespace) -> str:
+    d = getattr(args, "inmem_ckpt_profile_dir", None)
+    if d:
+        return d
+    run_dir = os.environ.get("MFT_RUN_DIR")
+    if not run_dir:
+        raise ValueError("--inmem-ckpt-profile-iterations needs --inmem-ckpt-profile-dir or MFT_RUN_DIR "
+                         "(megatron-ft launch sets it)")
+    return os.path.join(run_dir, "profile")
+
+
+def _topology() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": dist.get_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "pp_size": ps.get_pipeline_model_parallel_world_size(),
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "tp_size": ps.get_tensor_model_parallel_world_size(),
+            "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size()}
+
+
+def snapshot_bytes(objs: Any) -> Optional[int]:
+    """Bytes this rank's in-memory snapshot holds (the tensors :class:`MegatronStateAdapter`
+    captures: its 1/DP parameter slice, optimizer shard and RNG states), measured without copying."""
+    from .state import MegatronStateAdapter
+
+    try:
+        tensors, _ = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler).capture()
+        return sum(t.spec().nbytes for t in tensors)
+    except (ValueError, AttributeError) as e:  # no DDP buffers, foreign optimizer: the plan needs --ckpt-bytes
+        log.warning("profile: snapshot size not measured (%s)", e)
+        return None
+
+
+class ProfilingHooks:
+    """Training-loop hooks that profile the first ``iterations`` iterations around ``inner``."""
+
+    def __init__(self, inner: Any, iterations: int, directory: str) -> None:
+        self.inner, self.directory = inner, directory
+        self.iterations = iterations
+        self.profiler: Optional[Profiler] = None
+        self.path: Optional[str] = None
+        self._objs: Any = None
+
+    @classmethod
+    def from_args(cls, inner: Any, args: argparse.Namespace) -> "ProfilingHooks":
+        return cls(inner, args.inmem_ckpt_profile_iterations, profile_dir(args))
+
+    def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
+        out = self.inner.restore(objs, iteration, consumed_samples)
+        self._objs = objs
+        self.profiler = Profiler(dist.get_rank(), self.iterations, _topology())
+        mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
+        return out
+
+    def before_iteration(self, objs: Any, iteration: int) -> None:
+        if hasattr(self.inner, "before_iteration"):
+            self.inner.before_iteration(objs, iteration)
+        if self.profiler is not None:
+            self.profiler.begin_iteration(iteration)
+        mhooks.HOOKS.begin_iteration(iteration)
+
+    def before_optimizer_step(self, objs: Any, iteration: int) -> None:
+        self.inner.before_optimizer_step(objs, iteration)
+
+    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
+        self.inner.after_iteration(objs, iteration, consumed_samples)
+        mhooks.HOOKS.end_iteration()
+        if self.profiler is not None and self.profiler.end_iteration():
+            self._finish()
+
+    def _finish(self) -> None:
+        prof, self.profiler = self.profiler, None
+        if prof is None:
+            return
+        mhooks.HOOKS.remove_sink(prof.record)
+        if not mhooks.HOOKS.active:
+            mhooks.uninstall()
+        if prof.iterations:
+            self.path = prof.write(self.directory, snapshot_bytes(self._objs))
+            log.info("profile: %d iterations of rank %d in %s", len(prof.iterations), prof.rank, self.path)
+
+    def close(self) -> None:
+        """Write what was recorded if the run ended before W iterations (``complete: false``)."""
+        try:
+            self._finish()
+        finally:
+            if hasattr(self.inner, "close"):
+                self.inner.close()
