@@ -135,7 +135,7 @@ def write_png(profiles: Sequence[dict], segments: dict[int, list[tuple]], plans:
                 ax.axvline(x0, color="0.4", lw=0.8, ls="--")
             elif track in rows:
                 ax.broken_barh([(x0, max(w, 0.05))], (rows[track] - 0.4, 0.8), facecolors=COLORS[track],
-                               edgecolors="black" if track.startswith("ckpt") else "none", linewidth=0.4)
+                               edgecolors="white" if track.startswith("ckpt") else "none", linewidth=0.3)
         ax.set_yticks(list(rows.values()), list(rows.keys()), fontsize=8)
         plan = plans.get(r)
         meta = prof.get("meta", {})
