@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from . import config as ftconfig
+from .demo import free_port_range
 from .protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
@@ -86,12 +87,6 @@ def remove_run_segments(shm_dir: str, run_id: str, node: Optional[int] = None) -
                 os.unlink(os.path.join(shm_dir, name))
             except FileNotFoundError:
                 pass
-
-
-def free_port_range(n: int) -> int:
-    from .demo import free_port_range as f
-
-    return f(n)
 
 
 ModelFactory = Callable[[int, int], tuple]  # (rank, seed) -> (model, optimizer or None)
