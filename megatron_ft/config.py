@@ -309,8 +309,13 @@ class RedundancyConfig:
     group_size: int = 0  # xor: nodes per parity group; 0 = a whole sharding group (REFT)
     k: int = 4  # rs: data nodes per coding group (ECHECK k)
     m: int = 2  # rs: parity nodes per coding group; any m of a group's k + m nodes may fail
+    #: who moves the bytes to the peers: ``agent`` (the agents exchange every consistent version as
+    #: soon as it is clean) or ``scheduled`` (the trainers send it in planned chunks inside the idle
+    #: spans / bubbles of the training timeline, issue 4; the ``schedule`` section says how)
+    transport: str = "agent"
 
     SCHEMES = ("none", "replica", "xor", "rs")
+    TRANSPORTS = ("agent", "scheduled")
 
     def __post_init__(self) -> None:
         if self.scheme not in self.SCHEMES:
@@ -322,6 +327,12 @@ class RedundancyConfig:
                   "must be 0 (a whole sharding group) or an integer >= 2 (nodes per parity group)")
         _check_int("redundancy.k", self.k, 1)
         _check_int("redundancy.m", self.m, 1)
+        if self.transport not in self.TRANSPORTS:
+            _fail("redundancy.transport", self.transport, f"must be one of {', '.join(self.TRANSPORTS)}")
+        if self.transport == "scheduled" and self.scheme != "replica":
+            _fail("redundancy.transport", self.transport,
+                  f"the scheduled transport sends whole copies: it needs redundancy.scheme=replica, "
+                  f"not {self.scheme!r} (use transport: agent)")
 
     def check_cluster(self, nodes: int) -> None:
         """Cross-checks against ``cluster.nodes`` (called by :class:`FTConfig`)."""
@@ -340,6 +351,45 @@ class RedundancyConfig:
 
 
 @dataclass(frozen=True)
+class ScheduleConfig:
+    """How the scheduled transport (``redundancy.transport: scheduled``) times checkpoint traffic
+    (issue 4; ``docs/scheduling.md``).
+
+    ``mode``: ``pipelined`` (GEMINI: chunks of R/p bytes in the network idle spans through p
+    rotating sub-buffers), ``one-buffer`` (the same partition, one buffer of R: each chunk waits for
+    the previous one's copy), ``naive`` (one chunk per idle span, as large as the span holds: its
+    buffer can exceed R), ``blocking`` (everything at the start of the iteration, training waits),
+    ``bubble`` (BAFT: the pipeline bubbles shared with the receiving node) or ``end`` (everything
+    after the optimizer step, training waits). The first ``profile_iterations`` iterations are
+    profiled without checkpoint traffic; the plan is made from them.
+    """
+
+    mode: str = "pipelined"
+    sub_buffers: int = 4  # p
+    reserved_mib: float = 64.0  # R: sender-side buffer memory for checkpoint traffic
+    mu: float = 0.9  # share of each profiled idle span the plan may use
+    profile_iterations: int = 20  # W (GEMINI: 20)
+    bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
+    alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
+
+    MODES = ("pipelined", "one-buffer", "naive", "blocking", "bubble", "end")
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            _fail("schedule.mode", self.mode, f"must be one of {', '.join(self.MODES)}")
+        _check_int("schedule.sub_buffers", self.sub_buffers, 1, 64)
+        _check_num("schedule.reserved_mib", self.reserved_mib, 0.0, strict=True)
+        _check_num("schedule.mu", self.mu, 0.0, 1.0, strict=True)
+        _check_int("schedule.profile_iterations", self.profile_iterations, 2)
+        _check_num("schedule.bandwidth_mib_s", self.bandwidth_mib_s, 0.0)
+        _check_num("schedule.alpha_s", self.alpha_s, 0.0)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return int(self.reserved_mib * 2**20)
+
+
+@dataclass(frozen=True)
 class FTConfig:
     """Everything megatron-ft needs to know about a job."""
 
@@ -354,6 +404,7 @@ class FTConfig:
     simulate: SimulateConfig = field(default_factory=SimulateConfig)
     redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def __post_init__(self) -> None:
         _check_str("run_id", self.run_id, r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
@@ -391,6 +442,7 @@ _SECTIONS = {
     "simulate": SimulateConfig,
     "redundancy": RedundancyConfig,
     "health": HealthConfig,
+    "schedule": ScheduleConfig,
 }
 
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "local-cpu.yaml")

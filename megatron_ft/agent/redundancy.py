@@ -43,6 +43,7 @@ from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
 log = logging.getLogger("megatron_ft.agent")
 
 EXCHANGE_TIMEOUT_S = 60.0
+SCHEDULED_TIMEOUT_S = 600.0  # a scheduled transfer spreads over iterations: protect its step longer
 
 
 @dataclass
@@ -125,6 +126,10 @@ class Redundancy:
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")  # encodes row r+1 while r is sent
         self._aconns: dict[int, PeerClient] = {}  # the announcer's open connections
+        #: transport "scheduled": the trainers send their copies (issue 4); steps whose transfer
+        #: started here -> when; their primary slots stay protected until the group holds them
+        self.scheduled = self.cfg.redundancy.transport == "scheduled"
+        self._sched_sending: dict[int, float] = {}
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
         self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
@@ -146,7 +151,10 @@ class Redundancy:
                 log.error("agent node %d: exchange of step %d did not complete within %.0f s; giving it up",
                           self.node, self.inflight_step, EXCHANGE_TIMEOUT_S)
                 self.inflight_step = -1
-            return {s for s in (self.complete_step, self.inflight_step) if s >= 0}
+            for st, since in list(self._sched_sending.items()):
+                if st <= self.complete_step or time.time() - since > SCHEDULED_TIMEOUT_S:
+                    del self._sched_sending[st]
+            return {s for s in (self.complete_step, self.inflight_step) if s >= 0} | set(self._sched_sending)
 
     def sending_steps(self) -> set[int]:
         with self.lock:
@@ -229,7 +237,10 @@ class Redundancy:
 
     # ------------------------------------------------------------------ sending (one version)
     def version_global(self, step: int) -> None:
-        """Every local rank agreed on ``step``: exchange it (the newest pending one wins)."""
+        """Every local rank agreed on ``step``: exchange it (the newest pending one wins). With the
+        scheduled transport the trainers send it (:meth:`sched_pin` ...)."""
+        if self.scheduled:
+            return
         with self.lock:
             if step <= max(self.complete_step, self.inflight_step):
                 return
@@ -423,6 +434,42 @@ class Redundancy:
                 if self.inflight_step <= low:
                     self.inflight_step = -1
                 log.info("agent node %d: step %d is complete in group %d %s", self.node, low, self.gi, self.members)
+
+    # ------------------------------------------------------------------ scheduled transport
+    # The trainers move the bytes (megatron_ft/transport/scheduled.py): a sender pins the slot of the
+    # version it sends for as long as its chunks read it; a receiver writes the chunks into a block
+    # version here and reports when every chunk arrived - only then is the block complete, so a
+    # transfer spread over iterations (or cut by a failure) never counts as held.
+    def sched_pin(self, rank: int, step: int) -> dict:
+        slot = self.agent.pin_rank_step(rank, step)  # KeyError: not held clean
+        with self.lock:
+            self._sched_sending.setdefault(step, time.time())
+            self._started.setdefault(step, time.perf_counter())
+        return {"path": slot.segment.path, "size": slot.segment.size}
+
+    def sched_unpin(self, rank: int, step: int) -> None:
+        self.agent.unpin_rank_step(rank, step)
+
+    def sched_recv_begin(self, src_rank: int, step: int, length: int) -> dict:
+        sizes = self._wait_sizes()
+        if sizes.get(src_rank) != length:
+            raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
+                             f"{sizes.get(src_rank)}")
+        key = f"{xch.COPY}.r{src_rank}"
+        v = self._version_for(key, step, length, 1, {"sizes": {str(r): n for r, n in sizes.items()}, "codec": None})
+        if v is None:
+            return {"ignored": True}
+        return {"path": v.segment.path}
+
+    def sched_recv_done(self, src_rank: int, step: int) -> dict:
+        key = f"{xch.COPY}.r{src_rank}"
+        with self.lock:
+            v = next((v for v in self.blocks.get(key, []) if v.step == step), None)
+            if v is None:
+                return {"ignored": True}
+            v.got.add(self.plan.topology.node_of(src_rank))
+        self._announcer.submit(self._maybe_announce, step)
+        return {}
 
     # ------------------------------------------------------------------ serving peers
     def _handle(self, msg: dict, sock) -> tuple[dict, Any]:

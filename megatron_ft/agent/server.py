@@ -189,6 +189,8 @@ class Agent:
         from the data node's copy when the slot is mid-write."""
         if self.redundancy is not None and self.redundancy.own_copy_is_redundant:
             return 1
+        if self.cfg.redundancy.transport == "scheduled":  # + the version its trainer is still sending
+            return SLOTS_PER_RANK + 1
         return SLOTS_PER_RANK
 
     def _drop_rank(self, rec: RankRecord) -> None:
@@ -328,6 +330,22 @@ class Agent:
             for s in out.values():
                 s.pins += 1
             return out
+
+    def pin_rank_step(self, rank: int, step: int) -> Slot:
+        """Pin one rank's clean slot of ``step`` (a trainer of the scheduled transport reads it)."""
+        with self.lock:
+            s = self._rec(rank).slot_with(step)
+            if s is None:
+                raise KeyError(f"rank {rank} does not hold step {step} clean on node {self.node}")
+            s.pins += 1
+            return s
+
+    def unpin_rank_step(self, rank: int, step: int) -> None:
+        with self.lock:
+            rec = self.ranks.get(rank)
+            s = next((s for s in rec.slots if s.step == step and s.pins > 0), None) if rec else None
+            if s is not None:
+                s.pins -= 1
 
     def unpin(self, slots: dict[int, Slot]) -> None:
         with self.lock:
@@ -528,6 +546,19 @@ class Agent:
             if self.redundancy is None:
                 raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
             return self.redundancy.recover(int(msg["rank"]), int(msg["step"]))
+        if op and op.startswith("sched_"):  # the scheduled transport's trainers (issue 4)
+            if self.redundancy is None or not self.redundancy.scheduled:
+                raise RuntimeError(f"{op}: redundancy.transport is not 'scheduled' on node {self.node}")
+            red = self.redundancy
+            if op == "sched_pin":
+                return red.sched_pin(int(msg["rank"]), int(msg["step"]))
+            if op == "sched_unpin":
+                red.sched_unpin(int(msg["rank"]), int(msg["step"]))
+                return {}
+            if op == "sched_recv_begin":
+                return red.sched_recv_begin(int(msg["src_rank"]), int(msg["step"]), int(msg["length"]))
+            if op == "sched_recv_done":
+                return red.sched_recv_done(int(msg["src_rank"]), int(msg["step"]))
         if op == "status":
             return {"status": self.status()}
         if op == "persist":

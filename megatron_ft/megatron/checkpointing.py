@@ -46,25 +46,40 @@ class MegatronCheckpointHooks:
     def __init__(self, args: argparse.Namespace):
         self.cfg = ftconfig.from_args(args)
         self.ckpt: Optional[InMemoryCheckpointer] = None
+        self.sched = None  # megatron_ft.megatron.scheduled.ScheduledHooks (redundancy.transport: scheduled)
 
     def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
         topo = checked_topology(self.cfg)
         adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
         self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
         res = self.ckpt.restore()
+        if self.cfg.redundancy.transport == "scheduled" and self.ckpt.engine is not None:
+            from .scheduled import ScheduledHooks
+
+            self.sched = ScheduledHooks(self.cfg, self.ckpt, objs)
         if res.source == "none":
             return iteration, consumed_samples
         progress = adapter.restored_progress or {}
         return int(progress["iteration"]), int(progress["consumed_samples"])
+
+    def before_iteration(self, objs: Any, iteration: int) -> None:
+        if self.sched is not None:
+            self.sched.before_iteration(iteration)
 
     def before_optimizer_step(self, objs: Any, iteration: int) -> None:
         if self.ckpt is not None:
             self.ckpt.before_optimizer_step()
 
     def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
+        if self.sched is not None:  # before the snapshot of this step starts: the engine is idle
+            self.sched.after_iteration(iteration)
         if self.ckpt is not None:
             self.ckpt.after_iteration(iteration, consumed_samples)
 
     def close(self) -> None:
-        if self.ckpt is not None:
-            self.ckpt.close()
+        try:
+            if self.sched is not None:
+                self.sched.close()
+        finally:
+            if self.ckpt is not None:
+                self.ckpt.close()

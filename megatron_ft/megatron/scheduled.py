@@ -1,0 +1,135 @@
+"""The scheduled transport in a megatron-core training loop (issue 4): profile the first W
+iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
+(:func:`megatron_ft.schedule.modes.plan_sends`), then run them every iteration
+(:class:`megatron_ft.transport.scheduled.ScheduledTransport`).
+
+Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
+``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
+``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
+chunk times) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+from ..schedule.modes import SendSchedule, plan_sends
+from ..schedule.profiler import Profiler, summarize_rank
+from ..schedule.spans import IdleSpan, LinkModel
+from ..transport.scheduled import ScheduledTransport
+from . import hooks as mhooks
+
+log = logging.getLogger("megatron_ft.transport")
+
+TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
+
+
+class ScheduledHooks:
+    def __init__(self, cfg: Any, ckpt: Any, objs: Any):
+        self.cfg, self.ckpt = cfg, ckpt
+        self.rank = ckpt.rank
+        hello = {"rank": ckpt.rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
+                 "run_id": cfg.run_id, "role": "transport"}
+        self.transport = ScheduledTransport(cfg, ckpt.rank, ckpt.client.socket_path, hello,
+                                            lambda: ckpt.engine.last_agreed, emit=self._actual)
+        self.profiler: Optional[Profiler] = Profiler(self.rank, cfg.schedule.profile_iterations, {"pp": None})
+        mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
+        self.iteration_start = 0.0
+        self.iteration = -1
+        self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
+        self.iteration_s: list[float] = []
+        self.run_dir = os.environ.get("MFT_RUN_DIR")
+
+    def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
+        self.actual.append({"iteration": self.iteration, "start": start - self.iteration_start,
+                            "end": end - self.iteration_start, "bytes": nbytes})
+
+    def before_iteration(self, iteration: int) -> None:
+        self.iteration, self.iteration_start = iteration, time.perf_counter()
+        if self.profiler is not None:
+            self.profiler.begin_iteration(iteration)
+        mhooks.HOOKS.begin_iteration(iteration)
+        self.transport.begin_iteration()
+
+    def after_iteration(self, step: int) -> None:
+        mhooks.HOOKS.end_iteration()
+        if self.profiler is not None:
+            if self.profiler.end_iteration():
+                self._plan(step)
+        else:
+            self.iteration_s.append(time.perf_counter() - self.iteration_start)
+        self.transport.end_iteration(step)
+
+    # ------------------------------------------------------------------ planning (collective)
+    def _container_bytes(self) -> int:
+        try:
+            versions = self.ckpt.client.request("list", rank=self.rank)["versions"]
+            return os.path.getsize(versions[0]["path"]) if versions else 0
+        except Exception as e:
+            log.warning("rank %d: container size unknown: %s", self.rank, e)
+            return 0
+
+    def _plan(self, step: int) -> None:
+        prof, self.profiler = self.profiler, None
+        mhooks.HOOKS.remove_sink(prof.record)
+        sc = self.cfg.schedule
+        link = LinkModel(sc.bandwidth_mib_s * 2**20, sc.alpha_s) if sc.bandwidth_mib_s else None
+        data = prof.to_dict()
+        if self.run_dir:
+            prof.write(os.path.join(self.run_dir, "profile"))
+        spans, bubbles = [], []
+        try:
+            summ = summarize_rank(data, link)
+            link = link or LinkModel(summ.link.bandwidth, sc.alpha_s)
+            spans, bubbles = list(summ.summary.idle_spans), list(summ.summary.bubbles)
+            iteration_s = summ.summary.iteration_s
+        except ValueError as e:
+            log.warning("rank %d: profile not usable (%s): one idle span per iteration", self.rank, e)
+            link = link or LinkModel(1e9, sc.alpha_s)
+            iteration_s = 1.0
+        if not spans:
+            spans = [IdleSpan(0.0, iteration_s)]
+        peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if sc.mode == "bubble" else {}
+        nbytes = self._container_bytes()
+        schedule: Optional[SendSchedule] = None
+        if nbytes and self.transport.dsts:
+            try:
+                pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
+                schedule = plan_sends(sc.mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
+                                      sc.sub_buffers, sc.mu, spans, bubbles, pb)
+            except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
+                log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank,
+                            sc.mode, e)
+                schedule = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
+                                      sc.sub_buffers)
+        self.transport.set_schedule(schedule, step)
+        self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
+                          "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
+                          "profiled_iteration_s": iteration_s, "planned_at_step": step}
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            mhooks.HOOKS.remove_sink(self.profiler.record) if self.profiler is not None else None
+            if not mhooks.HOOKS.active:
+                mhooks.uninstall()
+            self._write()
+
+    def _write(self) -> None:
+        if not self.run_dir or self.transport.schedule is None:
+            return
+        out = {"format": TRANSPORT_FORMAT, "version": TRANSPORT_VERSION, "rank": self.rank,
+               "dsts": self.transport.dsts, "srcs": self.transport.srcs,
+               "schedule": self.transport.schedule.to_dict(), "plan": getattr(self, "plan_info", {}),
+               "transfers": self.transport.records, "stall_s": self.transport.stall_s,
+               "iteration_s": self.iteration_s, "actual": self.actual}
+        d = os.path.join(self.run_dir, "transport")
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, f"rank{self.rank}.json")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(out, f)
+        os.replace(path + ".tmp", path)

@@ -1,0 +1,162 @@
+"""Send schedules of the scheduled transport, one per mode (issue 4, items 3-4; GEMINI figure 16,
+BAFT section 4). Pure: profiled spans and sizes in, a :class:`SendSchedule` out.
+
+A schedule lists the :class:`Send` s of one checkpoint transfer: which bytes of the container go to
+which remote copy, in which iteration of the transfer (0 .. n - 1), at what time within that
+iteration (seconds after the iteration starts; :data:`AT_END` = after the optimizer step), through
+which buffer. The executor (:mod:`megatron_ft.transport.scheduled`) starts a transfer every n
+iterations (``interval_iterations``).
+
+| mode | chunks | buffers | training waits |
+|---|---|---|---|
+| ``pipelined`` | GEMINI Algorithm 2 in the network idle spans (:func:`.gemini.fitting_interval`) | p of R/p | no |
+| ``one-buffer`` | Algorithm 2 with p = 1 ("interleave without pipeline") | 1 of R | no |
+| ``naive`` | one chunk per idle span, as large as mu times the span carries | 1 of the largest chunk (can exceed R) | no |
+| ``blocking`` | everything at the start of the iteration, chunks of R/p | p of R/p | yes |
+| ``bubble`` | BAFT Algorithm 1: the bubbles shared with the receiving node, chunks of <= R/p | p of R/p | no |
+| ``end`` | everything after the optimizer step, chunks of R/p | p of R/p | yes |
+
+Worked example (link 100 B/s, R = 200 B, p = 2, mu = 0.5, 300 B, one remote copy, idle spans
+[0, 5), [6, 7), [8, 10)): ``pipelined`` sends 100, 100, 20 B from t = 0, 1, 2 s, 40 B at 6 s and 40
+B at 8 s through buffers 0, 1, 0, 1, 0 (:mod:`.gemini`'s worked example); ``naive`` sends 250 B at
+0 s and 50 B at 6 s, one buffer of 250 B (> R); ``blocking`` sends 100, 100, 100 B at t = 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..config import ScheduleConfig, _check_int, _fail
+from . import baft, gemini
+from .spans import _EPS, IdleSpan, LinkModel
+
+AT_END = math.inf  # Send.at: after the iteration's optimizer step
+MODES = ScheduleConfig.MODES
+MAX_ITERATIONS = 64  # a plan spreading one checkpoint over more iterations is not worth having
+
+
+@dataclass(frozen=True)
+class Send:
+    copy: int  # remote copy 0 .. m - 2 (which receiver)
+    iteration: int  # of the transfer, 0 .. n - 1
+    at: float  # seconds after the iteration starts; AT_END: after its optimizer step
+    offset: int
+    size: int
+    buffer: int
+
+
+@dataclass(frozen=True)
+class SendSchedule:
+    mode: str
+    sends: tuple[Send, ...]
+    buffers: int
+    buffer_bytes: int
+    interval_iterations: int
+    blocking: bool  # training waits until every send of the iteration is done
+    planned_transfer_s: float  # sum of f(size) over the sends
+    fits: bool  # every send inside (mu times) an idle span / shared bubble
+
+    @property
+    def memory_bytes(self) -> int:
+        """Sender-side buffer memory (the receiver allocates the same)."""
+        return self.buffers * self.buffer_bytes
+
+    def of_iteration(self, iteration: int) -> tuple[Send, ...]:
+        return tuple(s for s in self.sends if s.iteration == iteration)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "buffers": self.buffers, "buffer_bytes": self.buffer_bytes,
+                "interval_iterations": self.interval_iterations, "blocking": self.blocking,
+                "planned_transfer_s": self.planned_transfer_s, "fits": self.fits,
+                "sends": [[s.copy, s.iteration, None if s.at == AT_END else s.at, s.offset, s.size, s.buffer]
+                          for s in self.sends]}
+
+
+def _back_to_back(nbytes: int, copies: int, chunk: int, buffers: int, at: float, link: LinkModel) -> list[Send]:
+    out: list[Send] = []
+    t = 0.0
+    for c in range(copies):
+        for off in range(0, nbytes, chunk):
+            size = min(chunk, nbytes - off)
+            out.append(Send(c, 0, at if at == AT_END else at + t, off, size, len(out) % buffers))
+            t += link.time(size)
+    return out
+
+
+def _naive(spans: Sequence[IdleSpan], nbytes: int, copies: int, link: LinkModel, mu: float) -> tuple[list[Send], bool]:
+    """One chunk per span (what mu times the span carries), the last span of the last iteration
+    unbounded; the fewest iterations for which that last chunk fits too."""
+    for n in range(1, MAX_ITERATIONS + 1):
+        out: list[Send] = []
+        c, left = 0, nbytes
+        order = [(it, k) for it in range(n) for k in range(len(spans))]
+        fits = True
+        for i, (it, k) in enumerate(order):
+            if c >= copies:
+                break
+            cap = left if i == len(order) - 1 else min(left, link.bytes_within(mu * spans[k].length))
+            if i == len(order) - 1 and link.time(cap) > mu * spans[k].length + _EPS:
+                fits = False
+            if cap <= 0:
+                continue
+            out.append(Send(c, it, spans[k].start, nbytes - left, cap, 0))
+            left -= cap
+            if left == 0:
+                c, left = c + 1, nbytes
+                if c < copies:  # the next copy starts in the next span (one chunk per span)
+                    continue
+        if fits or n == MAX_ITERATIONS:
+            return out, fits
+    raise AssertionError("unreachable")
+
+
+def plan_sends(mode: str, nbytes: int, copies: int, link: LinkModel, reserved_bytes: int, sub_buffers: int,
+               mu: float = 0.9, spans: Sequence[IdleSpan] = (), bubbles: Sequence[IdleSpan] = (),
+               peer_bubbles: Sequence[IdleSpan] = ()) -> SendSchedule:
+    """The schedule of ``mode`` for a container of ``nbytes`` sent to ``copies`` receivers.
+
+    ``spans``: this rank's network idle spans (``pipelined``, ``one-buffer``, ``naive``; the last is
+    unbounded); ``bubbles`` / ``peer_bubbles``: this rank's and the receiver's reserved bubbles
+    (``bubble``). Raises ``ConfigError`` naming the bad input; for ``bubble`` also when the two share
+    no bubble (the caller falls back to another mode)."""
+    if mode not in MODES:
+        _fail("schedule.mode", mode, f"must be one of {', '.join(MODES)}")
+    _check_int("nbytes", nbytes, 1)
+    _check_int("copies", copies, 1)
+    _check_int("sub_buffers", sub_buffers, 1)
+    _check_int("reserved_bytes", reserved_bytes, sub_buffers)
+    chunk = reserved_bytes // sub_buffers
+    if mode in ("blocking", "end"):
+        sends = _back_to_back(nbytes, copies, chunk, sub_buffers, 0.0 if mode == "blocking" else AT_END, link)
+        return _schedule(mode, sends, sub_buffers, chunk, True, link, True)
+    if mode in ("pipelined", "one-buffer", "naive"):
+        if not spans:
+            _fail("spans", list(spans), f"mode {mode!r} needs the profiled network idle spans (none given)")
+        if mode == "naive":
+            sends, fits = _naive(spans, nbytes, copies, link, mu)
+            return _schedule(mode, sends, 1, max(s.size for s in sends), False, link, fits)
+        p = sub_buffers if mode == "pipelined" else 1
+        plan = gemini.fitting_interval(spans, nbytes, copies + 1, reserved_bytes, p, link, mu, MAX_ITERATIONS)
+        sends = [Send(c.copy, c.iteration, c.start, c.offset, c.size, c.buffer) for c in plan.chunks]
+        return _schedule(mode, sends, p, plan.sub_buffer_bytes, False, link, plan.fits)
+    # bubble (BAFT): every copy goes through the bubbles shared with the receiver
+    tp = baft.plan_transfer(bubbles, peer_bubbles, nbytes * copies, link, max_iterations=MAX_ITERATIONS)
+    sends, done = [], 0
+    for slot in tp.slots:
+        t, left = slot.start, slot.capacity
+        while left > 0 and done < nbytes * copies:
+            c, off = divmod(done, nbytes)
+            size = min(chunk, left, nbytes - off)
+            sends.append(Send(c, slot.iteration, t, off, size, len(sends) % sub_buffers))
+            t += link.time(size)
+            left -= size
+            done += size
+    return _schedule(mode, sends, sub_buffers, chunk, False, link, True)
+
+
+def _schedule(mode: str, sends: list[Send], buffers: int, buffer_bytes: int, blocking: bool, link: LinkModel,
+              fits: bool) -> SendSchedule:
+    n = max((s.iteration for s in sends), default=0) + 1
+    return SendSchedule(mode, tuple(sends), buffers, buffer_bytes, n, blocking,
+                        sum(link.time(s.size) for s in sends), fits)

@@ -1,0 +1,364 @@
+"""The scheduled transport (issue 4, item 3): trainers send their latest clean snapshot to the peers
+that hold its copies, in the chunks and at the times of a :class:`~megatron_ft.schedule.modes.SendSchedule`,
+through rotating sub-buffers; the receiving trainer copies each chunk into its agent's shared memory
+while the next one arrives, and tells its agent when every chunk is there.
+
+Byte path of one transfer of version ``S`` from rank ``r`` (node A) to rank ``r'`` (same local
+index on node B, which holds ``copy.r{r}``)::
+
+    A: agent slot of S (pinned: sched_pin) --copy--> sub-buffer b --isend--> B: receive buffer b'
+    B: receive buffer b' --copy--> agent block copy.r{r}, version S (sched_recv_begin)
+    B: after the last chunk: sched_recv_done -> B's agent marks the block complete, announces S
+
+``S`` is the step every rank agreed on (the snapshot engine's ``last_agreed``, read where the engine is
+idle), so all ranks send the same version and the group holds a consistent cut. A transfer starts
+every ``interval_iterations`` iterations, at the same iteration on every rank; a failure midway
+leaves the block incomplete and the previous complete version in use.
+
+Wire format on the transport's own process group (``torch.distributed``: gloo on CPU; NCCL on GPUs,
+with device sub-buffers), no pickle: a header of 8 int64 ``[MAGIC, VERSION, kind, step, length,
+nchunks, buffers, buffer_bytes]`` (kind 1 = transfer, 2 = bye), then an int64 table of
+``nchunks x (offset, size)``, then the chunks in table order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .. import shm
+from ..protocol import AgentClient
+from ..redundancy.exchange import holders_of_whole
+from ..redundancy.plan import plan_from_config
+from ..schedule.modes import AT_END, Send, SendSchedule
+
+log = logging.getLogger("megatron_ft.transport")
+
+MAGIC = 0x4D4654534348  # "MFTSCH"
+WIRE_VERSION = 1
+KIND_TRANSFER, KIND_BYE = 1, 2
+TAG_HEADER, TAG_TABLE, TAG_CHUNK = 71, 72, 73
+GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
+    """(ranks this rank sends its copies to, ranks whose copies it receives): the rank with the same
+    local index on every node that holds a copy of this rank's container (GEMINI placement).
+
+    Two nodes of two ranks, replica m = 2: rank 1 (node 0) sends to rank 3 (node 1) and receives
+    from rank 3; rank 2 sends to and receives from rank 0."""
+    plan = plan_from_config(cfg)
+    topo = plan.topology
+    rpn = cfg.cluster.ranks_per_node
+    node, local = divmod(rank, rpn)
+    dsts = [n * rpn + local for n in holders_of_whole(plan, rank)[1:]]
+    srcs = [n * rpn + local for n in range(topo.nodes) if n != node
+            and node in holders_of_whole(plan, n * rpn + local)[1:]]
+    return dsts, srcs
+
+
+class _Sent:
+    """One started send. gloo's send work must be waited exactly once (a second ``wait`` blocks for
+    a completion that never comes), so every wait goes through :meth:`wait`."""
+
+    __slots__ = ("work", "send", "issued", "finished")
+
+    def __init__(self, work: Any, send: Optional[Send], issued: float) -> None:
+        self.work, self.send, self.issued, self.finished = work, send, issued, 0.0
+
+    def wait(self) -> None:
+        if not self.finished:
+            self.work.wait()
+            self.finished = time.perf_counter()
+
+
+@dataclass
+class _Transfer:
+    step: int
+    seg: shm.Segment
+    started_at: int  # the snapshot step after which it started
+    iteration: int = 0  # next iteration of the schedule to run
+    works: list = field(default_factory=list)  # _Sent
+    done: threading.Event = field(default_factory=threading.Event)
+    sent: int = 0
+
+
+class ScheduledTransport:
+    """One per trainer rank. The training loop calls :meth:`begin_iteration` at the start of each
+    iteration and :meth:`end_iteration` after the optimizer step, before the next snapshot starts
+    (the snapshot engine is idle there); :meth:`set_schedule` once the profile is planned."""
+
+    def __init__(self, cfg: Any, rank: int, agent_socket: str, hello: dict, last_agreed: Callable[[], int],
+                 emit: Optional[Callable[..., None]] = None):
+        self.cfg, self.rank = cfg, rank
+        self.last_agreed = last_agreed
+        self.emit = emit or (lambda *a, **k: None)
+        self.dsts, self.srcs = peers_of(cfg, rank)
+        backend = dist.get_backend()
+        # GPU: NCCL moves device sub-buffers (the chunk is copied host -> device first); CPU: gloo
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.ctl = dist.new_group(backend="gloo")  # planning collectives (main thread)
+        self.data = dist.new_group(backend=backend, timeout=GROUP_TIMEOUT)  # chunks (transport threads)
+        self.client = AgentClient(agent_socket)
+        self.client.connect(hello)
+        self.schedule: Optional[SendSchedule] = None
+        self.phase = 0  # transfers start at snapshot steps = phase (mod interval)
+        self.current: Optional[_Transfer] = None
+        self.last_step = -1
+        self.records: list[dict] = []  # one per finished transfer (benchmarks, timeline)
+        self.stall_s = 0.0  # training time spent waiting on the transport
+        self._bufs: list[torch.Tensor] = []
+        self._buf_work: dict[int, Any] = {}
+        self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"mft-sched-send-r{rank}", daemon=True)
+        self._sender.start()
+        self._receivers = [threading.Thread(target=self._recv_loop, args=(src,), daemon=True,
+                                            name=f"mft-sched-recv-r{rank}-from{src}") for src in self.srcs]
+        for t in self._receivers:
+            t.start()
+        log.info("rank %d: scheduled transport, sends to %s, receives from %s", rank, self.dsts, self.srcs)
+
+    # ------------------------------------------------------------------ planning
+    def set_schedule(self, schedule: Optional[SendSchedule], start_step: int) -> None:
+        """Use ``schedule`` from snapshot step ``start_step`` on. Collective: every rank passes its own
+        schedule; all take the largest interval, so transfers start at the same steps everywhere;
+        if one rank has none (it could not plan), nobody sends."""
+        t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
+        n, missing = (int(x) for x in t.tolist())
+        if missing or schedule is None:
+            log.error("rank %d: a rank could not plan its checkpoint traffic: the scheduled transport is off",
+                      self.rank)
+            return
+        if n != schedule.interval_iterations:
+            schedule = dataclasses.replace(schedule, interval_iterations=n)
+        self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
+                      for _ in range(schedule.buffers)]
+        self.schedule, self.phase = schedule, start_step
+        log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), %d x %d B buffers",
+                 self.rank, schedule.mode, len(schedule.sends), n, schedule.buffers, schedule.buffer_bytes)
+
+    def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
+        """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
+        cap = 64
+        mine = torch.full((cap, 2), -1.0, dtype=torch.float64)
+        for i, (a, b) in enumerate(bubbles[:cap]):
+            mine[i, 0], mine[i, 1] = a, b
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine, group=self.ctl)
+        return {r: [(float(a), float(b)) for a, b in t.tolist() if a >= 0] for r, t in enumerate(out)}
+
+    # ------------------------------------------------------------------ training thread
+    def begin_iteration(self) -> None:
+        cur, sch = self.current, self.schedule
+        if cur is None or sch is None or cur.iteration >= sch.interval_iterations:
+            return
+        sends = [s for s in sch.of_iteration(cur.iteration) if s.at != AT_END]
+        cur.iteration += 1
+        if not sends:
+            return
+        if sch.blocking:
+            t0 = time.perf_counter()
+            for s in sends:
+                self._issue(cur, s)
+            self._wait_works(cur)
+            self.stall_s += time.perf_counter() - t0
+            return
+        now = time.perf_counter()
+        for s in sends:
+            self._q.put((now + s.at, cur, s))
+
+    def end_iteration(self, step: int) -> None:
+        """After the optimizer step of snapshot step ``step`` (before its snapshot starts)."""
+        sch = self.schedule
+        if sch is None or step < self.phase or (step - self.phase) % sch.interval_iterations:
+            return
+        t0 = time.perf_counter()
+        self._finish(self.current)
+        self.current = None
+        agreed = self.last_agreed()
+        if agreed < 0 or agreed <= self.last_step:
+            self.stall_s += time.perf_counter() - t0
+            return
+        try:
+            info = self.client.request("sched_pin", rank=self.rank, step=agreed)
+        except Exception as e:  # a checkpoint that cannot start never stops training
+            log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
+            self.stall_s += time.perf_counter() - t0
+            return
+        seg = shm.open_segment(info["path"], writable=False, populate=False)
+        cur = _Transfer(agreed, seg, step)
+        self.current, self.last_step = cur, agreed
+        table = torch.tensor([[s.offset, s.size] for s in sch.sends], dtype=torch.int64)
+        for copy, dst in enumerate(self.dsts):
+            rows = [i for i, s in enumerate(sch.sends) if s.copy == copy]
+            hdr = torch.tensor([MAGIC, WIRE_VERSION, KIND_TRANSFER, agreed, seg.size, len(rows), sch.buffers,
+                                sch.buffer_bytes], dtype=torch.int64)
+            cur.works.append(_Sent(dist.isend(hdr, dst, group=self.data, tag=TAG_HEADER), None, 0.0))
+            cur.works.append(_Sent(dist.isend(table[rows].contiguous(), dst, group=self.data, tag=TAG_TABLE),
+                                   None, 0.0))
+        at_end = [s for s in sch.of_iteration(0) if s.at == AT_END]
+        if at_end:  # "end": the whole checkpoint now, training waits
+            cur.iteration = 1
+            for s in at_end:
+                self._issue(cur, s)
+            self._wait_works(cur)
+        self.stall_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Send what is left of the current transfer, then tell the receivers this rank is done."""
+        try:
+            cur, sch = self.current, self.schedule
+            if cur is not None and sch is not None:
+                for s in sch.sends:
+                    if s.iteration >= cur.iteration:
+                        self._q.put((0.0, cur, s))
+                cur.iteration = sch.interval_iterations
+                self._finish(cur)
+            self._q.put(None)
+            self._sender.join(timeout=60)
+            bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
+            works = [dist.isend(bye, dst, group=self.data, tag=TAG_HEADER) for dst in self.dsts]
+            for w in works:
+                w.wait()
+            for t in self._receivers:
+                t.join(timeout=60)
+        except Exception as e:
+            log.warning("rank %d: scheduled transport did not close cleanly: %s", self.rank, e)
+        finally:
+            self.client.close(orderly=True)
+
+    # ------------------------------------------------------------------ sending
+    def _issue(self, cur: _Transfer, s: Send) -> None:
+        """Copy one chunk of the pinned slot into its sub-buffer (once that buffer's previous send is
+        done: with one buffer every chunk waits for the one before) and start sending it."""
+        prev = self._buf_work.pop(s.buffer, None)
+        if prev is not None:
+            prev.wait()
+        buf = self._bufs[s.buffer][: s.size]
+        src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=s.size, offset=s.offset)
+        buf.copy_(src)  # host -> host on CPU, host -> device (H2D) on GPUs
+        t0 = time.perf_counter()
+        sent = _Sent(dist.isend(buf, self.dsts[s.copy], group=self.data, tag=TAG_CHUNK), s, t0)
+        self._buf_work[s.buffer] = sent
+        cur.works.append(sent)
+
+    def _wait_works(self, cur: _Transfer) -> None:
+        for w in cur.works:
+            w.wait()
+            if w.send is not None:
+                self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
+                cur.sent += w.send.size
+        cur.works.clear()
+        self._buf_work.clear()
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            due, cur, s = item
+            try:
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                self._issue(cur, s)
+            except Exception as e:
+                log.warning("rank %d: chunk [%d, +%d) of step %d not sent: %s", self.rank, s.offset, s.size,
+                            cur.step, e)
+            finally:
+                self._q.task_done()
+
+    def _finish(self, cur: Optional[_Transfer]) -> None:
+        """Wait until every chunk of ``cur`` is sent, then release its slot."""
+        if cur is None:
+            return
+        sch = self.schedule
+        t0 = time.perf_counter()
+        if sch is not None:  # the schedule's remaining iterations (a restart shortened them)
+            for s in sch.sends:
+                if s.iteration >= cur.iteration:
+                    self._q.put((0.0, cur, s))
+            cur.iteration = sch.interval_iterations
+        self._q.join()
+        try:
+            self._wait_works(cur)
+        except Exception as e:
+            log.warning("rank %d: scheduled transfer of step %d failed: %s", self.rank, cur.step, e)
+        waited = time.perf_counter() - t0
+        try:
+            self.client.request("sched_unpin", rank=self.rank, step=cur.step)
+        except Exception as e:
+            log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
+        cur.seg.close()
+        self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited})
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_loop(self, src: int) -> None:
+        segs: dict[str, shm.Segment] = {}
+        try:
+            while True:
+                hdr = torch.empty(8, dtype=torch.int64)
+                dist.recv(hdr, src, group=self.data, tag=TAG_HEADER)
+                magic, version, kind, step, length, nchunks, nbuf, buf_bytes = (int(x) for x in hdr.tolist())
+                if magic != MAGIC or version != WIRE_VERSION:
+                    raise ValueError(f"rank {src} sent a header {hdr.tolist()} that is not megatron-ft "
+                                     f"scheduled-transport v{WIRE_VERSION}")
+                if kind == KIND_BYE:
+                    return
+                table = torch.empty((nchunks, 2), dtype=torch.int64)
+                dist.recv(table, src, group=self.data, tag=TAG_TABLE)
+                self._receive_transfer(src, step, length, table.tolist(), nbuf, buf_bytes, segs)
+        except Exception as e:  # the sender died or the job ends: training is not this thread's business
+            log.info("rank %d: receiving from rank %d stopped: %s", self.rank, src, e)
+        finally:
+            for seg in segs.values():
+                seg.close()
+
+    def _receive_transfer(self, src: int, step: int, length: int, table: list, nbuf: int, buf_bytes: int,
+                          segs: dict) -> None:
+        """Receive one transfer: up to ``nbuf`` chunks in flight; chunk i is copied into the agent's
+        block while chunks i + 1 .. i + nbuf - 1 arrive (GEMINI figure 5d)."""
+        try:
+            info = self.client.request("sched_recv_begin", src_rank=src, step=step, length=length)
+        except Exception as e:
+            log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, step, src, e)
+            info = {"ignored": True}
+        dst = None
+        if not info.get("ignored"):
+            path = info["path"]
+            if path not in segs:
+                segs[path] = shm.open_segment(path, writable=True, populate=False)
+            dst = segs[path].array
+        bufs = [torch.empty(max(buf_bytes, 1), dtype=torch.uint8, device=self.device) for _ in range(max(nbuf, 1))]
+        pending: list = []
+        ok = True
+        for i in range(min(len(bufs), len(table))):
+            pending.append(dist.irecv(bufs[i][: table[i][1]], src, group=self.data, tag=TAG_CHUNK))
+        for i, (off, size) in enumerate(table):
+            pending[i].wait()
+            b = bufs[i % len(bufs)]
+            if dst is not None:
+                if off < 0 or off + size > length:
+                    ok = False
+                else:
+                    dst[off: off + size] = b[:size].cpu().numpy()  # D2H on GPUs
+            nxt = i + len(bufs)
+            if nxt < len(table):
+                pending.append(dist.irecv(bufs[nxt % len(bufs)][: table[nxt][1]], src, group=self.data,
+                                          tag=TAG_CHUNK))
+        covered = sum(size for _, size in table)
+        if dst is not None and ok and covered == length:
+            self.client.request("sched_recv_done", src_rank=src, step=step)
+        elif dst is not None:
+            log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
+                        self.rank, step, src, covered, length)
