@@ -298,6 +298,14 @@ def run_demo(args: argparse.Namespace) -> dict:
     if args.redundancy:
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
                                health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
+    if args.transport == "scheduled":
+        if cfg.redundancy.scheme != "replica":
+            raise ftconfig.ConfigError(f"--transport scheduled sends whole copies: it needs --redundancy replica "
+                                       f"(the run has redundancy.scheme={cfg.redundancy.scheme!r})")
+        # profile a few iterations, then plan: the first scheduled copy is complete well before --kill-at
+        cfg = ftconfig.replace(cfg, redundancy={"transport": "scheduled"},
+                               schedule={"mode": args.schedule_mode, "profile_iterations": max(
+                                   2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     world = cfg.cluster.world_size
     targs = training_args(cfg, args.iters, DEMO_TRAIN_ARGS.get(args.redundancy or "", []) + (args.train_arg or []))
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
@@ -423,6 +431,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     identical, problems = compare(ref_dir, run_dir, world)
     summary = {
         "scenario": args.fail,
+        "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,
         "lost_iterations": (last_before_kill - resumed) if kill_time is not None and resumed >= 0 else
@@ -467,6 +476,11 @@ def add_parser(sub) -> None:
                    help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement")
     p.add_argument("--redundancy", choices=sorted(DEMO_SHAPES), default=None,
                    help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
+    p.add_argument("--transport", choices=["agent", "scheduled"], default="agent",
+                   help="who sends the peer copies (with --redundancy replica): the agents, or the trainers in "
+                        "planned chunks inside the training timeline's idle time (issue 4)")
+    p.add_argument("--schedule-mode", choices=list(ftconfig.ScheduleConfig.MODES), default="pipelined",
+                   help="--transport scheduled: when the chunks go (docs/scheduling.md)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
     p.add_argument("--iters", type=int, default=24, help="training iterations")
     p.add_argument("--victim-rank", type=int, default=None, help="--fail trainer: rank to kill (default: last)")
@@ -496,6 +510,9 @@ def main(args: argparse.Namespace) -> int:
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")
+    if args.transport == "scheduled" and args.redundancy not in (None, "replica"):
+        raise ftconfig.ConfigError(f"--transport scheduled is invalid with --redundancy {args.redundancy}: "
+                                   "the scheduled transport sends whole copies (--redundancy replica)")
     summary = run_demo(args)
     print(json.dumps(summary), flush=True)
     return 0 if summary["bitwise_identical"] else 1

@@ -31,6 +31,15 @@ def test_shipped_config_file_matches_embedded_default():
     ({"snapshot": {"intervall": 2}}, r"unknown key\(s\) \['snapshot.intervall'\]"),
     ({"redundancey": {"scheme": "xor"}}, r"unknown key\(s\) \['redundancey'\]"),
     ({"persist": {"on_failure": "yes"}}, r"persist.on_failure='yes'"),
+    ({"redundancy": {"scheme": "replica", "transport": "nccl"}},
+     r"redundancy.transport='nccl' is invalid: must be one of agent, scheduled"),
+    ({"redundancy": {"scheme": "xor", "transport": "scheduled"}},
+     r"redundancy.transport='scheduled' is invalid: the scheduled transport sends whole copies: it needs "
+     r"redundancy.scheme=replica, not 'xor'"),
+    ({"schedule": {"mode": "eager"}}, r"schedule.mode='eager' is invalid: must be one of pipelined, one-buffer"),
+    ({"schedule": {"sub_buffers": 0}}, r"schedule.sub_buffers=0 is invalid: must be an integer >= 1 and <= 64"),
+    ({"schedule": {"mu": 1.5}}, r"schedule.mu=1.5 is invalid: must be a number > 0.0 and <= 1.0"),
+    ({"schedule": {"profile_iterations": 1}}, r"schedule.profile_iterations=1 is invalid: must be an integer >= 2"),
 ])
 def test_bad_values_are_named(data, match):
     with pytest.raises(config.ConfigError, match=match):

@@ -111,6 +111,21 @@ def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
     assert s["resumed_step"] >= KILL_AT - 2
 
 
+def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, reference_dir):
+    """Issue 4: the trainers send the copies (planned chunks, rotating sub-buffers; the agents do not
+    exchange at all with ``transport: scheduled``); the lost node's ranks come back bit for bit."""
+    s = demo(tmp_path, reference_dir, "--fail=node", "--redundancy=replica", "--transport=scheduled",
+             f"--kill-at={KILL_AT}")
+    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
+    for rank in range(4):  # written at the end of the run (after the restart)
+        with open(tmp_path / "demo" / "run" / "transport" / f"rank{rank}.json") as f:
+            rec = json.load(f)
+        assert rec["format"] == "megatron-ft-transport" and rec["schedule"]["mode"] == "pipelined"
+        assert rec["transfers"] and all(t["bytes"] > 0 for t in rec["transfers"]), rec["transfers"]
+    agent_logs = "".join((tmp_path / "demo" / "run" / f"node{n}" / "agent.log").read_text() for n in (0, 1))
+    assert "exchange of step" not in agent_logs
+
+
 @pytest.mark.slow
 def test_node_lost_standby_takes_its_place(tmp_path, reference_dir):
     """GEMINI's standby: a standby launcher (``launch --standby``) runs from the start; the root

@@ -16,10 +16,19 @@ iterations (``interval_iterations``).
 | ``bubble`` | BAFT Algorithm 1: the bubbles shared with the receiving node, chunks of <= R/p | p of R/p | no |
 | ``end`` | everything after the optimizer step, chunks of R/p | p of R/p | yes |
 
-Worked example (link 100 B/s, R = 200 B, p = 2, mu = 0.5, 300 B, one remote copy, idle spans
-[0, 5), [6, 7), [8, 10)): ``pipelined`` sends 100, 100, 20 B from t = 0, 1, 2 s, 40 B at 6 s and 40
-B at 8 s through buffers 0, 1, 0, 1, 0 (:mod:`.gemini`'s worked example); ``naive`` sends 250 B at
-0 s and 50 B at 6 s, one buffer of 250 B (> R); ``blocking`` sends 100, 100, 100 B at t = 0.
+Worked example (link 100 B/s, alpha 0, R = 200 B, p = 2, mu = 0.5, a 300 B container, one remote
+copy, idle spans [0, 5), [6, 7), [8, 10)):
+
+| mode | sends (at s: bytes) | buffers |
+|---|---|---|
+| ``pipelined`` | 0: 100, 1: 100, 2: 50 (span 0's budget 2.5 s), 6: 50 | 2 x 100 B, used 0, 1, 0, 1 |
+| ``one-buffer`` | 0: 200, 2: 50, 6: 50 | 1 x 200 B |
+| ``naive`` | 0: 250 (2.5 s of span 0), 6: 50 | 1 x 250 B: more than R |
+| ``blocking`` | 0: 100, 1: 100, 2: 100, training waits | 2 x 100 B |
+
+``bubble`` with sender bubbles [1, 3), [6, 7) and receiver bubbles [0, 2), [5, 8) (shared: [1, 2)
+and [6, 7), 100 B each): 100 B at 1 s and 100 B at 6 s in iteration 0, 100 B at 1 s in iteration 1:
+a checkpoint every 2 iterations.
 """
 from __future__ import annotations
 
