@@ -371,6 +371,10 @@ class ScheduleConfig:
     profile_iterations: int = 20  # W (GEMINI: 20)
     bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
     alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
+    #: benchmarks (benchmarks/scheduling.py): rotate through these modes in one job, each for
+    #: ``compare_iterations`` iterations ("local": no peer traffic), so every mode sees the same machine
+    compare_modes: tuple = ()
+    compare_iterations: int = 6
 
     MODES = ("pipelined", "one-buffer", "naive", "blocking", "bubble", "end")
 
@@ -383,6 +387,14 @@ class ScheduleConfig:
         _check_int("schedule.profile_iterations", self.profile_iterations, 2)
         _check_num("schedule.bandwidth_mib_s", self.bandwidth_mib_s, 0.0)
         _check_num("schedule.alpha_s", self.alpha_s, 0.0)
+        if isinstance(self.compare_modes, (list, str)):
+            modes = self.compare_modes.split(",") if isinstance(self.compare_modes, str) else self.compare_modes
+            object.__setattr__(self, "compare_modes", tuple(m.strip() for m in modes if m.strip()))
+        bad = [m for m in self.compare_modes if m not in self.MODES + ("local",)]
+        if not isinstance(self.compare_modes, tuple) or bad:
+            _fail("schedule.compare_modes", list(self.compare_modes) if isinstance(self.compare_modes, tuple)
+                  else self.compare_modes, f"must list modes of {', '.join(self.MODES + ('local',))}")
+        _check_int("schedule.compare_iterations", self.compare_iterations, 2)
 
     @property
     def reserved_bytes(self) -> int:
@@ -428,6 +440,7 @@ class FTConfig:
         d = dataclasses.asdict(self)
         d["simulate"]["nodes"] = list(d["simulate"]["nodes"])
         d["health"]["hosts"] = list(d["health"]["hosts"])  # YAML-safe (safe_dump has no tuples)
+        d["schedule"]["compare_modes"] = list(d["schedule"]["compare_modes"])
         return d
 
 

@@ -213,6 +213,50 @@ def test_profiler_keeps_only_the_first_w_iterations():
         prof_mod.Profiler(rank=0, iterations=0)
 
 
+def test_scheduled_run_profiles_plan_only_from_the_iterations_without_traffic():
+    """A scheduled-transport profile goes on past the planned iterations; the summary must not see them."""
+    its = [_iteration(0, 0.0, 7.0), _iteration(1, 20.0, 5.0), _iteration(2, 40.0, 5.2),
+           _iteration(3, 60.0, 9.0), _iteration(4, 80.0, 9.0)]  # 3, 4: traffic changes the timeline
+    s = prof_mod.summarize_rank({"rank": 0, "meta": {"planned_iterations": 3}, "iterations": its},
+                                LinkModel(100.0), min_span_s=0.01)
+    assert s.used_idle == (1, 2) and round(s.summary.iteration_s, 6) == 10.1
+
+
+def test_a_checkpoint_chunk_seen_after_its_iteration_closed_goes_to_that_iteration():
+    p = prof_mod.Profiler(rank=0, iterations=3)
+    p.begin_iteration(0)
+    p.end_iteration()
+    t0 = p.origin + p.iterations[0]["start"]
+    p.record("ckpt-chunk", "ckpt", t0 + 0.001, t0 + 0.5, 64, "step3")  # completion seen at the iteration's end
+    p.record("forward-compute", "compute", t0 + 0.001, t0 + 0.002)  # not a checkpoint: dropped
+    (ev,) = p.iterations[0]["events"]
+    assert (ev["kind"], ev["bytes"], round(ev["start"], 3), round(ev["end"], 3)) == ("ckpt", 64, 0.001, 0.5)
+
+
+def test_timeline_draws_the_schedule_a_transport_ran(tmp_path, capsys):
+    """RUN_DIR/transport/rank0.json: its sends are drawn over the iterations after the plan."""
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "transport").mkdir()
+    its = [_iteration(n, 20.0 * n, 5.0) for n in range(5)]
+    prof = {"format": "megatron-ft-profile", "version": 1, "rank": 0, "complete": True,
+            "meta": {"planned_iterations": 3}, "snapshot_bytes": None, "clock": {"wall_at_origin": 1000.0},
+            "iterations": its}
+    json.dump(prof, open(tmp_path / "profile" / "rank0.json", "w"))
+    tr = {"format": "megatron-ft-transport", "version": 1, "rank": 0,
+          "schedule": {"mode": "pipelined", "buffers": 2, "buffer_bytes": 100, "interval_iterations": 2,
+                       "sends": [[0, 0, 0.0, 0, 100, 0], [0, 1, 5.0, 100, 50, 1]]},
+          "plan": {"planned_at_step": 3, "link_bandwidth": 100.0, "nbytes": 150}}
+    json.dump(tr, open(tmp_path / "transport" / "rank0.json", "w"))
+    assert cli.main(["timeline", str(tmp_path), "--out", str(tmp_path / "tl")]) == 0
+    assert "scheduled transport, mode pipelined: 2 chunks" in capsys.readouterr().out
+    trace = json.load(open(tmp_path / "tl" / "trace.json"))
+    planned = sorted((e["ts"], e["dur"], e["args"]["plan_iteration"]) for e in trace["traceEvents"]
+                     if e.get("cat") == "ckpt planned")
+    # iteration 3 runs plan iteration 0 (100 B at 0 s: 1 s), iteration 4 plan iteration 1 (50 B at 5 s);
+    # times from the earliest box (iteration 0's start)
+    assert planned == [(pytest.approx(60.0e6), pytest.approx(1e6), 0), (pytest.approx(85.0e6), pytest.approx(0.5e6), 1)]
+
+
 @pytest.mark.slow
 def test_launch_with_inmem_ckpt_and_profile_then_timeline(tmp_path):
     """The user's path: megatron-ft launch (agent + torchrun, PP=2) with snapshots and the profiler."""

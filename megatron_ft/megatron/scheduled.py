@@ -25,6 +25,7 @@ from . import hooks as mhooks
 log = logging.getLogger("megatron_ft.transport")
 
 TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
+TRAFFIC_ITERATIONS = 3  # iterations profiled after the plan, with its chunks (for the timeline)
 
 
 class ScheduledHooks:
@@ -35,20 +36,32 @@ class ScheduledHooks:
                  "run_id": cfg.run_id, "role": "transport"}
         self.transport = ScheduledTransport(cfg, ckpt.rank, ckpt.client.socket_path, hello,
                                             lambda: ckpt.engine.last_agreed, emit=self._actual)
-        self.profiler: Optional[Profiler] = Profiler(self.rank, cfg.schedule.profile_iterations, {"pp": None})
+        self.planned_after = cfg.schedule.profile_iterations  # plan from these (no checkpoint traffic yet)
+        self.profiler: Optional[Profiler] = Profiler(self.rank, self.planned_after + TRAFFIC_ITERATIONS,
+                                                     {"planned_iterations": self.planned_after})
         mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
         self.iteration_start = 0.0
         self.iteration = -1
+        self.planned = False
+        self.rotation: list[tuple[str, Optional[SendSchedule]]] = []  # schedule.compare_modes (benchmarks)
+        self.rotation_start = 0
+        self._prev: Optional[tuple[int, str, float]] = None
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
         self.run_dir = os.environ.get("MFT_RUN_DIR")
 
     def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
+        if self.profiler is not None:
+            self.profiler.record(name, kind, start, end, nbytes, src)
         self.actual.append({"iteration": self.iteration, "start": start - self.iteration_start,
                             "end": end - self.iteration_start, "bytes": nbytes})
 
     def before_iteration(self, iteration: int) -> None:
-        self.iteration, self.iteration_start = iteration, time.perf_counter()
+        now = time.perf_counter()
+        if self._prev is not None and self.planned:  # start to start: the snapshot and "end" sends count
+            self.iteration_s.append([self._prev[0], self._prev[1], now - self._prev[2]])
+        self._prev = (iteration, self.transport.label, now)
+        self.iteration, self.iteration_start = iteration, now
         if self.profiler is not None:
             self.profiler.begin_iteration(iteration)
         mhooks.HOOKS.begin_iteration(iteration)
@@ -57,10 +70,15 @@ class ScheduledHooks:
     def after_iteration(self, step: int) -> None:
         mhooks.HOOKS.end_iteration()
         if self.profiler is not None:
-            if self.profiler.end_iteration():
+            done = self.profiler.end_iteration()
+            if len(self.profiler.iterations) == self.planned_after and not self.planned:
                 self._plan(step)
-        else:
-            self.iteration_s.append(time.perf_counter() - self.iteration_start)
+            if done:
+                self._write_profile()
+        k = self.cfg.schedule.compare_iterations
+        if self.rotation and step > self.rotation_start and (step - self.rotation_start) % k == 0:
+            mode, sched = self.rotation[((step - self.rotation_start) // k) % len(self.rotation)]
+            self.transport.use(sched, step, mode)
         self.transport.end_iteration(step)
 
     # ------------------------------------------------------------------ planning (collective)
@@ -72,14 +90,16 @@ class ScheduledHooks:
             log.warning("rank %d: container size unknown: %s", self.rank, e)
             return 0
 
-    def _plan(self, step: int) -> None:
+    def _write_profile(self) -> None:
         prof, self.profiler = self.profiler, None
         mhooks.HOOKS.remove_sink(prof.record)
-        sc = self.cfg.schedule
-        link = LinkModel(sc.bandwidth_mib_s * 2**20, sc.alpha_s) if sc.bandwidth_mib_s else None
-        data = prof.to_dict()
         if self.run_dir:
             prof.write(os.path.join(self.run_dir, "profile"))
+
+    def _plan(self, step: int) -> None:
+        sc = self.cfg.schedule
+        link = LinkModel(sc.bandwidth_mib_s * 2**20, sc.alpha_s) if sc.bandwidth_mib_s else None
+        data = self.profiler.to_dict()  # the first W iterations: no checkpoint traffic yet
         spans, bubbles = [], []
         try:
             summ = summarize_rank(data, link)
@@ -92,40 +112,55 @@ class ScheduledHooks:
             iteration_s = 1.0
         if not spans:
             spans = [IdleSpan(0.0, iteration_s)]
-        peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if sc.mode == "bubble" else {}
+        wants_bubbles = "bubble" in (sc.compare_modes or (sc.mode,))
+        peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
         nbytes = self._container_bytes()
-        schedule: Optional[SendSchedule] = None
-        if nbytes and self.transport.dsts:
-            try:
-                pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
-                schedule = plan_sends(sc.mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
-                                      sc.sub_buffers, sc.mu, spans, bubbles, pb)
-            except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
-                log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank,
-                            sc.mode, e)
-                schedule = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
-                                      sc.sub_buffers)
-        self.transport.set_schedule(schedule, step)
+        modes = sc.compare_modes or (sc.mode,)
+        agreed = []
+        for mode in modes:  # the same order on every rank: agree() is collective
+            sched = None if mode == "local" else self._schedule(mode, nbytes, link, spans, bubbles, peer)
+            agreed.append((mode, self.transport.agree(sched) if mode != "local" else None))
+        self.planned = True
+        if sc.compare_modes:
+            self.rotation, self.rotation_start = agreed, step
+        self.transport.use(agreed[0][1], step, agreed[0][0])
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
                           "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
-                          "profiled_iteration_s": iteration_s, "planned_at_step": step}
+                          "profiled_iteration_s": iteration_s, "planned_at_step": step,
+                          "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}
+
+    def _schedule(self, mode: str, nbytes: int, link: LinkModel, spans: list, bubbles: list,
+                  peer: dict) -> Optional[SendSchedule]:
+        sc = self.cfg.schedule
+        if not nbytes or not self.transport.dsts:
+            return None
+        try:
+            pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
+            return plan_sends(mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers,
+                              sc.mu, spans, bubbles, pb)
+        except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
+            log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank, mode, e)
+            return plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
 
     def close(self) -> None:
         try:
             self.transport.close()
         finally:
-            mhooks.HOOKS.remove_sink(self.profiler.record) if self.profiler is not None else None
+            if self.profiler is not None:
+                self._write_profile()
             if not mhooks.HOOKS.active:
                 mhooks.uninstall()
             self._write()
 
     def _write(self) -> None:
-        if not self.run_dir or self.transport.schedule is None:
+        if not self.run_dir or not self.planned:
             return
         out = {"format": TRANSPORT_FORMAT, "version": TRANSPORT_VERSION, "rank": self.rank,
                "dsts": self.transport.dsts, "srcs": self.transport.srcs,
-               "schedule": self.transport.schedule.to_dict(), "plan": getattr(self, "plan_info", {}),
+               "schedule": (self.plan_info["schedules"].get(self.cfg.schedule.mode) or next(
+                   (v for v in self.plan_info["schedules"].values() if v), None)), "plan": getattr(self, "plan_info", {}),
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
+               "stall_by_mode": self.transport.stall_by_mode,
                "iteration_s": self.iteration_s, "actual": self.actual}
         d = os.path.join(self.run_dir, "transport")
         os.makedirs(d, exist_ok=True)

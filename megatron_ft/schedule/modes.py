@@ -76,6 +76,7 @@ class SendSchedule:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "buffers": self.buffers, "buffer_bytes": self.buffer_bytes,
+                "memory_bytes": self.memory_bytes,
                 "interval_iterations": self.interval_iterations, "blocking": self.blocking,
                 "planned_transfer_s": self.planned_transfer_s, "fits": self.fits,
                 "sends": [[s.copy, s.iteration, None if s.at == AT_END else s.at, s.offset, s.size, s.buffer]

@@ -75,14 +75,21 @@ class Profiler:
         self._current = {"iteration": int(iteration), "start": self._t0 - self.origin, "events": []}
 
     def record(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
-        """One operation, ``time.perf_counter()`` times (the signature of a hooks sink)."""
-        cur = self._current
+        """One operation, ``time.perf_counter()`` times (the signature of a hooks sink). Checkpoint
+        chunks are often seen complete only after their iteration closed: they go to the iteration
+        they started in."""
+        cur, t0 = self._current, self._t0
         if cur is None:
-            return
+            if kind != "ckpt" or not self.iterations:
+                return
+            cur = self.iterations[-1]
+            t0 = self.origin + cur["start"]
+            if start < t0:
+                return
         if kind not in RECORD_KINDS:
             _fail("event.kind", kind, f"must be one of {list(RECORD_KINDS)}")
-        cur["events"].append({"name": name, "kind": kind, "start": max(0.0, start - self._t0),
-                              "end": max(0.0, end - self._t0), "bytes": int(nbytes), "src": src})
+        cur["events"].append({"name": name, "kind": kind, "start": max(0.0, start - t0),
+                              "end": max(0.0, end - t0), "bytes": int(nbytes), "src": src})
 
     def end_iteration(self) -> bool:
         """Close the current iteration; True once ``iterations`` are recorded."""
@@ -213,6 +220,9 @@ def summarize_rank(profile: dict, link: Optional[LinkModel] = None, min_span_s: 
     ``min_span_s``)."""
     link = link or estimate_link([profile])
     its = profile["iterations"]
+    planned = (profile.get("meta") or {}).get("planned_iterations")
+    if planned:  # a scheduled-transport run: the iterations after these carry checkpoint traffic
+        its = its[:planned]
     if not its:
         _fail("profile.iterations", 0, f"rank {profile['rank']} recorded no complete iteration")
     warmup = max(0, min(warmup, len(its) - 1))  # keep at least one

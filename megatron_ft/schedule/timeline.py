@@ -16,7 +16,12 @@ plans each rank's checkpoint traffic with GEMINI Algorithm 2 over its averaged i
   (needs matplotlib: ``pip install 'megatron-ft[plot]'``; without it only the JSON is written);
 * ``summary.json`` - per rank the summary and the plan (chunks, transfer time, interval).
 
-Plan inputs: ``--ckpt-bytes`` (default: each rank's measured snapshot size), GEMINI's m
+Runs of the scheduled transport (``redundancy.transport: scheduled``) also have
+``RUN_DIR/transport/rank*.json``: their profiles go on for a few iterations with checkpoint traffic
+after the planned ones, and those iterations are drawn with the schedule the transport ran (planned
+chunks, each as long as the plan's link says) and the chunks it actually sent (``ckpt``).
+
+Plan inputs (runs without a transport file): ``--ckpt-bytes`` (default: each rank's measured snapshot size), GEMINI's m
 (``--replicas``), R and p (``--reserved-bytes``, ``--sub-buffers``), mu, and the link
 (``--bandwidth``, default: the fastest P2P transfer observed; ``--alpha-s``). Plan iteration k is
 drawn over the k-th shown iteration.
@@ -59,11 +64,48 @@ def plan_rank(summary: RankSummary, ckpt_bytes: int, args: argparse.Namespace) -
                             args.mu, args.max_iterations)
 
 
-def rank_segments(prof: dict, summary: RankSummary, plan: Optional[GeminiPlan], show: Optional[int]) -> list[tuple]:
+def load_transport(run_dir: str, rank: int) -> Optional[dict]:
+    path = os.path.join(run_dir, "transport", f"rank{rank}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tr = json.load(f)
+    if tr.get("format") != "megatron-ft-transport" or tr.get("version") != 1:
+        raise ConfigError(f"{path}: not a megatron-ft-transport v1 file")
+    return tr
+
+
+def transport_segments(prof: dict, tr: dict, its: Sequence[dict]) -> list[tuple]:
+    """The schedule the transport ran, over the profiled iterations that carried it."""
+    out: list[tuple] = []
+    sch, plan = tr["schedule"], tr.get("plan", {})
+    first, n, bw = plan.get("planned_at_step"), sch["interval_iterations"], plan.get("link_bandwidth")
+    if first is None or not bw:
+        return out
+    wall = prof["clock"]["wall_at_origin"]
+    for it in its:
+        if it["iteration"] < first:
+            continue
+        k = (it["iteration"] - first) % n
+        t0 = wall + it["start"]
+        for copy, iteration, at, offset, size, buf in sch["sends"]:
+            if iteration == k:
+                start = t0 + at if at is not None else wall + it["end"]
+                out.append(("ckpt planned", f"copy {copy} [{offset}, {offset + size})", start, start + size / bw,
+                            {"bytes": size, "sub_buffer": buf, "plan_iteration": k, "mode": sch["mode"]}))
+    return out
+
+
+def rank_segments(prof: dict, summary: RankSummary, plan: Optional[GeminiPlan], show: Optional[int],
+                  tr: Optional[dict] = None) -> list[tuple]:
     """``(track, name, start, end, args)`` per drawn box, seconds on the rank's wall clock."""
     wall = prof["clock"]["wall_at_origin"]
     out = []
-    its = prof["iterations"] if show is None else _shown(prof, summary, show)
+    if tr is not None:  # the last iterations: the end of the profile and the ones with traffic
+        its = prof["iterations"] if show is None else prof["iterations"][-show:]
+        out += transport_segments(prof, tr, its)
+    else:
+        its = prof["iterations"] if show is None else _shown(prof, summary, show)
     shown = _shown(prof, summary, len(prof["iterations"]))
     for it in its:
         t0 = wall + it["start"]
@@ -71,7 +113,7 @@ def rank_segments(prof: dict, summary: RankSummary, plan: Optional[GeminiPlan], 
         for e in it["events"]:
             out.append((e["kind"], e["name"], t0 + e["start"], t0 + e["end"],
                         {"bytes": e["bytes"], "src": e["src"], "iteration": it["iteration"]}))
-    for it in shown[:len(its) if show is not None else len(shown)]:
+    for it in (its if tr is not None else shown[:len(its) if show is not None else len(shown)]):
         t0 = wall + it["start"]
         for track, spans in (("idle (avg)", summary.summary.idle_spans), ("bubble (avg)", summary.summary.bubbles)):
             for k, s in enumerate(spans):
@@ -118,7 +160,8 @@ def _plan_dict(plan: Optional[GeminiPlan]) -> Optional[dict]:
                             "size": c.size, "buffer": c.buffer, "start": c.start, "end": c.end} for c in plan.chunks]}
 
 
-def write_png(profiles: Sequence[dict], segments: dict[int, list[tuple]], plans: dict, path: str) -> None:
+def write_png(profiles: Sequence[dict], segments: dict[int, list[tuple]], plans: dict, path: str,
+              titles: Optional[dict] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,6 +188,8 @@ def write_png(profiles: Sequence[dict], segments: dict[int, list[tuple]], plans:
                       f"{len(plan.chunks)} chunks, {1e3 * plan.transfer_s:.1f} ms of transfer at "
                       f"{plan.link.bandwidth / 2**20:.0f} MiB/s, a checkpoint every "
                       f"{plan.interval_iterations} iteration(s){'' if plan.fits else ', stalls'}")
+        if titles and r in titles:
+            title += " - " + titles[r]
         ax.set_title(title, fontsize=9, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms (ranks on one wall-clock axis; dashed: iteration starts)")
@@ -183,16 +228,24 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(out, exist_ok=True)
     shared_link = (LinkModel(float(args.bandwidth), args.alpha_s) if args.bandwidth
                    else LinkModel(estimate_link(profiles).bandwidth, args.alpha_s))
-    summaries, plans, full, shown, report = {}, {}, {}, {}, {}
+    summaries, plans, full, shown, report, titles = {}, {}, {}, {}, {}, {}
     for prof in profiles:
         r = prof["rank"]
         s = summaries[r] = summarize_rank(prof, shared_link, args.min_span_ms / 1e3, args.warmup)
+        tr = load_transport(args.run_dir, r)
         size = args.ckpt_bytes if args.ckpt_bytes is not None else prof.get("snapshot_bytes")
+        if size is None and tr is not None:
+            size = tr.get("plan", {}).get("nbytes")
         if size is None:
             raise ConfigError(f"rank {r}: the profile has no snapshot_bytes; give --ckpt-bytes")
-        plans[r] = plan_rank(s, int(size), args)
-        full[r] = rank_segments(prof, s, plans[r], None)
-        shown[r] = rank_segments(prof, s, plans[r], args.show)
+        plans[r] = plan_rank(s, int(size), args) if tr is None else None
+        full[r] = rank_segments(prof, s, plans[r], None, tr)
+        shown[r] = rank_segments(prof, s, plans[r], args.show, tr)
+        if tr is not None:
+            sch = tr["schedule"]
+            titles[r] = (f"scheduled transport, mode {sch['mode']}: {len(sch['sends'])} chunks in "
+                         f"{sch['buffers']} x {sch['buffer_bytes'] / 2**20:.2f} MiB buffers, a checkpoint every "
+                         f"{sch['interval_iterations']} iteration(s)")
         report[r] = {"summary": s.to_dict(), "plan": _plan_dict(plans[r])}
         p = plans[r]
         sm = s.summary
@@ -201,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
               f"{len(sm.bubbles)} bubbles ({1e3 * sum(x.length for x in sm.bubbles):.1f} ms); "
               + (f"plan: {size} B x {p.remote_copies} in {len(p.chunks)} chunks, "
                  f"{1e3 * p.transfer_s:.2f} ms, every {p.interval_iterations} iteration(s)"
-                 f"{'' if p.fits else f', stall {1e3 * p.stall_s:.2f} ms'}" if p is not None else "no idle span: no plan"))
+                 f"{'' if p.fits else f', stall {1e3 * p.stall_s:.2f} ms'}" if p is not None else titles.get(r, "no idle span: no plan")))
     trace_path = os.path.join(out, "trace.json")
     with open(trace_path, "w", encoding="utf-8") as f:
         json.dump(chrome_trace(profiles, full, plans), f)
@@ -211,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
     ok, why = plot_available()
     if ok:
         png = os.path.join(out, "timeline.png")
-        write_png(profiles, shown, plans, png)
+        write_png(profiles, shown, plans, png, titles)
         print(f"wrote {png}")
     else:
         print(f"no PNG: {why}; wrote only the JSON", file=sys.stderr)

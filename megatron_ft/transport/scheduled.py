@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
-import numpy as np
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -111,11 +112,13 @@ class ScheduledTransport:
         self.client = AgentClient(agent_socket)
         self.client.connect(hello)
         self.schedule: Optional[SendSchedule] = None
+        self.label = "off"  # the schedule's mode, for records
         self.phase = 0  # transfers start at snapshot steps = phase (mod interval)
         self.current: Optional[_Transfer] = None
         self.last_step = -1
         self.records: list[dict] = []  # one per finished transfer (benchmarks, timeline)
         self.stall_s = 0.0  # training time spent waiting on the transport
+        self.stall_by_mode: dict[str, float] = {}
         self._bufs: list[torch.Tensor] = []
         self._buf_work: dict[int, Any] = {}
         self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
@@ -128,24 +131,37 @@ class ScheduledTransport:
         log.info("rank %d: scheduled transport, sends to %s, receives from %s", rank, self.dsts, self.srcs)
 
     # ------------------------------------------------------------------ planning
-    def set_schedule(self, schedule: Optional[SendSchedule], start_step: int) -> None:
-        """Use ``schedule`` from snapshot step ``start_step`` on. Collective: every rank passes its own
-        schedule; all take the largest interval, so transfers start at the same steps everywhere;
-        if one rank has none (it could not plan), nobody sends."""
+    def agree(self, schedule: Optional[SendSchedule]) -> Optional[SendSchedule]:
+        """Collective: every rank passes its own schedule; all take the largest interval, so
+        transfers start at the same steps everywhere. If one rank has none (it could not plan),
+        nobody sends: None everywhere."""
         t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
         n, missing = (int(x) for x in t.tolist())
         if missing or schedule is None:
-            log.error("rank %d: a rank could not plan its checkpoint traffic: the scheduled transport is off",
-                      self.rank)
-            return
-        if n != schedule.interval_iterations:
-            schedule = dataclasses.replace(schedule, interval_iterations=n)
-        self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
-                      for _ in range(schedule.buffers)]
-        self.schedule, self.phase = schedule, start_step
-        log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), %d x %d B buffers",
-                 self.rank, schedule.mode, len(schedule.sends), n, schedule.buffers, schedule.buffer_bytes)
+            log.error("rank %d: a rank could not plan its checkpoint traffic: no scheduled transfers", self.rank)
+            return None
+        return schedule if n == schedule.interval_iterations else dataclasses.replace(schedule, interval_iterations=n)
+
+    def use(self, schedule: Optional[SendSchedule], start_step: int, label: str = "") -> None:
+        """Run ``schedule`` (an agreed one; None: no transfers) from snapshot step ``start_step`` on,
+        after finishing the current transfer (every rank switches at the same step)."""
+        t0 = time.perf_counter()
+        self._finish(self.current)
+        self.current = None
+        self._stalled(time.perf_counter() - t0)
+        if schedule is not None and self.device.type != "cpu":  # GPU: p device sub-buffers of R/p
+            self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
+                          for _ in range(schedule.buffers)]
+        self.schedule, self.phase, self.label = schedule, start_step, label or (schedule.mode if schedule else "off")
+        if schedule is not None:
+            log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), %d x %d B buffers",
+                     self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, schedule.buffers,
+                     schedule.buffer_bytes)
+
+    def set_schedule(self, schedule: Optional[SendSchedule], start_step: int) -> None:
+        """:meth:`agree` then :meth:`use` (collective)."""
+        self.use(self.agree(schedule), start_step)
 
     def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
         """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
@@ -171,7 +187,7 @@ class ScheduledTransport:
             for s in sends:
                 self._issue(cur, s)
             self._wait_works(cur)
-            self.stall_s += time.perf_counter() - t0
+            self._stalled(time.perf_counter() - t0)
             return
         now = time.perf_counter()
         for s in sends:
@@ -187,15 +203,15 @@ class ScheduledTransport:
         self.current = None
         agreed = self.last_agreed()
         if agreed < 0 or agreed <= self.last_step:
-            self.stall_s += time.perf_counter() - t0
+            self._stalled(time.perf_counter() - t0)
             return
         try:
             info = self.client.request("sched_pin", rank=self.rank, step=agreed)
         except Exception as e:  # a checkpoint that cannot start never stops training
             log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
-            self.stall_s += time.perf_counter() - t0
+            self._stalled(time.perf_counter() - t0)
             return
-        seg = shm.open_segment(info["path"], writable=False, populate=False)
+        seg = shm.open_segment(info["path"], writable=False, populate=False)  # read-only: never written here
         cur = _Transfer(agreed, seg, step)
         self.current, self.last_step = cur, agreed
         table = torch.tensor([[s.offset, s.size] for s in sch.sends], dtype=torch.int64)
@@ -212,7 +228,7 @@ class ScheduledTransport:
             for s in at_end:
                 self._issue(cur, s)
             self._wait_works(cur)
-        self.stall_s += time.perf_counter() - t0
+        self._stalled(time.perf_counter() - t0)
 
     def close(self) -> None:
         """Send what is left of the current transfer, then tell the receivers this rank is done."""
@@ -237,6 +253,10 @@ class ScheduledTransport:
         finally:
             self.client.close(orderly=True)
 
+    def _stalled(self, seconds: float) -> None:
+        self.stall_s += seconds
+        self.stall_by_mode[self.label] = self.stall_by_mode.get(self.label, 0.0) + seconds
+
     # ------------------------------------------------------------------ sending
     def _issue(self, cur: _Transfer, s: Send) -> None:
         """Copy one chunk of the pinned slot into its sub-buffer (once that buffer's previous send is
@@ -244,9 +264,16 @@ class ScheduledTransport:
         prev = self._buf_work.pop(s.buffer, None)
         if prev is not None:
             prev.wait()
-        buf = self._bufs[s.buffer][: s.size]
-        src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=s.size, offset=s.offset)
-        buf.copy_(src)  # host -> host on CPU, host -> device (H2D) on GPUs
+        with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
+            warnings.simplefilter("ignore", UserWarning)
+            src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=s.size, offset=s.offset)
+        if self.device.type == "cpu":
+            # gloo sends host memory: sub-buffer b is a window of the pinned slot (no staging copy);
+            # at most ``buffers`` chunks are in flight, as with device sub-buffers
+            buf = src
+        else:  # GPU: NCCL sends device memory - stage the chunk host -> device
+            buf = self._bufs[s.buffer][: s.size]
+            buf.copy_(src, non_blocking=False)
         t0 = time.perf_counter()
         sent = _Sent(dist.isend(buf, self.dsts[s.copy], group=self.data, tag=TAG_CHUNK), s, t0)
         self._buf_work[s.buffer] = sent
@@ -300,7 +327,8 @@ class ScheduledTransport:
         except Exception as e:
             log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
         cur.seg.close()
-        self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited})
+        self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited, "mode": self.label,
+                             "started_after": cur.started_at})
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self, src: int) -> None:

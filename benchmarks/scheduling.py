@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Checkpoint-traffic scheduling modes side by side (issue 4; GEMINI figure 16, BAFT section 4).
+
+For each pipeline depth (``--pp``, one rank per simulated node, TP1 DP1, GEMINI replicas m = 2 on a
+ring of nodes: each stage's node holds the next one's copy) it trains the same megatron-core GPT on
+CPU once per mode and reports, from the same window of iterations (after the profile):
+
+* ``none``: megatron-ft off (no snapshot, no traffic) - the baseline;
+* ``local``: in-memory snapshots every iteration, no peer traffic;
+* the scheduled transport's modes (``redundancy.transport: scheduled``, ``schedule.mode``):
+  ``blocking``, ``naive``, ``one-buffer``, ``pipelined``, ``bubble`` (BAFT) and ``end``.
+
+Per mode: median iteration time and its overhead over ``none`` and over ``local`` (what the traffic
+adds), the profiled network idle time per iteration, the planned traffic time per iteration, the
+idle time left, the sender's buffer memory (vs R), the planned and the achieved checkpoint interval
+(iterations per checkpoint completed in the group), and the time training waited for the transport.
+
+    python3 benchmarks/scheduling.py                    # PP=2 and PP=4, every mode, docs/benchmarks.md
+    python3 benchmarks/scheduling.py --pp 2 --modes none,local,pipelined --no-docs
+
+Runs ``--rounds`` rounds, each over every mode in turn (the machine is noisy: a mode's figure is the
+median of its rounds), and writes the table, the command and the timeline PNG of a pipelined run
+(``megatron-ft timeline``: profiled iterations with the planned and actual chunks) to docs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_ft import config as ftconfig  # noqa: E402
+from megatron_ft import demo  # noqa: E402
+
+ALL_MODES = ["none", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
+# none: a separate job without megatron-ft; the others rotate inside one job (schedule.compare_modes)
+DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
+IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img", "scheduling-timeline.png")
+
+
+def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes: list[str]) -> ftconfig.FTConfig:
+    cfg = ftconfig.replace(
+        ftconfig.load(None), run_id=f"bsched-{pp}-{kind}-{os.getpid()}",
+        cluster={"nodes": pp, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": pp},
+        persist={"interval": 0, "dir": os.path.join(workdir, "persist"), "on_failure": False},
+        launch={"rdzv_port": demo.free_port()}, health={"store_port": demo.free_port_range(pp + 2)})
+    if kind == "compare":
+        cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "scheduled"},
+                               schedule={"mode": "pipelined", "profile_iterations": args.profile, "sub_buffers": args.p,
+                                         "reserved_mib": args.reserved_mib, "mu": args.mu,
+                                         "compare_modes": modes, "compare_iterations": args.segment})
+    return cfg
+
+
+def train_args(pp: int, iters: int, args: argparse.Namespace) -> list[str]:
+    return ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", str(pp),
+            "--train-iters", str(iters), "--log-interval", str(iters),
+            "--num-layers", str(args.layers_per_stage * pp), "--hidden-size", str(args.hidden),
+            "--num-attention-heads", "4", "--seq-length", str(args.seq), "--micro-batch-size", "1",
+            "--global-batch-size", str(args.micro_batches), "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def iteration_times(run_dir: str, first: int) -> list[float]:
+    recs = demo.read_jsonl(os.path.join(run_dir, "progress", "rank0.jsonl"))
+    t = {r["iteration"]: r["time"] for r in recs}
+    return [t[i] - t[i - 1] for i in sorted(t) if i > first and i - 1 in t]
+
+
+def run_job(pp: int, kind: str, iters: int, args: argparse.Namespace, modes: list[str], tag: str) -> str:
+    run_dir = os.path.join(args.workdir, f"pp{pp}-{kind}-{tag}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = job_config(pp, kind, args.workdir, args, modes)
+    log_path = run_dir + ".log"
+    p = demo.launch_job(cfg, run_dir, train_args(pp, iters, args), inmem=kind == "compare", log_path=log_path)
+    demo.wait_job(p, args.timeout, f"PP={pp} {kind}", log_path)
+    return run_dir
+
+
+def mode_results(run_dir: str, pp: int, args: argparse.Namespace) -> list[dict]:
+    """Per mode of a compare job: its iterations (the first of each segment left out: it finishes the
+    previous mode's transfer), schedule and transfers."""
+    tr = {}
+    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
+        t = json.load(open(os.path.join(run_dir, "transport", f)))
+        tr[t["rank"]] = t
+    t0 = tr[0]
+    its: dict[str, list[float]] = {}
+    prev = None
+    for _, label, secs in t0["iteration_s"]:
+        if label == prev:
+            its.setdefault(label, []).append(secs)
+        prev = label
+    out = []
+    for mode, times in its.items():
+        r = {"pp": pp, "mode": mode, "iteration_s": statistics.median(times), "iterations": len(times),
+             "run_dir": run_dir}
+        scheds = [t["plan"]["schedules"].get(mode) for t in tr.values()]
+        if all(scheds):
+            idle = [sum(b - a for a, b in t["plan"]["spans"]) for t in tr.values()]
+            transfer = [s["planned_transfer_s"] / s["interval_iterations"] for s in scheds]
+            spent = sum(1 for _, label, _ in t0["iteration_s"] if label == mode)
+            sent = [sum(1 for x in t["transfers"] if x["mode"] == mode and x["bytes"] > 0) for t in tr.values()]
+            r.update({
+                "interval_planned": max(s["interval_iterations"] for s in scheds),
+                "interval_achieved": spent / min(sent) if min(sent) else None,
+                "memory_bytes": max(s["memory_bytes"] for s in scheds),
+                "idle_s": min(idle), "transfer_s": max(transfer),
+                "idle_left_s": min(i - x for i, x in zip(idle, transfer)),
+                "stall_s": max(t["stall_by_mode"].get(mode, 0.0) for t in tr.values()) / max(1, spent),
+                "container_bytes": max(t["plan"]["nbytes"] for t in tr.values()),
+                "fits": all(s["fits"] for s in scheds),
+                "bandwidth": min(t["plan"]["link_bandwidth"] for t in tr.values())})
+        out.append(r)
+    return out
+
+
+def summarize(results: list[dict]) -> dict[tuple[int, str], dict]:
+    by: dict[tuple[int, str], list[dict]] = {}
+    for r in results:
+        by.setdefault((r["pp"], r["mode"]), []).append(r)
+    out = {}
+    for key, rs in by.items():
+        med = dict(rs[0])
+        med["iteration_s"] = statistics.median(r["iteration_s"] for r in rs)
+        med["rounds"] = [round(r["iteration_s"], 4) for r in rs]
+        out[key] = med
+    return out
+
+
+def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str:
+    lines = ["| PP | mode | iteration (s) | vs none | vs local | idle/it (s) | traffic/it (s) | idle left (s) | "
+             "buffers (MiB, R = %.0f) | interval planned / achieved | training waited/it (s) |" % (reserved / 2**20),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for pp in pps:
+        base = summary.get((pp, "none"), {}).get("iteration_s")
+        local = summary.get((pp, "local"), {}).get("iteration_s")
+        for m in modes:
+            r = summary.get((pp, m))
+            if r is None:
+                continue
+            it = r["iteration_s"]
+            vs = (lambda b: f"{(it / b - 1) * 100:+.1f} %" if b else "-")
+            row = [str(pp), m, f"{it:.3f}", vs(base), vs(local)]
+            if "interval_planned" in r:
+                ach = r["interval_achieved"]
+                row += [f"{r['idle_s']:.3f}", f"{r['transfer_s']:.3f}", f"{r['idle_left_s']:.3f}",
+                        f"{r['memory_bytes'] / 2**20:.2f}",
+                        f"{r['interval_planned']} / {ach:.2f}" if ach else f"{r['interval_planned']} / -",
+                        f"{r['stall_s']:.4f}"]
+            else:
+                row += ["-"] * 6
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def findings(summary: dict, pps: list[int]) -> list[str]:
+    out = []
+    for pp in pps:
+        g = lambda m: summary.get((pp, m), {}).get("iteration_s")  # noqa: E731
+        base, local, blk, pip = g("none"), g("local"), g("blocking"), g("pipelined")
+        if base and blk and pip:
+            ob, op = blk - base, pip - base
+            out.append(f"PP={pp}: overhead over no checkpointing, pipelined {op:+.3f} s ({op / base * 100:+.1f} %) vs "
+                       f"blocking {ob:+.3f} s ({ob / base * 100:+.1f} %): ratio "
+                       f"{(op / ob if ob > 0 else float('nan')):.2f} (target <= 0.5)")
+        if local and blk and pip:
+            ob, op = blk - local, pip - local
+            out.append(f"PP={pp}: what the traffic adds over local snapshots, pipelined {op:+.3f} s "
+                       f"({op / local * 100:+.1f} %) vs blocking {ob:+.3f} s ({ob / local * 100:+.1f} %)")
+        r = summary.get((pp, "pipelined"))
+        if r and "idle_s" in r:
+            out.append(f"PP={pp}: profiled idle {r['idle_s']:.3f} s/it vs planned traffic {r['transfer_s']:.3f} s/it "
+                       f"(container {r['container_bytes'] / 2**20:.1f} MiB per rank, planning link "
+                       f"{r['bandwidth'] / 2**20:.0f} MiB/s)")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", default="2,4", help="pipeline depths (one rank per node)")
+    ap.add_argument("--modes", default=",".join(ALL_MODES))
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--segment", type=int, default=4, help="iterations per mode before the next (compare_iterations)")
+    ap.add_argument("--cycles", type=int, default=2, help="times each mode comes round in a job")
+    ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--p", type=int, default=4, help="sub-buffers")
+    ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
+    ap.add_argument("--mu", type=float, default=0.9)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--workdir", default="/tmp/megatron-ft/bench-scheduling")
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args()
+    pps = [int(x) for x in args.pp.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad:
+        ap.error(f"--modes: {bad} not in {ALL_MODES}")
+    os.makedirs(args.workdir, exist_ok=True)
+    scheduled = [m for m in modes if m != "none"]
+    iters = args.profile + 1 + len(scheduled) * args.segment * args.cycles
+    results = []
+    for rnd in range(args.rounds):
+        for pp in pps:
+            if "none" in modes:
+                t0 = time.time()
+                d = run_job(pp, "none", iters, args, [], str(rnd))
+                r = {"pp": pp, "mode": "none", "iteration_s": statistics.median(iteration_times(d, args.profile + 1)),
+                     "run_dir": d}
+                results.append(r)
+                print(f"[round {rnd}] PP={pp} none: {r['iteration_s']:.3f} s/it ({time.time() - t0:.0f} s)", flush=True)
+            if scheduled:
+                t0 = time.time()
+                d = run_job(pp, "compare", iters, args, scheduled, str(rnd))
+                for r in mode_results(d, pp, args):
+                    results.append(r)
+                    print(f"[round {rnd}] PP={pp} {r['mode']:10s} {r['iteration_s']:.3f} s/it "
+                          f"({r['iterations']} its)", flush=True)
+                print(f"[round {rnd}] PP={pp} compare job: {time.time() - t0:.0f} s", flush=True)
+    summary = summarize(results)
+    text = table(summary, pps, modes, int(args.reserved_mib * 2**20))
+    notes = findings(summary, pps)
+    print(text)
+    for n in notes:
+        print(" -", n)
+    with open(os.path.join(args.workdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    if not args.no_docs:
+        from _docs import write_section
+
+        img = ""
+        pip = summary.get((pps[0], "pipelined"))
+        if pip:
+            out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "timeline", pip["run_dir"], "--out",
+                                  os.path.join(args.workdir, "timeline")], capture_output=True, text=True)
+            png = os.path.join(args.workdir, "timeline", "timeline.png")
+            if out.returncode == 0 and os.path.exists(png):
+                shutil.copy(png, IMG)
+                img = (f"\n![PP={pps[0]} pipelined: profiled iterations, planned and actual chunks]"
+                       f"(img/{os.path.basename(IMG)})\n")
+        cmd = "python3 benchmarks/scheduling.py " + " ".join(sys.argv[1:])
+        body = (f"`{cmd.strip()}` ({time.strftime('%Y-%m-%d')}, this 2-core CPU machine; model: hidden "
+                f"{args.hidden}, {args.layers_per_stage} layers per stage, seq {args.seq}, {args.micro_batches} "
+                f"micro-batches; the first {args.profile} iterations profiled, then the modes in turn, "
+                f"{args.segment} iterations each, {args.cycles} times round, in one job (the first iteration of "
+                f"each turn left out); `none` is a separate job without megatron-ft; iteration time = median; "
+                f"median of {args.rounds} round(s)):\n\n"
+                + text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" + img)
+        write_section(DOCS, "## Scheduling checkpoint traffic (issue 4)", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
