@@ -45,17 +45,19 @@ DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "b
 IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img", "scheduling-timeline.png")
 
 
-def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes: list[str]) -> ftconfig.FTConfig:
+def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes: list[str],
+               min_interval: int = 1) -> ftconfig.FTConfig:
     cfg = ftconfig.replace(
         ftconfig.load(None), run_id=f"bsched-{pp}-{kind}-{os.getpid()}",
         cluster={"nodes": pp, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": pp},
         persist={"interval": 0, "dir": os.path.join(workdir, "persist"), "on_failure": False},
         launch={"rdzv_port": demo.free_port()}, health={"store_port": demo.free_port_range(pp + 2)})
-    if kind == "compare":
+    if kind != "none":
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "scheduled"},
                                schedule={"mode": "pipelined", "profile_iterations": args.profile, "sub_buffers": args.p,
                                          "reserved_mib": args.reserved_mib, "mu": args.mu,
-                                         "compare_modes": modes, "compare_iterations": args.segment})
+                                         "compare_modes": modes, "compare_iterations": args.segment,
+                                         "min_interval": min_interval})
     return cfg
 
 
@@ -73,17 +75,18 @@ def iteration_times(run_dir: str, first: int) -> list[float]:
     return [t[i] - t[i - 1] for i in sorted(t) if i > first and i - 1 in t]
 
 
-def run_job(pp: int, kind: str, iters: int, args: argparse.Namespace, modes: list[str], tag: str) -> str:
+def run_job(pp: int, kind: str, iters: int, args: argparse.Namespace, modes: list[str], tag: str,
+            min_interval: int = 1) -> str:
     run_dir = os.path.join(args.workdir, f"pp{pp}-{kind}-{tag}")
     shutil.rmtree(run_dir, ignore_errors=True)
-    cfg = job_config(pp, kind, args.workdir, args, modes)
+    cfg = job_config(pp, kind, args.workdir, args, modes, min_interval)
     log_path = run_dir + ".log"
-    p = demo.launch_job(cfg, run_dir, train_args(pp, iters, args), inmem=kind == "compare", log_path=log_path)
+    p = demo.launch_job(cfg, run_dir, train_args(pp, iters, args), inmem=kind != "none", log_path=log_path)
     demo.wait_job(p, args.timeout, f"PP={pp} {kind}", log_path)
     return run_dir
 
 
-def mode_results(run_dir: str, pp: int, args: argparse.Namespace) -> list[dict]:
+def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = "") -> list[dict]:
     """Per mode of a compare job: its iterations (the first of each segment left out: it finishes the
     previous mode's transfer), schedule and transfers."""
     tr = {}
@@ -99,7 +102,8 @@ def mode_results(run_dir: str, pp: int, args: argparse.Namespace) -> list[dict]:
         prev = label
     out = []
     for mode, times in its.items():
-        r = {"pp": pp, "mode": mode, "iteration_s": statistics.median(times), "iterations": len(times),
+        r = {"pp": pp, "mode": mode + (suffix if mode != "local" else ""), "iteration_s": statistics.mean(times),
+             "iterations": len(times),
              "run_dir": run_dir}
         scheds = [t["plan"]["schedules"].get(mode) for t in tr.values()]
         if all(scheds):
@@ -140,11 +144,13 @@ def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for pp in pps:
         base = summary.get((pp, "none"), {}).get("iteration_s")
-        local = summary.get((pp, "local"), {}).get("iteration_s")
-        for m in modes:
+        extra = [m for (q, m) in summary if q == pp and m not in modes]  # the amortized job's rows
+        for m in modes + extra:
             r = summary.get((pp, m))
             if r is None:
                 continue
+            am = m.split(" /")[1] if " /" in m else (m.split("/")[1].split()[0] if "(/" in m else None)
+            local = summary.get((pp, f"local (/{am} job)" if am else "local"), {}).get("iteration_s")
             it = r["iteration_s"]
             vs = (lambda b: f"{(it / b - 1) * 100:+.1f} %" if b else "-")
             row = [str(pp), m, f"{it:.3f}", vs(base), vs(local)]
@@ -194,6 +200,8 @@ def main() -> int:
     ap.add_argument("--layers-per-stage", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--amortize", type=int, default=4,
+                    help="also a job with schedule.min_interval N: local, blocking, pipelined (0/1: none)")
     ap.add_argument("--p", type=int, default=4, help="sub-buffers")
     ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
     ap.add_argument("--mu", type=float, default=0.9)
@@ -208,14 +216,15 @@ def main() -> int:
         ap.error(f"--modes: {bad} not in {ALL_MODES}")
     os.makedirs(args.workdir, exist_ok=True)
     scheduled = [m for m in modes if m != "none"]
-    iters = args.profile + 1 + len(scheduled) * args.segment * args.cycles
+    # a mode whose transfer spans n > --segment iterations runs n (rounded up) per turn: some slack
+    iters = args.profile + 1 + (len(scheduled) * args.segment + 12) * args.cycles
     results = []
     for rnd in range(args.rounds):
         for pp in pps:
             if "none" in modes:
                 t0 = time.time()
                 d = run_job(pp, "none", iters, args, [], str(rnd))
-                r = {"pp": pp, "mode": "none", "iteration_s": statistics.median(iteration_times(d, args.profile + 1)),
+                r = {"pp": pp, "mode": "none", "iteration_s": statistics.mean(iteration_times(d, args.profile + 1)),
                      "run_dir": d}
                 results.append(r)
                 print(f"[round {rnd}] PP={pp} none: {r['iteration_s']:.3f} s/it ({time.time() - t0:.0f} s)", flush=True)
@@ -227,6 +236,18 @@ def main() -> int:
                     print(f"[round {rnd}] PP={pp} {r['mode']:10s} {r['iteration_s']:.3f} s/it "
                           f"({r['iterations']} its)", flush=True)
                 print(f"[round {rnd}] PP={pp} compare job: {time.time() - t0:.0f} s", flush=True)
+            if args.amortize > 1:
+                t0 = time.time()
+                am = ["local", "blocking", "pipelined"]
+                d = run_job(pp, f"every{args.amortize}", args.profile + 1 + (3 * args.segment + 12) * args.cycles,
+                            args, am, str(rnd), args.amortize)
+                for r in mode_results(d, pp, args, f" /{args.amortize}"):
+                    if r["mode"] == "local":
+                        r["mode"] = f"local (/{args.amortize} job)"
+                    results.append(r)
+                    print(f"[round {rnd}] PP={pp} {r['mode']:10s} {r['iteration_s']:.3f} s/it "
+                          f"({r['iterations']} its)", flush=True)
+                print(f"[round {rnd}] PP={pp} amortized job: {time.time() - t0:.0f} s", flush=True)
     summary = summarize(results)
     text = table(summary, pps, modes, int(args.reserved_mib * 2**20))
     notes = findings(summary, pps)
@@ -253,7 +274,7 @@ def main() -> int:
                 f"{args.hidden}, {args.layers_per_stage} layers per stage, seq {args.seq}, {args.micro_batches} "
                 f"micro-batches; the first {args.profile} iterations profiled, then the modes in turn, "
                 f"{args.segment} iterations each, {args.cycles} times round, in one job (the first iteration of "
-                f"each turn left out); `none` is a separate job without megatron-ft; iteration time = median; "
+                f"each turn left out); `none` is a separate job without megatron-ft; iteration time = mean over the turns; "
                 f"median of {args.rounds} round(s)):\n\n"
                 + text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" + img)
         write_section(DOCS, "## Scheduling checkpoint traffic (issue 4)", body)

@@ -371,6 +371,10 @@ class ScheduleConfig:
     profile_iterations: int = 20  # W (GEMINI: 20)
     bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
     alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
+    #: a peer copy at most every this many iterations; each transfer is spread over them (the plan
+    #: uses mu / min_interval of every span per iteration): GEMINI's "reduce the checkpoint frequency
+    #: to amortize" when the traffic interferes anyway (e.g. its CPU cost on a CPU-only machine)
+    min_interval: int = 1
     #: benchmarks (benchmarks/scheduling.py): rotate through these modes in one job, each for
     #: ``compare_iterations`` iterations ("local": no peer traffic), so every mode sees the same machine
     compare_modes: tuple = ()
@@ -395,6 +399,7 @@ class ScheduleConfig:
             _fail("schedule.compare_modes", list(self.compare_modes) if isinstance(self.compare_modes, tuple)
                   else self.compare_modes, f"must list modes of {', '.join(self.MODES + ('local',))}")
         _check_int("schedule.compare_iterations", self.compare_iterations, 2)
+        _check_int("schedule.min_interval", self.min_interval, 1)
 
     @property
     def reserved_bytes(self) -> int:

@@ -204,8 +204,10 @@ class Redundancy:
                 time.sleep(0.05)
 
     def addr(self, node: int) -> tuple[str, int]:
-        # after a root failover the new store fills as the agents' next heartbeats re-publish
-        deadline = time.time() + 4 * self.cfg.health.heartbeat_s + 1.0
+        # after a root failover the new store fills as the agents' next heartbeats re-publish; the
+        # failover itself takes up to the health timeout (longer on a loaded machine)
+        h = self.cfg.health
+        deadline = time.time() + h.timeout_s + 4 * h.heartbeat_s + 1.0
         while (v := self.store.get(f"addr/{node}")) is None and time.time() < deadline:
             time.sleep(0.05)
         if v is None:

@@ -216,7 +216,9 @@ class Agent:
                 keep = {id(rec.slot_with(st)) for st in self.redundancy.sending_steps()} if self.redundancy else set()
             candidates = [s for s in rec.slots if id(s) not in keep and s.pins == 0]
             if not candidates:
-                raise BusyError(f"rank {rank}: no free slot for step {step} (one is protected, one is being persisted)")
+                held = ", ".join(f"step {s.step} {snapfile.STATE_NAMES[s.state]}" + (" (pinned: persisting or sending)"
+                                 if s.pins else " (protected)") for s in rec.slots)
+                raise BusyError(f"rank {rank}: no free slot for step {step}: {held}")
             slot = min(candidates, key=lambda s: (s.state != snapfile.EMPTY, s.step))
             snapfile.set_state(slot.segment.mm, snapfile.WRITING)
             slot.state, slot.step = snapfile.WRITING, step

@@ -10,6 +10,7 @@ chunk times) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +45,8 @@ class ScheduledHooks:
         self.iteration = -1
         self.planned = False
         self.rotation: list[tuple[str, Optional[SendSchedule]]] = []  # schedule.compare_modes (benchmarks)
-        self.rotation_start = 0
+        self.rotation_index = 0
+        self.segment_end = -1
         self._prev: Optional[tuple[int, str, float]] = None
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
@@ -75,10 +77,11 @@ class ScheduledHooks:
                 self._plan(step)
             if done:
                 self._write_profile()
-        k = self.cfg.schedule.compare_iterations
-        if self.rotation and step > self.rotation_start and (step - self.rotation_start) % k == 0:
-            mode, sched = self.rotation[((step - self.rotation_start) // k) % len(self.rotation)]
+        if self.rotation and step == self.segment_end:
+            self.rotation_index = (self.rotation_index + 1) % len(self.rotation)
+            mode, sched = self.rotation[self.rotation_index]
             self.transport.use(sched, step, mode)
+            self.segment_end = step + self._segment(sched)
         self.transport.end_iteration(step)
 
     # ------------------------------------------------------------------ planning (collective)
@@ -122,12 +125,19 @@ class ScheduledHooks:
             agreed.append((mode, self.transport.agree(sched) if mode != "local" else None))
         self.planned = True
         if sc.compare_modes:
-            self.rotation, self.rotation_start = agreed, step
+            self.rotation, self.rotation_index = agreed, 0
+            self.segment_end = step + self._segment(agreed[0][1])
         self.transport.use(agreed[0][1], step, agreed[0][0])
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
                           "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
                           "profiled_iteration_s": iteration_s, "planned_at_step": step,
                           "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}
+
+    def _segment(self, sched: Optional[SendSchedule]) -> int:
+        """Iterations a mode runs before the next (``compare_iterations``, made whole transfers)."""
+        k = self.cfg.schedule.compare_iterations
+        n = sched.interval_iterations if sched is not None else 1
+        return -(-k // n) * n
 
     def _schedule(self, mode: str, nbytes: int, link: LinkModel, spans: list, bubbles: list,
                   peer: dict) -> Optional[SendSchedule]:
@@ -136,11 +146,14 @@ class ScheduledHooks:
             return None
         try:
             pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
-            return plan_sends(mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers,
-                              sc.mu, spans, bubbles, pb)
+            sched = plan_sends(mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers,
+                               sc.mu / sc.min_interval, spans, bubbles, pb)
         except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
             log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank, mode, e)
-            return plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
+            sched = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
+        if sched.interval_iterations < sc.min_interval:
+            sched = dataclasses.replace(sched, interval_iterations=sc.min_interval)
+        return sched
 
     def close(self) -> None:
         try:

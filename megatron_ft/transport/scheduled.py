@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -332,7 +333,6 @@ class ScheduledTransport:
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self, src: int) -> None:
-        segs: dict[str, shm.Segment] = {}
         try:
             while True:
                 hdr = torch.empty(8, dtype=torch.int64)
@@ -345,48 +345,61 @@ class ScheduledTransport:
                     return
                 table = torch.empty((nchunks, 2), dtype=torch.int64)
                 dist.recv(table, src, group=self.data, tag=TAG_TABLE)
-                self._receive_transfer(src, step, length, table.tolist(), nbuf, buf_bytes, segs)
+                self._receive_transfer(src, step, length, table.tolist(), nbuf, buf_bytes)
         except Exception as e:  # the sender died or the job ends: training is not this thread's business
             log.info("rank %d: receiving from rank %d stopped: %s", self.rank, src, e)
-        finally:
-            for seg in segs.values():
-                seg.close()
 
-    def _receive_transfer(self, src: int, step: int, length: int, table: list, nbuf: int, buf_bytes: int,
-                          segs: dict) -> None:
-        """Receive one transfer: up to ``nbuf`` chunks in flight; chunk i is copied into the agent's
-        block while chunks i + 1 .. i + nbuf - 1 arrive (GEMINI figure 5d)."""
+    def _receive_chunks(self, src: int, table: list, nbuf: int, buf_bytes: int, length: int,
+                        dst: Optional[np.ndarray]) -> bool:
+        """Every chunk of ``table`` (received even when there is nowhere to put it: the sender's
+        sends must complete); True when each landed inside ``dst``."""
+        inside = [dst is not None and 0 <= off and size >= 0 and off + size <= length for off, size in table]
+        direct = self.device.type == "cpu"
+        bufs = [] if direct else [torch.empty(max(buf_bytes, 1), dtype=torch.uint8, device=self.device)
+                                  for _ in range(max(nbuf, 1))]
+        window = max(nbuf, 1)
+
+        def post(i: int):
+            off, size = table[i]
+            if direct and inside[i]:
+                target = torch.from_numpy(dst[off: off + size])
+            elif direct:
+                target = torch.empty(size, dtype=torch.uint8)
+            else:
+                target = bufs[i % window][:size]
+            return dist.irecv(target, src, group=self.data, tag=TAG_CHUNK), target
+
+        pending = [post(i) for i in range(min(window, len(table)))]
+        for i, (off, size) in enumerate(table):
+            work, target = pending[i]
+            work.wait()
+            if not direct and inside[i]:
+                dst[off: off + size] = target.cpu().numpy()  # GPU: device -> host (shared memory)
+            if i + window < len(table):
+                pending.append(post(i + window))
+        return all(inside)
+
+    def _receive_transfer(self, src: int, step: int, length: int, table: list, nbuf: int, buf_bytes: int) -> None:
+        """Receive one transfer, up to ``nbuf`` chunks in flight. GPUs: into ``nbuf`` rotating device
+        buffers, chunk i copied into the agent's block (D2H) while chunks i + 1 .. i + nbuf - 1 arrive
+        (GEMINI figure 5d). CPU: gloo receives host memory, so the chunks land straight in their
+        window of the block (the copy is the kernel's)."""
         try:
             info = self.client.request("sched_recv_begin", src_rank=src, step=step, length=length)
         except Exception as e:
             log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, step, src, e)
             info = {"ignored": True}
-        dst = None
-        if not info.get("ignored"):
-            path = info["path"]
-            if path not in segs:
-                segs[path] = shm.open_segment(path, writable=True, populate=False)
-            dst = segs[path].array
-        bufs = [torch.empty(max(buf_bytes, 1), dtype=torch.uint8, device=self.device) for _ in range(max(nbuf, 1))]
-        pending: list = []
-        ok = True
-        for i in range(min(len(bufs), len(table))):
-            pending.append(dist.irecv(bufs[i][: table[i][1]], src, group=self.data, tag=TAG_CHUNK))
-        for i, (off, size) in enumerate(table):
-            pending[i].wait()
-            b = bufs[i % len(bufs)]
-            if dst is not None:
-                if off < 0 or off + size > length:
-                    ok = False
-                else:
-                    dst[off: off + size] = b[:size].cpu().numpy()  # D2H on GPUs
-            nxt = i + len(bufs)
-            if nxt < len(table):
-                pending.append(dist.irecv(bufs[nxt % len(bufs)][: table[nxt][1]], src, group=self.data,
-                                          tag=TAG_CHUNK))
+        seg = None if info.get("ignored") else shm.open_segment(info["path"], writable=True, populate=False)
+        try:
+            ok = self._receive_chunks(src, table, nbuf, buf_bytes, length, seg.array if seg is not None else None)
+        finally:
+            if seg is not None:
+                seg.close()
+        if seg is None:
+            return
         covered = sum(size for _, size in table)
-        if dst is not None and ok and covered == length:
+        if ok and covered == length:
             self.client.request("sched_recv_done", src_rank=src, step=step)
-        elif dst is not None:
+        else:
             log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
                         self.rank, step, src, covered, length)
