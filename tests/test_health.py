@@ -159,7 +159,7 @@ def verdict(client, n):
 
 
 STORES = [pytest.param("embedded", 0, id="embedded-root-lost"),
-          pytest.param("etcd", 0, id="etcd-root-lost"),
+          pytest.param("etcd", 0, id="etcd-root-lost", marks=pytest.mark.slow),  # embedded covers it by default
           pytest.param("etcd", 2, id="etcd-node-lost", marks=pytest.mark.slow)]
 
 

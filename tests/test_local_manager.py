@@ -87,6 +87,7 @@ def test_save_load_round_trip_bit_exact(tmp_path, two_rank_job):
     check_resume(out, ITERS)
 
 
+@pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
 def test_torn_snapshot_is_not_offered(tmp_path, two_rank_job):
     cfg, path, agent = two_rank_job
     out = run_phase(tmp_path, path, agent, "save", fault=f"mid-copy:{ITERS}:1", expect_ok=False)
@@ -104,6 +105,7 @@ def test_corrupt_snapshot_is_not_restored(tmp_path, two_rank_job):
     assert any("checksum mismatch" in r for e in events for r in e["rejected"]), events
 
 
+@pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
 def test_nothing_to_find_returns_minus_one(tmp_path, two_rank_job):
     cfg, path, agent = two_rank_job
     out = run_phase(tmp_path, path, agent, "load")

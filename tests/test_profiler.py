@@ -53,6 +53,7 @@ def profiled_run(tmp_path_factory):
     return out, jobs
 
 
+@pytest.mark.slow  # a 70 s torchrun fixture; test_recovery's scheduled run profiles by default
 def test_profile_files_hold_every_kind_with_p2p_bytes(profiled_run):
     out, jobs = profiled_run
     profiles = prof_mod.load_profiles(str(out))
@@ -92,6 +93,7 @@ def test_profile_files_hold_every_kind_with_p2p_bytes(profiled_run):
         assert s["network_idle_spans"] and s["iteration_s"] > 0
 
 
+@pytest.mark.slow  # a 70 s torchrun fixture; test_recovery's scheduled run profiles by default
 def test_callbacks_fire_at_schedule_points_and_uninstall_restores(profiled_run):
     _, jobs = profiled_run
     for r, job in jobs.items():
@@ -114,6 +116,7 @@ def test_callbacks_fire_at_schedule_points_and_uninstall_restores(profiled_run):
         assert all(job["restored"].values()), job["restored"]
 
 
+@pytest.mark.slow  # a 70 s torchrun fixture; test_recovery's scheduled run profiles by default
 def test_timeline_cli_writes_trace_and_png(profiled_run, tmp_path, capsys):
     out, _ = profiled_run
     dest = tmp_path / "tl"
@@ -139,6 +142,7 @@ def test_timeline_cli_writes_trace_and_png(profiled_run, tmp_path, capsys):
     assert set(summary) == {"0", "1"}
 
 
+@pytest.mark.slow  # a 70 s torchrun fixture; test_recovery's scheduled run profiles by default
 def test_timeline_needs_a_checkpoint_size(profiled_run, tmp_path, capsys):
     out, _ = profiled_run
     d = tmp_path / "profile"

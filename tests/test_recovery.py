@@ -124,6 +124,12 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
         assert rec["transfers"] and all(t["bytes"] > 0 for t in rec["transfers"]), rec["transfers"]
     agent_logs = "".join((tmp_path / "demo" / "run" / f"node{n}" / "agent.log").read_text() for n in (0, 1))
     assert "exchange of step" not in agent_logs
+    # the plan came from megatron-core's own timeline, recorded through the hooks (stage 0 of PP2)
+    with open(tmp_path / "demo" / "run" / "profile" / "rank0.json") as f:
+        prof = json.load(f)
+    kinds = {e["kind"] for it in prof["iterations"] for e in it["events"]}
+    assert {"compute", "send", "recv", "optimizer", "ckpt"} <= kinds, kinds
+    assert prof["meta"]["planned_iterations"] >= 2
 
 
 @pytest.mark.slow

@@ -71,18 +71,19 @@ class ScheduledHooks:
 
     def after_iteration(self, step: int) -> None:
         mhooks.HOOKS.end_iteration()
+        done = False
         if self.profiler is not None:
             done = self.profiler.end_iteration()
             if len(self.profiler.iterations) == self.planned_after and not self.planned:
                 self._plan(step)
-            if done:
-                self._write_profile()
         if self.rotation and step == self.segment_end:
             self.rotation_index = (self.rotation_index + 1) % len(self.rotation)
             mode, sched = self.rotation[self.rotation_index]
             self.transport.use(sched, step, mode)
             self.segment_end = step + self._segment(sched)
-        self.transport.end_iteration(step)
+        self.transport.end_iteration(step)  # finishes the last transfer: its chunks reach the profile
+        if done:
+            self._write_profile()
 
     # ------------------------------------------------------------------ planning (collective)
     def _container_bytes(self) -> int:
@@ -119,6 +120,8 @@ class ScheduledHooks:
         peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
         nbytes = self._container_bytes()
         modes = sc.compare_modes or (sc.mode,)
+        if sc.mode in modes:  # the configured mode first: the profiled iterations after the plan show it
+            modes = (sc.mode,) + tuple(m for m in modes if m != sc.mode)
         agreed = []
         for mode in modes:  # the same order on every rank: agree() is collective
             sched = None if mode == "local" else self._schedule(mode, nbytes, link, spans, bubbles, peer)

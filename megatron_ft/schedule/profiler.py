@@ -76,16 +76,15 @@ class Profiler:
 
     def record(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
         """One operation, ``time.perf_counter()`` times (the signature of a hooks sink). Checkpoint
-        chunks are often seen complete only after their iteration closed: they go to the iteration
-        they started in."""
+        chunks are often seen complete only later: they go to the iteration they started in."""
         cur, t0 = self._current, self._t0
-        if cur is None:
-            if kind != "ckpt" or not self.iterations:
+        if kind == "ckpt" and (cur is None or start < t0):
+            cur = next((it for it in reversed(self.iterations) if self.origin + it["start"] <= start), None)
+            if cur is None:
                 return
-            cur = self.iterations[-1]
             t0 = self.origin + cur["start"]
-            if start < t0:
-                return
+        if cur is None:
+            return
         if kind not in RECORD_KINDS:
             _fail("event.kind", kind, f"must be one of {list(RECORD_KINDS)}")
         cur["events"].append({"name": name, "kind": kind, "start": max(0.0, start - t0),

@@ -110,8 +110,14 @@ class ScheduledTransport:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.ctl = dist.new_group(backend="gloo")  # planning collectives (main thread)
         self.data = dist.new_group(backend=backend, timeout=GROUP_TIMEOUT)  # chunks (transport threads)
-        self.client = AgentClient(agent_socket)
+        self.client = AgentClient(agent_socket)  # the training thread's (pin / unpin)
         self.client.connect(hello)
+        # each receiver thread has its own connection: a receiver waiting on its agent (e.g. for a
+        # sender's size to be published) must never hold up the training thread's requests
+        self._recv_clients = {}
+        for src in self.srcs:
+            self._recv_clients[src] = AgentClient(agent_socket)
+            self._recv_clients[src].connect(hello)
         self.schedule: Optional[SendSchedule] = None
         self.label = "off"  # the schedule's mode, for records
         self.phase = 0  # transfers start at snapshot steps = phase (mod interval)
@@ -252,7 +258,8 @@ class ScheduledTransport:
         except Exception as e:
             log.warning("rank %d: scheduled transport did not close cleanly: %s", self.rank, e)
         finally:
-            self.client.close(orderly=True)
+            for cl in [self.client, *self._recv_clients.values()]:
+                cl.close(orderly=True)
 
     def _stalled(self, seconds: float) -> None:
         self.stall_s += seconds
@@ -385,7 +392,7 @@ class ScheduledTransport:
         (GEMINI figure 5d). CPU: gloo receives host memory, so the chunks land straight in their
         window of the block (the copy is the kernel's)."""
         try:
-            info = self.client.request("sched_recv_begin", src_rank=src, step=step, length=length)
+            info = self._recv_clients[src].request("sched_recv_begin", src_rank=src, step=step, length=length)
         except Exception as e:
             log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, step, src, e)
             info = {"ignored": True}
@@ -399,7 +406,7 @@ class ScheduledTransport:
             return
         covered = sum(size for _, size in table)
         if ok and covered == length:
-            self.client.request("sched_recv_done", src_rank=src, step=step)
+            self._recv_clients[src].request("sched_recv_done", src_rank=src, step=step)
         else:
             log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
                         self.rank, step, src, covered, length)
