@@ -40,6 +40,10 @@ class AgentProc:
         self.log_path = cfg_path + f".agent{node}.log"
 
     def start(self, timeout: float = 60.0) -> "AgentProc":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "AgentProc":
+        """Start the agent process without waiting (several agents start faster side by side)."""
         try:
             os.unlink(self.sock)
         except FileNotFoundError:
@@ -47,6 +51,9 @@ class AgentProc:
         self.proc = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path,
                                       "--node", str(self.node)], stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> "AgentProc":
         deadline = time.time() + timeout
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None:
@@ -113,7 +120,9 @@ class LocalCluster:
         self.make_model = make_model
         self.agents = [AgentProc(self.cfg, self.path, n) for n in range(nodes)]
         for a in self.agents:
-            a.start()
+            a.launch()
+        for a in self.agents:
+            a.wait_ready()
         self.models = [make_model(r, 0) for r in range(nodes)]
         self.clients = [a.client(r) for r, a in enumerate(self.agents)]
         self.engines = [SnapshotEngine(c, r, self.identity(r), chunk_bytes) for r, c in enumerate(self.clients)]

@@ -95,6 +95,7 @@ def test_torn_snapshot_is_not_offered(tmp_path, two_rank_job):
     check_resume(out, ITERS - 1)
 
 
+@pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
 def test_corrupt_snapshot_is_not_restored(tmp_path, two_rank_job):
     cfg, path, agent = two_rank_job
     out = run_phase(tmp_path, path, agent, "save", fault=f"corrupt-after-commit:{ITERS}:1",

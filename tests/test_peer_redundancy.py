@@ -5,10 +5,12 @@ removal of its shared memory; a fresh agent takes its place and the rank is rest
 from the group (or, past the scheme's tolerance, from disk)."""
 import logging
 import os
+import time
 
 import pytest
 import torch
 
+from megatron_ft.protocol import AgentClient, AgentError
 from megatron_ft.sim import LocalCluster
 
 
@@ -166,3 +168,33 @@ def test_corrupt_parity_block_is_never_restored(cluster):
     assert (res.source, res.step) == ("decoded", 2), res.rejected
     assert any("step 3" in r for r in res.rejected)
     assert_same(state_after(2), model)
+
+
+@pytest.mark.parametrize("cluster", [(2, {"scheme": "replica", "replicas": 2, "transport": "scheduled"})],
+                         indirect=True, ids=["replica-scheduled"])
+def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
+    """Issue 4: the slot a trainer's scheduled transport reads is pinned in its agent, which outlives
+    the trainer: a repeated pin is harmless, and a lost trainer's pin is released (else a restarted
+    job could never write that slot again). With the scheduled transport the agents do not exchange."""
+    cluster.train(2, wait_complete=False)
+
+    def pins():
+        return {s["step"]: s["pins"] for s in cluster.status(0)["ranks"]["0"]["slots"]}
+
+    assert len(cluster.status(0)["ranks"]["0"]["slots"]) == 4  # complete, sending, newest, writing
+    transport = AgentClient(cluster.agents[0].sock)  # a trainer's transport connection (role: transport)
+    transport.connect({"rank": 0, "run_id": cluster.run_id, "role": "transport"})
+    for _ in range(2):
+        assert transport.request("sched_pin", rank=0, step=2)["size"] > 0
+    assert pins()[2] == 1
+    trainer = AgentClient(cluster.agents[0].sock)
+    trainer.connect({"rank": 0, "run_id": cluster.run_id})
+    trainer.close(orderly=False)  # the trainer process dies
+    deadline = time.time() + 10
+    while pins()[2] and time.time() < deadline:
+        time.sleep(0.05)
+    assert pins()[2] == 0
+    with pytest.raises(AgentError, match="does not hold step 7 clean"):
+        transport.request("sched_pin", rank=0, step=7)
+    assert cluster.status(1)["redundancy"]["complete_step"] == -1  # nobody sent: no agent exchange
+    transport.close()

@@ -88,3 +88,9 @@ def test_bad_input_is_named(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ConfigError, match=match):
         plan_sends(**args)
+
+
+def test_naive_sends_every_copy_even_when_one_span_holds_a_whole_copy():
+    s = plan_sends("naive", 300, 2, LINK, 200, 2, 0.5, [IdleSpan(0, 100)])
+    assert table(s) == [(0, 0, 0, 300, 0), (0, 3.0, 0, 300, 0)] and [x.copy for x in s.sends] == [0, 1]
+    assert s.fits  # 6 s of traffic in mu x 100 s

@@ -43,7 +43,7 @@ from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
 log = logging.getLogger("megatron_ft.agent")
 
 EXCHANGE_TIMEOUT_S = 60.0
-SCHEDULED_TIMEOUT_S = 600.0  # a scheduled transfer spreads over iterations: protect its step longer
+SCHEDULED_TIMEOUT_S = 3600.0  # a scheduled transfer spreads over iterations: protect its step longer
 
 
 @dataclass
@@ -449,11 +449,8 @@ class Redundancy:
             self._started.setdefault(step, time.perf_counter())
         return {"path": slot.segment.path, "size": slot.segment.size}
 
-    def sched_unpin(self, rank: int, step: int) -> None:
-        self.agent.unpin_rank_step(rank, step)
-
     def sched_recv_begin(self, src_rank: int, step: int, length: int) -> dict:
-        sizes = self._wait_sizes()
+        sizes = self._wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
         if sizes.get(src_rank) != length:
             raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
                              f"{sizes.get(src_rank)}")

@@ -84,6 +84,7 @@ class Agent:
         self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
         self._persist_thread: Optional[threading.Thread] = None
         self.started = time.time()
+        self._sched_pins: dict[int, Slot] = {}  # rank -> the slot its scheduled transport reads
         self.redundancy = None  # agent.redundancy.Redundancy when redundancy.scheme != none (start_peers)
         self.store = None
         self.monitor = None
@@ -189,8 +190,10 @@ class Agent:
         from the data node's copy when the slot is mid-write."""
         if self.redundancy is not None and self.redundancy.own_copy_is_redundant:
             return 1
-        if self.cfg.redundancy.transport == "scheduled":  # + the version its trainer is still sending
-            return SLOTS_PER_RANK + 1
+        if self.cfg.redundancy.transport == "scheduled":
+            # + the version its trainer is still sending, while the group's complete one, the newest
+            # clean one and the one being written stay: snapshots go on during a transfer
+            return SLOTS_PER_RANK + 2
         return SLOTS_PER_RANK
 
     def _drop_rank(self, rec: RankRecord) -> None:
@@ -334,20 +337,26 @@ class Agent:
             return out
 
     def pin_rank_step(self, rank: int, step: int) -> Slot:
-        """Pin one rank's clean slot of ``step`` (a trainer of the scheduled transport reads it)."""
+        """Pin one rank's clean slot of ``step`` for its trainer's scheduled transport: one pin per
+        rank at a time (pinning again moves it; repeating a request is harmless), released by
+        :meth:`unpin_rank` or when the trainer is lost or says hello again."""
         with self.lock:
+            old = self._sched_pins.get(rank)
+            if old is not None and old.step == step and old.state == snapfile.CLEAN:
+                return old
             s = self._rec(rank).slot_with(step)
             if s is None:
                 raise KeyError(f"rank {rank} does not hold step {step} clean on node {self.node}")
+            self.unpin_rank(rank)
             s.pins += 1
+            self._sched_pins[rank] = s
             return s
 
-    def unpin_rank_step(self, rank: int, step: int) -> None:
+    def unpin_rank(self, rank: int) -> None:
         with self.lock:
-            rec = self.ranks.get(rank)
-            s = next((s for s in rec.slots if s.step == step and s.pins > 0), None) if rec else None
+            s = self._sched_pins.pop(rank, None)
             if s is not None:
-                s.pins -= 1
+                s.pins = max(0, s.pins - 1)
 
     def unpin(self, slots: dict[int, Slot]) -> None:
         with self.lock:
@@ -406,6 +415,7 @@ class Agent:
         return True
 
     def trainer_lost(self, rank: int) -> None:
+        self.unpin_rank(rank)  # its scheduled transfer died with it
         log.warning("agent node %d: trainer rank %d disconnected without bye (crashed?)", self.node, rank)
         if self.monitor is not None:
             self.monitor.report_software(rank)
@@ -495,9 +505,11 @@ class Agent:
                 op = msg.get("op")
                 try:
                     reply = self._dispatch(op, msg)
-                    if op == "hello":
+                    if op == "hello" and msg.get("role") != "transport":  # a trainer (not its transport's threads)
                         rank = int(msg["rank"])
                         with self.lock:
+                            if not self.connected.get(rank):  # a restarted trainer: no transfer of the old one
+                                self.unpin_rank(rank)
                             self.connected[rank] = self.connected.get(rank, 0) + 1
                     if op == "bye":
                         orderly = True
@@ -555,7 +567,7 @@ class Agent:
             if op == "sched_pin":
                 return red.sched_pin(int(msg["rank"]), int(msg["step"]))
             if op == "sched_unpin":
-                red.sched_unpin(int(msg["rank"]), int(msg["step"]))
+                self.unpin_rank(int(msg["rank"]))
                 return {}
             if op == "sched_recv_begin":
                 return red.sched_recv_begin(int(msg["src_rank"]), int(msg["step"]), int(msg["length"]))

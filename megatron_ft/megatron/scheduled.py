@@ -27,6 +27,7 @@ log = logging.getLogger("megatron_ft.transport")
 
 TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
 TRAFFIC_ITERATIONS = 3  # iterations profiled after the plan, with its chunks (for the timeline)
+MAX_ACTUAL, MAX_ITERATIONS_KEPT = 4096, 20000  # bounded records for the transport file
 
 
 class ScheduledHooks:
@@ -55,12 +56,14 @@ class ScheduledHooks:
     def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
         if self.profiler is not None:
             self.profiler.record(name, kind, start, end, nbytes, src)
-        self.actual.append({"iteration": self.iteration, "start": start - self.iteration_start,
+        if len(self.actual) < MAX_ACTUAL:  # the first chunks are enough to look at
+            self.actual.append({"iteration": self.iteration, "start": start - self.iteration_start,
                             "end": end - self.iteration_start, "bytes": nbytes})
 
     def before_iteration(self, iteration: int) -> None:
         now = time.perf_counter()
-        if self._prev is not None and self.planned:  # start to start: the snapshot and "end" sends count
+        if self._prev is not None and self.planned and len(self.iteration_s) < MAX_ITERATIONS_KEPT:
+            # start to start: the snapshot and the "end" sends count
             self.iteration_s.append([self._prev[0], self._prev[1], now - self._prev[2]])
         self._prev = (iteration, self.transport.label, now)
         self.iteration, self.iteration_start = iteration, now
@@ -110,7 +113,7 @@ class ScheduledHooks:
             link = link or LinkModel(summ.link.bandwidth, sc.alpha_s)
             spans, bubbles = list(summ.summary.idle_spans), list(summ.summary.bubbles)
             iteration_s = summ.summary.iteration_s
-        except ValueError as e:
+        except Exception as e:  # every rank must still reach the collectives below
             log.warning("rank %d: profile not usable (%s): one idle span per iteration", self.rank, e)
             link = link or LinkModel(1e9, sc.alpha_s)
             iteration_s = 1.0
@@ -153,7 +156,11 @@ class ScheduledHooks:
                                sc.mu / sc.min_interval, spans, bubbles, pb)
         except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
             log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank, mode, e)
-            sched = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
+            try:
+                sched = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
+            except ValueError as e2:
+                log.error("rank %d: no schedule at all (%s)", self.rank, e2)
+                return None
         if sched.interval_iterations < sc.min_interval:
             sched = dataclasses.replace(sched, interval_iterations=sc.min_interval)
         return sched

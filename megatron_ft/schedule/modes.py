@@ -95,27 +95,30 @@ def _back_to_back(nbytes: int, copies: int, chunk: int, buffers: int, at: float,
 
 
 def _naive(spans: Sequence[IdleSpan], nbytes: int, copies: int, link: LinkModel, mu: float) -> tuple[list[Send], bool]:
-    """One chunk per span (what mu times the span carries), the last span of the last iteration
-    unbounded; the fewest iterations for which that last chunk fits too."""
+    """One chunk per span (what mu times the span carries), copy after copy; the last span of the last
+    iteration is unbounded and takes whatever is left of every copy (one chunk per copy). The fewest
+    iterations for which that last span fits too."""
+    total = nbytes * copies
     for n in range(1, MAX_ITERATIONS + 1):
         out: list[Send] = []
-        c, left = 0, nbytes
+        done = 0
         order = [(it, k) for it in range(n) for k in range(len(spans))]
-        fits = True
-        for i, (it, k) in enumerate(order):
-            if c >= copies:
+        for i, (it, k) in enumerate(order[:-1]):
+            if done >= total:
                 break
-            cap = left if i == len(order) - 1 else min(left, link.bytes_within(mu * spans[k].length))
-            if i == len(order) - 1 and link.time(cap) > mu * spans[k].length + _EPS:
-                fits = False
-            if cap <= 0:
-                continue
-            out.append(Send(c, it, spans[k].start, nbytes - left, cap, 0))
-            left -= cap
-            if left == 0:
-                c, left = c + 1, nbytes
-                if c < copies:  # the next copy starts in the next span (one chunk per span)
-                    continue
+            c, off = divmod(done, nbytes)
+            size = min(nbytes - off, link.bytes_within(mu * spans[k].length))
+            if size > 0:
+                out.append(Send(c, it, spans[k].start, off, size, 0))
+                done += size
+        it, k = order[-1]
+        last_s = 0.0
+        while done < total:  # the unbounded last span
+            c, off = divmod(done, nbytes)
+            out.append(Send(c, it, spans[k].start + last_s, off, nbytes - off, 0))
+            last_s += link.time(nbytes - off)
+            done += nbytes - off
+        fits = last_s <= mu * spans[k].length + _EPS
         if fits or n == MAX_ITERATIONS:
             return out, fits
     raise AssertionError("unreachable")

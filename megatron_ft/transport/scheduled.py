@@ -49,7 +49,9 @@ MAGIC = 0x4D4654534348  # "MFTSCH"
 WIRE_VERSION = 1
 KIND_TRANSFER, KIND_BYE = 1, 2
 TAG_HEADER, TAG_TABLE, TAG_CHUNK = 71, 72, 73
-GROUP_TIMEOUT = timedelta(minutes=30)
+GROUP_TIMEOUT = timedelta(hours=24)  # a receiver waits for the next header as long as training runs
+BYE_TIMEOUT = timedelta(seconds=30)
+MAX_RECORDS = 4096  # per list kept for the run's transport file
 
 
 def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
@@ -110,6 +112,9 @@ class ScheduledTransport:
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.ctl = dist.new_group(backend="gloo")  # planning collectives (main thread)
         self.data = dist.new_group(backend=backend, timeout=GROUP_TIMEOUT)  # chunks (transport threads)
+        # headers, tables and byes are small host tensors: gloo (NCCL moves device memory only)
+        self.ctrl = self.data if backend == "gloo" else dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        self.failed: Optional[str] = None  # set once a send failed: the stream to a peer is out of step
         self.client = AgentClient(agent_socket)  # the training thread's (pin / unpin)
         self.client.connect(hello)
         # each receiver thread has its own connection: a receiver waiting on its agent (e.g. for a
@@ -182,6 +187,32 @@ class ScheduledTransport:
 
     # ------------------------------------------------------------------ training thread
     def begin_iteration(self) -> None:
+        """Start of an iteration: queue (or, blocking, send) its planned chunks. Never raises."""
+        if self.failed is None:
+            self._guard(self._begin_iteration)
+
+    def end_iteration(self, step: int) -> None:
+        """After the optimizer step of snapshot step ``step`` (before its snapshot starts): finish
+        the transfer that is due and start the next. Never raises."""
+        if self.failed is None:
+            self._guard(self._end_iteration, step)
+
+    def _guard(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+            if self.failed is not None:
+                raise RuntimeError(self.failed)
+        except Exception as e:  # a broken transport costs the peer copies, never the training
+            self.failed = self.failed or str(e)
+            log.error("rank %d: scheduled transport stopped (%s); the peers keep their last complete copy",
+                      self.rank, e)
+            self.schedule, self.current = None, None
+            try:
+                self.client.request("sched_unpin", rank=self.rank, step=-1)
+            except Exception:
+                pass
+
+    def _begin_iteration(self) -> None:
         cur, sch = self.current, self.schedule
         if cur is None or sch is None or cur.iteration >= sch.interval_iterations:
             return
@@ -200,8 +231,7 @@ class ScheduledTransport:
         for s in sends:
             self._q.put((now + s.at, cur, s))
 
-    def end_iteration(self, step: int) -> None:
-        """After the optimizer step of snapshot step ``step`` (before its snapshot starts)."""
+    def _end_iteration(self, step: int) -> None:
         sch = self.schedule
         if sch is None or step < self.phase or (step - self.phase) % sch.interval_iterations:
             return
@@ -218,7 +248,11 @@ class ScheduledTransport:
             log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
             self._stalled(time.perf_counter() - t0)
             return
-        seg = shm.open_segment(info["path"], writable=False, populate=False)  # read-only: never written here
+        try:
+            seg = shm.open_segment(info["path"], writable=False, populate=False)  # read-only: never written here
+        except Exception:
+            self.client.request("sched_unpin", rank=self.rank, step=agreed)
+            raise
         cur = _Transfer(agreed, seg, step)
         self.current, self.last_step = cur, agreed
         table = torch.tensor([[s.offset, s.size] for s in sch.sends], dtype=torch.int64)
@@ -226,8 +260,8 @@ class ScheduledTransport:
             rows = [i for i, s in enumerate(sch.sends) if s.copy == copy]
             hdr = torch.tensor([MAGIC, WIRE_VERSION, KIND_TRANSFER, agreed, seg.size, len(rows), sch.buffers,
                                 sch.buffer_bytes], dtype=torch.int64)
-            cur.works.append(_Sent(dist.isend(hdr, dst, group=self.data, tag=TAG_HEADER), None, 0.0))
-            cur.works.append(_Sent(dist.isend(table[rows].contiguous(), dst, group=self.data, tag=TAG_TABLE),
+            cur.works.append(_Sent(dist.isend(hdr, dst, group=self.ctrl, tag=TAG_HEADER), None, 0.0))
+            cur.works.append(_Sent(dist.isend(table[rows].contiguous(), dst, group=self.ctrl, tag=TAG_TABLE),
                                    None, 0.0))
         at_end = [s for s in sch.of_iteration(0) if s.at == AT_END]
         if at_end:  # "end": the whole checkpoint now, training waits
@@ -249,12 +283,13 @@ class ScheduledTransport:
                 self._finish(cur)
             self._q.put(None)
             self._sender.join(timeout=60)
-            bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
-            works = [dist.isend(bye, dst, group=self.data, tag=TAG_HEADER) for dst in self.dsts]
-            for w in works:
-                w.wait()
+            if self.failed is None:  # a broken stream cannot carry a bye; the peers' threads are daemons
+                bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
+                works = [dist.isend(bye, dst, group=self.ctrl, tag=TAG_HEADER) for dst in self.dsts]
+                for w in works:
+                    w.wait(BYE_TIMEOUT)
             for t in self._receivers:
-                t.join(timeout=60)
+                t.join(timeout=10)
         except Exception as e:
             log.warning("rank %d: scheduled transport did not close cleanly: %s", self.rank, e)
         finally:
@@ -288,13 +323,15 @@ class ScheduledTransport:
         cur.works.append(sent)
 
     def _wait_works(self, cur: _Transfer) -> None:
-        for w in cur.works:
-            w.wait()
-            if w.send is not None:
-                self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
-                cur.sent += w.send.size
-        cur.works.clear()
-        self._buf_work.clear()
+        try:
+            for w in cur.works:
+                w.wait()
+                if w.send is not None:
+                    self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
+                    cur.sent += w.send.size
+        finally:
+            cur.works.clear()
+            self._buf_work.clear()
 
     def _send_loop(self) -> None:
         while True:
@@ -302,14 +339,17 @@ class ScheduledTransport:
             if item is None:
                 return
             due, cur, s = item
+            if self.failed is not None:
+                self._q.task_done()
+                continue
             try:
                 delay = due - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
                 self._issue(cur, s)
-            except Exception as e:
-                log.warning("rank %d: chunk [%d, +%d) of step %d not sent: %s", self.rank, s.offset, s.size,
-                            cur.step, e)
+            except Exception as e:  # the receiver would take the next chunk for this one: stop the stream
+                self.failed = self.failed or f"chunk [{s.offset}, +{s.size}) of step {cur.step} not sent: {e}"
+                log.error("rank %d: %s", self.rank, self.failed)
             finally:
                 self._q.task_done()
 
@@ -335,6 +375,7 @@ class ScheduledTransport:
         except Exception as e:
             log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
         cur.seg.close()
+        del self.records[:-MAX_RECORDS]
         self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited, "mode": self.label,
                              "started_after": cur.started_at})
 
@@ -343,7 +384,7 @@ class ScheduledTransport:
         try:
             while True:
                 hdr = torch.empty(8, dtype=torch.int64)
-                dist.recv(hdr, src, group=self.data, tag=TAG_HEADER)
+                dist.recv(hdr, src, group=self.ctrl, tag=TAG_HEADER)
                 magic, version, kind, step, length, nchunks, nbuf, buf_bytes = (int(x) for x in hdr.tolist())
                 if magic != MAGIC or version != WIRE_VERSION:
                     raise ValueError(f"rank {src} sent a header {hdr.tolist()} that is not megatron-ft "
@@ -351,7 +392,7 @@ class ScheduledTransport:
                 if kind == KIND_BYE:
                     return
                 table = torch.empty((nchunks, 2), dtype=torch.int64)
-                dist.recv(table, src, group=self.data, tag=TAG_TABLE)
+                dist.recv(table, src, group=self.ctrl, tag=TAG_TABLE)
                 self._receive_transfer(src, step, length, table.tolist(), nbuf, buf_bytes)
         except Exception as e:  # the sender died or the job ends: training is not this thread's business
             log.info("rank %d: receiving from rank %d stopped: %s", self.rank, src, e)
@@ -362,23 +403,23 @@ class ScheduledTransport:
         sends must complete); True when each landed inside ``dst``."""
         inside = [dst is not None and 0 <= off and size >= 0 and off + size <= length for off, size in table]
         direct = self.device.type == "cpu"
-        bufs = [] if direct else [torch.empty(max(buf_bytes, 1), dtype=torch.uint8, device=self.device)
-                                  for _ in range(max(nbuf, 1))]
         window = max(nbuf, 1)
+        need_bufs = not direct or not all(inside)  # GPU staging, or scratch for chunks with nowhere to go
+        bufs = [torch.empty(max(buf_bytes, max((sz for _, sz in table), default=1), 1), dtype=torch.uint8,
+                            device=self.device) for _ in range(window)] if need_bufs else []
 
         def post(i: int):
             off, size = table[i]
             if direct and inside[i]:
                 target = torch.from_numpy(dst[off: off + size])
-            elif direct:
-                target = torch.empty(size, dtype=torch.uint8)
             else:
-                target = bufs[i % window][:size]
+                target = bufs[i % window][:max(size, 0)]
             return dist.irecv(target, src, group=self.data, tag=TAG_CHUNK), target
 
         pending = [post(i) for i in range(min(window, len(table)))]
         for i, (off, size) in enumerate(table):
             work, target = pending[i]
+            pending[i] = None
             work.wait()
             if not direct and inside[i]:
                 dst[off: off + size] = target.cpu().numpy()  # GPU: device -> host (shared memory)
@@ -396,7 +437,12 @@ class ScheduledTransport:
         except Exception as e:
             log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, step, src, e)
             info = {"ignored": True}
-        seg = None if info.get("ignored") else shm.open_segment(info["path"], writable=True, populate=False)
+        seg = None
+        if not info.get("ignored"):
+            try:
+                seg = shm.open_segment(info["path"], writable=True, populate=False)
+            except Exception as e:  # received anyway (the sender's sends must complete), then dropped
+                log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, step, src, e)
         try:
             ok = self._receive_chunks(src, table, nbuf, buf_bytes, length, seg.array if seg is not None else None)
         finally:
@@ -406,7 +452,10 @@ class ScheduledTransport:
             return
         covered = sum(size for _, size in table)
         if ok and covered == length:
-            self._recv_clients[src].request("sched_recv_done", src_rank=src, step=step)
+            try:
+                self._recv_clients[src].request("sched_recv_done", src_rank=src, step=step)
+            except Exception as e:  # the agent restarted: this copy is lost, the next one counts
+                log.warning("rank %d: agent did not take step %d of rank %d: %s", self.rank, step, src, e)
         else:
             log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
                         self.rank, step, src, covered, length)
