@@ -74,15 +74,23 @@ class _Sent:
     """One started send. gloo's send work must be waited exactly once (a second ``wait`` blocks for
     a completion that never comes), so every wait goes through :meth:`wait`."""
 
-    __slots__ = ("work", "send", "issued", "finished")
+    __slots__ = ("work", "send", "issued", "finished", "reported", "_lock")
 
     def __init__(self, work: Any, send: Optional[Send], issued: float) -> None:
-        self.work, self.send, self.issued, self.finished = work, send, issued, 0.0
+        self.work, self.send, self.issued, self.finished, self.reported = work, send, issued, 0.0, False
+        self._lock = threading.Lock()  # the sender thread (buffer reuse) and the training thread
 
     def wait(self) -> None:
-        if not self.finished:
-            self.work.wait()
-            self.finished = time.perf_counter()
+        with self._lock:
+            if not self.finished:
+                self.work.wait()
+                self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        """Finished (waited now if it completed); never blocks."""
+        if not self.finished and self.work.is_completed():
+            self.wait()
+        return bool(self.finished)
 
 
 @dataclass
@@ -213,6 +221,7 @@ class ScheduledTransport:
                 pass
 
     def _begin_iteration(self) -> None:
+        self._reap()
         cur, sch = self.current, self.schedule
         if cur is None or sch is None or cur.iteration >= sch.interval_iterations:
             return
@@ -232,6 +241,7 @@ class ScheduledTransport:
             self._q.put((now + s.at, cur, s))
 
     def _end_iteration(self, step: int) -> None:
+        self._reap()
         sch = self.schedule
         if sch is None or step < self.phase or (step - self.phase) % sch.interval_iterations:
             return
@@ -322,13 +332,26 @@ class ScheduledTransport:
         self._buf_work[s.buffer] = sent
         cur.works.append(sent)
 
+    def _report(self, cur: _Transfer, w: _Sent) -> None:
+        if w.send is not None and not w.reported:
+            w.reported = True
+            self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
+            cur.sent += w.send.size
+
+    def _reap(self) -> None:
+        """Report the chunks that completed since the last look (at iteration boundaries, so that a
+        transfer spread over iterations shows its chunks as they go)."""
+        cur = self.current
+        if cur is not None:
+            for w in list(cur.works):
+                if w.done():
+                    self._report(cur, w)
+
     def _wait_works(self, cur: _Transfer) -> None:
         try:
             for w in cur.works:
                 w.wait()
-                if w.send is not None:
-                    self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
-                    cur.sent += w.send.size
+                self._report(cur, w)
         finally:
             cur.works.clear()
             self._buf_work.clear()
