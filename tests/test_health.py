@@ -14,6 +14,7 @@ import uuid
 import pytest
 
 from megatron_ft import config as ftconfig
+from megatron_ft import sim
 from megatron_ft.demo import free_port
 from megatron_ft.health.store import StoreClient, StoreUnavailable
 from megatron_ft.launch import claim_failed_node
@@ -142,15 +143,8 @@ FAST_HEALTH = {"heartbeat_s": 0.1, "timeout_s": 1.0}
 
 
 def wait_for(what, fn, timeout=30.0, cluster=None):
-    deadline = time.time() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.time() > deadline:
-            logs = "\n".join(a.log()[-2000:] for a in cluster.agents) if cluster else ""
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.05)
+    logs = (lambda: "\n".join(a.log()[-2000:] for a in cluster.agents)) if cluster else (lambda: "")
+    return sim.wait_for(what, fn, timeout, logs)
 
 
 def verdict(client, n):

@@ -5,13 +5,12 @@ removal of its shared memory; a fresh agent takes its place and the rank is rest
 from the group (or, past the scheme's tolerance, from disk)."""
 import logging
 import os
-import time
 
 import pytest
 import torch
 
 from megatron_ft.protocol import AgentClient, AgentError
-from megatron_ft.sim import LocalCluster
+from megatron_ft.sim import LocalCluster, wait_for
 
 
 def make_model(rank, seed):
@@ -190,9 +189,7 @@ def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
     trainer = AgentClient(cluster.agents[0].sock)
     trainer.connect({"rank": 0, "run_id": cluster.run_id})
     trainer.close(orderly=False)  # the trainer process dies
-    deadline = time.time() + 10
-    while pins()[2] and time.time() < deadline:
-        time.sleep(0.05)
+    wait_for("the lost trainer's pin to be released", lambda: pins()[2] == 0, 10.0, cluster.agents[0].log)
     assert pins()[2] == 0
     with pytest.raises(AgentError, match="does not hold step 7 clean"):
         transport.request("sched_pin", rank=0, step=7)

@@ -69,6 +69,20 @@ def snapshot_bytes(objs: Any) -> Optional[int]:
         return None
 
 
+def end_profile(prof: Profiler, directory: Optional[str], nbytes: Optional[int] = None) -> Optional[str]:
+    """Stop feeding ``prof``, take megatron-core's wrappers off when nothing else uses them (the
+    iterations after the profile run exactly as without it), and write the profile (when
+    ``directory`` is given and it recorded something); returns the file's path."""
+    mhooks.HOOKS.remove_sink(prof.record)
+    if not mhooks.HOOKS.active:
+        mhooks.uninstall()
+    if directory is None or not prof.iterations:
+        return None
+    path = prof.write(directory, nbytes)
+    log.info("profile: %d iterations of rank %d in %s", len(prof.iterations), prof.rank, path)
+    return path
+
+
 class ProfilingHooks:
     """Training-loop hooks that profile the first ``iterations`` iterations around ``inner``."""
 
@@ -108,14 +122,8 @@ class ProfilingHooks:
 
     def _finish(self) -> None:
         prof, self.profiler = self.profiler, None
-        if prof is None:
-            return
-        mhooks.HOOKS.remove_sink(prof.record)
-        if not mhooks.HOOKS.active:
-            mhooks.uninstall()
-        if prof.iterations:
-            self.path = prof.write(self.directory, snapshot_bytes(self._objs))
-            log.info("profile: %d iterations of rank %d in %s", len(prof.iterations), prof.rank, self.path)
+        if prof is not None:
+            self.path = end_profile(prof, self.directory, snapshot_bytes(self._objs))
 
     def close(self) -> None:
         """Write what was recorded if the run ended before W iterations (``complete: false``)."""

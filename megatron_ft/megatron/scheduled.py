@@ -22,6 +22,7 @@ from ..schedule.profiler import Profiler, summarize_rank
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
 from . import hooks as mhooks
+from .profiling import end_profile
 
 log = logging.getLogger("megatron_ft.transport")
 
@@ -43,15 +44,19 @@ class ScheduledHooks:
                                                      {"planned_iterations": self.planned_after})
         mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
         self.iteration_start = 0.0
-        self.iteration = -1
-        self.planned = False
+        self.iteration = -1  # the current iteration (0-based), and the transport's mode in it
+        self.label = ""
+        self.plan_info: Optional[dict] = None  # set once planned
         self.rotation: list[tuple[str, Optional[SendSchedule]]] = []  # schedule.compare_modes (benchmarks)
         self.rotation_index = 0
         self.segment_end = -1
-        self._prev: Optional[tuple[int, str, float]] = None
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
         self.run_dir = os.environ.get("MFT_RUN_DIR")
+
+    @property
+    def planned(self) -> bool:
+        return self.plan_info is not None
 
     def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
         if self.profiler is not None:
@@ -62,11 +67,11 @@ class ScheduledHooks:
 
     def before_iteration(self, iteration: int) -> None:
         now = time.perf_counter()
-        if self._prev is not None and self.planned and len(self.iteration_s) < MAX_ITERATIONS_KEPT:
-            # start to start: the snapshot and the "end" sends count
-            self.iteration_s.append([self._prev[0], self._prev[1], now - self._prev[2]])
-        self._prev = (iteration, self.transport.label, now)
+        if self.iteration >= 0 and self.label and len(self.iteration_s) < MAX_ITERATIONS_KEPT:
+            # the previous iteration, start to start: its snapshot and "end" sends count
+            self.iteration_s.append([self.iteration, self.label, now - self.iteration_start])
         self.iteration, self.iteration_start = iteration, now
+        self.label = self.transport.label if self.planned else ""
         if self.profiler is not None:
             self.profiler.begin_iteration(iteration)
         mhooks.HOOKS.begin_iteration(iteration)
@@ -99,9 +104,7 @@ class ScheduledHooks:
 
     def _write_profile(self) -> None:
         prof, self.profiler = self.profiler, None
-        mhooks.HOOKS.remove_sink(prof.record)
-        if self.run_dir:
-            prof.write(os.path.join(self.run_dir, "profile"))
+        end_profile(prof, os.path.join(self.run_dir, "profile") if self.run_dir else None)
 
     def _plan(self, step: int) -> None:
         sc = self.cfg.schedule
@@ -129,7 +132,6 @@ class ScheduledHooks:
         for mode in modes:  # the same order on every rank: agree() is collective
             sched = None if mode == "local" else self._schedule(mode, nbytes, link, spans, bubbles, peer)
             agreed.append((mode, self.transport.agree(sched) if mode != "local" else None))
-        self.planned = True
         if sc.compare_modes:
             self.rotation, self.rotation_index = agreed, 0
             self.segment_end = step + self._segment(agreed[0][1])
@@ -171,8 +173,6 @@ class ScheduledHooks:
         finally:
             if self.profiler is not None:
                 self._write_profile()
-            if not mhooks.HOOKS.active:
-                mhooks.uninstall()
             self._write()
 
     def _write(self) -> None:
@@ -181,7 +181,7 @@ class ScheduledHooks:
         out = {"format": TRANSPORT_FORMAT, "version": TRANSPORT_VERSION, "rank": self.rank,
                "dsts": self.transport.dsts, "srcs": self.transport.srcs,
                "schedule": (self.plan_info["schedules"].get(self.cfg.schedule.mode) or next(
-                   (v for v in self.plan_info["schedules"].values() if v), None)), "plan": getattr(self, "plan_info", {}),
+                   (v for v in self.plan_info["schedules"].values() if v), None)), "plan": self.plan_info,
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
                "stall_by_mode": self.transport.stall_by_mode,
                "iteration_s": self.iteration_s, "actual": self.actual}

@@ -6,8 +6,9 @@ while the next one arrives, and tells its agent when every chunk is there.
 Byte path of one transfer of version ``S`` from rank ``r`` (node A) to rank ``r'`` (same local
 index on node B, which holds ``copy.r{r}``)::
 
-    A: agent slot of S (pinned: sched_pin) --copy--> sub-buffer b --isend--> B: receive buffer b'
-    B: receive buffer b' --copy--> agent block copy.r{r}, version S (sched_recv_begin)
+    A: agent slot of S (pinned: sched_pin) --(GPU: H2D)--> sub-buffer b --isend--> B: buffer b'
+    B: buffer b' --(GPU: D2H)--> agent block copy.r{r}, version S (sched_recv_begin)
+    (on CPU the sub-buffers are windows of the slot and of the block: no copies but the kernel's)
     B: after the last chunk: sched_recv_done -> B's agent marks the block complete, announces S
 
 ``S`` is the step every rank agreed on (the snapshot engine's ``last_agreed``, read where the engine is
@@ -100,14 +101,14 @@ class _Transfer:
     started_at: int  # the snapshot step after which it started
     iteration: int = 0  # next iteration of the schedule to run
     works: list = field(default_factory=list)  # _Sent
-    done: threading.Event = field(default_factory=threading.Event)
     sent: int = 0
 
 
 class ScheduledTransport:
     """One per trainer rank. The training loop calls :meth:`begin_iteration` at the start of each
     iteration and :meth:`end_iteration` after the optimizer step, before the next snapshot starts
-    (the snapshot engine is idle there); :meth:`set_schedule` once the profile is planned."""
+    (the snapshot engine is idle there); :meth:`agree` (collective) and :meth:`use` once the profile
+    is planned."""
 
     def __init__(self, cfg: Any, rank: int, agent_socket: str, hello: dict, last_agreed: Callable[[], int],
                  emit: Optional[Callable[..., None]] = None):
@@ -137,8 +138,7 @@ class ScheduledTransport:
         self.current: Optional[_Transfer] = None
         self.last_step = -1
         self.records: list[dict] = []  # one per finished transfer (benchmarks, timeline)
-        self.stall_s = 0.0  # training time spent waiting on the transport
-        self.stall_by_mode: dict[str, float] = {}
+        self.stall_by_mode: dict[str, float] = {}  # training time spent waiting on the transport
         self._bufs: list[torch.Tensor] = []
         self._buf_work: dict[int, Any] = {}
         self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
@@ -179,10 +179,6 @@ class ScheduledTransport:
                      self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, schedule.buffers,
                      schedule.buffer_bytes)
 
-    def set_schedule(self, schedule: Optional[SendSchedule], start_step: int) -> None:
-        """:meth:`agree` then :meth:`use` (collective)."""
-        self.use(self.agree(schedule), start_step)
-
     def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
         """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
         cap = 64
@@ -216,7 +212,7 @@ class ScheduledTransport:
                       self.rank, e)
             self.schedule, self.current = None, None
             try:
-                self.client.request("sched_unpin", rank=self.rank, step=-1)
+                self.client.request("sched_unpin", rank=self.rank)
             except Exception:
                 pass
 
@@ -261,7 +257,7 @@ class ScheduledTransport:
         try:
             seg = shm.open_segment(info["path"], writable=False, populate=False)  # read-only: never written here
         except Exception:
-            self.client.request("sched_unpin", rank=self.rank, step=agreed)
+            self.client.request("sched_unpin", rank=self.rank)
             raise
         cur = _Transfer(agreed, seg, step)
         self.current, self.last_step = cur, agreed
@@ -306,8 +302,11 @@ class ScheduledTransport:
             for cl in [self.client, *self._recv_clients.values()]:
                 cl.close(orderly=True)
 
+    @property
+    def stall_s(self) -> float:
+        return sum(self.stall_by_mode.values())
+
     def _stalled(self, seconds: float) -> None:
-        self.stall_s += seconds
         self.stall_by_mode[self.label] = self.stall_by_mode.get(self.label, 0.0) + seconds
 
     # ------------------------------------------------------------------ sending
@@ -394,7 +393,7 @@ class ScheduledTransport:
             log.warning("rank %d: scheduled transfer of step %d failed: %s", self.rank, cur.step, e)
         waited = time.perf_counter() - t0
         try:
-            self.client.request("sched_unpin", rank=self.rank, step=cur.step)
+            self.client.request("sched_unpin", rank=self.rank)
         except Exception as e:
             log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
         cur.seg.close()
