@@ -132,7 +132,11 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
     with open(tmp_path / "demo" / "run" / "profile" / "rank0.json") as f:
         prof = json.load(f)
     kinds = {e["kind"] for it in prof["iterations"] for e in it["events"]}
-    assert {"compute", "send", "recv", "optimizer", "ckpt"} <= kinds, kinds
+    with open(tmp_path / "demo" / "run" / "transport" / "rank0.json") as f:
+        rec0 = json.load(f)
+    assert {"compute", "send", "recv", "optimizer", "ckpt"} <= kinds, (
+        kinds, [it["iteration"] for it in prof["iterations"]], rec0["plan"]["planned_at_step"],
+        [(t["step"], t["started_after"]) for t in rec0["transfers"]])
     assert prof["meta"]["planned_iterations"] >= 2
 
 

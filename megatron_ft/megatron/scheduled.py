@@ -27,7 +27,8 @@ from .profiling import end_profile
 log = logging.getLogger("megatron_ft.transport")
 
 TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
-TRAFFIC_ITERATIONS = 3  # iterations profiled after the plan, with its chunks (for the timeline)
+TRAFFIC_ITERATIONS = 3  # iterations profiled from the first transfer on, with its chunks (for the timeline)
+WAIT_ITERATIONS = 20  # at most this many iterations after the plan wait for the first transfer
 MAX_ACTUAL, MAX_ITERATIONS_KEPT = 4096, 20000  # bounded records for the transport file
 
 
@@ -40,8 +41,12 @@ class ScheduledHooks:
         self.transport = ScheduledTransport(cfg, ckpt.rank, ckpt.client.socket_path, hello,
                                             lambda: ckpt.engine.last_agreed, emit=self._actual)
         self.planned_after = cfg.schedule.profile_iterations  # plan from these (no checkpoint traffic yet)
-        self.profiler: Optional[Profiler] = Profiler(self.rank, self.planned_after + TRAFFIC_ITERATIONS,
-                                                     {"planned_iterations": self.planned_after})
+        # the profile ends TRAFFIC_ITERATIONS after the first transfer started (the first snapshot
+        # agreed after the plan can come a few iterations late, on a loaded machine), or at the limit
+        self.profiler: Optional[Profiler] = Profiler(
+            self.rank, self.planned_after + WAIT_ITERATIONS + TRAFFIC_ITERATIONS,
+            {"planned_iterations": self.planned_after})
+        self.traffic_from: Optional[int] = None  # profiled iterations before the first transfer
         mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
         self.iteration_start = 0.0
         self.iteration = -1  # the current iteration (0-based), and the transport's mode in it
@@ -79,9 +84,8 @@ class ScheduledHooks:
 
     def after_iteration(self, step: int) -> None:
         mhooks.HOOKS.end_iteration()
-        done = False
         if self.profiler is not None:
-            done = self.profiler.end_iteration()
+            self.profiler.end_iteration()
             if len(self.profiler.iterations) == self.planned_after and not self.planned:
                 self._plan(step)
         if self.rotation and step == self.segment_end:
@@ -90,8 +94,12 @@ class ScheduledHooks:
             self.transport.use(sched, step, mode)
             self.segment_end = step + self._segment(sched)
         self.transport.end_iteration(step)  # finishes the last transfer: its chunks reach the profile
-        if done:
-            self._write_profile()
+        if self.profiler is not None:
+            n = len(self.profiler.iterations)
+            if self.traffic_from is None and self.transport.last_step >= 0:
+                self.traffic_from = n  # its chunks go out from the next iteration on
+            if self.profiler.done or (self.traffic_from is not None and n >= self.traffic_from + TRAFFIC_ITERATIONS):
+                self._write_profile()
 
     # ------------------------------------------------------------------ planning (collective)
     def _container_bytes(self) -> int:
