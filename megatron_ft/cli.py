@@ -1,4 +1,4 @@
-"""The ``megatron-ft`` command: launch, demo, status, simulate, plan, timeline."""
+"""The ``megatron-ft`` command: launch, demo, status, simulate, plan, timeline, shm-mount."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +27,24 @@ def _status(args: argparse.Namespace) -> int:
     return rc
 
 
+def _shm_mount(args: argparse.Namespace) -> int:
+    from . import shm
+
+    if args.check:
+        backing = shm.page_backing(args.directory)
+        print(f"{args.directory}: {backing} pages" + ("" if backing == shm.HUGE else
+              " (a restore reads 4 KiB pages; `megatron-ft shm-mount DIR --size S` mounts a huge-page tmpfs)"))
+        return 0 if backing == shm.HUGE else 1
+    try:
+        backing = shm.mount_huge_tmpfs(args.directory, args.size, args.huge)
+    except (ValueError, shm.SharedMemoryError) as e:
+        print(f"megatron-ft shm-mount: {e}", file=sys.stderr)
+        return 2
+    print(f"mounted a tmpfs at {args.directory} (size {args.size}, huge={args.huge}): {backing} pages; "
+          f"set agent.shm_dir: {args.directory}")
+    return 0 if backing == shm.HUGE else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ft", description="in-memory fault tolerance for Megatron / DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -43,6 +61,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from .schedule import timeline
 
     timeline.add_parser(sub)  # issue 4: profiled timelines and the checkpoint plan
+    p = sub.add_parser("shm-mount", help="mount a huge-page tmpfs for agent.shm_dir (root), or --check a directory")
+    p.add_argument("directory", help="absolute path of the mount point (created if missing)")
+    p.add_argument("--size", default="50%", help="tmpfs size: bytes, k/m/g suffix or %% of RAM (default 50%%)")
+    p.add_argument("--huge", default="always", help="tmpfs huge= option: always (default), within_size, advise")
+    p.add_argument("--check", action="store_true", help="only say which pages DIRECTORY has (exit 1: not huge)")
+    p.set_defaults(func=_shm_mount)
     p = sub.add_parser("status", help="print every agent's version table")
     p.add_argument("--config", default=None)
     p.set_defaults(func=_status)

@@ -16,6 +16,7 @@ model half overwritten.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checksum, snapfile
+from . import checksum, shm, snapfile
 from .agent import persist
 from .layout import Layout
 from .protocol import AgentClient, AgentError
@@ -60,13 +61,16 @@ class RestoreResult:
 
 
 class Container:
-    """A snapshot container (shared-memory slot or persisted file), read with ``pread``.
+    """A snapshot container (shared-memory slot or persisted file).
 
-    Reading with ``pread`` instead of mapping the file avoids building (and tearing down) page
-    tables for every page of a multi-GiB slot: the kernel copies straight into the tensors."""
+    Read with ``pread`` from 4 KiB-page memory and from disk: mapping such a file would build
+    (and tear down) a page-table entry for every 4 KiB of a multi-GiB slot. Mapped when the slot
+    is on a huge-page tmpfs (:func:`megatron_ft.shm.page_backing`): one entry per 2 MiB, so the
+    bytes go from the slot into the tensors in one pass, without the kernel's copy."""
 
     def __init__(self, path: str):
         self.path = path
+        self.mapped = STREAMING_RESTORE and shm.page_backing(os.path.dirname(path) or ".") == shm.HUGE
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -114,6 +118,8 @@ class Container:
         views = {n: targets[n].saved_view().reshape(-1) for n in names}
         all_pieces = self.layout.all_pieces()
         buffers = threading.local()  # one read buffer per worker thread
+        mapping = self._map() if self.mapped else None
+        src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
 
         def one_chunk(i: int) -> Optional[str]:
             lo, hi = self.layout.chunk_bounds(i)
@@ -121,7 +127,10 @@ class Container:
             for p in all_pieces[i]:
                 dst = views[names[p.entry_index]]
                 at = base + p.dst_offset
-                if dst.device.type == "cpu" and STREAMING_RESTORE:
+                if dst.device.type == "cpu" and src is not None:  # huge-page slot: straight from the mapping
+                    part = _byte_view(dst)[p.src_start:p.src_end].numpy()
+                    chunk.copy_to(p.dst_offset - lo, part, src[at: at + part.size])
+                elif dst.device.type == "cpu" and STREAMING_RESTORE:
                     part = _byte_view(dst)[p.src_start:p.src_end].numpy()  # numpy: cheap slices
                     if not hasattr(buffers, "block"):
                         buffers.block = np.empty(READ_BLOCK, np.uint8)
@@ -145,14 +154,27 @@ class Container:
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
         workers = max(1, min(RESTORE_THREADS, self.layout.num_chunks))
-        if workers == 1:
-            errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
-                errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
+        try:
+            if workers == 1:
+                errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
+            else:
+                with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
+                    errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
+        finally:
+            if mapping is not None:
+                del src
+                mapping.close()
         bad = [e for e in errors if e]
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
+
+    def _map(self) -> mmap.mmap:
+        """The whole container, read-only. A file shorter than its header says is refused here:
+        reading past its end through a mapping would be SIGBUS, not an error."""
+        need, size = self.header.geometry.data_off + self.layout.data_nbytes, os.fstat(self.fd).st_size
+        if size < need:
+            raise snapfile.SnapshotFormatError(f"{self.path}: snapshot ends early ({size} bytes, needs {need})")
+        return mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
 
     def close(self) -> None:
         try:

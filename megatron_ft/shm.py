@@ -98,6 +98,94 @@ def open_segment(path: str, writable: bool = True, populate: bool = True) -> Seg
     return Segment(path, size, mm)
 
 
+# ---------------------------------------------------------------------------------- page size
+# A tmpfs mounted with ``huge=always`` (or ``within_size``) backs files with 2 MiB pages. On this
+# kind of machine that makes a restore's read ~2.5x cheaper in CPU (no per-4-KiB-page work in the
+# kernel), mapping a populated 1 GiB slot ~100x cheaper (512x fewer page-table entries) and the
+# first touch of a new slot cheaper. ``megatron-ft shm-mount DIR --size S`` mounts one (root).
+HUGE, ADVISE, SMALL = "huge", "advise", "small"
+_THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def _mount_of(path: str, mounts: str) -> Optional[tuple[str, str, list[str]]]:
+    """(mount point, fs type, options) of the mount holding ``path`` (longest matching mount point)."""
+    best = None
+    for line in mounts.splitlines():
+        f = line.split()
+        if len(f) < 4:
+            continue
+        point = f[1].replace("\\040", " ")
+        if path == point or path.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) >= len(best[0]):
+                best = (point, f[2], f[3].split(","))
+    return best
+
+
+def page_backing(directory: str, mounts: Optional[str] = None, thp_shmem: Optional[str] = None) -> str:
+    """How a tmpfs directory backs its files: ``huge`` (2 MiB pages for every file), ``advise``
+    (only mappings that ask, madvise) or ``small`` (4 KiB pages; also: not a tmpfs, or unknown).
+
+    ``mounts`` (``/proc/mounts`` text) and ``thp_shmem`` (the ``shmem_enabled`` line, whose
+    ``[choice]`` is the setting; ``force``/``deny`` override every tmpfs) are read from the
+    system when not given."""
+    try:
+        if mounts is None:
+            with open("/proc/mounts", encoding="utf-8") as f:
+                mounts = f.read()
+        if thp_shmem is None:
+            with open(_THP_SHMEM, encoding="utf-8") as f:
+                thp_shmem = f.read()
+    except OSError:
+        mounts, thp_shmem = mounts or "", thp_shmem or ""
+    chosen = re.search(r"\[(\w[\w_]*)\]", thp_shmem)
+    override = chosen.group(1) if chosen else ""
+    m = _mount_of(os.path.realpath(directory), mounts)
+    if m is None or m[1] != "tmpfs":
+        return SMALL
+    if override == "deny":
+        return SMALL
+    if override == "force":
+        return HUGE
+    huge = next((o.split("=", 1)[1] for o in m[2] if o.startswith("huge=")), "never")
+    return {"always": HUGE, "within_size": HUGE, "advise": ADVISE}.get(huge, SMALL)
+
+
+_SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG%]?$")
+HUGE_MODES = ("always", "within_size", "advise")
+
+
+def mount_command(directory: str, size: str, huge: str = "always") -> list[str]:
+    """``mount`` argv for a tmpfs at ``directory`` of ``size`` (tmpfs syntax: bytes, or k/m/g
+    suffix, or % of RAM) with ``huge`` pages; bad values raise ValueError naming them."""
+    if not _SIZE_RE.match(size or ""):
+        raise ValueError(f"size {size!r} is not a tmpfs size: a positive number with an optional k, m, g or % "
+                         f"suffix (e.g. 20g or 80%)")
+    if huge not in HUGE_MODES:
+        raise ValueError(f"huge {huge!r} is not one of {list(HUGE_MODES)}")
+    if not os.path.isabs(directory):
+        raise ValueError(f"directory {directory!r} must be an absolute path")
+    return ["mount", "-t", "tmpfs", "-o", f"size={size},huge={huge},mode=1777", "megatron-ft-shm", directory]
+
+
+def mount_huge_tmpfs(directory: str, size: str, huge: str = "always") -> str:
+    """Mount a huge-page tmpfs at ``directory`` (created if missing; needs root or CAP_SYS_ADMIN)
+    and return its :func:`page_backing`. An existing mount there is left alone and reported."""
+    import subprocess
+
+    cmd = mount_command(directory, size, huge)
+    here = _mount_of(os.path.realpath(directory), open("/proc/mounts", encoding="utf-8").read()) \
+        if os.path.isdir(directory) else None
+    if here is not None and here[0] == os.path.realpath(directory):
+        raise SharedMemoryError(f"{directory} is already a mount point ({here[1]}, {','.join(here[2])}); "
+                                f"unmount it first (umount {directory}) or use it as it is")
+    os.makedirs(directory, exist_ok=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise SharedMemoryError(f"`{' '.join(cmd)}` failed ({out.returncode}): {out.stderr.strip()} "
+                                f"(mounting needs root or CAP_SYS_ADMIN)")
+    return page_backing(directory)
+
+
 def segment_name(run_id: str, node: int, rank: int, slot: int) -> str:
     return f"mft.{run_id}.n{node}.r{rank}.s{slot}"
 

@@ -1,5 +1,7 @@
-"""Container.load_verified: the read + verify pass of a restore, on both read paths (block buffer +
-streaming copy with the native library; straight into the tensors + numpy-compatible sum without)."""
+"""Container.load_verified: the read + verify pass of a restore, on its three read paths: block
+buffer + streaming copy (native library, 4 KiB-page memory or disk), straight from a mapping of the
+slot (native library, huge-page tmpfs) and straight into the tensors + numpy-compatible sum (no
+native library)."""
 import mmap
 import os
 
@@ -7,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ft import checksum, recovery, snapfile
+from megatron_ft import checksum, recovery, shm, snapfile
 from megatron_ft.layout import plan_layout
 from megatron_ft.state import StateTensor
 
 IDENTITY = {"run_id": "t", "rank": 0, "world_size": 1}
-PATHS = [pytest.param(True, id="block-buffer"), pytest.param(False, id="in-place")]
+PATHS = ["block-buffer", "mapped", "in-place"]
 
 
 def make_tensors(seed=0):
@@ -53,9 +55,11 @@ def write_container(path, tensors, chunk=8192):
     return lay, g
 
 
-def load(path, dst):
+def load(path, dst, expect_mapped=None):
     cont = recovery.Container(path)
     try:
+        if expect_mapped is not None:
+            assert cont.mapped == expect_mapped
         cont.check_identity(IDENTITY, 1)
         cont.load_verified({n: StateTensor(n, t) for n, t in dst.items()})
     finally:
@@ -64,12 +68,17 @@ def load(path, dst):
 
 @pytest.fixture
 def read_path(request, monkeypatch):
-    streaming = request.param
-    if streaming and not checksum.HAVE_NATIVE:
+    """Selects the read path. "mapped" is chosen for a huge-page tmpfs; here the container's
+    directory is declared one (the mapping code is the same on any file; a real huge-page mount is
+    tested in test_huge_page_tmpfs_restore_reads_the_mapping)."""
+    path = request.param
+    if path != "in-place" and not checksum.HAVE_NATIVE:
         pytest.skip("native library not built")
-    monkeypatch.setattr(recovery, "STREAMING_RESTORE", streaming)
+    monkeypatch.setattr(recovery, "STREAMING_RESTORE", path != "in-place")
     monkeypatch.setattr(recovery, "READ_BLOCK", 4096)  # pieces span several read blocks
-    return streaming
+    backing = shm.HUGE if path == "mapped" else shm.SMALL
+    monkeypatch.setattr(recovery.shm, "page_backing", lambda directory: backing)
+    return path
 
 
 @pytest.mark.parametrize("read_path", PATHS, indirect=True)
@@ -78,7 +87,7 @@ def test_restore_is_bit_exact(tmp_path, read_path):
     write_container(tmp_path / "s.mft", src)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
-    load(tmp_path / "s.mft", dst)
+    load(tmp_path / "s.mft", dst, expect_mapped=read_path == "mapped")
     for n in src:
         assert torch.equal(src[n], dst[n]), n
 
@@ -114,3 +123,15 @@ def test_streaming_copy_matches_checksum(dst_offset):
         assert cs.finish() == checksum.checksum_numpy(src)
         assert np.array_equal(out[base: base + n], src)
         assert not out[:base].any() and not out[base + n:].any()
+
+
+@pytest.mark.parametrize("read_path", PATHS, indirect=True)
+def test_a_short_container_is_refused_before_reading(tmp_path, read_path):
+    """A slot cut short (a torn file) is an error on every path; through a mapping, reading past
+    the end would be SIGBUS, so the size is checked first."""
+    src = make_tensors()
+    lay, g = write_container(tmp_path / "s.mft", src)
+    os.truncate(tmp_path / "s.mft", g.data_off + lay.data_nbytes - 100)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    with pytest.raises(snapfile.SnapshotFormatError, match="ends early"):
+        load(tmp_path / "s.mft", dst)

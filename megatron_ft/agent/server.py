@@ -487,7 +487,13 @@ class Agent:
         self._server = Server(self.socket_path, Handler)
         self._persist_thread = threading.Thread(target=self._persist_loop, name="persist", daemon=True)
         self._persist_thread.start()
-        log.info("agent node %d (pid %d) serving on %s", self.node, os.getpid(), self.socket_path)
+        backing = shm.page_backing(self.cfg.agent.shm_dir)
+        log.info("agent node %d (pid %d) serving on %s; shared memory in %s (%s pages)", self.node, os.getpid(),
+                 self.socket_path, self.cfg.agent.shm_dir, "2 MiB" if backing == shm.HUGE else "4 KiB")
+        if backing != shm.HUGE:
+            log.info("agent node %d: %s has 4 KiB pages; a huge-page tmpfs restores ~2x faster: "
+                     "`megatron-ft shm-mount DIR --size S` (root), then agent.shm_dir: DIR", self.node,
+                     self.cfg.agent.shm_dir)
         try:
             self._server.serve_forever(poll_interval=0.2)
         finally:
