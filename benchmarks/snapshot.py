@@ -36,10 +36,14 @@ versus off; median iteration time excluding the first 5 iterations.
 Usage::
 
     python benchmarks/snapshot.py [--sizes 256,1024] [--ranks 1,2,4] [--reps 3] [--out docs/benchmarks.md] [--quick]
+                                  [--shm-dir DIR | --huge-shm]
     python benchmarks/snapshot.py --demo-iterations [--out docs/benchmarks.md]
 
-Everything the benchmark creates (agent shared memory ``/dev/shm/mft.<run id>*``, torch/DCP files,
-child processes, the temporary directory) is removed on exit, also on errors and Ctrl-C.
+Every method's buffers and files are in ``--shm-dir`` (default /dev/shm; ``--huge-shm`` mounts a
+huge-page tmpfs for the run with ``megatron-ft shm-mount`` and reports to its own subsection).
+
+Everything the benchmark creates (agent shared memory ``<shm dir>/mft.<run id>*``, torch/DCP files,
+child processes, a tmpfs it mounted, the temporary directory) is removed on exit, also on errors and Ctrl-C.
 """
 from __future__ import annotations
 
@@ -75,7 +79,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron_ft import checksum  # noqa: E402
+from megatron_ft import checksum, shm  # noqa: E402
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.layout import ALIGNMENT, Layout  # noqa: E402
 from megatron_ft.protocol import AgentClient, socket_path  # noqa: E402
@@ -88,7 +92,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 SECTION = "## Snapshot benchmark (issue 2)"
 DEMO_HEADING = "### Demo iteration time"
-SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"  # default for every method's memory; --shm-dir / --huge-shm change it
+HUGE_HEADING = "### On a huge-page tmpfs"
 PROCESS_OVERHEAD = 450 * MiB  # a rank process with torch imported (RSS), for the memory check
 RANK_TIMEOUT_S = 1800.0
 
@@ -266,11 +271,12 @@ class RankContext:
     reps: int
     run_id: str  # per combination
     agent_config: str  # megatron-ft
+    shm_dir: str = SHM_DIR  # every method's files and buffers
     compute_s: float = 0.0  # simulated forward/backward, set after the raw copy
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def path(self, what: str) -> str:
-        return os.path.join(SHM_DIR, f"mft.{self.run_id}.{what}")
+        return os.path.join(self.shm_dir, f"mft.{self.run_id}.{what}")
 
     def barrier(self) -> None:
         dist.barrier()
@@ -573,12 +579,14 @@ def free_port() -> int:
 
 
 class Janitor:
-    """Everything to undo on exit: child processes, shared memory of our run id, the work dir."""
+    """Everything to undo on exit: child processes, shared memory of our run id, a tmpfs we
+    mounted, the work dir."""
 
-    def __init__(self, run_id: str, workdir: str):
-        self.run_id, self.workdir = run_id, workdir
+    def __init__(self, run_id: str, workdir: str, shm_dir: str = SHM_DIR):
+        self.run_id, self.workdir, self.shm_dir = run_id, workdir, shm_dir
         self.popens: list[subprocess.Popen] = []
         self.spawned: list[Any] = []  # torch ProcessContext
+        self.mounted: list[str] = []
 
     def cleanup(self) -> None:
         for ctx in self.spawned:
@@ -590,12 +598,14 @@ class Janitor:
         for p in self.popens:
             kill_tree(p)
         self.popens.clear()
-        remove_shm(self.run_id)
+        remove_shm(self.run_id, self.shm_dir)
+        for d in self.mounted:
+            subprocess.run(["umount", "-l", d], check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def remove_shm(run_id: str) -> None:
-    for path in glob.glob(os.path.join(SHM_DIR, f"mft.{run_id}*")):
+def remove_shm(run_id: str, shm_dir: str) -> None:
+    for path in glob.glob(os.path.join(shm_dir, f"mft.{run_id}*")):
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -638,6 +648,7 @@ class Bench:
     compute_factor: float
     mem_budget: int
     janitor: Janitor
+    shm_dir: str = SHM_DIR
 
     def combo_run_id(self, c: ComboResult) -> str:
         return f"{self.run_id}-{c.size_mib}m{c.ranks}r"
@@ -648,7 +659,7 @@ class Bench:
         out_dir = os.path.join(self.workdir, "results", f"{c.size_mib}m{c.ranks}r")
         os.makedirs(out_dir, exist_ok=True)
         params = dict(size_bytes=c.size_mib * MiB, reps=self.reps, run_id=self.combo_run_id(c),
-                      agent_config=agent_config, compute_factor=self.compute_factor)
+                      agent_config=agent_config, compute_factor=self.compute_factor, shm_dir=self.shm_dir)
         ctx = mp.start_processes(_rank_entry, args=(c.ranks, free_port(), params, out_dir),
                                  nprocs=c.ranks, join=False, start_method="spawn")
         self.janitor.spawned.append(ctx)
@@ -681,7 +692,7 @@ def agent_config(b: Bench, c: ComboResult) -> tuple[ftconfig.FTConfig, str]:
     run_id = b.combo_run_id(c)
     cfg = ftconfig.replace(ftconfig.FTConfig(), run_id=run_id,
                            cluster={"nodes": 1, "ranks_per_node": c.ranks}, parallel={"tensor": 1, "pipeline": 1},
-                           agent={"shm_dir": SHM_DIR, "socket_dir": os.path.join(b.workdir, "sock")},
+                           agent={"shm_dir": b.shm_dir, "socket_dir": os.path.join(b.workdir, "sock")},
                            persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False})
     path = os.path.join(b.workdir, f"{run_id}.yaml")
     with open(path, "w") as f:
@@ -723,9 +734,9 @@ def fits(b: Bench, size_mib: int, ranks: int) -> str:
     avail = mem_available()
     if need > avail - 512 * MiB:
         return f"needs ~{need / GiB:.1f} GiB RAM, only {avail / GiB:.1f} GiB available now"
-    st = os.statvfs(SHM_DIR)
+    st = os.statvfs(b.shm_dir)
     if shm_need > st.f_bavail * st.f_frsize:
-        return f"needs {shm_need / GiB:.1f} GiB in {SHM_DIR}, {st.f_bavail * st.f_frsize / GiB:.1f} GiB free"
+        return f"needs {shm_need / GiB:.1f} GiB in {b.shm_dir}, {st.f_bavail * st.f_frsize / GiB:.1f} GiB free"
     return ""
 
 
@@ -757,7 +768,7 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
         if agent is not None:
             kill_tree(agent, grace_s=120)  # normally already gone (rank 0 shut it down)
             b.janitor.popens.remove(agent)
-        remove_shm(b.combo_run_id(c))
+        remove_shm(b.combo_run_id(c), b.shm_dir)
     print(f" {time.time() - t0:.0f} s" + (" (FAILED)" if failure else ""), flush=True)
     for method, cls in RESULT_TYPES.items():
         per_rank = load_samples(out_dir, method, ranks)
@@ -877,7 +888,7 @@ def pass_fail_lines(combos: list[ComboResult]) -> list[str]:
     labels = [
         ("megatron-ft stall per snapshot <= 0.1x the raw copy time of the same bytes", 0),
         ("snapshot clean within 1.5x the raw copy time", 1),
-        ("restore from the agent >= 5x faster than torch.load from /dev/shm + copy into the existing "
+        ("restore from the agent >= 5x faster than torch.load from the same tmpfs + copy into the existing "
          "state (load_state_dict)", 2),
         ("megatron-ft stall below dcp.async_save's stall", 3),
     ]
@@ -918,6 +929,8 @@ def machine() -> str:
 def main_report(combos: list[ComboResult], command: str, args: argparse.Namespace, elapsed: float,
                 load: tuple[float, float]) -> str:
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    shm_dir = args.shm_dir
+    pages = "2 MiB" if shm.page_backing(shm_dir) == shm.HUGE else "4 KiB"
     notes = []
     for c in combos:
         if c.skipped:
@@ -931,7 +944,11 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "What is measured (ranks = separate processes, one gloo group; every repetition starts on all "
         "ranks together and counts its slowest rank; every rank process runs `torch.set_num_threads(1)`):",
         "",
-        "- **raw copy**: one thread copies the state's bytes into an already touched /dev/shm buffer, "
+        f"Memory: every method's buffers and files (raw copy, agent slots, torch.save file, DCP "
+        f"directory) are in `{shm_dir}`, a tmpfs with {pages} pages"
+        + (" (mounted by `--huge-shm`: `megatron-ft shm-mount`)." if args.huge_shm else "."),
+        "",
+        f"- **raw copy**: one thread copies the state's bytes into an already touched {shm_dir} buffer, "
         "with `torch.Tensor.copy_` and with libc `memcpy`; the faster (by median) is the memory limit "
         "every ratio uses.",
         "- **megatron-ft**: a real agent process, per rank AgentClient + SnapshotEngine + a StateAdapter. "
@@ -942,14 +959,14 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "*copy* = the worker's begin..commit; *restore* = `Restorer.restore()` from agent memory "
         "(checksums verified) into the zeroed state tensors; *1st snapshot()* = the warm-up call, "
         "which registers (the agent creates and pre-faults both slots; once per process start).",
-        "- **torch.save** of the same state dict to /dev/shm (stall = clean = save time); restore = "
+        f"- **torch.save** of the same state dict to {shm_dir} (stall = clean = save time); restore = "
         "*torch.load*: `torch.load(weights_only=True)` alone (new tensors, nothing in the model yet), "
         "and *torch.load + copy*: the same followed by `copy_` into the existing (zeroed) state tensors, "
         "which is what `model.load_state_dict` / `optimizer.load_state_dict` do in a restarted trainer "
         "(it builds model and optimizer before loading). The two alternate. The restore target compares "
         "*torch.load + copy* with the megatron-ft restore, which also writes into the existing tensors; "
         "the bare `torch.load` ratio is shown next to it.",
-        "- **dcp**: `torch.distributed.checkpoint.async_save` to a /dev/shm directory (default stager, "
+        f"- **dcp**: `torch.distributed.checkpoint.async_save` to a {shm_dir} directory (default stager, "
         "thread executor, its own gloo group); stall = until it returns, clean = until its future "
         "completes (same simulated compute in between); restore = `dcp.load` in place.",
         "",
@@ -994,12 +1011,14 @@ def demo_report(d: DemoResult, command: str) -> str:
     return "\n".join(lines)
 
 
-def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[str] = None) -> None:
+def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[str] = None,
+               huge_body: Optional[str] = None) -> None:
     """Rewrite this benchmark's section of ``path``; other ``## `` sections stay as they are.
 
     Inside the section, the text before the first ``### `` heading is the main report (replaced
-    by a main run), the ``### Demo iteration time`` subsection is replaced by a demo run, and any
-    other ``### `` subsection (e.g. hand-written analysis) is kept."""
+    by a main run), the ``### Demo iteration time`` subsection is replaced by a demo run, the
+    ``### On a huge-page tmpfs`` subsection by a ``--huge-shm`` run, and any other ``### ``
+    subsection (e.g. hand-written analysis) is kept."""
     text = open(path, encoding="utf-8").read() if os.path.exists(path) else "# Benchmarks\n"
     lines = text.splitlines()
     start = next((i for i, ln in enumerate(lines) if ln.strip() == SECTION), None)
@@ -1013,12 +1032,14 @@ def update_doc(path: str, main_body: Optional[str] = None, demo_body: Optional[s
     subs = ["\n".join(old[a:b]).strip() for a, b in zip(heads, heads[1:] + [len(old)])]
     if main_body is not None:
         main_part = main_body.strip()
-    if demo_body is not None:
-        demo = [i for i, sub in enumerate(subs) if sub.startswith(DEMO_HEADING)]
-        if demo:
-            subs[demo[0]] = demo_body.strip()
+    for heading, body in ((DEMO_HEADING, demo_body), (HUGE_HEADING, huge_body)):
+        if body is None:
+            continue
+        at = [i for i, sub in enumerate(subs) if sub.startswith(heading)]
+        if at:
+            subs[at[0]] = body.strip()
         else:
-            subs.insert(0, demo_body.strip())
+            subs.insert(0, body.strip())
     section = [SECTION, ""]
     for part in [main_part] + subs:
         if part:
@@ -1078,7 +1099,7 @@ def run_demo_job(b: Bench, name: str, iters: int, inmem: bool) -> float:
     finally:
         kill_tree(p)
         b.janitor.popens.remove(p)
-        remove_shm(run_id)
+        remove_shm(run_id, SHM_DIR)
     if rc != 0:
         tail = open(log_path, errors="replace").read()[-3000:]
         raise RuntimeError(f"demo ({name}) exited with {rc}:\n{tail}")
@@ -1134,6 +1155,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help="markdown file to update (default docs/benchmarks.md; --quick writes only if given)")
     p.add_argument("--quick", action="store_true", help="tiny state (8 MiB), 1-2 ranks: a smoke run < 1 min")
+    p.add_argument("--shm-dir", default=SHM_DIR,
+                   help=f"tmpfs for every method's buffers and files (default {SHM_DIR})")
+    p.add_argument("--huge-shm", action="store_true",
+                   help="mount a huge-page tmpfs for the run (`megatron-ft shm-mount`, needs root) and use it "
+                        "as --shm-dir; the report goes to its own subsection")
     p.add_argument("--demo-iterations", action="store_true",
                    help="instead: the demo's iteration time with snapshots every iteration vs off")
     p.add_argument("--demo-train-iters", type=int, default=40)
@@ -1165,8 +1191,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                  else " " + shlex.join(argv if argv is not None else sys.argv[1:]))
     run_id = f"bench{uuid.uuid4().hex[:8]}"
     workdir = tempfile.mkdtemp(prefix=f"mft-{run_id}-")
-    janitor = Janitor(run_id, workdir)
-    bench = Bench(run_id, workdir, args.reps, args.compute_factor, int(args.mem_budget_gib * GiB), janitor)
+    if args.huge_shm:
+        args.shm_dir = os.path.join(workdir, "huge-shm")
+    janitor = Janitor(run_id, workdir, args.shm_dir)
+    bench = Bench(run_id, workdir, args.reps, args.compute_factor, int(args.mem_budget_gib * GiB), janitor,
+                  args.shm_dir)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
@@ -1182,12 +1211,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 update_doc(args.out, demo_body=body)
                 print(f"\n[bench] updated {args.out}")
             return 0 if d.off_s is not None else 1
-        print(f"[bench] run id {run_id}; {machine()}", flush=True)
+        if args.huge_shm:
+            shm.mount_huge_tmpfs(args.shm_dir, "60%")
+            janitor.mounted.append(args.shm_dir)
+        print(f"[bench] run id {run_id}; {machine()}; memory in {args.shm_dir} "
+              f"({shm.page_backing(args.shm_dir)} pages)", flush=True)
         combos = [run_combo(bench, s, r) for s in args.size_list for r in args.rank_list]
         body = main_report(combos, command, args, time.time() - t_start, (load_start, os.getloadavg()[0]))
         print("\n" + SECTION + "\n\n" + body)
         if args.out:
-            update_doc(args.out, main_body=body)
+            if args.huge_shm:
+                update_doc(args.out, huge_body=f"{HUGE_HEADING} (`--huge-shm`)\n\n{body}")
+            else:
+                update_doc(args.out, main_body=body)
             print(f"\n[bench] updated {args.out}")
         return 1 if any(c.errors for c in combos) else 0
     except KeyboardInterrupt:
