@@ -271,12 +271,13 @@ class RankContext:
     reps: int
     run_id: str  # per combination
     agent_config: str  # megatron-ft
-    shm_dir: str = SHM_DIR  # every method's files and buffers
+    shm_dir: str = SHM_DIR  # the raw copy's buffer and the agent's slots
+    torch_dir: str = SHM_DIR  # torch.save's file and DCP's directory
     compute_s: float = 0.0  # simulated forward/backward, set after the raw copy
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def path(self, what: str) -> str:
-        return os.path.join(self.shm_dir, f"mft.{self.run_id}.{what}")
+    def path(self, what: str, directory: Optional[str] = None) -> str:
+        return os.path.join(directory or self.shm_dir, f"mft.{self.run_id}.{what}")
 
     def barrier(self) -> None:
         dist.barrier()
@@ -444,7 +445,7 @@ def stop_agent(rc: RankContext, cfg: ftconfig.FTConfig) -> None:
 def rank_torch_save(rc: RankContext) -> dict:
     """(c) torch.save of the state dict to /dev/shm; restore = torch.load(weights_only=True), alone
     and followed by the copy into the existing state tensors (load_state_dict), alternating."""
-    path = rc.path(f"torch.r{rc.rank}.pt")
+    path = rc.path(f"torch.r{rc.rank}.pt", rc.torch_dir)
     out: dict[str, list[float]] = {"save": [], "load": [], "load_copy": []}
     try:
         torch.save(rc.state, path)  # warm-up
@@ -486,7 +487,7 @@ def rank_dcp(rc: RankContext) -> dict:
     import torch.distributed.checkpoint as dcp
 
     pg = dist.new_group(backend="gloo")  # the save runs on a background thread: its own group
-    base = rc.path("dcp")
+    base = rc.path("dcp", rc.torch_dir)
     sd = {f"r{rc.rank}.{k}": t for k, t in rc.state.items()}  # rank-unique keys: no dedup
     out: dict[str, list[float]] = {"stall": [], "wait": [], "clean": [], "load": []}
 
@@ -582,8 +583,8 @@ class Janitor:
     """Everything to undo on exit: child processes, shared memory of our run id, a tmpfs we
     mounted, the work dir."""
 
-    def __init__(self, run_id: str, workdir: str, shm_dir: str = SHM_DIR):
-        self.run_id, self.workdir, self.shm_dir = run_id, workdir, shm_dir
+    def __init__(self, run_id: str, workdir: str, shm_dir: str = SHM_DIR, torch_dir: str = SHM_DIR):
+        self.run_id, self.workdir, self.dirs = run_id, workdir, {shm_dir, torch_dir}
         self.popens: list[subprocess.Popen] = []
         self.spawned: list[Any] = []  # torch ProcessContext
         self.mounted: list[str] = []
@@ -598,7 +599,8 @@ class Janitor:
         for p in self.popens:
             kill_tree(p)
         self.popens.clear()
-        remove_shm(self.run_id, self.shm_dir)
+        for d in self.dirs:
+            remove_shm(self.run_id, d)
         for d in self.mounted:
             subprocess.run(["umount", "-l", d], check=False)
         shutil.rmtree(self.workdir, ignore_errors=True)
@@ -649,6 +651,7 @@ class Bench:
     mem_budget: int
     janitor: Janitor
     shm_dir: str = SHM_DIR
+    torch_dir: str = SHM_DIR
 
     def combo_run_id(self, c: ComboResult) -> str:
         return f"{self.run_id}-{c.size_mib}m{c.ranks}r"
@@ -659,7 +662,8 @@ class Bench:
         out_dir = os.path.join(self.workdir, "results", f"{c.size_mib}m{c.ranks}r")
         os.makedirs(out_dir, exist_ok=True)
         params = dict(size_bytes=c.size_mib * MiB, reps=self.reps, run_id=self.combo_run_id(c),
-                      agent_config=agent_config, compute_factor=self.compute_factor, shm_dir=self.shm_dir)
+                      agent_config=agent_config, compute_factor=self.compute_factor, shm_dir=self.shm_dir,
+                      torch_dir=self.torch_dir)
         ctx = mp.start_processes(_rank_entry, args=(c.ranks, free_port(), params, out_dir),
                                  nprocs=c.ranks, join=False, start_method="spawn")
         self.janitor.spawned.append(ctx)
@@ -768,7 +772,8 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
         if agent is not None:
             kill_tree(agent, grace_s=120)  # normally already gone (rank 0 shut it down)
             b.janitor.popens.remove(agent)
-        remove_shm(b.combo_run_id(c), b.shm_dir)
+        for d in {b.shm_dir, b.torch_dir}:
+            remove_shm(b.combo_run_id(c), d)
     print(f" {time.time() - t0:.0f} s" + (" (FAILED)" if failure else ""), flush=True)
     for method, cls in RESULT_TYPES.items():
         per_rank = load_samples(out_dir, method, ranks)
@@ -888,7 +893,7 @@ def pass_fail_lines(combos: list[ComboResult]) -> list[str]:
     labels = [
         ("megatron-ft stall per snapshot <= 0.1x the raw copy time of the same bytes", 0),
         ("snapshot clean within 1.5x the raw copy time", 1),
-        ("restore from the agent >= 5x faster than torch.load from the same tmpfs + copy into the existing "
+        ("restore from the agent >= 5x faster than torch.load (from --torch-dir) + copy into the existing "
          "state (load_state_dict)", 2),
         ("megatron-ft stall below dcp.async_save's stall", 3),
     ]
@@ -929,8 +934,11 @@ def machine() -> str:
 def main_report(combos: list[ComboResult], command: str, args: argparse.Namespace, elapsed: float,
                 load: tuple[float, float]) -> str:
     now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    shm_dir = args.shm_dir
-    pages = "2 MiB" if shm.page_backing(shm_dir) == shm.HUGE else "4 KiB"
+    shm_dir, torch_dir = args.shm_dir, args.torch_dir
+
+    def pages(d: str) -> str:
+        return "2 MiB" if shm.page_backing(d) == shm.HUGE else "4 KiB"
+
     notes = []
     for c in combos:
         if c.skipped:
@@ -944,9 +952,9 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "What is measured (ranks = separate processes, one gloo group; every repetition starts on all "
         "ranks together and counts its slowest rank; every rank process runs `torch.set_num_threads(1)`):",
         "",
-        f"Memory: every method's buffers and files (raw copy, agent slots, torch.save file, DCP "
-        f"directory) are in `{shm_dir}`, a tmpfs with {pages} pages"
-        + (" (mounted by `--huge-shm`: `megatron-ft shm-mount`)." if args.huge_shm else "."),
+        f"Memory: the raw copy's buffer and the agent's slots are in `{shm_dir}`, a tmpfs with "
+        f"{pages(shm_dir)} pages" + (" (mounted by `--huge-shm`: `megatron-ft shm-mount`)" if args.huge_shm else "")
+        + f"; the torch.save file and the DCP directory in `{torch_dir}` ({pages(torch_dir)} pages).",
         "",
         f"- **raw copy**: one thread copies the state's bytes into an already touched {shm_dir} buffer, "
         "with `torch.Tensor.copy_` and with libc `memcpy`; the faster (by median) is the memory limit "
@@ -959,14 +967,14 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "*copy* = the worker's begin..commit; *restore* = `Restorer.restore()` from agent memory "
         "(checksums verified) into the zeroed state tensors; *1st snapshot()* = the warm-up call, "
         "which registers (the agent creates and pre-faults both slots; once per process start).",
-        f"- **torch.save** of the same state dict to {shm_dir} (stall = clean = save time); restore = "
+        f"- **torch.save** of the same state dict to {torch_dir} (stall = clean = save time); restore = "
         "*torch.load*: `torch.load(weights_only=True)` alone (new tensors, nothing in the model yet), "
         "and *torch.load + copy*: the same followed by `copy_` into the existing (zeroed) state tensors, "
         "which is what `model.load_state_dict` / `optimizer.load_state_dict` do in a restarted trainer "
         "(it builds model and optimizer before loading). The two alternate. The restore target compares "
         "*torch.load + copy* with the megatron-ft restore, which also writes into the existing tensors; "
         "the bare `torch.load` ratio is shown next to it.",
-        f"- **dcp**: `torch.distributed.checkpoint.async_save` to a {shm_dir} directory (default stager, "
+        f"- **dcp**: `torch.distributed.checkpoint.async_save` to a {torch_dir} directory (default stager, "
         "thread executor, its own gloo group); stall = until it returns, clean = until its future "
         "completes (same simulated compute in between); restore = `dcp.load` in place.",
         "",
@@ -1156,7 +1164,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="markdown file to update (default docs/benchmarks.md; --quick writes only if given)")
     p.add_argument("--quick", action="store_true", help="tiny state (8 MiB), 1-2 ranks: a smoke run < 1 min")
     p.add_argument("--shm-dir", default=SHM_DIR,
-                   help=f"tmpfs for every method's buffers and files (default {SHM_DIR})")
+                   help=f"tmpfs of the agent's slots and the raw copy's buffer (default {SHM_DIR})")
+    p.add_argument("--torch-dir", default=None,
+                   help="tmpfs of the torch.save file and the DCP directory (default: --shm-dir)")
     p.add_argument("--huge-shm", action="store_true",
                    help="mount a huge-page tmpfs for the run (`megatron-ft shm-mount`, needs root) and use it "
                         "as --shm-dir; the report goes to its own subsection")
@@ -1193,9 +1203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     workdir = tempfile.mkdtemp(prefix=f"mft-{run_id}-")
     if args.huge_shm:
         args.shm_dir = os.path.join(workdir, "huge-shm")
-    janitor = Janitor(run_id, workdir, args.shm_dir)
+    args.torch_dir = args.torch_dir or args.shm_dir
+    janitor = Janitor(run_id, workdir, args.shm_dir, args.torch_dir)
     bench = Bench(run_id, workdir, args.reps, args.compute_factor, int(args.mem_budget_gib * GiB), janitor,
-                  args.shm_dir)
+                  args.shm_dir, args.torch_dir)
 
     def on_term(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
