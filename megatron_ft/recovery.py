@@ -118,7 +118,12 @@ class Container:
         views = {n: targets[n].saved_view().reshape(-1) for n in names}
         all_pieces = self.layout.all_pieces()
         buffers = threading.local()  # one read buffer per worker thread
-        mapping = self._map() if self.mapped else None
+        mapping = None
+        if self.mapped:
+            try:
+                mapping = self._map()
+            except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
+                log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
         src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
 
         def one_chunk(i: int) -> Optional[str]:

@@ -173,8 +173,10 @@ def mount_huge_tmpfs(directory: str, size: str, huge: str = "always") -> str:
     import subprocess
 
     cmd = mount_command(directory, size, huge)
-    here = _mount_of(os.path.realpath(directory), open("/proc/mounts", encoding="utf-8").read()) \
-        if os.path.isdir(directory) else None
+    here = None
+    if os.path.isdir(directory):
+        with open("/proc/mounts", encoding="utf-8") as f:
+            here = _mount_of(os.path.realpath(directory), f.read())
     if here is not None and here[0] == os.path.realpath(directory):
         raise SharedMemoryError(f"{directory} is already a mount point ({here[1]}, {','.join(here[2])}); "
                                 f"unmount it first (umount {directory}) or use it as it is")

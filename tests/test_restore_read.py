@@ -135,3 +135,20 @@ def test_a_short_container_is_refused_before_reading(tmp_path, read_path):
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     with pytest.raises(snapfile.SnapshotFormatError, match="ends early"):
         load(tmp_path / "s.mft", dst)
+
+
+@pytest.mark.parametrize("read_path", ["mapped"], indirect=True)
+def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, monkeypatch):
+    """A failed mmap (e.g. no address space left) is not the snapshot's fault: the restore reads
+    it with pread instead of rejecting (and invalidating) a good copy."""
+    src = make_tensors()
+    write_container(tmp_path / "s.mft", src)
+
+    def no_map(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(recovery.mmap, "mmap", no_map)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    load(tmp_path / "s.mft", dst, expect_mapped=True)
+    for n in src:
+        assert torch.equal(src[n], dst[n]), n
