@@ -11,14 +11,13 @@ chunk times) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
 from typing import Any, Optional
 
 from ..schedule.modes import SendSchedule, plan_sends
-from ..schedule.profiler import Profiler, summarize_rank
+from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
 from . import hooks as mhooks
@@ -26,7 +25,6 @@ from .profiling import end_profile
 
 log = logging.getLogger("megatron_ft.transport")
 
-TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
 TRAFFIC_ITERATIONS = 3  # iterations profiled from the first transfer on, with its chunks (for the timeline)
 WAIT_ITERATIONS = 20  # at most this many iterations after the plan wait for the first transfer
 MAX_ACTUAL, MAX_ITERATIONS_KEPT = 4096, 20000  # bounded records for the transport file
@@ -42,11 +40,12 @@ class ScheduledHooks:
                                             lambda: ckpt.engine.last_agreed, emit=self._actual)
         self.planned_after = cfg.schedule.profile_iterations  # plan from these (no checkpoint traffic yet)
         # the profile ends TRAFFIC_ITERATIONS after the first transfer started (the first snapshot
-        # agreed after the plan can come a few iterations late, on a loaded machine), or at the limit
+        # agreed after the plan can come a few iterations late, on a loaded machine; the limit then
+        # shrinks), or at most WAIT_ITERATIONS later
         self.profiler: Optional[Profiler] = Profiler(
             self.rank, self.planned_after + WAIT_ITERATIONS + TRAFFIC_ITERATIONS,
             {"planned_iterations": self.planned_after})
-        self.traffic_from: Optional[int] = None  # profiled iterations before the first transfer
+        self.traffic_seen = False
         mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
         self.iteration_start = 0.0
         self.iteration = -1  # the current iteration (0-based), and the transport's mode in it
@@ -95,10 +94,10 @@ class ScheduledHooks:
             self.segment_end = step + self._segment(sched)
         self.transport.end_iteration(step)  # finishes the last transfer: its chunks reach the profile
         if self.profiler is not None:
-            n = len(self.profiler.iterations)
-            if self.traffic_from is None and self.transport.last_step >= 0:
-                self.traffic_from = n  # its chunks go out from the next iteration on
-            if self.profiler.done or (self.traffic_from is not None and n >= self.traffic_from + TRAFFIC_ITERATIONS):
+            if not self.traffic_seen and self.transport.last_step >= 0:  # the first transfer started:
+                self.traffic_seen = True  # its chunks go out from the next iteration on
+                self.profiler.limit = len(self.profiler.iterations) + TRAFFIC_ITERATIONS
+            if self.profiler.done:
                 self._write_profile()
 
     # ------------------------------------------------------------------ planning (collective)
@@ -193,9 +192,4 @@ class ScheduledHooks:
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
                "stall_by_mode": self.transport.stall_by_mode,
                "iteration_s": self.iteration_s, "actual": self.actual}
-        d = os.path.join(self.run_dir, "transport")
-        os.makedirs(d, exist_ok=True)
-        path = os.path.join(d, f"rank{self.rank}.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(out, f)
-        os.replace(path + ".tmp", path)
+        write_rank_json(os.path.join(self.run_dir, "transport"), self.rank, out)

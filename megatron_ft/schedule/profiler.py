@@ -44,6 +44,8 @@ from .spans import (EVENT_KINDS, P2P_KINDS, Event, IdleSpan, LinkModel, Timeline
 
 PROFILE_FORMAT = "megatron-ft-profile"
 PROFILE_VERSION = 1
+#: the scheduled transport's record of a run (megatron_ft/megatron/scheduled.py writes, timeline reads)
+TRANSPORT_FORMAT, TRANSPORT_VERSION = "megatron-ft-transport", 1
 RECORD_KINDS = EVENT_KINDS + ("phase", "ckpt")
 DEFAULT_ITERATIONS = 20  # GEMINI profiles the first 20 iterations
 DEFAULT_MIN_SPAN_S = 1e-3
@@ -110,13 +112,18 @@ class Profiler:
         return out
 
     def write(self, directory: str, snapshot_bytes: Optional[int] = None) -> str:
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"rank{self.rank}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(snapshot_bytes), f)
-        os.replace(tmp, path)
-        return path
+        return write_rank_json(directory, self.rank, self.to_dict(snapshot_bytes))
+
+
+def write_rank_json(directory: str, rank: int, obj: dict) -> str:
+    """``directory/rank{rank}.json``, replaced atomically (a reader never sees half a file)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"rank{rank}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+    return path
 
 
 # ------------------------------------------------------------------------------ reading

@@ -38,7 +38,8 @@ from ..config import ConfigError
 from ..policy.simulate import plot_available
 from ..redundancy.report import parse_bytes
 from .gemini import GeminiPlan, fitting_interval
-from .profiler import DEFAULT_MIN_SPAN_S, RankSummary, estimate_link, load_profiles, summarize_rank
+from .profiler import (DEFAULT_MIN_SPAN_S, TRANSPORT_FORMAT, TRANSPORT_VERSION, RankSummary, estimate_link,
+                       load_profiles, summarize_rank)
 from .spans import LinkModel
 
 TRACKS = ("compute", "send", "recv", "collective", "optimizer", "phase", "idle (avg)", "bubble (avg)",
@@ -70,8 +71,8 @@ def load_transport(run_dir: str, rank: int) -> Optional[dict]:
         return None
     with open(path, encoding="utf-8") as f:
         tr = json.load(f)
-    if tr.get("format") != "megatron-ft-transport" or tr.get("version") != 1:
-        raise ConfigError(f"{path}: not a megatron-ft-transport v1 file")
+    if tr.get("format") != TRANSPORT_FORMAT or tr.get("version") != TRANSPORT_VERSION:
+        raise ConfigError(f"{path}: not a {TRANSPORT_FORMAT} v{TRANSPORT_VERSION} file")
     return tr
 
 

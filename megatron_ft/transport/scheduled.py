@@ -166,10 +166,7 @@ class ScheduledTransport:
     def use(self, schedule: Optional[SendSchedule], start_step: int, label: str = "") -> None:
         """Run ``schedule`` (an agreed one; None: no transfers) from snapshot step ``start_step`` on,
         after finishing the current transfer (every rank switches at the same step)."""
-        t0 = time.perf_counter()
-        self._finish(self.current)
-        self.current = None
-        self._stalled(time.perf_counter() - t0)
+        self._stalled(self._finish_current())
         if schedule is not None and self.device.type != "cpu":  # GPU: p device sub-buffers of R/p
             self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
                           for _ in range(schedule.buffers)]
@@ -242,8 +239,7 @@ class ScheduledTransport:
         if sch is None or step < self.phase or (step - self.phase) % sch.interval_iterations:
             return
         t0 = time.perf_counter()
-        self._finish(self.current)
-        self.current = None
+        self._finish_current()
         agreed = self.last_agreed()
         if agreed < 0 or agreed <= self.last_step:
             self._stalled(time.perf_counter() - t0)
@@ -280,13 +276,7 @@ class ScheduledTransport:
     def close(self) -> None:
         """Send what is left of the current transfer, then tell the receivers this rank is done."""
         try:
-            cur, sch = self.current, self.schedule
-            if cur is not None and sch is not None:
-                for s in sch.sends:
-                    if s.iteration >= cur.iteration:
-                        self._q.put((0.0, cur, s))
-                cur.iteration = sch.interval_iterations
-                self._finish(cur)
+            self._finish_current()
             self._q.put(None)
             self._sender.join(timeout=60)
             if self.failed is None:  # a broken stream cannot carry a bye; the peers' threads are daemons
@@ -375,10 +365,16 @@ class ScheduledTransport:
             finally:
                 self._q.task_done()
 
-    def _finish(self, cur: Optional[_Transfer]) -> None:
-        """Wait until every chunk of ``cur`` is sent, then release its slot."""
-        if cur is None:
-            return
+    def _finish_current(self) -> float:
+        """Finish the current transfer (if any); the seconds it took."""
+        t0 = time.perf_counter()
+        cur, self.current = self.current, None
+        if cur is not None:
+            self._finish(cur)
+        return time.perf_counter() - t0
+
+    def _finish(self, cur: _Transfer) -> None:
+        """Send what is left of ``cur``, wait until every chunk is sent, then release its slot."""
         sch = self.schedule
         t0 = time.perf_counter()
         if sch is not None:  # the schedule's remaining iterations (a restart shortened them)
