@@ -43,6 +43,7 @@ from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
 log = logging.getLogger("megatron_ft.agent")
 
 EXCHANGE_TIMEOUT_S = 60.0
+RECOVERY_WAIT_S = 15.0  # for the group's holdings after a failover; within a trainer's 30 s request timeout
 SCHEDULED_TIMEOUT_S = 3600.0  # a scheduled transfer spreads over iterations: protect its step longer
 
 
@@ -192,16 +193,22 @@ class Redundancy:
             out[r] = int(v)
         return out
 
-    def _wait_sizes(self, timeout: float = 30.0) -> dict[int, int]:
-        """Every rank of a consistent step has registered, but its agent may publish a moment later."""
+    def _wait_sizes(self, timeout: float = 30.0, ask_group: bool = False) -> tuple[dict, dict[int, int]]:
+        """(the group's holdings if ``ask_group`` else {}, every rank's container size). Every rank of
+        a consistent step has registered, but its agent may publish a moment later; and just after a
+        root failover the new store and the survivors' addresses fill as their heartbeats re-publish,
+        so while a group member does not answer, the holdings (whose blocks know the lost ranks'
+        sizes) are asked for again."""
         deadline = time.time() + timeout
         while True:
+            holds = self._group_holds() if ask_group else {}
             try:
-                return self.sizes()
+                return holds, self.sizes(holds)
             except RuntimeError:
-                if time.time() > deadline or self._stop.is_set():
+                everyone_answered = ask_group and len(holds) == len(self.members) - 1  # no one left to wait for
+                if everyone_answered or time.time() > deadline or self._stop.is_set():
                     raise
-                time.sleep(0.05)
+                time.sleep(0.2 if ask_group else 0.05)
 
     def addr(self, node: int) -> tuple[str, int]:
         # after a root failover the new store fills as the agents' next heartbeats re-publish; the
@@ -275,7 +282,7 @@ class Redundancy:
         t0 = time.perf_counter()
         with self.lock:
             self._started[step] = t0
-        sizes = self._wait_sizes()
+        _, sizes = self._wait_sizes()
         ex = self._exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": self._codec.descriptor.to_dict() if self._codec else None}
@@ -450,7 +457,7 @@ class Redundancy:
         return {"path": slot.segment.path, "size": slot.segment.size}
 
     def sched_recv_begin(self, src_rank: int, step: int, length: int) -> dict:
-        sizes = self._wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
+        _, sizes = self._wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
         if sizes.get(src_rank) != length:
             raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
                              f"{sizes.get(src_rank)}")
@@ -570,8 +577,7 @@ class Redundancy:
 
     def candidates(self, rank: int) -> list[dict]:
         """Steps of ``rank`` this node can rebuild from its group, newest first."""
-        holds = self._group_holds()
-        sizes = self.sizes(holds)
+        holds, sizes = self._wait_sizes(RECOVERY_WAIT_S, ask_group=True)
         steps = set()
         for h in holds.values():
             for lst in h.get("primary", {}).values():
@@ -604,8 +610,7 @@ class Redundancy:
     def recover(self, rank: int, step: int) -> dict:
         """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
         t0 = time.perf_counter()
-        holds = self._group_holds()
-        sizes = self.sizes(holds)
+        holds, sizes = self._wait_sizes(RECOVERY_WAIT_S, ask_group=True)
         how = self._plan_recovery(holds, rank, step, sizes)
         if how is None:
             raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members")
