@@ -5,13 +5,17 @@ For each pipeline depth (``--pp``, one rank per simulated node, TP1 DP1, GEMINI 
 ring of nodes: each stage's node holds the next one's copy) it trains the same megatron-core GPT on
 CPU once per mode and reports, from the same window of iterations (after the profile):
 
-* ``none``: megatron-ft off (no snapshot, no traffic) - the baseline;
+* ``none``: megatron-ft off (no snapshot, no traffic), a separate job;
+* ``off``: the same inside the compared job (``schedule.compare_modes``: no snapshot and no traffic
+  for its segments) - the same-job baseline the targets use;
 * ``local``: in-memory snapshots every iteration, no peer traffic;
 * the scheduled transport's modes (``redundancy.transport: scheduled``, ``schedule.mode``):
   ``blocking``, ``naive``, ``one-buffer``, ``pipelined``, ``bubble`` (BAFT) and ``end``.
 
-Per mode: median iteration time and its overhead over ``none`` and over ``local`` (what the traffic
-adds), the profiled network idle time per iteration, the planned traffic time per iteration, the
+Per mode: median iteration time and its overhead over ``none``, ``off`` and ``local`` (what the
+traffic adds), the profiled idle time per iteration (``--idle``: network idle spans, or the rank's
+waits - pipeline bubbles - which are the only free CPU time when the same cores compute and move
+the bytes), the planned traffic time per iteration, the
 idle time left, the sender's buffer memory (vs R), the planned and the achieved checkpoint interval
 (iterations per checkpoint completed in the group), and the time training waited for the transport.
 
@@ -32,14 +36,17 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft import demo  # noqa: E402
 
-ALL_MODES = ["none", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
+ALL_MODES = ["none", "off", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
 # none: a separate job without megatron-ft; the others rotate inside one job (schedule.compare_modes)
+OVERHEAD_MAX = 0.03  # pipelined over no checkpointing, where the idle time exceeds the traffic
+RATIO_MAX = 0.5  # pipelined overhead / blocking overhead
 DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md")
 IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img", "scheduling-timeline.png")
 
@@ -54,7 +61,7 @@ def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes
     if kind != "none":
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "scheduled"},
                                schedule={"mode": "pipelined", "profile_iterations": args.profile, "sub_buffers": args.p,
-                                         "reserved_mib": args.reserved_mib, "mu": args.mu,
+                                         "reserved_mib": args.reserved_mib, "mu": args.mu, "idle": args.idle,
                                          "compare_modes": modes, "compare_iterations": args.segment,
                                          "min_interval": min_interval})
     return cfg
@@ -95,20 +102,26 @@ def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = 
     t0 = tr[0]
     its: dict[str, list[float]] = {}
     prev = None
-    for _, label, secs in t0["iteration_s"]:
+    agreed_before = None
+    for rec in t0["iteration_s"]:
+        it, label, secs, agreed = rec if len(rec) == 4 else (*rec, None)
         if label == prev:
             its.setdefault(label, []).append(secs)
-        prev = label
+            if label == "off" and agreed is not None and agreed != agreed_before:
+                raise RuntimeError(f"{run_dir}: a snapshot (step {agreed}) was taken in an 'off' segment "
+                                   f"(iteration {it}): the baseline is not snapshot-free")
+        prev, agreed_before = label, agreed
     out = []
     for mode, times in its.items():
-        r = {"pp": pp, "mode": mode + (suffix if mode != "local" else ""), "iteration_s": statistics.mean(times),
+        r = {"pp": pp, "mode": mode + (suffix if mode not in ("local", "off") else ""),
+             "iteration_s": statistics.mean(times),
              "iterations": len(times),
              "run_dir": run_dir}
         scheds = [t["plan"]["schedules"].get(mode) for t in tr.values()]
         if all(scheds):
             idle = [sum(b - a for a, b in t["plan"]["spans"]) for t in tr.values()]
             transfer = [s["planned_transfer_s"] / s["interval_iterations"] for s in scheds]
-            spent = sum(1 for _, label, _ in t0["iteration_s"] if label == mode)
+            spent = sum(1 for rec in t0["iteration_s"] if rec[1] == mode)
             sent = [sum(1 for x in t["transfers"] if x["mode"] == mode and x["bytes"] > 0) for t in tr.values()]
             r.update({
                 "interval_planned": max(s["interval_iterations"] for s in scheds),
@@ -119,6 +132,7 @@ def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = 
                 "stall_s": max(t["stall_by_mode"].get(mode, 0.0) for t in tr.values()) / max(1, spent),
                 "container_bytes": max(t["plan"]["nbytes"] for t in tr.values()),
                 "fits": all(s["fits"] for s in scheds),
+                "idle_source": "/".join(sorted({t["plan"].get("idle", "network") for t in tr.values()})),
                 "bandwidth": min(t["plan"]["link_bandwidth"] for t in tr.values())})
         out.append(r)
     return out
@@ -137,10 +151,23 @@ def summarize(results: list[dict]) -> dict[tuple[int, str], dict]:
     return out
 
 
+def _job_suffix(mode: str) -> str:
+    """'' for the main job's rows, ' /N' for the amortized job's ("pipelined /4", "off (/4 job)")."""
+    if "(/" in mode:
+        return " /" + mode.split("(/")[1].split()[0]
+    return " /" + mode.split(" /")[1] if " /" in mode else ""
+
+
+def _baseline(summary: dict, pp: int, name: str, suffix: str) -> Optional[float]:
+    key = f"{name} (/{suffix[2:]} job)" if suffix else name
+    return summary.get((pp, key), {}).get("iteration_s")
+
+
 def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str:
-    lines = ["| PP | mode | iteration (s) | vs none | vs local | idle/it (s) | traffic/it (s) | idle left (s) | "
-             "buffers (MiB, R = %.0f) | interval planned / achieved | training waited/it (s) |" % (reserved / 2**20),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| PP | mode | iteration (s) | vs none (own job) | vs off | vs local | idle | idle/it (s) | traffic/it (s) | "
+             "idle left (s) | buffers (MiB, R = %.0f) | interval planned / achieved | training waited/it (s) |"
+             % (reserved / 2**20),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for pp in pps:
         base = summary.get((pp, "none"), {}).get("iteration_s")
         extra = [m for (q, m) in summary if q == pp and m not in modes]  # the amortized job's rows
@@ -148,42 +175,65 @@ def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str
             r = summary.get((pp, m))
             if r is None:
                 continue
-            am = m.split(" /")[1] if " /" in m else (m.split("/")[1].split()[0] if "(/" in m else None)
-            local = summary.get((pp, f"local (/{am} job)" if am else "local"), {}).get("iteration_s")
+            suffix = _job_suffix(m)
             it = r["iteration_s"]
             vs = (lambda b: f"{(it / b - 1) * 100:+.1f} %" if b else "-")
-            row = [str(pp), m, f"{it:.3f}", vs(base), vs(local)]
+            row = [str(pp), m, f"{it:.3f}", vs(base), vs(_baseline(summary, pp, "off", suffix)),
+                   vs(_baseline(summary, pp, "local", suffix))]
             if "interval_planned" in r:
                 ach = r["interval_achieved"]
-                row += [f"{r['idle_s']:.3f}", f"{r['transfer_s']:.3f}", f"{r['idle_left_s']:.3f}",
+                row += [r["idle_source"], f"{r['idle_s']:.3f}", f"{r['transfer_s']:.3f}", f"{r['idle_left_s']:.3f}",
                         f"{r['memory_bytes'] / 2**20:.2f}",
                         f"{r['interval_planned']} / {ach:.2f}" if ach else f"{r['interval_planned']} / -",
                         f"{r['stall_s']:.4f}"]
             else:
-                row += ["-"] * 6
+                row += ["-"] * 7
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def findings(summary: dict, pps: list[int]) -> list[str]:
+def findings(summary: dict, pps: list[int], reserved: int) -> list[str]:
+    """The issue's targets per job: pipelined overhead <= 0.5 x blocking's, and <= 3 % over no
+    checkpointing where the profiled idle time exceeds the traffic time, both over the same job's
+    ``off`` segments (``none``, a separate job, when the job has none); buffer memory <= R."""
     out = []
+    suffixes = sorted({_job_suffix(m) for (q, m) in summary if q in pps})
     for pp in pps:
-        g = lambda m: summary.get((pp, m), {}).get("iteration_s")  # noqa: E731
-        base, local, blk, pip = g("none"), g("local"), g("blocking"), g("pipelined")
-        if base and blk and pip:
-            ob, op = blk - base, pip - base
-            out.append(f"PP={pp}: overhead over no checkpointing, pipelined {op:+.3f} s ({op / base * 100:+.1f} %) vs "
-                       f"blocking {ob:+.3f} s ({ob / base * 100:+.1f} %): ratio "
-                       f"{(op / ob if ob > 0 else float('nan')):.2f} (target <= 0.5)")
-        if local and blk and pip:
-            ob, op = blk - local, pip - local
-            out.append(f"PP={pp}: what the traffic adds over local snapshots, pipelined {op:+.3f} s "
-                       f"({op / local * 100:+.1f} %) vs blocking {ob:+.3f} s ({ob / local * 100:+.1f} %)")
-        r = summary.get((pp, "pipelined"))
-        if r and "idle_s" in r:
-            out.append(f"PP={pp}: profiled idle {r['idle_s']:.3f} s/it vs planned traffic {r['transfer_s']:.3f} s/it "
-                       f"(container {r['container_bytes'] / 2**20:.1f} MiB per rank, planning link "
-                       f"{r['bandwidth'] / 2**20:.0f} MiB/s)")
+        for suffix in suffixes:
+            g = lambda m: summary.get((pp, m + suffix), {}).get("iteration_s")  # noqa: E731
+            blk, pip = g("blocking"), g("pipelined")
+            name = "off" if _baseline(summary, pp, "off", suffix) else "none"
+            base = _baseline(summary, pp, "off", suffix) or summary.get((pp, "none"), {}).get("iteration_s")
+            local = _baseline(summary, pp, "local", suffix)
+            job = f"PP={pp}{' (schedule.min_interval ' + suffix[2:] + ')' if suffix else ''}"
+            if base and blk and pip:
+                ob, op = blk - base, pip - base
+                ratio = op / ob if ob > 0 else float("nan")
+                verdict = "PASS" if ob > 0 and ratio <= RATIO_MAX else "FAIL"
+                out.append(f"{job}: overhead over `{name}`, pipelined {op:+.3f} s ({op / base * 100:+.1f} %) vs "
+                           f"blocking {ob:+.3f} s ({ob / base * 100:+.1f} %): ratio {ratio:.2f} "
+                           f"(target <= {RATIO_MAX}: {verdict})")
+            if local and blk and pip:
+                ob, op = blk - local, pip - local
+                out.append(f"{job}: what the traffic adds over local snapshots, pipelined {op:+.3f} s "
+                           f"({op / local * 100:+.1f} %) vs blocking {ob:+.3f} s ({ob / local * 100:+.1f} %)")
+            r = summary.get((pp, "pipelined" + suffix))
+            if r and "idle_s" in r:
+                applies = r["idle_s"] >= r["transfer_s"]
+                line = (f"{job}: profiled idle ({r['idle_source']}) {r['idle_s']:.3f} s/it vs planned traffic "
+                        f"{r['transfer_s']:.3f} s/it (container {r['container_bytes'] / 2**20:.1f} MiB per rank, "
+                        f"planning link {r['bandwidth'] / 2**20:.0f} MiB/s)")
+                if applies and base:
+                    over = pip / base - 1
+                    line += (f": idle exceeds traffic, pipelined {over * 100:+.1f} % over `{name}` (target <= "
+                             f"{OVERHEAD_MAX * 100:.0f} %: {'PASS' if over <= OVERHEAD_MAX else 'FAIL'})")
+                else:
+                    line += ": idle does not exceed traffic, the 3 % target does not apply"
+                out.append(line)
+                mem = max(summary[(pp, m)]["memory_bytes"] for (q, m) in summary
+                          if q == pp and "memory_bytes" in summary[(pp, m)] and m.split()[0] != "naive")
+                out.append(f"{job}: largest buffer memory of the modes but naive {mem / 2**20:.2f} MiB "
+                           f"(R = {reserved / 2**20:.0f} MiB: {'PASS' if mem <= reserved else 'FAIL'})")
     return out
 
 
@@ -204,6 +254,8 @@ def main() -> int:
     ap.add_argument("--p", type=int, default=4, help="sub-buffers")
     ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
     ap.add_argument("--mu", type=float, default=0.9)
+    ap.add_argument("--idle", default="network", choices=["network", "device", "auto"],
+                    help="schedule.idle: the spans the pipelined modes fill (device: the pipeline bubbles)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--workdir", default="/tmp/megatron-ft/bench-scheduling")
     ap.add_argument("--no-docs", action="store_true")
@@ -237,19 +289,19 @@ def main() -> int:
                 print(f"[round {rnd}] PP={pp} compare job: {time.time() - t0:.0f} s", flush=True)
             if args.amortize > 1:
                 t0 = time.time()
-                am = ["local", "blocking", "pipelined"]
-                d = run_job(pp, f"every{args.amortize}", args.profile + 1 + (3 * args.segment + 12) * args.cycles,
+                am = ["off", "local", "blocking", "pipelined"]
+                d = run_job(pp, f"every{args.amortize}", args.profile + 1 + (4 * args.segment + 12) * args.cycles,
                             args, am, str(rnd), args.amortize)
                 for r in mode_results(d, pp, args, f" /{args.amortize}"):
-                    if r["mode"] == "local":
-                        r["mode"] = f"local (/{args.amortize} job)"
+                    if r["mode"] in ("local", "off"):
+                        r["mode"] = f"{r['mode']} (/{args.amortize} job)"
                     results.append(r)
                     print(f"[round {rnd}] PP={pp} {r['mode']:10s} {r['iteration_s']:.3f} s/it "
                           f"({r['iterations']} its)", flush=True)
                 print(f"[round {rnd}] PP={pp} amortized job: {time.time() - t0:.0f} s", flush=True)
     summary = summarize(results)
     text = table(summary, pps, modes, int(args.reserved_mib * 2**20))
-    notes = findings(summary, pps)
+    notes = findings(summary, pps, int(args.reserved_mib * 2**20))
     print(text)
     for n in notes:
         print(" -", n)
@@ -273,7 +325,9 @@ def main() -> int:
                 f"{args.hidden}, {args.layers_per_stage} layers per stage, seq {args.seq}, {args.micro_batches} "
                 f"micro-batches; the first {args.profile} iterations profiled, then the modes in turn, "
                 f"{args.segment} iterations each, {args.cycles} times round, in one job (the first iteration of "
-                f"each turn left out); `none` is a separate job without megatron-ft; iteration time = mean over the turns; "
+                f"each turn left out); `off` = segments of the same job without snapshots or traffic, `none` = a "
+                f"separate job without megatron-ft; pipelined modes fill the `{args.idle}` idle spans "
+                f"(`schedule.idle`); iteration time = mean over the turns; "
                 f"median of {args.rounds} round(s)):\n\n"
                 + text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" + img)
         write_section(DOCS, "## Scheduling checkpoint traffic (issue 4)", body)

@@ -362,6 +362,13 @@ class ScheduleConfig:
     ``bubble`` (BAFT: the pipeline bubbles shared with the receiving node) or ``end`` (everything
     after the optimizer step, training waits). The first ``profile_iterations`` iterations are
     profiled without checkpoint traffic; the plan is made from them.
+
+    ``idle``: which profiled spans ``pipelined``, ``one-buffer`` and ``naive`` fill. ``network``
+    (GEMINI): the spans in which no send, receive or collective runs - free time when a NIC moves the
+    bytes and the GPU computes meanwhile. ``device``: the spans in which the rank waits (its
+    pipeline bubbles, the regular P2P time reserved at both ends as BAFT does) - the only free time
+    where the host's cores both compute and move the bytes (gloo on a CPU-only machine). ``auto``:
+    ``device`` when the job trains on CPU, else ``network``.
     """
 
     mode: str = "pipelined"
@@ -371,6 +378,7 @@ class ScheduleConfig:
     profile_iterations: int = 20  # W (GEMINI: 20)
     bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
     alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
+    idle: str = "network"  # network | device | auto: the spans the GEMINI modes fill (see above)
     #: a peer copy at most every this many iterations; each transfer is spread over them (the plan
     #: uses mu / min_interval of every span per iteration): GEMINI's "reduce the checkpoint frequency
     #: to amortize" when the traffic interferes anyway (e.g. its CPU cost on a CPU-only machine)
@@ -381,6 +389,9 @@ class ScheduleConfig:
     compare_iterations: int = 6
 
     MODES = ("pipelined", "one-buffer", "naive", "blocking", "bubble", "end")
+    IDLE = ("network", "device", "auto")
+    #: compare_modes only: "local" = snapshots, no peer traffic; "off" = no snapshots either
+    BASELINES = ("local", "off")
 
     def __post_init__(self) -> None:
         if self.mode not in self.MODES:
@@ -391,13 +402,15 @@ class ScheduleConfig:
         _check_int("schedule.profile_iterations", self.profile_iterations, 2)
         _check_num("schedule.bandwidth_mib_s", self.bandwidth_mib_s, 0.0)
         _check_num("schedule.alpha_s", self.alpha_s, 0.0)
+        if self.idle not in self.IDLE:
+            _fail("schedule.idle", self.idle, f"must be one of {', '.join(self.IDLE)}")
         if isinstance(self.compare_modes, (list, str)):
             modes = self.compare_modes.split(",") if isinstance(self.compare_modes, str) else self.compare_modes
             object.__setattr__(self, "compare_modes", tuple(m.strip() for m in modes if m.strip()))
-        bad = [m for m in self.compare_modes if m not in self.MODES + ("local",)]
+        bad = [m for m in self.compare_modes if m not in self.MODES + self.BASELINES]
         if not isinstance(self.compare_modes, tuple) or bad:
             _fail("schedule.compare_modes", list(self.compare_modes) if isinstance(self.compare_modes, tuple)
-                  else self.compare_modes, f"must list modes of {', '.join(self.MODES + ('local',))}")
+                  else self.compare_modes, f"must list modes of {', '.join(self.MODES + self.BASELINES)}")
         _check_int("schedule.compare_iterations", self.compare_iterations, 2)
         _check_int("schedule.min_interval", self.min_interval, 1)
 

@@ -40,6 +40,9 @@ def test_shipped_config_file_matches_embedded_default():
     ({"schedule": {"sub_buffers": 0}}, r"schedule.sub_buffers=0 is invalid: must be an integer >= 1 and <= 64"),
     ({"schedule": {"mu": 1.5}}, r"schedule.mu=1.5 is invalid: must be a number > 0.0 and <= 1.0"),
     ({"schedule": {"profile_iterations": 1}}, r"schedule.profile_iterations=1 is invalid: must be an integer >= 2"),
+    ({"schedule": {"idle": "cpu"}}, r"schedule.idle='cpu' is invalid: must be one of network, device, auto"),
+    ({"schedule": {"compare_modes": "local,none"}},
+     r"schedule.compare_modes=.*must list modes of pipelined, .*, end, local, off"),
 ])
 def test_bad_values_are_named(data, match):
     with pytest.raises(config.ConfigError, match=match):

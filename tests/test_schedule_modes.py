@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron_ft.config import ConfigError
-from megatron_ft.schedule.modes import AT_END, MODES, plan_sends
+from megatron_ft.schedule.modes import AT_END, MODES, idle_spans, plan_sends
 from megatron_ft.schedule.spans import IdleSpan, LinkModel
 
 LINK = LinkModel(100.0)
@@ -94,3 +94,20 @@ def test_naive_sends_every_copy_even_when_one_span_holds_a_whole_copy():
     s = plan_sends("naive", 300, 2, LINK, 200, 2, 0.5, [IdleSpan(0, 100)])
     assert table(s) == [(0, 0, 0, 300, 0), (0, 3.0, 0, 300, 0)] and [x.copy for x in s.sends] == [0, 1]
     assert s.fits  # 6 s of traffic in mu x 100 s
+
+
+def test_idle_device_fills_the_bubbles_and_auto_picks_them_on_cpu():
+    """schedule.idle: the worked example of idle_spans() (network spans of the module example,
+    bubbles [1, 3) and [6, 7)): pipelined over the bubbles needs 2 iterations."""
+    net, bub = [IdleSpan(0, 5), IdleSpan(6, 7), IdleSpan(8, 10)], [IdleSpan(1, 3), IdleSpan(6, 7)]
+    assert idle_spans("auto", False, net, bub) == ("device", tuple(bub))
+    assert idle_spans("auto", True, net, bub) == ("network", tuple(net))
+    assert idle_spans("network", False, net, bub) == ("network", tuple(net))
+    assert idle_spans("device", True, net, bub) == ("device", tuple(bub))
+    assert idle_spans("device", False, net, []) == ("network (no bubbles)", tuple(net))
+    s = plan_sends("pipelined", 300, 1, LinkModel(100.0), 200, 2, 0.5, spans=idle_spans("auto", False, net, bub)[1])
+    assert s.interval_iterations == 2 and s.fits
+    assert [(x.iteration, x.at, x.offset, x.size, x.buffer) for x in s.sends] == [
+        (0, 1, 0, 100, 0), (0, 6, 100, 50, 1), (1, 1, 150, 100, 0), (1, 6, 250, 50, 1)]
+    with pytest.raises(ConfigError, match=r"schedule.idle='gpu' is invalid: must be one of network, device, auto"):
+        idle_spans("gpu", False, net, bub)

@@ -73,7 +73,7 @@ class MegatronCheckpointHooks:
     def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
         if self.sched is not None:  # before the snapshot of this step starts: the engine is idle
             self.sched.after_iteration(iteration)
-        if self.ckpt is not None:
+        if self.ckpt is not None and not (self.sched is not None and self.sched.snapshots_off):
             self.ckpt.after_iteration(iteration, consumed_samples)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
 Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
 ``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
 ``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
-chunk times) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
+chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ import os
 import time
 from typing import Any, Optional
 
-from ..schedule.modes import SendSchedule, plan_sends
+import torch
+
+from ..config import ScheduleConfig
+from ..schedule.modes import SendSchedule, idle_spans, plan_sends
 from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
@@ -54,6 +57,7 @@ class ScheduledHooks:
         self.rotation: list[tuple[str, Optional[SendSchedule]]] = []  # schedule.compare_modes (benchmarks)
         self.rotation_index = 0
         self.segment_end = -1
+        self.mode = ""  # the mode in use once planned ("off": snapshots paused, a benchmark baseline)
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
         self.run_dir = os.environ.get("MFT_RUN_DIR")
@@ -61,6 +65,12 @@ class ScheduledHooks:
     @property
     def planned(self) -> bool:
         return self.plan_info is not None
+
+    @property
+    def snapshots_off(self) -> bool:
+        """In a ``compare_modes`` segment of ``off``: no snapshot is taken (every rank switches at
+        the same step, so the snapshot agreement stays collective)."""
+        return self.mode == "off"
 
     def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
         if self.profiler is not None:
@@ -72,8 +82,10 @@ class ScheduledHooks:
     def before_iteration(self, iteration: int) -> None:
         now = time.perf_counter()
         if self.iteration >= 0 and self.label and len(self.iteration_s) < MAX_ITERATIONS_KEPT:
-            # the previous iteration, start to start: its snapshot and "end" sends count
-            self.iteration_s.append([self.iteration, self.label, now - self.iteration_start])
+            # the previous iteration, start to start: its snapshot and "end" sends count; and the
+            # newest snapshot step all ranks hold (it stays put through an "off" segment)
+            self.iteration_s.append([self.iteration, self.label, now - self.iteration_start,
+                                     self.ckpt.engine.last_agreed])
         self.iteration, self.iteration_start = iteration, now
         self.label = self.transport.label if self.planned else ""
         if self.profiler is not None:
@@ -91,6 +103,7 @@ class ScheduledHooks:
             self.rotation_index = (self.rotation_index + 1) % len(self.rotation)
             mode, sched = self.rotation[self.rotation_index]
             self.transport.use(sched, step, mode)
+            self.mode = mode
             self.segment_end = step + self._segment(sched)
         self.transport.end_iteration(step)  # finishes the last transfer: its chunks reach the profile
         if self.profiler is not None:
@@ -127,8 +140,9 @@ class ScheduledHooks:
             log.warning("rank %d: profile not usable (%s): one idle span per iteration", self.rank, e)
             link = link or LinkModel(1e9, sc.alpha_s)
             iteration_s = 1.0
+        idle, spans = idle_spans(sc.idle, torch.cuda.is_available(), spans, bubbles)
         if not spans:
-            spans = [IdleSpan(0.0, iteration_s)]
+            spans = (IdleSpan(0.0, iteration_s),)
         wants_bubbles = "bubble" in (sc.compare_modes or (sc.mode,))
         peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
         nbytes = self._container_bytes()
@@ -137,14 +151,17 @@ class ScheduledHooks:
             modes = (sc.mode,) + tuple(m for m in modes if m != sc.mode)
         agreed = []
         for mode in modes:  # the same order on every rank: agree() is collective
-            sched = None if mode == "local" else self._schedule(mode, nbytes, link, spans, bubbles, peer)
-            agreed.append((mode, self.transport.agree(sched) if mode != "local" else None))
+            if mode in ScheduleConfig.BASELINES:
+                agreed.append((mode, None))
+                continue
+            agreed.append((mode, self.transport.agree(self._schedule(mode, nbytes, link, spans, bubbles, peer))))
         if sc.compare_modes:
             self.rotation, self.rotation_index = agreed, 0
             self.segment_end = step + self._segment(agreed[0][1])
         self.transport.use(agreed[0][1], step, agreed[0][0])
+        self.mode = agreed[0][0]
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
-                          "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
+                          "idle": idle, "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
                           "profiled_iteration_s": iteration_s, "planned_at_step": step,
                           "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}
 

@@ -124,6 +124,28 @@ def _naive(spans: Sequence[IdleSpan], nbytes: int, copies: int, link: LinkModel,
     raise AssertionError("unreachable")
 
 
+def idle_spans(idle: str, on_gpu: bool, network: Sequence[IdleSpan],
+               bubbles: Sequence[IdleSpan]) -> tuple[str, tuple[IdleSpan, ...]]:
+    """The spans the GEMINI modes fill for ``schedule.idle`` (``network`` | ``device`` | ``auto``), and
+    which they are: ``auto`` is ``device`` on a CPU-only job (the cores that move the bytes are the
+    ones that compute: only the rank's waits are free) and ``network`` on GPUs. ``device`` without a
+    single bubble (PP = 1) falls back to the network spans, named ``"network (no bubbles)"``.
+
+    Worked example (the module's: network [0, 5), [6, 7), [8, 10), bubbles [1, 3), [6, 7)): on CPU
+    ``auto`` gives the bubbles; ``pipelined`` with mu = 0.5 then fits 100 B + 50 B per iteration
+    (the last bubble takes what is left of its iteration's share) and spreads the 300 B over 2
+    iterations: 0-100 at 1 s and 100-150 at 6 s, then 150-250 and 250-300."""
+    if idle not in ScheduleConfig.IDLE:
+        _fail("schedule.idle", idle, f"must be one of {', '.join(ScheduleConfig.IDLE)}")
+    if idle == "auto":
+        idle = "network" if on_gpu else "device"
+    if idle == "device":
+        if bubbles:
+            return "device", tuple(bubbles)
+        return "network (no bubbles)", tuple(network)
+    return "network", tuple(network)
+
+
 def plan_sends(mode: str, nbytes: int, copies: int, link: LinkModel, reserved_bytes: int, sub_buffers: int,
                mu: float = 0.9, spans: Sequence[IdleSpan] = (), bubbles: Sequence[IdleSpan] = (),
                peer_bubbles: Sequence[IdleSpan] = ()) -> SendSchedule:

@@ -73,18 +73,26 @@ def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
 
 class _Sent:
     """One started send. gloo's send work must be waited exactly once (a second ``wait`` blocks for
-    a completion that never comes), so every wait goes through :meth:`wait`."""
+    a completion that never comes), so every wait goes through :meth:`wait`, which remembers the
+    outcome (the time it finished, or the error it raised) for the threads that wait later."""
 
-    __slots__ = ("work", "send", "issued", "finished", "reported", "_lock")
+    __slots__ = ("work", "send", "issued", "finished", "reported", "error", "_lock")
 
     def __init__(self, work: Any, send: Optional[Send], issued: float) -> None:
         self.work, self.send, self.issued, self.finished, self.reported = work, send, issued, 0.0, False
-        self._lock = threading.Lock()  # the sender thread (buffer reuse) and the training thread
+        self.error: Optional[BaseException] = None
+        self._lock = threading.Lock()  # the completion thread, the sender (buffer reuse), the training thread
 
     def wait(self) -> None:
         with self._lock:
+            if self.error is not None:
+                raise self.error
             if not self.finished:
-                self.work.wait()
+                try:
+                    self.work.wait()
+                except BaseException as e:
+                    self.error = e
+                    raise
                 self.finished = time.perf_counter()
 
     def done(self) -> bool:
@@ -144,6 +152,11 @@ class ScheduledTransport:
         self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._sender = threading.Thread(target=self._send_loop, name=f"mft-sched-send-r{rank}", daemon=True)
         self._sender.start()
+        # waits for each chunk as soon as it is issued, so its end time is when it completed (the
+        # timeline's actual chunks), not when the training thread next looked
+        self._done_q: "queue.Queue[Optional[_Sent]]" = queue.Queue()
+        self._completer = threading.Thread(target=self._complete_loop, name=f"mft-sched-done-r{rank}", daemon=True)
+        self._completer.start()
         self._receivers = [threading.Thread(target=self._recv_loop, args=(src,), daemon=True,
                                             name=f"mft-sched-recv-r{rank}-from{src}") for src in self.srcs]
         for t in self._receivers:
@@ -279,6 +292,8 @@ class ScheduledTransport:
             self._finish_current()
             self._q.put(None)
             self._sender.join(timeout=60)
+            self._done_q.put(None)  # every chunk was waited for above, unless the stream broke (a daemon)
+            self._completer.join(timeout=10 if self.failed is None else 0.1)
             if self.failed is None:  # a broken stream cannot carry a bye; the peers' threads are daemons
                 bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
                 works = [dist.isend(bye, dst, group=self.ctrl, tag=TAG_HEADER) for dst in self.dsts]
@@ -320,6 +335,17 @@ class ScheduledTransport:
         sent = _Sent(dist.isend(buf, self.dsts[s.copy], group=self.data, tag=TAG_CHUNK), s, t0)
         self._buf_work[s.buffer] = sent
         cur.works.append(sent)
+        self._done_q.put(sent)
+
+    def _complete_loop(self) -> None:
+        while True:
+            sent = self._done_q.get()
+            if sent is None:
+                return
+            try:
+                sent.wait()
+            except Exception:  # kept in ``sent``: the thread that needs the chunk raises it
+                pass
 
     def _report(self, cur: _Transfer, w: _Sent) -> None:
         if w.send is not None and not w.reported:
