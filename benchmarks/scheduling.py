@@ -178,8 +178,8 @@ def paired_overhead(mode: dict, base: dict) -> Optional[float]:
 
 
 def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str:
-    lines = ["| PP | mode | iteration (s) | vs none (own job) | vs off | vs off, paired | vs local | idle | idle/it (s) | "
-             "traffic/it (s) | idle left (s) | buffers (MiB, R = %.0f) | interval planned / achieved | "
+    lines = ["| PP | mode | iteration (s) | vs none (own job) | vs off | vs off, paired | vs local | idle | "
+             "idle/it (s) | traffic/it (s) | idle left (s) | buffers (MiB, R = %.0f) | interval planned / achieved | "
              "training waited/it (s) |" % (reserved / 2**20),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for pp in pps:

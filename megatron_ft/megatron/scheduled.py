@@ -6,7 +6,8 @@ iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
 Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
 ``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
 ``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
-chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``) for ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
+chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``) for
+``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 """
 from __future__ import annotations
 
@@ -161,7 +162,8 @@ class ScheduledHooks:
         self.transport.use(agreed[0][1], step, agreed[0][0])
         self.mode = agreed[0][0]
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
-                          "idle": idle, "spans": [[s.start, s.end] for s in spans], "bubbles": [[b.start, b.end] for b in bubbles],
+                          "idle": idle, "spans": [[s.start, s.end] for s in spans],
+                          "bubbles": [[b.start, b.end] for b in bubbles],
                           "profiled_iteration_s": iteration_s, "planned_at_step": step,
                           "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}
 

@@ -9,7 +9,7 @@ iterations (``interval_iterations``).
 
 | mode | chunks | buffers | training waits |
 |---|---|---|---|
-| ``pipelined`` | GEMINI Algorithm 2 in the network idle spans (:func:`.gemini.fitting_interval`) | p of R/p | no |
+| ``pipelined`` | GEMINI Algorithm 2 in the idle spans (:func:`idle_spans`; :func:`.gemini.fitting_interval`) | p of R/p | no |
 | ``one-buffer`` | Algorithm 2 with p = 1 ("interleave without pipeline") | 1 of R | no |
 | ``naive`` | one chunk per idle span, as large as mu times the span carries | 1 of the largest chunk (can exceed R) | no |
 | ``blocking`` | everything at the start of the iteration, chunks of R/p | p of R/p | yes |
