@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron_ft.config import ConfigError
-from megatron_ft.schedule.modes import AT_END, MODES, idle_spans, plan_sends
+from megatron_ft.schedule.modes import AT_END, MODES, free_share_of_waits, idle_spans, plan_sends
 from megatron_ft.schedule.spans import IdleSpan, LinkModel
 
 LINK = LinkModel(100.0)
@@ -104,10 +104,27 @@ def test_idle_device_fills_the_bubbles_and_auto_picks_them_on_cpu():
     assert idle_spans("auto", True, net, bub) == ("network", tuple(net))
     assert idle_spans("network", False, net, bub) == ("network", tuple(net))
     assert idle_spans("device", True, net, bub) == ("device", tuple(bub))
-    assert idle_spans("device", False, net, []) == ("network (no bubbles)", tuple(net))
+    assert idle_spans("device", False, net, []) == ("network (no free bubbles)", tuple(net))
+    # a host with fewer spare cores than waiting ranks: half of each bubble, or none
+    assert idle_spans("device", False, net, bub, 0.5) == ("device", (IdleSpan(1, 2), IdleSpan(6, 6.5)))
+    assert idle_spans("auto", False, net, bub, 0.0) == ("network (no free bubbles)", tuple(net))
     s = plan_sends("pipelined", 300, 1, LinkModel(100.0), 200, 2, 0.5, spans=idle_spans("auto", False, net, bub)[1])
     assert s.interval_iterations == 2 and s.fits
     assert [(x.iteration, x.at, x.offset, x.size, x.buffer) for x in s.sends] == [
         (0, 1, 0, 100, 0), (0, 6, 100, 50, 1), (1, 1, 150, 100, 0), (1, 6, 250, 50, 1)]
     with pytest.raises(ConfigError, match=r"schedule.idle='gpu' is invalid: must be one of network, device, auto"):
         idle_spans("gpu", False, net, bub)
+
+
+@pytest.mark.parametrize("cores, ranks, share", [(2, 1, 1.0), (2, 2, 1.0), (2, 3, 0.0), (2, 4, 0.0), (16, 8, 1.0),
+                                                 (4, 5, 0.0), (4, 4, 1.0)])
+def test_a_wait_frees_a_core_only_when_the_host_has_one_to_spare(cores, ranks, share):
+    """PP=2 on this 2-core machine: the waiting rank's core is free; PP=4: the three others take both."""
+    assert free_share_of_waits(cores, ranks) == share
+
+
+def test_free_share_bad_input_is_named():
+    with pytest.raises(ConfigError, match=r"cores=0 is invalid"):
+        free_share_of_waits(0, 2)
+    with pytest.raises(ConfigError, match=r"free_share=1.5 is invalid: must be a number >= 0 and <= 1"):
+        idle_spans("device", False, [], [IdleSpan(0, 1)], 1.5)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ScheduleConfig
-from ..schedule.modes import SendSchedule, idle_spans, plan_sends
+from ..schedule.modes import SendSchedule, free_share_of_waits, idle_spans, plan_sends
 from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
@@ -141,7 +141,11 @@ class ScheduledHooks:
             log.warning("rank %d: profile not usable (%s): one idle span per iteration", self.rank, e)
             link = link or LinkModel(1e9, sc.alpha_s)
             iteration_s = 1.0
-        idle, spans = idle_spans(sc.idle, torch.cuda.is_available(), spans, bubbles)
+        on_gpu = torch.cuda.is_available()
+        share = 1.0
+        if sc.idle != "network" and not on_gpu:  # the same on every rank: the exchange is collective
+            share = free_share_of_waits(len(os.sched_getaffinity(0)), self.transport.ranks_on_my_host())
+        idle, spans = idle_spans(sc.idle, on_gpu, spans, bubbles, share)
         if not spans:
             spans = (IdleSpan(0.0, iteration_s),)
         wants_bubbles = "bubble" in (sc.compare_modes or (sc.mode,))
@@ -162,7 +166,7 @@ class ScheduledHooks:
         self.transport.use(agreed[0][1], step, agreed[0][0])
         self.mode = agreed[0][0]
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
-                          "idle": idle, "spans": [[s.start, s.end] for s in spans],
+                          "idle": idle, "free_share": share, "spans": [[s.start, s.end] for s in spans],
                           "bubbles": [[b.start, b.end] for b in bubbles],
                           "profiled_iteration_s": iteration_s, "planned_at_step": step,
                           "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}

@@ -124,12 +124,25 @@ def _naive(spans: Sequence[IdleSpan], nbytes: int, copies: int, link: LinkModel,
     raise AssertionError("unreachable")
 
 
-def idle_spans(idle: str, on_gpu: bool, network: Sequence[IdleSpan],
-               bubbles: Sequence[IdleSpan]) -> tuple[str, tuple[IdleSpan, ...]]:
+def free_share_of_waits(cores: int, ranks_on_host: int) -> float:
+    """The share of a rank's wait in which a core of its host is free for checkpoint traffic, when
+    the host's cores both train and move the bytes (CPU): while one of ``r`` ranks waits, the other
+    ``r - 1`` keep up to ``r - 1`` cores busy. Two ranks on two cores: 1.0 (the waiting rank's core
+    is free); four ranks on two cores: 0.0 (the other three take both). Hand-checked values are in
+    ``tests/test_schedule_modes.py``."""
+    _check_int("cores", cores, 1)
+    _check_int("ranks_on_host", ranks_on_host, 1)
+    return float(max(0, min(1, cores - (ranks_on_host - 1))))
+
+
+def idle_spans(idle: str, on_gpu: bool, network: Sequence[IdleSpan], bubbles: Sequence[IdleSpan],
+               free_share: float = 1.0) -> tuple[str, tuple[IdleSpan, ...]]:
     """The spans the GEMINI modes fill for ``schedule.idle`` (``network`` | ``device`` | ``auto``), and
     which they are: ``auto`` is ``device`` on a CPU-only job (the cores that move the bytes are the
-    ones that compute: only the rank's waits are free) and ``network`` on GPUs. ``device`` without a
-    single bubble (PP = 1) falls back to the network spans, named ``"network (no bubbles)"``.
+    ones that compute: only the rank's waits are free) and ``network`` on GPUs. ``device`` keeps
+    ``free_share`` of every bubble (:func:`free_share_of_waits`: a wait frees a core only when the
+    host has one to spare); without a single bubble left (PP = 1, or more ranks than cores) it
+    falls back to the network spans, named ``"network (no free bubbles)"``.
 
     Worked example (the module's: network [0, 5), [6, 7), [8, 10), bubbles [1, 3), [6, 7)): on CPU
     ``auto`` gives the bubbles; ``pipelined`` with mu = 0.5 then fits 100 B + 50 B per iteration
@@ -137,12 +150,16 @@ def idle_spans(idle: str, on_gpu: bool, network: Sequence[IdleSpan],
     iterations: 0-100 at 1 s and 100-150 at 6 s, then 150-250 and 250-300."""
     if idle not in ScheduleConfig.IDLE:
         _fail("schedule.idle", idle, f"must be one of {', '.join(ScheduleConfig.IDLE)}")
+    if not 0.0 <= free_share <= 1.0:
+        _fail("free_share", free_share, "must be a number >= 0 and <= 1")
     if idle == "auto":
         idle = "network" if on_gpu else "device"
     if idle == "device":
-        if bubbles:
-            return "device", tuple(bubbles)
-        return "network (no bubbles)", tuple(network)
+        kept = tuple(IdleSpan(b.start, b.start + free_share * b.length, b.variance) for b in bubbles
+                     if free_share * b.length > _EPS)
+        if kept:
+            return "device", kept
+        return "network (no free bubbles)", tuple(network)
     return "network", tuple(network)
 
 

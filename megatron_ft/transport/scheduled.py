@@ -26,8 +26,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import socket
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -198,6 +200,14 @@ class ScheduledTransport:
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(out, mine, group=self.ctl)
         return {r: [(float(a), float(b)) for a, b in t.tolist() if a >= 0] for r, t in enumerate(out)}
+
+    def ranks_on_my_host(self) -> int:
+        """Collective: how many training ranks share this rank's host (by host name, exchanged as a
+        64-bit hash: several simulated nodes on one machine share its cores)."""
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, mine, group=self.ctl)
+        return sum(1 for t in out if int(t.item()) == int(mine.item()))
 
     # ------------------------------------------------------------------ training thread
     def begin_iteration(self) -> None:
