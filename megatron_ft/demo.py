@@ -299,9 +299,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
                                health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
     if args.transport == "scheduled":  # the config says why if the scheme is not replica
-        # profile a few iterations, then plan: the first scheduled copy is complete well before --kill-at
+        # profile a few iterations, then plan: the first scheduled copy is complete well before --kill-at;
+        # idle "auto": on CPU the bubbles while a core is free (none with 4 ranks on 2 cores)
         cfg = ftconfig.replace(cfg, redundancy={"transport": "scheduled"},
-                               schedule={"mode": args.schedule_mode, "profile_iterations": max(
+                               schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     world = cfg.cluster.world_size
     targs = training_args(cfg, args.iters, DEMO_TRAIN_ARGS.get(args.redundancy or "", []) + (args.train_arg or []))

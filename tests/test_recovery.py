@@ -14,6 +14,7 @@ import pytest
 
 from megatron_ft import config as ftconfig
 from megatron_ft.agent import persist
+from megatron_ft.schedule.modes import free_share_of_waits
 
 ITERS, KILL_AT = 10, 5
 
@@ -134,6 +135,11 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
     kinds = {e["kind"] for it in prof["iterations"] for e in it["events"]}
     with open(tmp_path / "demo" / "run" / "transport" / "rank0.json") as f:
         rec0 = json.load(f)
+    # schedule.idle auto (the demo's): bubbles only while this host has a core to spare for them;
+    # the four ranks were counted on this host by the planning all-gather
+    want_share = free_share_of_waits(len(os.sched_getaffinity(0)), 4)
+    assert rec0["plan"]["free_share"] == want_share, rec0["plan"]
+    assert rec0["plan"]["idle"] == ("device" if want_share else "network (no free bubbles)"), rec0["plan"]
     assert {"compute", "send", "recv", "optimizer", "ckpt"} <= kinds, (
         kinds, [it["iteration"] for it in prof["iterations"]], rec0["plan"]["planned_at_step"],
         [(t["step"], t["started_after"]) for t in rec0["transfers"]])
