@@ -379,9 +379,9 @@ class ScheduleConfig:
     bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
     alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
     idle: str = "network"  # network | device | auto: the spans the GEMINI modes fill (see above)
-    #: a peer copy at most every this many iterations; each transfer is spread over them (the plan
-    #: uses mu / min_interval of every span per iteration): GEMINI's "reduce the checkpoint frequency
-    #: to amortize" when the traffic interferes anyway (e.g. its CPU cost on a CPU-only machine)
+    #: a peer copy at most every this many iterations (N); a plan that would need n < N iterations is
+    #: spread over about N, using n/N of every span per iteration (modes.plan_sends_every): GEMINI's
+    #: "reduce the checkpoint frequency to amortize" when the traffic interferes anyway
     min_interval: int = 1
     #: benchmarks (benchmarks/scheduling.py): rotate through these modes in one job, each for
     #: ``compare_iterations`` iterations ("local": no peer traffic), so every mode sees the same machine

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from megatron_ft.config import ConfigError
-from megatron_ft.schedule.modes import AT_END, MODES, free_share_of_waits, idle_spans, plan_sends
+from megatron_ft.schedule.modes import AT_END, MODES, free_share_of_waits, idle_spans, plan_sends, plan_sends_every
 from megatron_ft.schedule.spans import IdleSpan, LinkModel
 
 LINK = LinkModel(100.0)
@@ -128,3 +128,22 @@ def test_free_share_bad_input_is_named():
         free_share_of_waits(0, 2)
     with pytest.raises(ConfigError, match=r"free_share=1.5 is invalid: must be a number >= 0 and <= 1"):
         idle_spans("device", False, [], [IdleSpan(0, 1)], 1.5)
+
+
+def test_min_interval_spreads_a_short_plan_over_n_iterations_without_compounding():
+    """schedule.min_interval N: the module example fits in 1 iteration; N = 3 plans it again with
+    mu / 3 (3 iterations, a third of each span's budget), a plan already N long is kept (no mu / N
+    on top), and blocking keeps its sends and starts every N iterations."""
+    s = plan_sends_every(3, "pipelined", 300, 1, LINK, 200, 2, 0.5, SPANS)
+    assert s.interval_iterations == 3 and s.fits
+    assert table(s) == [(0, 0, 0, 83, 0), (0, 6, 83, 16, 1), (0, 8, 99, 33, 0), (1, 0, 132, 83, 1),
+                        (1, 6, 215, 16, 0), (1, 8, 231, 33, 1), (2, 0, 264, 36, 0)]
+    long = plan_sends("pipelined", 1000, 1, LINK, 200, 2, 0.5, SPANS)
+    assert long.interval_iterations >= 3
+    assert plan_sends_every(3, "pipelined", 1000, 1, LINK, 200, 2, 0.5, SPANS) == long
+    assert plan_sends_every(1, "pipelined", 300, 1, LINK, 200, 2, 0.5, SPANS) == plan_sends(
+        "pipelined", 300, 1, LINK, 200, 2, 0.5, SPANS)
+    b = plan_sends_every(3, "blocking", 300, 1, LINK, 200, 2, 0.5, SPANS)
+    assert b.interval_iterations == 3 and table(b) == table(plan_sends("blocking", 300, 1, LINK, 200, 2))
+    with pytest.raises(ConfigError, match=r"schedule.min_interval=0 is invalid"):
+        plan_sends_every(0, "pipelined", 300, 1, LINK, 200, 2, 0.5, SPANS)

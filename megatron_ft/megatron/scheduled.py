@@ -1,6 +1,6 @@
 """The scheduled transport in a megatron-core training loop (issue 4): profile the first W
 iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
-(:func:`megatron_ft.schedule.modes.plan_sends`), then run them every iteration
+(:func:`megatron_ft.schedule.modes.plan_sends_every`), then run them every iteration
 (:class:`megatron_ft.transport.scheduled.ScheduledTransport`).
 
 Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
@@ -11,7 +11,6 @@ chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapsho
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -20,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import ScheduleConfig
-from ..schedule.modes import SendSchedule, free_share_of_waits, idle_spans, plan_sends
+from ..schedule.modes import SendSchedule, free_share_of_waits, idle_spans, plan_sends_every
 from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
@@ -182,20 +181,19 @@ class ScheduledHooks:
         sc = self.cfg.schedule
         if not nbytes or not self.transport.dsts:
             return None
+        every = sc.min_interval
         try:
             pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
-            sched = plan_sends(mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers,
-                               sc.mu / sc.min_interval, spans, bubbles, pb)
+            return plan_sends_every(every, mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
+                                    sc.sub_buffers, sc.mu, spans, bubbles, pb)
         except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
             log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank, mode, e)
             try:
-                sched = plan_sends("end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes, sc.sub_buffers)
+                return plan_sends_every(every, "end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
+                                        sc.sub_buffers)
             except ValueError as e2:
                 log.error("rank %d: no schedule at all (%s)", self.rank, e2)
                 return None
-        if sched.interval_iterations < sc.min_interval:
-            sched = dataclasses.replace(sched, interval_iterations=sc.min_interval)
-        return sched
 
     def close(self) -> None:
         try:

@@ -32,6 +32,7 @@ a checkpoint every 2 iterations.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -205,6 +206,29 @@ def plan_sends(mode: str, nbytes: int, copies: int, link: LinkModel, reserved_by
             left -= size
             done += size
     return _schedule(mode, sends, sub_buffers, chunk, False, link, True)
+
+
+def plan_sends_every(min_interval: int, mode: str, nbytes: int, copies: int, link: LinkModel, reserved_bytes: int,
+                     sub_buffers: int, mu: float = 0.9, spans: Sequence[IdleSpan] = (),
+                     bubbles: Sequence[IdleSpan] = (), peer_bubbles: Sequence[IdleSpan] = ()) -> SendSchedule:
+    """:func:`plan_sends`, a checkpoint at most every ``min_interval`` (N) iterations
+    (``schedule.min_interval``): a span-filling plan that needs n < N iterations is planned again
+    with mu * n / N, so each iteration carries n/N of what it could and the checkpoint takes about
+    N iterations (GEMINI: "reduce the checkpoint frequency to amortize"); a plan that already
+    needs N or more is kept. Plans without spans (``blocking``, ``end``, ``bubble``) keep their
+    sends and start every N iterations.
+
+    Worked example (the module's, ``pipelined``, mu = 0.5, N = 3): the plan fits in 1 iteration,
+    so it is planned again with mu = 0.5 / 3 and spreads the 300 B over 3 iterations."""
+    _check_int("schedule.min_interval", min_interval, 1)
+    sched = plan_sends(mode, nbytes, copies, link, reserved_bytes, sub_buffers, mu, spans, bubbles, peer_bubbles)
+    n = sched.interval_iterations
+    if mode in ("pipelined", "one-buffer", "naive") and n < min_interval:
+        sched = plan_sends(mode, nbytes, copies, link, reserved_bytes, sub_buffers, mu * n / min_interval, spans,
+                           bubbles, peer_bubbles)
+    if sched.interval_iterations < min_interval:
+        sched = dataclasses.replace(sched, interval_iterations=min_interval)
+    return sched
 
 
 def _schedule(mode: str, sends: list[Send], buffers: int, buffer_bytes: int, blocking: bool, link: LinkModel,
