@@ -548,7 +548,8 @@ RANK_METHODS = {"raw": rank_raw_copy, "mft": rank_megatron_ft, "torch_save": ran
 def _rank_entry(rank: int, world: int, port: int, params: dict, out_dir: str) -> None:
     """Body of one spawned rank process: every method in turn on the same state."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # as torchrun sets them for the ranks of one node (the restore sizes its threads by them)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     try:
         compute_factor = params.pop("compute_factor")

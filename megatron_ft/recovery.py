@@ -36,8 +36,27 @@ from .state import StateAdapter
 
 log = logging.getLogger("megatron_ft.recovery")
 MAX_CANDIDATES = 4
-# threads reading a snapshot back (read + checksum release the GIL); restore runs before training
-RESTORE_THREADS = min(4, os.cpu_count() or 1)
+MAX_RESTORE_THREADS = 4
+
+
+def restore_threads(cores: int, local_ranks: int) -> int:
+    """Threads one rank reads its snapshot back with (read + checksum release the GIL; restore runs
+    before training): its share of the cores, since every rank on the node restores at once, at
+    least 1 and at most :data:`MAX_RESTORE_THREADS`. One rank on 2 cores: 2; four ranks on 2 cores:
+    1 (with 2 each, 8 threads contended for 2 cores: the 256 MiB x 4 restore took 100-102 ms
+    against 74-91 ms with 1, in alternating runs of ``benchmarks/snapshot.py --huge-shm``)."""
+    return max(1, min(MAX_RESTORE_THREADS, cores // max(1, local_ranks)))
+
+
+def _restore_threads_here() -> int:
+    """:func:`restore_threads` for this process: its CPU affinity and torchrun's ``LOCAL_WORLD_SIZE``."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return restore_threads(len(os.sched_getaffinity(0)), local)
+
+
 # restore reads pieces in blocks of this size into a per-thread buffer that stays in cache,
 # then copies them into the tensors while summing (needs the native library)
 READ_BLOCK = 4 << 20  # a multiple of 32 (the checksum groups)
@@ -158,7 +177,7 @@ class Container:
             return None
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
-        workers = max(1, min(RESTORE_THREADS, self.layout.num_chunks))
+        workers = max(1, min(_restore_threads_here(), self.layout.num_chunks))
         try:
             if workers == 1:
                 errors = [one_chunk(i) for i in range(self.layout.num_chunks)]

@@ -152,3 +152,10 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
     load(tmp_path / "s.mft", dst, expect_mapped=True)
     for n in src:
         assert torch.equal(src[n], dst[n]), n
+
+
+@pytest.mark.parametrize("cores, local_ranks, threads", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 8, 2), (64, 1, 4),
+                                                         (1, 1, 1), (8, 0, 4)])
+def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ranks, threads):
+    """Every rank of a node restores at once: each takes its share of the cores (1..4 threads)."""
+    assert recovery.restore_threads(cores, local_ranks) == threads
