@@ -57,7 +57,6 @@ class ScheduledHooks:
         self.rotation: list[tuple[str, Optional[SendSchedule]]] = []  # schedule.compare_modes (benchmarks)
         self.rotation_index = 0
         self.segment_end = -1
-        self.mode = ""  # the mode in use once planned ("off": snapshots paused, a benchmark baseline)
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
         self.run_dir = os.environ.get("MFT_RUN_DIR")
@@ -70,7 +69,7 @@ class ScheduledHooks:
     def snapshots_off(self) -> bool:
         """In a ``compare_modes`` segment of ``off``: no snapshot is taken (every rank switches at
         the same step, so the snapshot agreement stays collective)."""
-        return self.mode == "off"
+        return self.transport.label == "off"
 
     def _actual(self, name: str, kind: str, start: float, end: float, nbytes: int = 0, src: str = "") -> None:
         if self.profiler is not None:
@@ -103,7 +102,6 @@ class ScheduledHooks:
             self.rotation_index = (self.rotation_index + 1) % len(self.rotation)
             mode, sched = self.rotation[self.rotation_index]
             self.transport.use(sched, step, mode)
-            self.mode = mode
             self.segment_end = step + self._segment(sched)
         self.transport.end_iteration(step)  # finishes the last transfer: its chunks reach the profile
         if self.profiler is not None:
@@ -163,7 +161,6 @@ class ScheduledHooks:
             self.rotation, self.rotation_index = agreed, 0
             self.segment_end = step + self._segment(agreed[0][1])
         self.transport.use(agreed[0][1], step, agreed[0][0])
-        self.mode = agreed[0][0]
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
                           "idle": idle, "free_share": share, "spans": [[s.start, s.end] for s in spans],
                           "bubbles": [[b.start, b.end] for b in bubbles],

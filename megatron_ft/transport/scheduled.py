@@ -143,7 +143,7 @@ class ScheduledTransport:
             self._recv_clients[src] = AgentClient(agent_socket)
             self._recv_clients[src].connect(hello)
         self.schedule: Optional[SendSchedule] = None
-        self.label = "off"  # the schedule's mode, for records
+        self.label = ""  # the mode in use (use()'s label: a schedule's mode, or "local" / "off" without one)
         self.phase = 0  # transfers start at snapshot steps = phase (mod interval)
         self.current: Optional[_Transfer] = None
         self.last_step = -1
@@ -185,7 +185,7 @@ class ScheduledTransport:
         if schedule is not None and self.device.type != "cpu":  # GPU: p device sub-buffers of R/p
             self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
                           for _ in range(schedule.buffers)]
-        self.schedule, self.phase, self.label = schedule, start_step, label or (schedule.mode if schedule else "off")
+        self.schedule, self.phase, self.label = schedule, start_step, label or (schedule.mode if schedule else "none")
         if schedule is not None:
             log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), %d x %d B buffers",
                      self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, schedule.buffers,
