@@ -100,7 +100,6 @@ def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = 
         t = json.load(open(os.path.join(run_dir, "transport", f)))
         tr[t["rank"]] = t
     t0 = tr[0]
-    its: dict[str, list[float]] = {}
     turns: dict[str, list[list[float]]] = {}  # per mode, per turn: its iterations (the k-th turns are neighbours)
     prev = None
     agreed_before = None
@@ -109,17 +108,19 @@ def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = 
         if label != prev:
             turns.setdefault(label, []).append([])
         else:
-            its.setdefault(label, []).append(secs)
             turns[label][-1].append(secs)
             if label == "off" and agreed is not None and agreed != agreed_before:
                 raise RuntimeError(f"{run_dir}: a snapshot (step {agreed}) was taken in an 'off' segment "
                                    f"(iteration {it}): the baseline is not snapshot-free")
         prev, agreed_before = label, agreed
     out = []
-    for mode, times in its.items():
+    for mode, mode_turns in turns.items():
+        times = [secs for turn in mode_turns for secs in turn]
+        if not times:
+            continue
         r = {"pp": pp, "mode": mode + (suffix if mode not in ("local", "off") else ""),
              "iteration_s": statistics.mean(times),
-             "iterations": len(times), "turns": [statistics.mean(t) for t in turns[mode] if t],
+             "iterations": len(times), "turns": [statistics.mean(t) for t in mode_turns if t],
              "run_dir": run_dir}
         scheds = [t["plan"]["schedules"].get(mode) for t in tr.values()]
         if all(scheds):
@@ -163,9 +164,14 @@ def _job_suffix(mode: str) -> str:
     return " /" + mode.split(" /")[1] if " /" in mode else ""
 
 
+def _baseline_row(summary: dict, pp: int, name: str, suffix: str) -> dict:
+    """The row of a job's baseline (``off`` / ``local``): "off" in the main job, "off (/4 job)" in the
+    amortized one; {} when the job has none."""
+    return summary.get((pp, f"{name} (/{suffix[2:]} job)" if suffix else name), {})
+
+
 def _baseline(summary: dict, pp: int, name: str, suffix: str) -> Optional[float]:
-    key = f"{name} (/{suffix[2:]} job)" if suffix else name
-    return summary.get((pp, key), {}).get("iteration_s")
+    return _baseline_row(summary, pp, name, suffix).get("iteration_s")
 
 
 def paired_overhead(mode: dict, base: dict) -> Optional[float]:
@@ -192,9 +198,9 @@ def table(summary: dict, pps: list[int], modes: list[str], reserved: int) -> str
             suffix = _job_suffix(m)
             it = r["iteration_s"]
             vs = (lambda b: f"{(it / b - 1) * 100:+.1f} %" if b else "-")
-            off = summary.get((pp, f"off (/{suffix[2:]} job)" if suffix else "off"), {})
+            off = _baseline_row(summary, pp, "off", suffix)
             paired = paired_overhead(r, off) if off and m != off.get("mode") else None
-            row = [str(pp), m, f"{it:.3f}", vs(base), vs(_baseline(summary, pp, "off", suffix)),
+            row = [str(pp), m, f"{it:.3f}", vs(base), vs(off.get("iteration_s")),
                    f"{paired * 100:+.1f} %" if paired is not None else "-",
                    vs(_baseline(summary, pp, "local", suffix))]
             if "interval_planned" in r:
@@ -220,7 +226,7 @@ def findings(summary: dict, pps: list[int], reserved: int) -> list[str]:
         for suffix in suffixes:
             g = lambda m: summary.get((pp, m + suffix), {})  # noqa: E731
             blk, pip = g("blocking"), g("pipelined")
-            off = summary.get((pp, f"off (/{suffix[2:]} job)" if suffix else "off"), {})
+            off = _baseline_row(summary, pp, "off", suffix)
             none = summary.get((pp, "none"), {})
             job = f"PP={pp}{' (schedule.min_interval ' + suffix[2:] + ')' if suffix else ''}"
             if not (blk and pip and (off or none)):
