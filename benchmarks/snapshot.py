@@ -154,6 +154,8 @@ class MegatronFTResult:
     restore_verify: Stat  # identity, layout and destinations (check_identity + resolve_targets)
     restore_copy: Stat  # load_verified: pread straight into the tensors, every chunk checksummed
     restore_unmap: Stat  # finish_load (shard all-gathers, JSON record) + close
+    paired_raw: Stat  # the faster raw copy, timed just before each measured snapshot (same phase)
+    paired_load_copy: Optional[Stat] = None  # torch.load + copy just after each restore (memory permitting)
 
 
 @dataclass
@@ -181,6 +183,7 @@ class ComboResult:
     torch_save: Optional[TorchSaveResult] = None
     dcp: Optional[DcpResult] = None
     skipped: str = ""
+    unpaired_restore: str = ""  # why the restore target compares separate phases (memory), or ""
     errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -194,8 +197,18 @@ class DemoResult:
 
 
 def aggregate(cls, per_rank: list[dict]):
-    """Build a result dataclass from the ranks' sample lists (field name = sample key)."""
-    return cls(**{f.name: Stat.over_ranks([r[f.name] for r in per_rank]) for f in fields(cls)})
+    """Build a result dataclass from the ranks' sample lists (field name = sample key); a figure
+    no rank measured (an optional one) is None."""
+    stats = {f.name: Stat.over_ranks([r.get(f.name, []) for r in per_rank]) for f in fields(cls)}
+    return cls(**{k: v if v.values else None for k, v in stats.items()})
+
+
+def paired_ratio(num: Optional[Stat], den: Optional[Stat]) -> Optional[float]:
+    """Median over the repetitions of num[i] / den[i]: two figures measured one right after the
+    other in every repetition, so the machine's drift between phases cancels."""
+    if num is None or den is None or not num.values or len(num.values) != len(den.values):
+        return None
+    return statistics.median(n / d for n, d in zip(num.values, den.values))
 
 
 # ====================================================================================== the state
@@ -274,6 +287,7 @@ class RankContext:
     shm_dir: str = SHM_DIR  # the raw copy's buffer and the agent's slots
     torch_dir: str = SHM_DIR  # torch.save's file and DCP's directory
     compute_s: float = 0.0  # simulated forward/backward, set after the raw copy
+    paired_restore: bool = False  # (b) also times torch.load + copy after each restore (memory permitting)
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def path(self, what: str, directory: Optional[str] = None) -> str:
@@ -283,55 +297,95 @@ class RankContext:
         dist.barrier()
 
 
-def rank_raw_copy(rc: RankContext) -> dict:
-    """(a) single-threaded copy of the state's bytes into a pre-faulted shared-memory buffer,
-    packed as megatron-ft's layout packs them (64-byte aligned, in order)."""
-    path = rc.path(f"raw.r{rc.rank}")
-    nbytes = rc.size_bytes + ALIGNMENT * len(rc.state)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    out: dict[str, list[float]] = {"torch_copy": [], "memcpy": []}
-    try:
-        dst = torch.frombuffer(mm, dtype=torch.uint8)
+class RawBuffer:
+    """A pre-faulted shared-memory buffer holding the state's bytes packed as megatron-ft's layout
+    packs them (64-byte aligned, in order): the target of the raw copy, the memory limit."""
+
+    def __init__(self, rc: RankContext, what: str):
+        self.path = rc.path(what)
+        self.state = rc.state
+        nbytes = rc.size_bytes + ALIGNMENT * len(rc.state)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        dst = torch.frombuffer(self.mm, dtype=torch.uint8)
         dst.fill_(0)  # pre-fault: every page touched before timing
-        pieces, off = [], 0
+        self.pieces, off = [], 0
         for t in rc.state.values():
             src = byte_view(t)
             off = -(-off // ALIGNMENT) * ALIGNMENT
-            pieces.append((dst[off: off + src.numel()], src))
+            self.pieces.append((dst[off: off + src.numel()], src))
             off += src.numel()
+        self.torch_copy()  # warm-up
+        self.memcpy()
 
-        def torch_copy():
-            for d, s in pieces:
-                d.copy_(s)
+    def torch_copy(self) -> None:
+        for d, s in self.pieces:
+            d.copy_(s)
 
-        def memcpy():
-            for d, s in pieces:
-                ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel())
+    def memcpy(self) -> None:
+        for d, s in self.pieces:
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel())
 
-        torch_copy()  # warm-up
-        memcpy()
-        for _ in range(rc.reps):
-            for name, fn in (("torch_copy", torch_copy), ("memcpy", memcpy)):
-                rc.barrier()
-                t0 = time.perf_counter()
-                fn()
-                out[name].append(time.perf_counter() - t0)
-        for d, s in pieces:  # the copies really happened (not timed)
+    def timed(self, rc: RankContext) -> dict[str, float]:
+        """One repetition of both copies, each started on all ranks together."""
+        out = {}
+        for name, fn in (("torch_copy", self.torch_copy), ("memcpy", self.memcpy)):
+            rc.barrier()
+            t0 = time.perf_counter()
+            fn()
+            out[name] = time.perf_counter() - t0
+        return out
+
+    def verify(self, rank: int) -> None:
+        """The copies really happened (not timed)."""
+        for d, s in self.pieces:
             if checksum.checksum(d) != checksum.checksum(s):
-                raise RuntimeError(f"rank {rc.rank}: raw copy differs from the source")
-        del dst, pieces
-    finally:
+                raise RuntimeError(f"rank {rank}: raw copy differs from the source")
+
+    def close(self) -> None:
+        self.pieces.clear()
         try:
-            mm.close()
+            self.mm.close()
         except BufferError:
             pass
-        os.unlink(path)
+        os.unlink(self.path)
+
+
+def rank_raw_copy(rc: RankContext) -> dict:
+    """(a) single-threaded copy of the state's bytes into a pre-faulted shared-memory buffer."""
+    raw = RawBuffer(rc, f"raw.r{rc.rank}")
+    out: dict[str, list[float]] = {"torch_copy": [], "memcpy": []}
+    try:
+        for _ in range(rc.reps):
+            for name, dt in raw.timed(rc).items():
+                out[name].append(dt)
+        raw.verify(rc.rank)
+    finally:
+        raw.close()
     return out
+
+
+def torch_load_copy(rc: RankContext, path: str) -> float:
+    """A restarted trainer's restore from a torch.save file: torch.load, then copy_ into the existing
+    (zeroed) state tensors (what load_state_dict does per tensor); verified, not timed."""
+    want = fingerprint(rc.state)
+    zero_state(rc.state)
+    rc.barrier()
+    t0 = time.perf_counter()
+    loaded = torch.load(path, weights_only=True)
+    with torch.no_grad():
+        for name, t in rc.state.items():
+            t.copy_(loaded[name])
+    dt = time.perf_counter() - t0
+    del loaded
+    gc.collect()
+    if fingerprint(rc.state) != want:
+        raise RuntimeError(f"rank {rc.rank}: torch.load + copy restored different bytes")
+    return dt
 
 
 def rank_megatron_ft(rc: RankContext) -> dict:
@@ -343,7 +397,10 @@ def rank_megatron_ft(rc: RankContext) -> dict:
     identity = {"run_id": cfg.run_id, "rank": rc.rank, "world_size": rc.world}
     adapter = BenchStateAdapter(rc.state)
     engine = SnapshotEngine(client, rc.rank, identity, cfg.snapshot.chunk_bytes, coord)
-    out: dict[str, list[float]] = {k: [] for k in ("stall", "snapshot_call", "wait", "copy", "clean", "restore")}
+    out: dict[str, list[float]] = {k: [] for k in ("stall", "snapshot_call", "wait", "copy", "clean", "restore",
+                                                   "paired_raw", "paired_load_copy")}
+    raw: Optional[RawBuffer] = None
+    torch_file = rc.path(f"torch.paired.r{rc.rank}.pt", rc.torch_dir)
     try:
         step = 0
         t0 = time.perf_counter()
@@ -351,7 +408,10 @@ def rank_megatron_ft(rc: RankContext) -> dict:
         out["first_call"] = [time.perf_counter() - t0]
         warm = engine.wait()
         assert warm is not None and warm.ok, warm
+        raw = RawBuffer(rc, f"raw.paired.r{rc.rank}")
         for _ in range(rc.reps):
+            # paired with this snapshot: the raw copy of the same bytes just before it (the faster one)
+            out["paired_raw"].append(min(raw.timed(rc).values()))
             step += 1
             adapter.iteration = step
             rc.barrier()
@@ -369,6 +429,11 @@ def rank_megatron_ft(rc: RankContext) -> dict:
             out["stall"].append((t1 - t0) + (t3 - t2))
             out["copy"].append(st.copy_s)
             out["clean"].append(st.clean_at - wall0)
+        raw.verify(rc.rank)
+        raw.close()
+        raw = None
+        if rc.paired_restore:  # the same state as a torch.save file, for torch.load + copy after each restore
+            torch.save(rc.state, torch_file)
         want = fingerprint(rc.state)
         for _ in range(rc.reps):
             zero_state(rc.state)  # the state is lost; the tensors exist (a rebuilt model)
@@ -381,8 +446,16 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                                    f"{res.rejected}")
             if fingerprint(rc.state) != want or adapter.restored_extra != {"iteration": step}:
                 raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
+            if rc.paired_restore:
+                out["paired_load_copy"].append(torch_load_copy(rc, torch_file))
+        if os.path.exists(torch_file):
+            os.unlink(torch_file)
         restore_breakdown(rc, client, identity, adapter, step, out)
     finally:
+        if raw is not None:
+            raw.close()
+        if os.path.exists(torch_file):
+            os.unlink(torch_file)
         engine.close()
         client.close(orderly=True)
     out["_mapped_after_close"] = mapped_bytes(f"mft.{cfg.run_id}.")
@@ -464,18 +537,7 @@ def rank_torch_save(rc: RankContext) -> dict:
                 raise RuntimeError(f"rank {rc.rank}: torch.load returned different bytes")
             del loaded
             gc.collect()
-            zero_state(rc.state)  # as before a megatron-ft restore: the tensors exist, the state is lost
-            rc.barrier()
-            t0 = time.perf_counter()
-            loaded = torch.load(path, weights_only=True)
-            with torch.no_grad():  # what load_state_dict does per tensor
-                for name, t in rc.state.items():
-                    t.copy_(loaded[name])
-            out["load_copy"].append(time.perf_counter() - t0)
-            del loaded
-            gc.collect()
-            if fingerprint(rc.state) != want:
-                raise RuntimeError(f"rank {rc.rank}: torch.load + copy restored different bytes")
+            out["load_copy"].append(torch_load_copy(rc, path))
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -664,7 +726,7 @@ class Bench:
         os.makedirs(out_dir, exist_ok=True)
         params = dict(size_bytes=c.size_mib * MiB, reps=self.reps, run_id=self.combo_run_id(c),
                       agent_config=agent_config, compute_factor=self.compute_factor, shm_dir=self.shm_dir,
-                      torch_dir=self.torch_dir)
+                      torch_dir=self.torch_dir, paired_restore=not c.unpaired_restore)
         ctx = mp.start_processes(_rank_entry, args=(c.ranks, free_port(), params, out_dir),
                                  nprocs=c.ranks, join=False, start_method="spawn")
         self.janitor.spawned.append(ctx)
@@ -729,10 +791,11 @@ def mem_available() -> int:
     return 0
 
 
-def fits(b: Bench, size_mib: int, ranks: int) -> str:
-    """Why a combination would not fit, or "". Peak per rank: the state plus two more copies
-    (megatron-ft: two agent slots; torch.save: file + loaded copy; DCP: staging copy + files)."""
-    need = ranks * (3 * size_mib * MiB + PROCESS_OVERHEAD)
+def fits(b: Bench, size_mib: int, ranks: int, copies: int = 4) -> str:
+    """Why a combination would not fit, or "". Peak per rank: the state plus three more copies
+    (megatron-ft: two agent slots and the paired raw copy's buffer; torch.save: file + loaded copy;
+    DCP: staging copy + files); five for the paired restore (two slots, torch file, loaded copy)."""
+    need = ranks * (copies * size_mib * MiB + PROCESS_OVERHEAD)
     shm_need = ranks * 2 * size_mib * MiB + 64 * MiB
     if need > b.mem_budget:
         return f"needs ~{need / GiB:.1f} GiB RAM > budget {b.mem_budget / GiB:.1f} GiB"
@@ -752,6 +815,7 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
     if c.skipped:
         print(f"[bench] {size_mib} MiB x {ranks} ranks: SKIPPED ({c.skipped})", flush=True)
         return c
+    c.unpaired_restore = fits(b, size_mib, ranks, copies=5)
     print(f"[bench] {size_mib} MiB x {ranks} ranks: raw copy, megatron-ft, torch.save, dcp ...", end="", flush=True)
     t0 = time.time()
     out_dir = os.path.join(b.workdir, "results", f"{c.size_mib}m{c.ranks}r")
@@ -811,29 +875,41 @@ def cell(s: Optional[Stat]) -> str:
 @dataclass
 class Target:
     name: str
-    value: Optional[float]  # the ratio of the medians: PASS/FAIL
-    of_mins: Optional[float]  # the ratio of the minima (less sensitive to other jobs' load)
+    value: Optional[float]  # PASS/FAIL: the paired ratio if ``paired``, else the ratio of the medians
+    across: Optional[float]  # the ratio of the medians of the separate phases
+    paired: bool
     limit: str
     ok: Optional[bool]
 
 
-def ratio(num: Optional[Stat], den: Optional[Stat]) -> tuple[Optional[float], Optional[float]]:
+def ratio(num: Optional[Stat], den: Optional[Stat]) -> Optional[float]:
+    """Ratio of the medians of two figures (measured in separate phases of the run)."""
     if num is None or den is None:
-        return None, None
-    return num.median / den.median, num.min / den.min
+        return None
+    return num.median / den.median
 
 
 def targets(c: ComboResult) -> list[Target]:
+    """Each target's value: the paired ratio where both figures were measured in the same
+    repetitions (the machine drifts by tens of percent between phases), else the ratio of the
+    medians; ``across`` is always the ratio of the medians of the separate phases (a check)."""
     raw = c.raw.reference if c.raw else None
     m, t, d = c.mft, c.torch_save, c.dcp
-    checks = [("stall / raw copy", ratio(m and m.stall, raw), f"<= {STALL_MAX}", lambda v: v <= STALL_MAX),
-              ("clean / raw copy", ratio(m and m.clean, raw), f"<= {CLEAN_MAX}", lambda v: v <= CLEAN_MAX),
-              ("(torch.load + copy) / restore", ratio(t and t.load_copy, m and m.restore), f">= {RESTORE_MIN}",
-               lambda v: v >= RESTORE_MIN),
-              ("dcp stall / mft stall", ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0),
-              ("bare torch.load / restore", ratio(t and t.load, m and m.restore), "info", None)]
-    return [Target(name, med, mins, limit, None if med is None or ok is None else ok(med))
-            for name, (med, mins), limit, ok in checks]
+    restore_paired = paired_ratio(m and m.paired_load_copy, m and m.restore)
+    checks = [("stall / raw copy", paired_ratio(m and m.stall, m and m.paired_raw), ratio(m and m.stall, raw),
+               f"<= {STALL_MAX}", lambda v: v <= STALL_MAX),
+              ("clean / raw copy", paired_ratio(m and m.clean, m and m.paired_raw), ratio(m and m.clean, raw),
+               f"<= {CLEAN_MAX}", lambda v: v <= CLEAN_MAX),
+              ("(torch.load + copy) / restore", restore_paired, ratio(t and t.load_copy, m and m.restore),
+               f">= {RESTORE_MIN}", lambda v: v >= RESTORE_MIN),
+              ("dcp stall / mft stall", None, ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0),
+              ("bare torch.load / restore", None, ratio(t and t.load, m and m.restore), "info", None)]
+    out = []
+    for name, paired, across, limit, ok in checks:
+        value = paired if paired is not None else across
+        out.append(Target(name, value, across, paired is not None, limit,
+                          None if value is None or ok is None else ok(value)))
+    return out
 
 
 def verdict(ok: Optional[bool]) -> str:
@@ -883,8 +959,9 @@ def targets_table(combos: list[ComboResult]) -> str:
         if c.skipped:
             continue
         ref = f"{fmt_s(c.raw.reference.median)} ({c.raw.reference_name})" if c.raw else "n/a"
-        cells = ["n/a" if t.value is None else f"{t.value:.3g} {verdict(t.ok) + ' ' if t.limit != 'info' else ''}"
-                 f"({t.of_mins:.3g})" for t in targets(c)]
+        cells = ["n/a" if t.value is None else " ".join(
+                     [f"{t.value:.3g}"] + (["paired"] if t.paired else []) + ([verdict(t.ok)] if t.limit != "info" else [])
+                     + ([f"({t.across:.3g})"] if t.paired and t.across is not None else [])) for t in targets(c)]
         rows.append(f"| {c.size_mib} MiB | {c.ranks} | {ref} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -944,6 +1021,10 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
     for c in combos:
         if c.skipped:
             notes.append(f"- {c.size_mib} MiB x {c.ranks} ranks skipped: {c.skipped}.")
+        elif c.unpaired_restore:
+            notes.append(f"- {c.size_mib} MiB x {c.ranks} ranks: restore not paired with torch.load + copy (the "
+                         f"torch.save file beside the agent's slots {c.unpaired_restore.removeprefix('needs ')}); "
+                         "its target is the ratio of the medians of the separate phases.")
         for method, err in c.errors.items():
             notes.append(f"- {c.size_mib} MiB x {c.ranks} ranks, {method}: {err}")
     return "\n".join([
@@ -992,7 +1073,12 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "",
         restore_table(combos),
         "",
-        "Targets: ratio of the medians of this run, PASS/FAIL, (ratio of the minima):",
+        "Targets, PASS/FAIL. *paired*: the median over the repetitions of the ratio of two figures "
+        "measured one right after the other (megatron-ft's phase times a raw copy just before each "
+        "snapshot, and a torch.load + copy of the same state from a torch.save file in "
+        f"`{torch_dir}` just after each restore), so the machine's drift between phases cancels; in "
+        "brackets the ratio of the medians of the separate phases (the tables above). Unmarked: the "
+        "ratio of the medians of separate phases.",
         "",
         targets_table(combos),
         "",
