@@ -346,7 +346,11 @@ def main() -> int:
             out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "timeline", pip["run_dir"], "--out",
                                   os.path.join(args.workdir, "timeline")], capture_output=True, text=True)
             png = os.path.join(args.workdir, "timeline", "timeline.png")
-            if out.returncode == 0 and os.path.exists(png):
+            if out.returncode != 0 or not os.path.exists(png):
+                why = (out.stderr.strip().splitlines() or ["no PNG written"])[-1]
+                print(f"[bench] no timeline PNG ({why}); `pip install 'megatron-ft[plot]'` for matplotlib",
+                      file=sys.stderr)
+            else:
                 shutil.copy(png, IMG)
                 img = (f"\n![PP={pps[0]} pipelined: profiled iterations, planned and actual chunks]"
                        f"(img/{os.path.basename(IMG)})\n")
