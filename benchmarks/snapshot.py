@@ -303,7 +303,6 @@ class RawBuffer:
 
     def __init__(self, rc: RankContext, what: str):
         self.path = rc.path(what)
-        self.state = rc.state
         nbytes = rc.size_bytes + ALIGNMENT * len(rc.state)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -371,7 +370,8 @@ def rank_raw_copy(rc: RankContext) -> dict:
 
 def torch_load_copy(rc: RankContext, path: str) -> float:
     """A restarted trainer's restore from a torch.save file: torch.load, then copy_ into the existing
-    (zeroed) state tensors (what load_state_dict does per tensor); verified, not timed."""
+    (zeroed) state tensors (what load_state_dict does per tensor). Returns its time; the bytes are
+    then checked against the state's fingerprint (not timed)."""
     want = fingerprint(rc.state)
     zero_state(rc.state)
     rc.barrier()
@@ -448,7 +448,7 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                 raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
             if rc.paired_restore:
                 out["paired_load_copy"].append(torch_load_copy(rc, torch_file))
-        if os.path.exists(torch_file):
+        if os.path.exists(torch_file):  # free its memory before the breakdown's restores
             os.unlink(torch_file)
         restore_breakdown(rc, client, identity, adapter, step, out)
     finally:
