@@ -16,7 +16,9 @@ after the other, each leaving the memory as it found it (the agent is shut down 
     GPU machine compute does not use the host CPU, and the copy must fit in the compute window),
     ``clean`` = ``SnapshotStats.clean_at`` - start of the snapshot. ``restore`` = wall time of
     ``Restorer(...).restore(adapter)`` from the agent's memory (includes checksum verification)
-    into the (zeroed) state tensors;
+    into the (zeroed) state tensors. For the paired targets the same phase also times a raw copy
+    just before each snapshot and, memory permitting, a ``torch.load`` + copy (as in (c), from a
+    file written once) just after each restore;
 (c) ``torch.save`` of the same state dict to /dev/shm (stall = clean = save time), restore =
     ``torch.load(weights_only=True)`` alone (new tensors) and ``torch.load`` + copy into the
     existing state tensors (what ``model.load_state_dict`` / ``optimizer.load_state_dict`` do in a
@@ -368,11 +370,10 @@ def rank_raw_copy(rc: RankContext) -> dict:
     return out
 
 
-def torch_load_copy(rc: RankContext, path: str) -> float:
+def torch_load_copy(rc: RankContext, path: str, want: dict[str, int]) -> float:
     """A restarted trainer's restore from a torch.save file: torch.load, then copy_ into the existing
     (zeroed) state tensors (what load_state_dict does per tensor). Returns its time; the bytes are
-    then checked against the state's fingerprint (not timed)."""
-    want = fingerprint(rc.state)
+    then checked against ``want``, the state's fingerprint (not timed)."""
     zero_state(rc.state)
     rc.barrier()
     t0 = time.perf_counter()
@@ -432,30 +433,30 @@ def rank_megatron_ft(rc: RankContext) -> dict:
         raw.verify(rc.rank)
         raw.close()
         raw = None
+        want = fingerprint(rc.state)
         if rc.paired_restore:  # the same state as a torch.save file, for torch.load + copy after each restore
             torch.save(rc.state, torch_file)
-        want = fingerprint(rc.state)
-        for _ in range(rc.reps):
-            zero_state(rc.state)  # the state is lost; the tensors exist (a rebuilt model)
-            rc.barrier()
-            t0 = time.perf_counter()
-            res = Restorer(rc.rank, rc.world, identity, cfg.run_id, cfg.persist.dir, client, coord).restore(adapter)
-            out["restore"].append(time.perf_counter() - t0)
-            if (res.source, res.step) != ("local_memory", step):
-                raise RuntimeError(f"rank {rc.rank}: restored {res.source} step {res.step}, not step {step}: "
-                                   f"{res.rejected}")
-            if fingerprint(rc.state) != want or adapter.restored_extra != {"iteration": step}:
-                raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
-            if rc.paired_restore:
-                out["paired_load_copy"].append(torch_load_copy(rc, torch_file))
-        if os.path.exists(torch_file):  # free its memory before the breakdown's restores
-            os.unlink(torch_file)
+        try:
+            for _ in range(rc.reps):
+                zero_state(rc.state)  # the state is lost; the tensors exist (a rebuilt model)
+                rc.barrier()
+                t0 = time.perf_counter()
+                res = Restorer(rc.rank, rc.world, identity, cfg.run_id, cfg.persist.dir, client, coord).restore(adapter)
+                out["restore"].append(time.perf_counter() - t0)
+                if (res.source, res.step) != ("local_memory", step):
+                    raise RuntimeError(f"rank {rc.rank}: restored {res.source} step {res.step}, not step {step}: "
+                                       f"{res.rejected}")
+                if fingerprint(rc.state) != want or adapter.restored_extra != {"iteration": step}:
+                    raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
+                if rc.paired_restore:
+                    out["paired_load_copy"].append(torch_load_copy(rc, torch_file, want))
+        finally:  # also frees its memory before the breakdown's restores
+            if os.path.exists(torch_file):
+                os.unlink(torch_file)
         restore_breakdown(rc, client, identity, adapter, step, out)
     finally:
         if raw is not None:
             raw.close()
-        if os.path.exists(torch_file):
-            os.unlink(torch_file)
         engine.close()
         client.close(orderly=True)
     out["_mapped_after_close"] = mapped_bytes(f"mft.{cfg.run_id}.")
@@ -537,7 +538,7 @@ def rank_torch_save(rc: RankContext) -> dict:
                 raise RuntimeError(f"rank {rc.rank}: torch.load returned different bytes")
             del loaded
             gc.collect()
-            out["load_copy"].append(torch_load_copy(rc, path))
+            out["load_copy"].append(torch_load_copy(rc, path, want))
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -895,12 +896,11 @@ def targets(c: ComboResult) -> list[Target]:
     medians; ``across`` is always the ratio of the medians of the separate phases (a check)."""
     raw = c.raw.reference if c.raw else None
     m, t, d = c.mft, c.torch_save, c.dcp
-    restore_paired = paired_ratio(m and m.paired_load_copy, m and m.restore)
     checks = [("stall / raw copy", paired_ratio(m and m.stall, m and m.paired_raw), ratio(m and m.stall, raw),
                f"<= {STALL_MAX}", lambda v: v <= STALL_MAX),
               ("clean / raw copy", paired_ratio(m and m.clean, m and m.paired_raw), ratio(m and m.clean, raw),
                f"<= {CLEAN_MAX}", lambda v: v <= CLEAN_MAX),
-              ("(torch.load + copy) / restore", restore_paired, ratio(t and t.load_copy, m and m.restore),
+              ("(torch.load + copy) / restore", paired_ratio(m and m.paired_load_copy, m and m.restore), ratio(t and t.load_copy, m and m.restore),
                f">= {RESTORE_MIN}", lambda v: v >= RESTORE_MIN),
               ("dcp stall / mft stall", None, ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0),
               ("bare torch.load / restore", None, ratio(t and t.load, m and m.restore), "info", None),
