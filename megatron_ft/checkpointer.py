@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from . import config as ftconfig
-from . import faults
+from . import fatal, faults
 from .policy.runtime import AutoIntervals
 from .protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
@@ -51,10 +51,14 @@ class InMemoryCheckpointer:
             self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                                  "pid": os.getpid(), "run_id": cfg.run_id})
         except OSError as e:
-            log.error("rank %d: no snapshot agent at %s (%s): in-memory snapshots are off for this run; "
-                      "start jobs with `megatron-ft launch`", rank, path, e)
+            if cfg.agent.required:
+                fatal.end_job(f"rank {rank}: no snapshot agent at {path} ({e}); start the job with `megatron-ft "
+                              f"launch`, or set agent.required: false to train unprotected")
+            log.error("rank %d: no snapshot agent at %s (%s): in-memory snapshots are OFF for this run "
+                      "(agent.required: false)", rank, path, e)
             self.client = None
-        self.engine = (SnapshotEngine(self.client, rank, self.identity, cfg.snapshot.chunk_bytes, self.coord_group)
+        self.engine = (SnapshotEngine(self.client, rank, self.identity, cfg.snapshot.chunk_bytes, self.coord_group,
+                                      required=cfg.agent.required)
                        if self.client is not None and cfg.snapshot.enabled else None)
         self._events = _EventLog(rank)
         self.last_restore: Optional[RestoreResult] = None

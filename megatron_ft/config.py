@@ -147,9 +147,14 @@ class AgentConfig:
     socket_dir: str = "/tmp/megatron-ft/sockets"
     connect_timeout_s: float = 60.0
     shm_limit_mib: int = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
+    #: true: a trainer that cannot reach its agent or get its slots ends the job (exit 2, never retried);
+    #: false: it trains unprotected, saying so
+    required: bool = True
 
     def __post_init__(self) -> None:
         _check_str("agent.shm_dir", self.shm_dir)
+        if not isinstance(self.required, bool):
+            _fail("agent.required", self.required, "must be true or false")
         _check_int("agent.shm_limit_mib", self.shm_limit_mib, 0)
         _check_str("agent.socket_dir", self.socket_dir)
         if not isinstance(self.connect_timeout_s, (int, float)) or self.connect_timeout_s <= 0:
@@ -163,11 +168,14 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     rdzv_port: int = 29400
     max_restarts: int = 3
+    #: a node whose agent does not start within this many seconds ends the job, naming the node
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check_str("launch.master_addr", self.master_addr)
         _check_int("launch.rdzv_port", self.rdzv_port, 1024, 65535)
         _check_int("launch.max_restarts", self.max_restarts, 0)
+        _check_num("launch.start_timeout_s", self.start_timeout_s, 1.0)
 
 
 @dataclass(frozen=True)
@@ -503,12 +511,32 @@ def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> FTConfig:
     return FTConfig(**kwargs)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"key {key!r} is given twice (first {seen[key]}); each key may appear once", key_node.start_mark)
+            seen[key] = f"line {key_node.start_mark.line + 1}"
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` that refuses duplicate keys."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load(path: Optional[str] = None) -> FTConfig:
     """Load a config file (the embedded default ``local-cpu.yaml`` when ``path`` is None)."""
     path = path or DEFAULT_CONFIG_PATH
     try:
         with open(path, "r", encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            data = load_yaml(f) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist") from None
     except yaml.YAMLError as e:

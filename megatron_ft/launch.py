@@ -40,6 +40,7 @@ from typing import Optional
 import yaml
 
 from . import config as ftconfig
+from . import fatal, shm
 from .protocol import AgentClient, socket_path
 
 
@@ -76,14 +77,19 @@ class NodeLauncher:
             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
             f.write(str(self.agent.pid))
-        deadline = time.time() + self.cfg.agent.connect_timeout_s
+        limit = self.cfg.launch.start_timeout_s
+        deadline = time.time() + limit
         while not os.path.exists(self.sock):
             if self.agent.poll() is not None:
-                raise RuntimeError(f"node {self.node}: agent exited with {self.agent.returncode} at start-up; "
-                                   f"see {self.node_dir}/agent.log")
+                raise AgentStartError(f"node {self.node}: its agent exited with {self.agent.returncode} at start-up; "
+                                      f"see {self.node_dir}/agent.log")
             if time.time() > deadline:
-                raise RuntimeError(f"node {self.node}: agent did not open {self.sock} within "
-                                   f"{self.cfg.agent.connect_timeout_s} s")
+                self.agent.kill()
+                raise AgentStartError(f"node {self.node}: its agent did not open {self.sock} within "
+                                      f"launch.start_timeout_s={limit:g} s; see {self.node_dir}/agent.log")
+            if (f := fatal.read(self.run_dir)) is not None:
+                self.agent.kill()
+                raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
             time.sleep(0.05)
 
     def stop_agent(self) -> None:
@@ -110,7 +116,9 @@ class NodeLauncher:
             f"--nnodes={self.nodes}", f"--nproc-per-node={self.nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.master_addr}:{lc.rdzv_port}",
             f"--rdzv-id={self.cfg.run_id}",
-            f"--rdzv-conf=is_host={'true' if self.node == 0 else 'false'}",
+            # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
+            f"--rdzv-conf=is_host={'true' if self.node == 0 else 'false'},"
+            f"join_timeout={max(1, int(lc.start_timeout_s))}",
             f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.5",
             *self.script,
         ]
@@ -118,7 +126,17 @@ class NodeLauncher:
     def run(self) -> int:
         with open(os.path.join(self.node_dir, "launcher.pid"), "w") as f:
             f.write(str(os.getpid()))
-        self.start_agent()
+        try:  # a record of an earlier run in this directory
+            os.unlink(fatal.record_path(self.run_dir, self.node))
+        except FileNotFoundError:
+            pass
+        problem = preflight(self.cfg)
+        if problem:
+            return self._end_job(problem)
+        try:
+            self.start_agent()
+        except AgentStartError as e:
+            return self._end_job(str(e))
         env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
@@ -128,6 +146,10 @@ class NodeLauncher:
             f.write(str(self.torchrun.pid))
         try:
             while self.torchrun.poll() is None:
+                if (f := fatal.read(self.run_dir)) is not None:
+                    self._stop_torchrun()
+                    self.stop_agent()
+                    return self._end_job(f"node {f[0]}: {f[1]}", record=False)
                 if self.agent is not None and self.agent.poll() is not None:
                     self.agent_restarts += 1
                     self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "
@@ -139,7 +161,50 @@ class NodeLauncher:
             self.torchrun.wait()
         rc = self.torchrun.returncode
         self.stop_agent()
+        if (f := fatal.read(self.run_dir)) is not None:  # a trainer ended the job as torchrun exited
+            return self._end_job(f"node {f[0]}: {f[1]}", record=False)
         return rc
+
+    def _stop_torchrun(self) -> None:
+        """SIGTERM torchrun (it stops its workers), SIGKILL after 30 s."""
+        if self.torchrun is None or self.torchrun.poll() is not None:
+            return
+        self.torchrun.terminate()
+        try:
+            self.torchrun.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.torchrun.kill()
+            self.torchrun.wait()
+
+    def _end_job(self, message: str, record: bool = True) -> int:
+        """This node cannot run (or another node said so): record it for the other launchers, say
+        why, and return :data:`megatron_ft.fatal.EXIT_CODE`."""
+        if record:
+            fatal.write(self.run_dir, self.node, message)
+        self.log(f"[launch n{self.node}] job ended: {message}")
+        return fatal.EXIT_CODE
+
+
+class AgentStartError(RuntimeError):
+    """A node's agent could not start."""
+
+
+def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
+    """What keeps this node from protecting its trainers, checked before anything starts (None: fine)."""
+    if not cfg.agent.required:
+        return None
+    d = cfg.agent.shm_dir
+    if not os.path.isdir(d):
+        return (f"agent.shm_dir={d!r} does not exist (or is not a directory): create it or point agent.shm_dir at a "
+                f"tmpfs; agent.required: false trains unprotected")
+    if not os.access(d, os.W_OK | os.X_OK):
+        return f"agent.shm_dir={d!r} is not writable by this user"
+    need = cfg.agent.shm_limit_mib << 20
+    free = shm.shm_free_bytes(d)
+    if need and free < need:
+        return (f"agent.shm_dir={d!r} has {free / 2**20:.0f} MiB free but agent.shm_limit_mib="
+                f"{cfg.agent.shm_limit_mib}; enlarge it or lower the limit")
+    return None
 
 
 def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:

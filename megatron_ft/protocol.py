@@ -41,7 +41,11 @@ class ProtocolError(RuntimeError):
 
 
 class AgentError(RuntimeError):
-    """The agent answered ok=false."""
+    """The agent answered ok=false; ``kind`` names the agent-side error class (e.g. SharedMemoryError)."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -116,7 +120,8 @@ class AgentClient:
         send_msg(self._sock, msg)
         reply = recv_msg(self._sock)
         if not reply.get("ok", False):
-            raise AgentError(f"agent refused {msg.get('op')}: {reply.get('error', 'no reason given')}")
+            raise AgentError(f"agent refused {msg.get('op')}: {reply.get('error', 'no reason given')}",
+                             str(reply.get("kind", "")))
         return reply
 
     def _close_locked(self) -> None:

@@ -291,18 +291,25 @@ class Restorer:
             return []
         return [Candidate(v["step"], v["path"], "local_memory") for v in versions]
 
-    def memory_candidates(self) -> list[Candidate]:
-        """Local versions; when this node has none (a replacement for a lost node), the versions
-        its agent can rebuild from the redundancy group (copied whole or decoded)."""
-        local = self.local_candidates()
-        if local or self.client is None:
-            return local
+    def peer_candidates(self) -> list[Candidate]:
+        """The versions this rank's agent can rebuild from its redundancy group (copied whole or
+        decoded), for the steps it does not hold itself."""
+        if self.client is None:
+            return []
         try:
             versions = self.client.request("peer_list", rank=self.rank)["versions"]
         except Exception as e:
             log.warning("rank %d: no versions from peers (%s)", self.rank, e)
             return []
         return [Candidate(v["step"], "", v["source"]) for v in versions]
+
+    def memory_candidates(self) -> list[Candidate]:
+        """Local versions and, for the steps not held locally, what the group can rebuild: all ranks
+        then agree on one step from the union (a parity node's unfinished newer step, or a rank whose
+        slot of the group's complete step was reused, never hides that step)."""
+        local = self.local_candidates()
+        held = {c.step for c in local}
+        return local + [c for c in self.peer_candidates() if c.step not in held]
 
     def _materialize(self, cand: Candidate) -> Candidate:
         """A peer candidate is rebuilt into a local slot by the agent first."""
@@ -350,7 +357,10 @@ class Restorer:
         t0 = time.perf_counter()
         rejected: list[str] = []
         touched = False
-        for tier, cands in (("memory", self.memory_candidates), ("disk", self.disk_candidates)):
+        # local memory first (every rank agrees from its own agent's versions, no peer traffic); when
+        # no step is common, local and peer holdings together; then disk
+        tiers = (("local", self.local_candidates), ("memory", self.memory_candidates), ("disk", self.disk_candidates))
+        for tier, cands in tiers:
             by_step = {c.step: c for c in cands()}
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
@@ -389,6 +399,7 @@ class Restorer:
                     finish_load(cont, adapter, targets)
                     extra = cont.version.get("extra", {})
                     cont.close()
+                    self._rewind(step)
                     return RestoreResult(by_step[step].source, step, time.perf_counter() - t0, extra, rejected)
                 cont.close()
                 if ok:
@@ -396,7 +407,19 @@ class Restorer:
         if touched:
             raise RestoreFailed(f"rank {self.rank}: every snapshot candidate failed after loading began "
                                 f"({rejected}); the corrupt copies were invalidated, restart to begin fresh")
+        self._rewind(-1)
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
+
+    def _rewind(self, step: int) -> None:
+        """Tell the agent the job resumed from ``step``: newer versions are dropped and ``step`` is
+        the protected one (without this, a stale newer agreed step would keep every later snapshot
+        out of the slots)."""
+        if self.client is None:
+            return
+        try:
+            self.client.request("rewind", rank=self.rank, step=step)
+        except Exception as e:  # the agent may be restarting; its re-adopted table is rewound next time
+            log.warning("rank %d: could not tell the agent it resumed from step %d: %s", self.rank, step, e)
 
     def _invalidate(self, cand: Candidate) -> None:
         """Make sure a corrupt copy is never offered again."""

@@ -192,6 +192,50 @@ def segment_name(run_id: str, node: int, rank: int, slot: int) -> str:
     return f"mft.{run_id}.n{node}.r{rank}.s{slot}"
 
 
+def block_segment_name(run_id: str, node: int, key: str, serial: int) -> str:
+    """A peer block version held by ``node``'s agent. ``serial`` is unique per agent process
+    (a counter), so a new version never reuses the file of one that still exists."""
+    return f"mft.{run_id}.n{node}.{os.getpid()}.blk.{key}.{serial}"
+
+
+def remove_block_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
+    """Unlink the peer block versions an earlier agent of ``node`` left (it died without shutdown);
+    returns the removed paths. Slots are re-adopted; blocks are received again with the next version."""
+    prefix = f"mft.{run_id}.n{node}."
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(prefix) and ".blk." in name and parse_segment_name(name) is None:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def intact(seg: Segment) -> bool:
+    """Whether the file behind ``seg`` still has the size it was mapped with: reading a mapping
+    past the end of a truncated file is SIGBUS, so every reader outside the trainer checks first."""
+    try:
+        return os.stat(seg.path).st_size >= seg.size
+    except OSError:
+        return False
+
+
+def restore_size(seg: Segment) -> None:
+    """Give a truncated segment its size back (same inode: every mapping of it is valid again)
+    with its pages reserved; its content is zeros past the cut (the caller re-initialises it)."""
+    fd = os.open(seg.path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, seg.size)
+    finally:
+        os.close(fd)
+
+
 _NAME_RE = re.compile(r"mft\.(?P<run>[A-Za-z0-9_.-]+)\.n(?P<node>\d+)\.r(?P<rank>\d+)\.s(?P<slot>\d+)$")
 
 

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checksum, faults, shm, snapfile
+from . import checksum, fatal, faults, shm, snapfile
 from .layout import Layout, plan_layout
 from .protocol import AgentClient, AgentError
 from .state import StateTensor
@@ -67,13 +67,14 @@ class SnapshotEngine:
     """Trainer-side staging of snapshots into this rank's agent slots."""
 
     def __init__(self, client: AgentClient, rank: int, identity: dict, chunk_size: int,
-                 coord_group: Any = None, agree: bool = True):
+                 coord_group: Any = None, agree: bool = True, required: bool = False):
         self.client = client
         self.rank = rank
         self.identity = identity
         self.chunk_size = chunk_size
         self.coord_group = coord_group
         self.agree = agree and dist.is_available() and dist.is_initialized()
+        self.required = required  # no shared memory for the slots ends the job (agent.required)
         self.layout: Optional[Layout] = None
         self._pieces: list = []  # layout.all_pieces(), computed once per registration
         self._slots: list[shm.Segment] = []
@@ -98,7 +99,10 @@ class SnapshotEngine:
                 raise RuntimeError(f"registration failed earlier; retrying at step {self._register_retry_step}")
             try:
                 self._ensure_registered(tensors)
-            except Exception:
+            except Exception as e:
+                if self.required and getattr(e, "kind", "") == "SharedMemoryError":
+                    fatal.end_job(f"rank {self.rank}: no shared memory for its snapshot slots: {e} "
+                                  f"(agent.required: false trains unprotected instead)")
                 self._register_retry_step = step + REGISTER_RETRY_STEPS
                 raise
             slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])

@@ -70,6 +70,33 @@ def write_container(buf, path: str) -> int:
     return end
 
 
+def verify_container(buf) -> None:
+    """Raise :class:`~megatron_ft.snapfile.SnapshotFormatError` unless ``buf`` holds a CLEAN
+    container whose record is well formed and every chunk matches its checksum."""
+    import numpy as np
+
+    from .. import checksum
+
+    hdr = snapfile.read_header(buf)
+    if hdr.state != snapfile.CLEAN:
+        raise snapfile.SnapshotFormatError(f"container is {snapfile.STATE_NAMES[hdr.state]}, not clean")
+    layout = snapfile.read_layout(buf, hdr)
+    version = snapfile.read_version(buf, hdr)
+    sums = version.get("chunks", [])
+    if version.get("checksum") != checksum.ALGORITHM or len(sums) != layout.num_chunks:
+        raise snapfile.SnapshotFormatError(f"record has {len(sums)} {version.get('checksum')} checksums for "
+                                           f"{layout.num_chunks} chunks")
+    data_off = hdr.geometry.data_off
+    if len(buf) < data_off + layout.data_nbytes:
+        raise snapfile.SnapshotFormatError(f"container ends early ({len(buf)} bytes, needs "
+                                           f"{data_off + layout.data_nbytes})")
+    for i in range(layout.num_chunks):
+        lo, hi = layout.chunk_bounds(i)
+        got = checksum.checksum(np.frombuffer(buf, np.uint8, hi - lo, data_off + lo))
+        if f"{got:016x}" != sums[i]:
+            raise snapfile.SnapshotFormatError(f"chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})")
+
+
 def list_steps(base: str, run_id: str) -> dict[int, set[int]]:
     """step -> set of ranks that have a (whole) file for it."""
     out: dict[int, set[int]] = {}

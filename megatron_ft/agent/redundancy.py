@@ -91,6 +91,14 @@ class _RowPipeline:
         return self.futures[self.rows[i]].result()
 
 
+def _remove(seg: shm.Segment) -> None:
+    seg.close()
+    try:
+        os.unlink(seg.path)
+    except FileNotFoundError:
+        pass
+
+
 def _row_id(key: str) -> str:
     """``rs.g0.p1.row3`` -> ``rs.g0.row3`` (the same row of every parity)."""
     head, row = key.rsplit(".row", 1)
@@ -123,6 +131,7 @@ class Redundancy:
         self._stop = threading.Event()
         self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
         self._ex_cache: Optional[tuple] = None
+        self._serial = 0  # block version files created (their names' suffix)
         self._started: dict[int, float] = {}  # step -> when this node began exchanging it
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")  # encodes row r+1 while r is sent
@@ -346,12 +355,14 @@ class Redundancy:
             # two versions per block: never reuse the one of the newest step the group holds
             v = None if len(vs) < 2 else min((v for v in vs if v.step != self.complete_step),
                                              key=lambda b: b.step)
-            if v is not None and v.segment.size < length:
-                v.segment.close()
+            if v is not None and v.segment.size < length:  # too small for this version: replaced, not kept
                 vs.remove(v)
+                _remove(v.segment)
                 v = None
             if v is None:
-                path = os.path.join(self.cfg.agent.shm_dir, f"mft.{self.cfg.run_id}.n{self.node}.blk.{key}.{len(vs)}")
+                self._serial += 1  # a name never used before by this agent: create() cannot hit a live version
+                path = os.path.join(self.cfg.agent.shm_dir,
+                                    shm.block_segment_name(self.cfg.run_id, self.node, key, self._serial))
                 seg = shm.create(path, max(length, 1))
                 v = BlockVersion(seg)
                 vs.append(v)
@@ -503,8 +514,7 @@ class Redundancy:
                 for v in vs:
                     if v.complete:
                         sizes.update(v.meta.get("sizes", {}))
-        with self.agent.lock:
-            sizes.update({str(r): rec.slots[0].segment.size for r, rec in self.agent.ranks.items() if rec.slots})
+        sizes.update({str(r): n for r, n in self.agent.slot_sizes().items()})
         return {"primary": {str(r): s for r, s in self.agent.clean_steps().items()}, "blocks": blocks,
                 "codecs": codecs, "sizes": sizes,
                 "complete": self.complete_step, "pid": os.getpid()}
@@ -676,9 +686,24 @@ class Redundancy:
         with self.lock:
             for vs in self.blocks.values():
                 for v in vs:
-                    v.segment.close()
-                    try:
-                        os.unlink(v.segment.path)
-                    except FileNotFoundError:
-                        pass
+                    _remove(v.segment)
             self.blocks.clear()
+
+    # ------------------------------------------------------------------ rewind
+    def rewind(self, step: int) -> None:
+        """The job resumed from ``step``: versions newer than it (exchanged, announced, held as
+        blocks or pending) are an abandoned future; the complete step goes down to ``step`` at most,
+        so the next versions are exchanged and completed again."""
+        with self.lock:
+            self.complete_step = min(self.complete_step, step)
+            self.announced = {n: min(s, step) for n, s in self.announced.items()}
+            if self.inflight_step > step:
+                self.inflight_step = -1
+            if self._pending is not None and self._pending > step:
+                self._pending = None
+            for st in [st for st in self._sched_sending if st > step]:
+                del self._sched_sending[st]
+            for vs in self.blocks.values():
+                for v in vs:
+                    if v.step > step:
+                        v.step, v.got, v.expect = -1, set(), 0

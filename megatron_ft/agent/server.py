@@ -25,7 +25,7 @@ import socketserver
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from .. import config as ftconfig
@@ -33,45 +33,37 @@ from .. import shm, snapfile
 from ..layout import Layout
 from ..protocol import recv_msg, send_msg, socket_path
 from . import persist
+from .versions import BusyError, TransitionError, VersionTable
 
 log = logging.getLogger("megatron_ft.agent")
 
 SLOTS_PER_RANK = 2
 
 
-@dataclass
-class Slot:
-    index: int
-    segment: shm.Segment
-    state: int = snapfile.EMPTY
-    step: int = -1
-    pins: int = 0  # >0 while the agent reads it (persisting)
-
-
-@dataclass
-class RankRecord:
+@dataclass(frozen=True)
+class SlotRef:
+    """A slot handed to a reader outside the agent's lock (persist, exchange, scheduled transport):
+    its segment and the step it held when pinned. The pin keeps ``begin`` off it until released."""
     rank: int
-    slots: list[Slot] = field(default_factory=list)
-    fingerprint: str = ""
-    global_step: int = -1
-
-    def clean(self) -> list[Slot]:
-        return sorted((s for s in self.slots if s.state == snapfile.CLEAN), key=lambda s: -s.step)
-
-    def slot_with(self, step: int) -> Optional[Slot]:
-        for s in self.slots:
-            if s.state == snapfile.CLEAN and s.step == step:
-                return s
-        return None
+    index: int
+    step: int
+    segment: shm.Segment
 
 
 class Agent:
+    """One node's agent. Lock order: ``Agent.lock`` may be taken while holding nothing or
+    ``Redundancy.lock`` is *not* held; the redundancy takes its own lock and calls into the agent
+    only without it (``pin_step``, ``clean_steps``, ``install_recovered`` ...)."""
+
     def __init__(self, cfg: ftconfig.FTConfig, node: int):
         self.cfg = cfg
         self.node = node
         self.run_id = cfg.run_id
         self.lock = threading.RLock()
-        self.ranks: dict[int, RankRecord] = {}
+        self.table = VersionTable()  # slot states (pure; mirrored into the container headers)
+        self.segments: dict[int, list[shm.Segment]] = {}  # rank -> its slots' segments, by index
+        self.fingerprints: dict[int, str] = {}  # rank -> its layout's fingerprint
+        self.layouts: dict[int, bytes] = {}  # rank -> its layout record (to re-initialise a repaired slot)
         self.connected: dict[int, int] = {}  # rank -> open trainer connections
         self.persisted: list[int] = []
         self.persist_errors: list[str] = []
@@ -84,13 +76,13 @@ class Agent:
         self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
         self._persist_thread: Optional[threading.Thread] = None
         self.started = time.time()
-        self._sched_pins: dict[int, Slot] = {}  # rank -> the slot its scheduled transport reads
+        self._sched_pins: dict[int, SlotRef] = {}  # rank -> the slot its scheduled transport reads
         self.redundancy = None  # agent.redundancy.Redundancy when redundancy.scheme != none (start_peers)
         self.store = None
         self.monitor = None
 
     def start_peers(self) -> None:
-        """Join the group's coordination store and peer transport (issue 3)."""
+        """Join the group's coordination store and peer transport."""
         if self.cfg.redundancy.scheme == "none":
             return
         from ..health.monitor import Monitor
@@ -103,14 +95,16 @@ class Agent:
         host = h.host_of(self.node)
         self.redundancy = Redundancy(self, self.store, host)
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s).start()
-        with self.lock:
-            for rec in self.ranks.values():
-                if rec.slots:
-                    self.redundancy.publish_size(rec.rank, rec.slots[0].segment.size)
+        for rank, size in self.slot_sizes().items():
+            self.redundancy.publish_size(rank, size)
 
     # ------------------------------------------------------------------ segments
     def adopt_existing(self) -> int:
-        """Re-adopt slots left in shared memory by a previous agent of this node (agent restart)."""
+        """Re-adopt slots left in shared memory by a previous agent of this node (agent restart);
+        the previous agent's peer block versions are removed (the group sends the next version again)."""
+        gone = shm.remove_block_segments(self.cfg.agent.shm_dir, self.run_id, self.node)
+        if gone:
+            log.info("agent node %d: removed %d peer block version(s) of the previous agent", self.node, len(gone))
         n = 0
         for rank, slot_idx, path in shm.list_segments(self.cfg.agent.shm_dir, self.run_id, self.node):
             try:
@@ -130,11 +124,19 @@ class Agent:
                 except FileNotFoundError:
                     pass
                 continue
-            rec = self.ranks.setdefault(rank, RankRecord(rank))
-            rec.fingerprint = fp
-            rec.slots.append(Slot(slot_idx, seg, state, hdr.step if state == snapfile.CLEAN else -1))
-            rec.slots.sort(key=lambda s: s.index)
+            self.fingerprints[rank] = fp
+            g = hdr.geometry
+            self.layouts[rank] = bytes(seg.mm[g.layout_off: g.layout_off + g.layout_len])
+            self.table.adopt(rank, slot_idx, state, hdr.step)
+            segs = self.segments.setdefault(rank, [])
+            segs.append(seg)
+            segs.sort(key=lambda g: g.path)
             n += 1
+        for rank, rv in list(self.table.ranks.items()):  # a rank with a missing slot index is not adopted
+            if [s.index for s in rv.slots] != list(range(len(rv.slots))):
+                log.warning("agent node %d: rank %d's slots are incomplete (%s); discarding them", self.node, rank,
+                            [s.index for s in rv.slots])
+                self._drop_rank(rank)
         if n:
             log.info("agent node %d: adopted %d existing slots: %s", self.node, n, self.describe())
         return n
@@ -144,44 +146,47 @@ class Agent:
         fp = layout.fingerprint()
         geom = snapfile.geometry_for(layout, layout_json.encode())
         with self.lock:
-            rec = self.ranks.get(rank)
+            rv = self.table.ranks.get(rank)
+            segs = self.segments.get(rank, [])
             nslots = self.slots_per_rank()
-            if rec and rec.fingerprint == fp and len(rec.slots) == nslots and all(
-                    s.segment.size >= geom.total for s in rec.slots):
+            if rv and self.fingerprints.get(rank) == fp and len(segs) == nslots and all(
+                    g.size >= geom.total for g in segs):
                 if self.redundancy is not None:
-                    self.redundancy.publish_size(rank, rec.slots[0].segment.size)
-                return {"slots": [s.segment.path for s in rec.slots], "adopted": True}
-            if rec and any(s.pins for s in rec.slots):
+                    self.redundancy.publish_size(rank, segs[0].size)
+                return {"slots": [g.path for g in segs], "adopted": True}
+            if rv and any(s.pins for s in rv.slots):
                 raise RuntimeError(f"rank {rank}: slots are busy (being persisted); retry")
-            if rec:
+            if rv:
                 log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
-                self._drop_rank(rec)
-            rec = RankRecord(rank, fingerprint=fp)
+                self._drop_rank(rank)
             limit = self.cfg.agent.shm_limit_mib << 20
+            created: list[shm.Segment] = []
             for i in range(nslots):
                 path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, i))
                 budget = None
                 if limit:
-                    used = sum(s.segment.size for r in self.ranks.values() for s in r.slots)
-                    used += sum(s.segment.size for s in rec.slots)
+                    used = sum(g.size for gs in self.segments.values() for g in gs) + sum(g.size for g in created)
                     budget = max(0, limit - used)
                 try:
                     seg = shm.create(path, geom.total, budget)
                 except shm.SharedMemoryError as e:
-                    for s in rec.slots:  # do not keep half a rank
-                        s.segment.close()
-                        os.unlink(s.segment.path)
+                    for g in created:  # do not keep half a rank
+                        g.close()
+                        os.unlink(g.path)
                     if limit:
                         raise shm.SharedMemoryError(f"{e} (agent.shm_limit_mib={self.cfg.agent.shm_limit_mib})") from None
                     raise
                 snapfile.init_container(seg.mm, layout_json.encode(), geom)
-                rec.slots.append(Slot(i, seg))
-            self.ranks[rank] = rec
+                created.append(seg)
+            self.table.add_rank(rank, nslots)
+            self.segments[rank] = created
+            self.fingerprints[rank] = fp
+            self.layouts[rank] = layout_json.encode()
             if self.redundancy is not None:
                 self.redundancy.publish_size(rank, geom.total)
             log.info("agent node %d: rank %d registered, %d x %.1f MiB slots", self.node, rank, nslots,
                      geom.total / 2**20)
-            return {"slots": [s.segment.path for s in rec.slots], "adopted": False}
+            return {"slots": [g.path for g in created], "adopted": False}
 
     def slots_per_rank(self) -> int:
         """Two (REFT's clean/dirty double buffer), or one on an rs parity node: every packet it
@@ -196,183 +201,227 @@ class Agent:
             return SLOTS_PER_RANK + 2
         return SLOTS_PER_RANK
 
-    def _drop_rank(self, rec: RankRecord) -> None:
-        for s in rec.slots:
-            s.segment.close()
+    def _drop_rank(self, rank: int) -> None:
+        for g in self.segments.pop(rank, []):
+            g.close()
             try:
-                os.unlink(s.segment.path)
+                os.unlink(g.path)
             except FileNotFoundError:
                 pass
-        self.ranks.pop(rec.rank, None)
+        self.table.drop_rank(rank)
+        self.fingerprints.pop(rank, None)
+        self.layouts.pop(rank, None)
+
+    def slot_sizes(self) -> dict[int, int]:
+        """Container size of every registered local rank (its slots' size)."""
+        with self.lock:
+            return {r: gs[0].size for r, gs in self.segments.items() if gs}
+
+    def _mirror(self, rank: int, slots) -> None:
+        """Write the table's state of these slots into their container headers (caller holds the lock)."""
+        for s in slots:
+            if s is not None:
+                snapfile.set_state(self.segments[rank][s.index].mm, s.state)
+
+    def _ref(self, rank: int, s) -> SlotRef:
+        return SlotRef(rank, s.index, s.step, self.segments[rank][s.index])
+
+    def _check_intact(self, rank: int) -> None:
+        """Find slots of ``rank`` whose file was truncated behind the agent's back (caller holds the
+        lock): their version is invalidated and the file gets its size and an empty container back,
+        so no reader (persist, exchange, trainer) ever maps past its end (SIGBUS)."""
+        for s, seg in zip(self.table.get(rank).slots, self.segments[rank]):
+            if shm.intact(seg):
+                continue
+            log.error("agent node %d: rank %d slot %d (%s) was truncated; its version is dropped and the slot "
+                      "re-initialised", self.node, rank, s.index, s.describe())
+            if s.state != snapfile.EMPTY:
+                s.state, s.step = snapfile.EMPTY, -1
+            try:
+                shm.restore_size(seg)
+                layout_json = self.layouts[rank]
+                snapfile.init_container(seg.mm, layout_json, snapfile.geometry_for(Layout.from_json(layout_json),
+                                                                                    layout_json))
+            except OSError as e:
+                log.error("agent node %d: could not repair %s: %s", self.node, seg.path, e)
+                s.pins += 1  # never handed out again by this agent
 
     # ------------------------------------------------------------------ versions
     def begin(self, rank: int, step: int) -> int:
+        red = self.redundancy
+        # the redundancy's steps are read before taking the agent's lock (lock order: never both)
+        keep = red.protected_steps() if red is not None else set()
+        staging_only = red is not None and red.own_copy_is_redundant
+        if staging_only:
+            keep = red.sending_steps()
         with self.lock:
-            rec = self._rec(rank)
-            protected = rec.slot_with(rec.global_step) if rec.global_step >= 0 else None
-            if protected is None and rec.clean():
-                protected = rec.clean()[0]
-            keep = {id(protected)}
-            if self.redundancy is not None:  # the newest version the group holds, and the one being exchanged
-                keep |= {id(rec.slot_with(st)) for st in self.redundancy.protected_steps()}
-            if len(rec.slots) == 1:  # staging only: busy just while the exchange still reads it
-                keep = {id(rec.slot_with(st)) for st in self.redundancy.sending_steps()} if self.redundancy else set()
-            candidates = [s for s in rec.slots if id(s) not in keep and s.pins == 0]
-            if not candidates:
-                held = ", ".join(f"step {s.step} {snapfile.STATE_NAMES[s.state]}" + (" (pinned: persisting or sending)"
-                                 if s.pins else " (protected)") for s in rec.slots)
-                raise BusyError(f"rank {rank}: no free slot for step {step}: {held}")
-            slot = min(candidates, key=lambda s: (s.state != snapfile.EMPTY, s.step))
-            snapfile.set_state(slot.segment.mm, snapfile.WRITING)
-            slot.state, slot.step = snapfile.WRITING, step
+            self._check_intact(rank)
+            slot = self.table.begin(rank, step, keep, staging_only)
+            self._mirror(rank, [slot])
             return slot.index
 
     def commit(self, rank: int, slot_idx: int, step: int) -> None:
         with self.lock:
-            slot = self._slot(rank, slot_idx)
-            if slot.state != snapfile.WRITING or slot.step != step:
-                raise RuntimeError(f"rank {rank} slot {slot_idx}: commit of step {step} but the slot is "
-                                   f"{snapfile.STATE_NAMES[slot.state]} for step {slot.step}")
-            hdr = snapfile.read_header(slot.segment.mm)
-            snapfile.read_version(slot.segment.mm, hdr)
+            seg = self.segments[rank][slot_idx] if rank in self.segments and 0 <= slot_idx < len(self.segments[rank]) \
+                else None
+            s = self.table.slot(rank, slot_idx)
+            if s.state != snapfile.WRITING or s.step != step or seg is None:
+                raise TransitionError(f"rank {rank} slot {slot_idx}: commit of step {step} but the slot is "
+                                      f"{s.describe()}")
+            hdr = snapfile.read_header(seg.mm)
+            snapfile.read_version(seg.mm, hdr)
             if hdr.step != step:
                 raise RuntimeError(f"rank {rank} slot {slot_idx}: header step {hdr.step} != committed {step}")
-            snapfile.set_state(slot.segment.mm, snapfile.CLEAN)
-            slot.state = snapfile.CLEAN
+            others = [o for o in self.table.get(rank).slots if o is not s]
+            self.table.commit(rank, slot_idx, step)
+            self._mirror(rank, [s, *others])
 
     def abort(self, rank: int, slot_idx: int) -> None:
         with self.lock:
-            slot = self._slot(rank, slot_idx)
-            if slot.state == snapfile.WRITING:
-                snapfile.set_state(slot.segment.mm, snapfile.EMPTY)
-                slot.state, slot.step = snapfile.EMPTY, -1
+            self._mirror(rank, [self.table.abort(rank, slot_idx)])
 
     def invalidate(self, rank: int, step: int) -> bool:
         """A trainer found this version corrupt: never offer it again."""
         with self.lock:
-            slot = self._rec(rank).slot_with(step)
-            if slot is None:
+            s = self.table.invalidate(rank, step)
+            if s is None:
                 return False
-            snapfile.set_state(slot.segment.mm, snapfile.EMPTY)
-            slot.state, slot.step = snapfile.EMPTY, -1
+            self._mirror(rank, [s])
             log.warning("agent node %d: rank %d step %d invalidated (corrupt)", self.node, rank, step)
             return True
+
+    def rewind(self, rank: int, step: int) -> dict:
+        """The job resumed ``rank`` from ``step`` (-1: fresh): versions newer than ``step`` are an
+        abandoned future; the agreed step (and the redundancy's complete step) go down to ``step``,
+        so the resumed version is protected and later snapshots are taken and exchanged again."""
+        with self.lock:
+            emptied = self.table.rewind(rank, step)
+            self._mirror(rank, emptied)
+            self.persisted = [p for p in self.persisted if p <= step]
+            interval = self.cfg.persist.interval
+            if interval > 0:
+                self._persist_due = min(self._persist_due, (max(step, 0) // interval + 1) * interval)
+        if self.redundancy is not None:
+            self.redundancy.rewind(step)
+        if emptied:
+            log.warning("agent node %d: rank %d resumed from step %d; dropped newer versions %s", self.node, rank,
+                        step, sorted({s.index for s in emptied}))
+        return {"dropped": len(emptied)}
 
     def mark_global(self, rank: int, step: int) -> None:
         """``step`` is clean on every rank of the job (the trainers agreed on it)."""
         with self.lock:
-            rec = self._rec(rank)
-            rec.global_step = max(rec.global_step, step)
-            if self.redundancy is not None and self.ranks:
-                low = min(r.global_step for r in self.ranks.values())
-                if low >= 0 and len(self.ranks) == self.cfg.cluster.ranks_per_node:
-                    self.redundancy.version_global(low)
+            self.table.agree(rank, step)
+            low = self.table.agreed_low(self.cfg.cluster.ranks_per_node)
+            persist_step = None
             interval = self.cfg.persist.interval
-            if interval <= 0 or not self.ranks:
-                return
-            low = min(r.global_step for r in self.ranks.values())
             # due at the next multiple of the interval; if that step was skipped (its snapshot
             # found both slots busy, e.g. during a persist) the next consistent step catches up
-            if low >= max(self._persist_due, interval):
+            if interval > 0 and low >= max(self._persist_due, interval):
                 self._persist_due = (low // interval + 1) * interval
-                self.request_persist(low, "interval")
+                persist_step = low
+        if self.redundancy is not None and low >= 0:
+            self.redundancy.version_global(low)
+        if persist_step is not None:
+            self.request_persist(persist_step, "interval")
 
     def newest_consistent_step(self) -> int:
         """Newest step that every local rank holds clean (preferring globally agreed steps)."""
         with self.lock:
-            if not self.ranks:
-                return -1
-            common: Optional[set[int]] = None
-            for rec in self.ranks.values():
-                steps = {s.step for s in rec.clean()}
-                common = steps if common is None else common & steps
-            if not common:
-                return -1
-            glob = [r.global_step for r in self.ranks.values() if r.global_step >= 0]
-            g = min(glob) if len(glob) == len(self.ranks) else -1
-            return g if g in common else max(common)
+            return self.table.newest_consistent()
 
     def list_versions(self, rank: int) -> list[dict]:
         with self.lock:
-            rec = self.ranks.get(rank)
-            if rec is None:
+            rv = self.table.ranks.get(rank)
+            if rv is None:
                 return []
+            self._check_intact(rank)
             return [{"slot": s.index, "step": s.step, "state": snapfile.STATE_NAMES[s.state],
-                     "path": s.segment.path} for s in rec.clean()]
+                     "path": self.segments[rank][s.index].path} for s in rv.clean()]
 
     def status(self) -> dict:
         with self.lock:
-            return {
+            out = {
                 "node": self.node, "run_id": self.run_id, "pid": os.getpid(),
                 "connected": {str(r): n for r, n in sorted(self.connected.items())},
-                "ranks": {str(r): {"global_step": rec.global_step,
+                "ranks": {str(r): {"global_step": rv.agreed,
                                    "slots": [{"slot": s.index, "state": snapfile.STATE_NAMES[s.state],
-                                              "step": s.step, "pins": s.pins, "bytes": s.segment.size}
-                                             for s in rec.slots]}
-                          for r, rec in sorted(self.ranks.items())},
+                                              "step": s.step, "pins": s.pins,
+                                              "bytes": self.segments[r][s.index].size}
+                                             for s in rv.slots]}
+                          for r, rv in sorted(self.table.ranks.items())},
                 "persisted": list(self.persisted),
                 "persist_errors": list(self.persist_errors[-5:]),
                 "pending_persists": self._persist_q.qsize(),
-                "redundancy": self.redundancy.status() if self.redundancy is not None else None,
                 "root": self.store.root if self.store is not None else None,
             }
+        out["redundancy"] = self.redundancy.status() if self.redundancy is not None else None
+        return out
 
     def describe(self) -> str:
         with self.lock:
-            return ", ".join(f"r{r}:" + "/".join(f"{snapfile.STATE_NAMES[s.state]}@{s.step}" for s in rec.slots)
-                             for r, rec in sorted(self.ranks.items()))
+            return ", ".join(f"r{r}:" + "/".join(f"{snapfile.STATE_NAMES[s.state]}@{s.step}" for s in rv.slots)
+                             for r, rv in sorted(self.table.ranks.items()))
 
     # ------------------------------------------------------------------ for the peer redundancy
-    def pin_step(self, step: int) -> dict[int, Slot]:
+    def pin_step(self, step: int) -> dict[int, SlotRef]:
         """Pin every local rank's clean slot of ``step`` (KeyError if one does not hold it)."""
         with self.lock:
             out = {}
-            for rec in self.ranks.values():
-                s = rec.slot_with(step)
+            for rank, rv in self.table.ranks.items():
+                self._check_intact(rank)
+                s = rv.slot_with(step)
                 if s is None:
-                    raise KeyError(f"rank {rec.rank} does not hold step {step} clean")
-                out[rec.rank] = s
+                    raise KeyError(f"rank {rank} does not hold step {step} clean")
+                out[rank] = s
             for s in out.values():
                 s.pins += 1
-            return out
+            return {r: self._ref(r, s) for r, s in out.items()}
 
-    def pin_rank_step(self, rank: int, step: int) -> Slot:
+    def pin_rank_step(self, rank: int, step: int) -> SlotRef:
         """Pin one rank's clean slot of ``step`` for its trainer's scheduled transport: one pin per
         rank at a time (pinning again moves it; repeating a request is harmless), released by
         :meth:`unpin_rank` or when the trainer is lost or says hello again."""
         with self.lock:
             old = self._sched_pins.get(rank)
-            if old is not None and old.step == step and old.state == snapfile.CLEAN:
-                return old
-            s = self._rec(rank).slot_with(step)
+            if old is not None and old.step == step:
+                cur = self.table.get(rank).slots[old.index]
+                if cur.state == snapfile.CLEAN and cur.step == step:
+                    return old
+            self._check_intact(rank)
+            s = self.table.get(rank).slot_with(step)
             if s is None:
                 raise KeyError(f"rank {rank} does not hold step {step} clean on node {self.node}")
             self.unpin_rank(rank)
             s.pins += 1
-            self._sched_pins[rank] = s
-            return s
+            ref = self._sched_pins[rank] = self._ref(rank, s)
+            return ref
 
     def unpin_rank(self, rank: int) -> None:
         with self.lock:
-            s = self._sched_pins.pop(rank, None)
-            if s is not None:
-                s.pins = max(0, s.pins - 1)
+            ref = self._sched_pins.pop(rank, None)
+            if ref is not None:
+                self.unpin({rank: ref})
 
-    def unpin(self, slots: dict[int, Slot]) -> None:
+    def unpin(self, refs: dict[int, SlotRef]) -> None:
         with self.lock:
-            for s in slots.values():
-                s.pins -= 1
+            for r, ref in refs.items():
+                rv = self.table.ranks.get(r)
+                if rv is not None and ref.index < len(rv.slots):
+                    s = rv.slots[ref.index]
+                    s.pins = max(0, s.pins - 1)
 
     def clean_steps(self) -> dict[int, list[int]]:
         with self.lock:
-            return {r: [s.step for s in rec.clean()] for r, rec in self.ranks.items()}
+            return self.table.clean_steps()
 
     def clean_segment(self, rank: int, step: int) -> shm.Segment:
         with self.lock:
-            s = self._rec(rank).slot_with(step)
+            self._check_intact(rank)
+            s = self.table.get(rank).slot_with(step)
             if s is None:
                 raise KeyError(f"rank {rank} step {step} is not held clean on node {self.node}")
-            return s.segment
+            return self.segments[rank][s.index]
 
     def install_recovered(self, rank: int, step: int, data) -> None:
         """Write a container rebuilt from peers into one of ``rank``'s slots and mark it clean
@@ -381,29 +430,22 @@ class Agent:
         hdr = snapfile.read_header(data)
         g = hdr.geometry
         layout_json = bytes(data[g.layout_off: g.layout_off + g.layout_len])
+        snapfile.read_version(data, hdr)  # a well-formed record, before any slot is touched
         with self.lock:
-            rec = self.ranks.get(rank)
-            if rec is None or any(s.segment.size < len(data) for s in rec.slots):
+            segs = self.segments.get(rank)
+            if not segs or any(seg.size < len(data) for seg in segs):
                 self.register(rank, layout_json.decode())
-                rec = self.ranks[rank]
-            slot = next((s for s in rec.slots if s.state != snapfile.CLEAN and s.pins == 0), None) or \
-                min((s for s in rec.slots if s.pins == 0), key=lambda s: s.step)
-            slot.segment.mm[: len(data)] = data
-            snapfile.set_state(slot.segment.mm, snapfile.CLEAN)
-            snapfile.read_version(slot.segment.mm, snapfile.read_header(slot.segment.mm))
-            slot.state, slot.step = snapfile.CLEAN, step
-
-    def _rec(self, rank: int) -> RankRecord:
-        rec = self.ranks.get(rank)
-        if rec is None:
-            raise KeyError(f"rank {rank} is not registered with the agent of node {self.node}")
-        return rec
-
-    def _slot(self, rank: int, idx: int) -> Slot:
-        rec = self._rec(rank)
-        if not 0 <= idx < len(rec.slots):
-            raise KeyError(f"rank {rank} has no slot {idx}")
-        return rec.slots[idx]
+            s = self.table.install(rank, step)
+            self._mirror(rank, [s])
+            s.pins += 1  # the copy below runs without the lock
+            seg = self.segments[rank][s.index]
+        try:
+            seg.mm[: len(data)] = data
+            snapfile.set_state(seg.mm, snapfile.WRITING)
+        finally:
+            with self.lock:
+                s.pins -= 1
+        self.commit(rank, s.index, step)
 
     # ------------------------------------------------------------------ persistence
     def request_persist(self, step: int, reason: str) -> bool:
@@ -442,28 +484,42 @@ class Agent:
                     self._queued_steps.discard(step)
 
     def _persist(self, step: int, reason: str) -> None:
+        """Write every local rank's clean version of ``step`` to disk, each verified (size, record
+        and every chunk checksum) before a byte is written: a corrupt slot is invalidated and
+        nothing of the step is written, so it never counts towards ``persist.keep``."""
         base = self.cfg.persist.dir
         with self.lock:
-            slots = []
-            for rec in self.ranks.values():
-                s = rec.slot_with(step)
+            refs = {}
+            for rank in self.table.ranks:
+                self._check_intact(rank)
+                s = self.table.get(rank).slot_with(step)
                 if s is None:
-                    raise RuntimeError(f"rank {rec.rank} no longer holds step {step} clean")
+                    self.unpin(refs)
+                    raise RuntimeError(f"rank {rank} no longer holds step {step} clean")
                 s.pins += 1
-                slots.append((rec.rank, s))
+                refs[rank] = self._ref(rank, s)
         t0 = time.perf_counter()
         nbytes = 0
         try:
-            for rank, s in slots:
-                nbytes += persist.write_container(s.segment.mm, persist.rank_file(base, self.run_id, step, rank))
+            bad = {}
+            for rank, ref in refs.items():
+                try:
+                    persist.verify_container(ref.segment.mm)
+                except snapfile.SnapshotFormatError as e:
+                    bad[rank] = e
+            if bad:
+                for rank in bad:
+                    self.invalidate(rank, step)
+                raise RuntimeError(f"not persisted, corrupt in shared memory: " +
+                                   "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
+            for rank, ref in refs.items():
+                nbytes += persist.write_container(ref.segment.mm, persist.rank_file(base, self.run_id, step, rank))
         finally:
-            with self.lock:
-                for _, s in slots:
-                    s.pins -= 1
+            self.unpin(refs)
         dt = time.perf_counter() - t0
         with self.lock:
             self.persisted.append(step)
-            ranks = list(self.ranks)
+            ranks = list(self.table.ranks)
         persist.prune(base, self.run_id, ranks, self.cfg.persist.keep, protect=step)
         log.info("agent node %d: persisted step %d (%s): %.1f MiB in %.2f s", self.node, step, reason,
                  nbytes / 2**20, dt)
@@ -523,7 +579,7 @@ class Agent:
                 except BusyError as e:
                     send_msg(sock, {"ok": False, "error": str(e), "busy": True})
                 except Exception as e:  # report to the trainer, keep serving
-                    send_msg(sock, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    send_msg(sock, {"ok": False, "error": f"{type(e).__name__}: {e}", "kind": type(e).__name__})
                 if op == "shutdown":
                     threading.Thread(target=self.shutdown, daemon=True).start()
                     return
@@ -556,6 +612,8 @@ class Agent:
         if op == "global":
             self.mark_global(int(msg["rank"]), int(msg["step"]))
             return {}
+        if op == "rewind":
+            return self.rewind(int(msg["rank"]), int(msg["step"]))
         if op == "list":
             return {"versions": self.list_versions(int(msg["rank"]))}
         if op == "peer_list":
@@ -614,18 +672,14 @@ class Agent:
                 self.redundancy.remove_segments()
         with self.lock:
             if remove_segments:
-                for rec in list(self.ranks.values()):
-                    self._drop_rank(rec)
+                for rank in list(self.table.ranks):
+                    self._drop_rank(rank)
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
         log.info("agent node %d: shut down%s", self.node, " (segments removed)" if remove_segments else "")
         self._done.set()
-
-
-class BusyError(RuntimeError):
-    pass
 
 
 def main(argv: Optional[list[str]] = None) -> int:
