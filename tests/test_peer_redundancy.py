@@ -152,8 +152,7 @@ def test_corrupt_parity_block_is_never_restored(cluster):
             node = int(name.split(".")[2][1:])
             st = cluster.status(node)["redundancy"]["blocks"]
             key = name.split(".blk.")[1].rsplit(".", 1)[0]
-            idx = int(name.rsplit(".", 1)[1])
-            if st[key][idx][0] == 3:
+            if any(step == 3 and file == name for step, _, file in st[key]):
                 size = os.path.getsize(path)
                 with open(path, "r+b") as f:  # 12 bytes spread over the block's second half
                     for i in range(12):

@@ -175,7 +175,8 @@ class Redundancy:
             return {"scheme": self.plan.scheme, "group": self.gi, "members": list(self.members),
                     "complete_step": self.complete_step, "inflight_step": self.inflight_step,
                     "announced": {str(k): v for k, v in self.announced.items()},
-                    "blocks": {k: [(v.step, v.complete) for v in vs] for k, vs in sorted(self.blocks.items())},
+                    "blocks": {k: [(v.step, v.complete, os.path.basename(v.segment.path)) for v in vs]
+                               for k, vs in sorted(self.blocks.items())},
                     "block_bytes": sum(v.segment.size for vs in self.blocks.values() for v in vs),
                     "address": self.address, "exchanged": self.exchanged[-3:]}
 
