@@ -27,6 +27,7 @@ from typing import Optional
 import yaml
 
 from . import config as ftconfig
+from . import tiers
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
 
@@ -427,8 +428,14 @@ def run_demo(args: argparse.Namespace) -> dict:
     if restarted:
         recovery_seconds = round(min(restarted) - kill_time, 3)
     identical, problems = compare(ref_dir, run_dir, world)
+    promise = None
+    if kill_time is not None:
+        failure = "corrupt" if args.kill_point == "corrupt-after-commit" else args.fail
+        promise = tiers.promised(failure, cfg.redundancy.scheme)
     summary = {
         "scenario": args.fail,
+        "promised_tier": promise,
+        "tier_ok": bool(promise is None or (recovered_from != "none" and tiers.meets(recovered_from, promise))),
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,
@@ -456,7 +463,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f" killed              : rank(s) {victims} after iteration {args.kill_at} "
             f"(job had reached {last_before_kill})")
         say(f" recovered from      : {summary['recovered_from']} (step {resumed}, "
-            f"{summary['lost_iterations']} iteration(s) lost)")
+            f"{summary['lost_iterations']} iteration(s) lost); promised: {promise} or better -> "
+            f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
             f"(restore itself {summary['restore_seconds']} s)")
     say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
@@ -510,4 +518,10 @@ def main(args: argparse.Namespace) -> int:
                                    "(--fail node)")
     summary = run_demo(args)
     print(json.dumps(summary), flush=True)
-    return 0 if summary["bitwise_identical"] else 1
+    if not summary["bitwise_identical"]:
+        return 1
+    if summary.get("promised_tier") and not summary["tier_ok"]:
+        print(f"[demo] FAILED: recovered from {summary['recovered_from']}, but this failure must resume from "
+              f"{summary['promised_tier']} or better", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -255,3 +255,57 @@ def test_corrupt_only_version_is_invalidated_and_restore_fails_loudly(agent):
     assert c.request("list", rank=0)["versions"] == []  # invalidated at the agent
     res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))  # the restarted process
     assert res.source == "none"
+
+
+def test_resume_from_an_older_step_keeps_snapshots_going(agent):
+    """After the job resumes from an older step, the stale newer agreed step must not keep every
+    later snapshot out of the slots (the restore tells the agent it rewound)."""
+    c = agent.client()
+    m, opt, eng = train_and_snapshot(c, agent.cfg, 3)  # steps 1..3, 3 agreed
+    c.request("global", rank=0, step=3)
+    c.request("invalidate", rank=0, step=3)  # e.g. found corrupt: the job resumes from step 2
+    m2, opt2 = make_model(seed=5)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 2)
+    ranks = a_status(c)["ranks"]["0"]
+    assert ranks["global_step"] == 2
+    _, _, eng2 = train_and_snapshot(c, agent.cfg, 3, start=3, model=(m2, opt2))
+    assert [h.step for h in eng2.history if h.ok] == [3, 4, 5], [h.error for h in eng2.history]
+    assert sorted(v["step"] for v in c.request("list", rank=0)["versions"]) == [4, 5]
+
+
+def test_truncated_slot_is_never_read_past_its_end(agent):
+    """A committed slot cut short behind the agent's back: the breakpoint save refuses it (no SIGBUS
+    in the agent), the restore falls back to the older clean version, and the slot is repaired."""
+    c = agent.client()
+    train_and_snapshot(c, agent.cfg, 2)
+    newest = max(c.request("list", rank=0)["versions"], key=lambda v: v["step"])
+    os.truncate(newest["path"], 4096)
+    c.request("persist", step=newest["step"])
+    c.request("wait_persisted", timeout=30)
+    st = a_status(c)
+    assert newest["step"] not in st["persisted"] and st["persist_errors"], st
+    assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [1]
+    assert os.path.getsize(newest["path"]) > 4096  # its size is back: the slot is usable again
+    m2, opt2 = make_model(seed=7)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 1)
+    assert agent.proc.poll() is None  # the agent survived
+
+
+def test_persist_verifies_every_chunk_before_writing(agent):
+    c = agent.client()
+    train_and_snapshot(c, agent.cfg, 2)
+    v2 = next(v for v in c.request("list", rank=0)["versions"] if v["step"] == 2)
+    with open(v2["path"], "r+b") as f:  # flip a byte in the middle of the data area
+        g = snapfile.read_header(f.read(snapfile.HEADER_SIZE)).geometry
+        f.seek(g.data_off + g.data_len // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x5A]))
+    c.request("persist", step=2)
+    c.request("persist", step=1)
+    c.request("wait_persisted", timeout=30)
+    st = a_status(c)
+    assert st["persisted"] == [1] and "checksum mismatch" in st["persist_errors"][-1], st
+    assert not os.path.exists(persist.rank_file(agent.cfg.persist.dir, agent.cfg.run_id, 2, 0))

@@ -26,6 +26,8 @@ def test_shipped_config_file_matches_embedded_default():
     ({"snapshot": {"chunk_mib": 4096}}, r"snapshot.chunk_mib=4096 is invalid: must be an integer >= 1 and <= 1024"),
     ({"persist": {"keep": 0}}, r"persist.keep=0"),
     ({"launch": {"rdzv_port": 80}}, r"launch.rdzv_port=80"),
+    ({"launch": {"start_timeout_s": 0}}, r"launch.start_timeout_s=0 is invalid: must be a number >= 1.0"),
+    ({"agent": {"required": "yes"}}, r"agent.required='yes' is invalid: must be true or false"),
     ({"run_id": "bad id!"}, r"run_id='bad id!'"),
     ({"parallel": {"pipeline": 3}}, r"does not divide the world size"),
     ({"snapshot": {"intervall": 2}}, r"unknown key\(s\) \['snapshot.intervall'\]"),
@@ -87,3 +89,56 @@ def test_launch_rejects_bad_node_rank(tmp_path, capsys):
     rc = cli.main(["launch", "--nodes", "2", "--node-rank", "5", "--run-dir", str(tmp_path), "--", "train.py"])
     assert rc == 2
     assert "--node-rank=5 is invalid: must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("cluster:\n  nodes: 2\nagent:\n  shm_dir: /dev/shm\ncluster:\n  nodes: 3\n")
+    with pytest.raises(config.ConfigError, match=r"key 'cluster' is given twice \(first line 1\)"):
+        config.load(str(p))
+    p.write_text("cluster:\n  nodes: 2\n  nodes: 3\n")
+    with pytest.raises(config.ConfigError, match="key 'nodes' is given twice"):
+        config.load(str(p))
+
+
+def test_launch_refuses_a_missing_shared_memory_directory_before_anything_runs(tmp_path, capsys):
+    """No agent can hold snapshots: the launcher ends at once with exit 2 and the reason, before any
+    agent or trainer starts (agent.required defaults to true)."""
+    import yaml
+
+    from megatron_ft import cli, fatal
+
+    cfg = config.replace(config.load(), agent={"shm_dir": str(tmp_path / "no-such-tmpfs")},
+                         cluster={"nodes": 1, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": 1})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    marker = tmp_path / "trainer-ran"
+    rc = cli.main(["launch", "--config", str(path), "--node-rank", "0", "--run-dir", str(tmp_path / "run"), "--",
+                   "-c", f"open({str(marker)!r}, 'w')"])
+    out = capsys.readouterr().out
+    assert rc == fatal.EXIT_CODE and "agent.shm_dir=" in out and "does not exist" in out, out
+    assert not marker.exists()
+    assert fatal.read(str(tmp_path / "run"))[0] == 0
+
+
+def test_a_trainer_without_its_agent_ends_the_job_unless_allowed(tmp_path):
+    """agent.required (default): no agent -> exit 2 and a fatal record the launchers act on (never
+    retried by torchrun); agent.required: false -> it trains unprotected, saying so."""
+    import subprocess
+    import sys
+
+    from megatron_ft import fatal
+
+    code = ("import sys; from megatron_ft import config; from megatron_ft.checkpointer import InMemoryCheckpointer; "
+            "cfg = config.replace(config.load(), agent={'required': sys.argv[1] == 'true'}); "
+            "c = InMemoryCheckpointer(cfg, None, 0, 1, {}, node=0, agent_socket='/nonexistent/agent.sock'); "
+            "print('protected:', c.engine is not None)")
+    env = dict(os.environ, MFT_RUN_DIR=str(tmp_path), MFT_NODE_RANK="0")
+    out = subprocess.run([sys.executable, "-c", code, "true"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == fatal.EXIT_CODE, out.stderr[-2000:]
+    node, msg = fatal.read(str(tmp_path))
+    assert node == 0 and "no snapshot agent at /nonexistent/agent.sock" in msg and "agent.required" in msg
+    os.unlink(fatal.record_path(str(tmp_path), 0))
+    out = subprocess.run([sys.executable, "-c", code, "false"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "protected: False" in out.stdout, out.stderr[-2000:]
+    assert "in-memory snapshots are OFF" in out.stderr and fatal.read(str(tmp_path)) is None

@@ -295,7 +295,8 @@ class Agent:
         abandoned future; the agreed step (and the redundancy's complete step) go down to ``step``,
         so the resumed version is protected and later snapshots are taken and exchanged again."""
         with self.lock:
-            emptied = self.table.rewind(rank, step)
+            # a rank not registered yet (a replacement node before its first snapshot) holds nothing to drop
+            emptied = self.table.rewind(rank, step) if rank in self.table.ranks else []
             self._mirror(rank, emptied)
             self.persisted = [p for p in self.persisted if p <= step]
             interval = self.cfg.persist.interval
