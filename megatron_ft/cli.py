@@ -52,8 +52,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from .redundancy import report as plan
 
+    from .testing import chaos
+
     launch.add_parser(sub)
     demo.add_parser(sub)
+    chaos.add_parser(sub)
     plan.add_parser(sub)
     from .policy import simulate
 

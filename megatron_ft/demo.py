@@ -185,6 +185,9 @@ def wait_job(p: subprocess.Popen, timeout: float, what: str, log_path: str) -> N
     except subprocess.TimeoutExpired:
         _kill_tree(p)
         raise RuntimeError(f"{what} did not finish within {timeout:.0f} s; log: {log_path}")
+    except BaseException:  # interrupted (SIGINT, SIGTERM): never leave the job running
+        _kill_tree(p)
+        raise
     if rc != 0:
         tail = open(log_path, errors="replace").read()[-3000:]
         raise RuntimeError(f"{what} failed with exit code {rc}; log {log_path}:\n{tail}")
@@ -296,7 +299,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         launch={"rdzv_port": free_port()},
         health={"store_port": free_port_range(base.cluster.nodes + 8)},
     )
-    if args.redundancy:
+    if args.redundancy and args.config:  # the user's cluster, with this scheme (validated against it)
+        cfg = ftconfig.replace(cfg, redundancy=DEMO_SHAPES[args.redundancy]["redundancy"])
+    elif args.redundancy:  # the demo's own cluster for the scheme
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
                                health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
     if args.transport == "scheduled":  # the config says why if the scheme is not replica
@@ -306,7 +311,8 @@ def run_demo(args: argparse.Namespace) -> dict:
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     world = cfg.cluster.world_size
-    targs = training_args(cfg, args.iters, DEMO_TRAIN_ARGS.get(args.redundancy or "", []) + (args.train_arg or []))
+    shape_args = DEMO_TRAIN_ARGS.get(args.redundancy or "", []) if not args.config else []
+    targs = training_args(cfg, args.iters, shape_args + (args.train_arg or []))
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
 
     # 1. reference (or an earlier one with the same arguments)
@@ -339,6 +345,13 @@ def run_demo(args: argparse.Namespace) -> dict:
     elif args.fail == "all-trainers":
         rpn = cfg.cluster.ranks_per_node
         victims = list(range(args.victim_node * rpn, (args.victim_node + 1) * rpn))
+    elif args.fail == "launcher":
+        victim_node = args.victim_node or cfg.cluster.nodes - 1
+        if not 0 < victim_node < cfg.cluster.nodes:
+            raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail launcher: must be in "
+                                       f"[1, {cfg.cluster.nodes - 1}] (node 0's launcher hosts the rendezvous)")
+        rpn = cfg.cluster.ranks_per_node
+        victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
     elif args.fail == "node":
         if cfg.redundancy.scheme == "none":
             raise ftconfig.ConfigError("--fail node needs peer redundancy: pass --redundancy replica|xor|rs "
@@ -371,6 +384,13 @@ def run_demo(args: argparse.Namespace) -> dict:
         if victims and args.kill_point != "after-iteration":
             kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
             say(f"[demo] rank(s) {victims} SIGKILLed themselves at {args.kill_point} of step {args.kill_at}")
+            if args.fail == "node":  # the rest of the machine goes with them
+                node = victims[0] // cfg.cluster.ranks_per_node
+                killed_pids = kill_node(cfg, run_dir, node, [])
+                say(f"[demo] node {node} lost: its launcher, torchrun and agent SIGKILLed (pids {killed_pids}), "
+                    f"its shared memory removed")
+                if not args.standby:
+                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
         elif victims:
             deadline = time.time() + args.timeout
             while kill_time is None:
@@ -379,7 +399,11 @@ def run_demo(args: argparse.Namespace) -> dict:
                 if time.time() > deadline:
                     raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
                 recs = {v: _progress(run_dir, v) for v in victims}
-                if all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims) and args.fail == "node":
+                reached = all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims)
+                if reached and args.kill_delay > 0:
+                    time.sleep(args.kill_delay)
+                    recs = {v: _progress(run_dir, v) for v in victims}
+                if reached and args.fail == "node":
                     node = victims[0] // cfg.cluster.ranks_per_node
                     killed_pids = kill_node(cfg, run_dir, node, [recs[v][-1]["pid"] for v in victims])
                     kill_time = time.time()
@@ -389,7 +413,16 @@ def run_demo(args: argparse.Namespace) -> dict:
                            else f"Starting a replacement node {node}"))
                     if not args.standby:
                         replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
-                elif all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims):
+                elif reached and args.fail == "launcher":
+                    node = victims[0] // cfg.cluster.ranks_per_node
+                    with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
+                        lpid = int(f.read())
+                    os.kill(lpid, signal.SIGKILL)
+                    killed_pids.append(lpid)
+                    kill_time = time.time()
+                    say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
+                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
+                elif reached:
                     for v in victims:
                         pid = recs[v][-1]["pid"]
                         try:
@@ -424,7 +457,11 @@ def run_demo(args: argparse.Namespace) -> dict:
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
     resumed = max((e["step"] for e in after), default=-1)
     recovery_seconds = None
-    restarted = [r["time"] for r in progress if kill_time is not None and r["pid"] not in first_pids]
+    # the restarted processes are those whose restore came after the kill (a rank that had not yet
+    # logged progress when the kill landed is not a restarted one)
+    restarted_pids = {e["pid"] for e in after if e["time"] > (kill_time or 0)}
+    restarted = [r["time"] for r in progress if kill_time is not None and r["pid"] in restarted_pids
+                 and r["time"] > kill_time]
     if restarted:
         recovery_seconds = round(min(restarted) - kill_time, 3)
     identical, problems = compare(ref_dir, run_dir, world)
@@ -478,8 +515,10 @@ def run_demo(args: argparse.Namespace) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--fail", choices=["trainer", "all-trainers", "node", "none"], default="trainer",
-                   help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement")
+    p.add_argument("--fail", choices=["trainer", "all-trainers", "launcher", "node", "none"], default="trainer",
+                   help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement; "
+                        "launcher: SIGKILL one node's launcher (its torchrun and trainers end with it, its agent "
+                        "waits) and start the node's launcher again, which adopts the agent")
     p.add_argument("--redundancy", choices=sorted(DEMO_SHAPES), default=None,
                    help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
     p.add_argument("--transport", choices=["agent", "scheduled"], default="agent",
@@ -488,6 +527,9 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule-mode", choices=list(ftconfig.ScheduleConfig.MODES), default="pipelined",
                    help="--transport scheduled: when the chunks go (docs/scheduling.md)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
+    p.add_argument("--kill-delay", type=float, default=0.0,
+                   help="after-iteration: wait this many seconds after the victims logged --kill-at before the "
+                        "SIGKILL (a wall-clock moment inside the next iteration: copy, exchange, persist)")
     p.add_argument("--iters", type=int, default=24, help="training iterations")
     p.add_argument("--victim-rank", type=int, default=None, help="--fail trainer: rank to kill (default: last)")
     p.add_argument("--victim-node", type=int, default=0,
@@ -511,11 +553,19 @@ def add_parser(sub) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.fail != "none" and not 1 <= args.kill_at < args.iters:
-        raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid: must be in [1, --iters - 1 = {args.iters - 1}]")
+    # after-iteration kills once the victims finished --kill-at: a later iteration must follow; an
+    # injected point fires inside step --kill-at, which may be the last
+    last = args.iters - 1 if args.kill_point == "after-iteration" else args.iters
+    if args.fail != "none" and not 1 <= args.kill_at <= last:
+        raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid with --kill-point {args.kill_point}: must be "
+                                   f"in [1, {last}]")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")
+    def stop(signum, frame):  # SIGTERM (e.g. a timeout): unwind, so run_demo's cleanup kills the jobs
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     summary = run_demo(args)
     print(json.dumps(summary), flush=True)
     if not summary["bitwise_identical"]:

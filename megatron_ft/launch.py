@@ -37,11 +37,12 @@ import sys
 import time
 from typing import Optional
 
+import psutil
 import yaml
 
 from . import config as ftconfig
 from . import fatal, shm
-from .protocol import AgentClient, socket_path
+from .protocol import AgentClient, AgentError, socket_path
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
@@ -66,14 +67,39 @@ class NodeLauncher:
         self.log = log
 
     # ------------------------------------------------------------------ agent
+    def adopt_agent(self) -> bool:
+        """A restarted launcher: take over this node's agent if the previous launcher's is still
+        alive (it waits ``launch.start_timeout_s`` for this), so its slots serve the restarted
+        trainers from local memory."""
+        try:
+            with open(os.path.join(self.node_dir, "agent.pid")) as f:
+                pid = int(f.read())
+            proc = psutil.Process(pid)
+            if "megatron_ft.agent" not in " ".join(proc.cmdline()) or not os.path.exists(self.sock):
+                return False
+            c = AgentClient(self.sock, timeout=10)
+            try:
+                c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
+                c.request("adopt", launcher_pid=os.getpid())
+            finally:
+                c.close(orderly=True)
+        except (OSError, ValueError, psutil.Error, AgentError):
+            return False
+        self.agent = _AdoptedProcess(proc)
+        self.log(f"[launch n{self.node}] adopted the running agent (pid {pid}) and its slots")
+        return True
+
     def start_agent(self) -> None:
+        if self.adopt_agent():
+            return
         try:
             os.unlink(self.sock)
         except FileNotFoundError:
             pass
         logf = open(os.path.join(self.node_dir, "agent.log"), "ab")
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node)],
+            [sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node),
+             "--launcher-pid", str(os.getpid())],
             stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
             f.write(str(self.agent.pid))
@@ -141,7 +167,8 @@ class NodeLauncher:
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env)
+        # torchrun (and so its workers) ends with this launcher; the agent waits for a new launcher
+        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env, preexec_fn=_die_with_parent)
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))
         try:
@@ -183,6 +210,50 @@ class NodeLauncher:
             fatal.write(self.run_dir, self.node, message)
         self.log(f"[launch n{self.node}] job ended: {message}")
         return fatal.EXIT_CODE
+
+
+class _AdoptedProcess:
+    """The Popen verbs the launcher uses, for an agent it adopted (not its child)."""
+
+    def __init__(self, proc: "psutil.Process"):
+        self.proc, self.pid, self.returncode = proc, proc.pid, None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and not self.proc.is_running():
+            self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        try:
+            self.proc.wait(timeout)
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(f"agent pid {self.pid}", timeout or 0) from None
+        except psutil.NoSuchProcess:
+            pass
+        self.returncode = -1 if self.returncode is None else self.returncode
+        return self.returncode
+
+    def terminate(self) -> None:
+        try:
+            self.proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 class AgentStartError(RuntimeError):

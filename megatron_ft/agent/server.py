@@ -80,6 +80,7 @@ class Agent:
         self.redundancy = None  # agent.redundancy.Redundancy when redundancy.scheme != none (start_peers)
         self.store = None
         self.monitor = None
+        self._launcher = 0  # the launcher pid watch_launcher follows (0: none)
 
     def start_peers(self) -> None:
         """Join the group's coordination store and peer transport."""
@@ -640,6 +641,8 @@ class Agent:
                 return red.sched_recv_done(int(msg["src_rank"]), int(msg["step"]))
         if op == "status":
             return {"status": self.status()}
+        if op == "adopt":
+            return self.adopt(int(msg["launcher_pid"]))
         if op == "persist":
             step = int(msg.get("step", self.newest_consistent_step()))
             return {"queued": self.request_persist(step, "requested"), "step": step}
@@ -654,6 +657,50 @@ class Agent:
         if op in ("bye", "shutdown"):
             return {}
         raise ValueError(f"unknown op {op!r}")
+
+    # ------------------------------------------------------------------ the launcher
+    def watch_launcher(self, pid: int, poll_s: float = 0.5) -> None:
+        """Follow the node's launcher (a thread): when it dies, the agent is an orphan; a restarted
+        launcher adopts it (``adopt`` op) within ``launch.start_timeout_s``, else the agent shuts
+        down and removes its segments, so nothing outlives a node whose launcher is gone."""
+        with self.lock:
+            self._launcher = pid
+
+        def alive(p: int) -> bool:
+            try:
+                os.kill(p, 0)
+                return True
+            except ProcessLookupError:
+                return False
+            except PermissionError:
+                return True
+
+        def loop() -> None:
+            orphan_since = None
+            while not self._stop.wait(poll_s):
+                with self.lock:
+                    pid_now = self._launcher
+                if alive(pid_now) and not (pid_now == pid and os.getppid() != pid):
+                    orphan_since = None
+                    continue
+                if orphan_since is None:
+                    orphan_since = time.time()
+                    log.warning("agent node %d: launcher pid %d is gone; waiting %.0f s for a new launcher to "
+                                "adopt this agent", self.node, pid_now, self.cfg.launch.start_timeout_s)
+                elif time.time() - orphan_since > self.cfg.launch.start_timeout_s:
+                    log.error("agent node %d: no launcher adopted this agent within launch.start_timeout_s=%g s; "
+                              "shutting down", self.node, self.cfg.launch.start_timeout_s)
+                    self.shutdown()
+                    return
+
+        threading.Thread(target=loop, name="launcher-watch", daemon=True).start()
+
+    def adopt(self, pid: int) -> dict:
+        """A (restarted) launcher of this node takes this agent over."""
+        with self.lock:
+            old, self._launcher = self._launcher, pid
+        log.info("agent node %d: adopted by launcher pid %d (was %s)", self.node, pid, old)
+        return {"node": self.node, "agent_pid": os.getpid()}
 
     def shutdown(self, remove_segments: bool = True) -> None:
         """Clean shutdown: finish queued persists, remove segments and the socket."""
@@ -690,6 +737,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--run-id", default=None)
     p.add_argument("--persist-interval", type=int, default=None)
     p.add_argument("--persist-dir", default=None)
+    p.add_argument("--launcher-pid", type=int, default=None,
+                   help="the node's launcher: when it dies, wait launch.start_timeout_s for a new one to adopt "
+                        "this agent (its slots stay for the restarted trainers), else shut down and remove them")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[agent n{args.node} %(asctime)s] %(levelname)s %(message)s")
@@ -715,6 +765,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if args.launcher_pid:
+        agent.watch_launcher(args.launcher_pid)
     agent.serve_forever()
     agent._done.wait(timeout=600)  # the shutdown thread drains persists and removes segments
     return 0

@@ -1,0 +1,1 @@
+"""Test and demo harness: fault campaigns and helpers. Never imported by the runtime modules."""

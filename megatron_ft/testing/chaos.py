@@ -1,0 +1,267 @@
+"""``megatron-ft chaos``: a seeded campaign of failures, each trial classified against the
+promised recovery tiers (:mod:`megatron_ft.tiers`).
+
+Every trial is one ``megatron-ft demo`` run (real launchers, agents, torchrun, gloo trainers,
+SIGKILL) with a failure kind, a kill iteration and a wall-clock delay after it, all drawn from
+``Random(seed * 1_000_003 + trial)``: the same seed and trial number give the same trial. A trial is
+
+* **right** when the job ends bit-exact with every iteration's loss, at the promised tier or
+  better, and leaves no ``/dev/shm`` segment and no process of its run behind; for
+  ``max-restarts-0`` when the job ends with a non-zero exit, cleanly;
+* **wrong** otherwise: ``hang`` (past ``--trial-timeout``), ``mismatch``, ``crash`` (no summary),
+  ``lower-tier``, ``leak``.
+
+Results go to a JSON-lines file, one line per trial with the machine's load average before and after;
+a campaign resumes where it stopped (trials already in the file are skipped), so it can run in
+batches. ``--docs`` writes the tally to ``docs/reliability.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import psutil
+import yaml
+
+from .. import config as ftconfig
+from .. import tiers
+
+#: kind -> demo arguments; the promised tier comes from megatron_ft.tiers
+KINDS: dict[str, dict] = {
+    "trainer": {"fail": "trainer"},
+    "all-trainers": {"fail": "all-trainers"},
+    "agent-then-trainer": {"fail": "trainer", "kill_agent": True},
+    "launcher": {"fail": "launcher"},
+    "node-replica": {"fail": "node", "redundancy": "replica"},
+    "node-xor": {"fail": "node", "redundancy": "xor"},
+    "node-rs": {"fail": "node", "redundancy": "rs"},
+    "corrupt": {"fail": "trainer", "kill_point": "corrupt-after-commit"},
+    "mid-copy": {"fail": "all-trainers", "kill_point": "mid-copy"},
+    "max-restarts-0": {"fail": "trainer", "max_restarts": 0},
+}
+
+
+@dataclass(frozen=True)
+class Trial:
+    index: int
+    seed: int
+    kind: str
+    kill_at: int
+    kill_delay: float  # seconds after the victims logged kill_at (after-iteration kinds)
+    iters: int
+
+    def demo_args(self) -> list[str]:
+        k = KINDS[self.kind]
+        out = [f"--fail={k['fail']}", f"--kill-at={self.kill_at}", f"--iters={self.iters}"]
+        if k.get("redundancy"):
+            out.append(f"--redundancy={k['redundancy']}")
+        if k.get("kill_point"):
+            out.append(f"--kill-point={k['kill_point']}")
+        else:
+            out.append(f"--kill-delay={self.kill_delay:.4f}")
+        if k.get("kill_agent"):
+            out.append("--kill-agent")
+        return out
+
+    @property
+    def shape(self) -> str:
+        """Trials of one shape share a reference run."""
+        return KINDS[self.kind].get("redundancy") or "default"
+
+
+def draw(seed: int, index: int, kinds: list[str], iters: int = 12) -> Trial:
+    """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
+    share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
+    iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run."""
+    order = list(kinds)
+    random.Random(seed * 7919 + index // len(kinds)).shuffle(order)
+    rng = random.Random(seed * 1_000_003 + index)
+    kind = order[index % len(order)]
+    delay = rng.uniform(0.0, 0.25) if rng.random() < 0.5 else rng.uniform(0.0, 0.03)
+    return Trial(index, seed, kind, rng.randint(3, iters - 3), round(delay, 4), iters)
+
+
+@dataclass
+class Outcome:
+    trial: dict
+    verdict: str  # right | wrong
+    why: str = ""
+    recovered_from: Optional[str] = None
+    promised: Optional[str] = None
+    resumed_step: Optional[int] = None
+    seconds: float = 0.0
+    load_before: float = 0.0
+    load_after: float = 0.0
+    leftovers: list = field(default_factory=list)
+    when: str = ""
+
+
+def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers: list[str], output: str) -> tuple[str, str]:
+    """(verdict, why) of one trial from the demo's exit code (None: it hung), its summary and what
+    it left behind. Pure, so the rules are tested without processes."""
+    if rc is None:
+        return "wrong", "hang"
+    if leftovers:
+        return "wrong", f"leak: {leftovers[:5]}"
+    if KINDS[trial.kind].get("max_restarts") == 0:
+        if rc != 0 and "failed with exit code" in output:
+            return "right", "the job ended non-zero, cleanly"
+        return "wrong", f"max_restarts 0 should end the job non-zero (exit {rc})"
+    if summary is None:
+        return "wrong", f"crash: no summary (exit {rc})"
+    if not summary.get("bitwise_identical"):
+        return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
+    promised = summary.get("promised_tier")
+    reached = summary.get("recovered_from") or "none"
+    if promised is None or reached == "none" or not tiers.meets(reached, promised):
+        return "wrong", f"lower-tier: {reached} < {promised}"
+    if rc != 0:
+        return "wrong", f"demo exit {rc}"
+    return "right", ""
+
+
+def _leftovers(run_tag: str, workdir: str, shm_dir: str) -> list[str]:
+    """Segments and processes of a finished trial's run (polled briefly: agents shut down async)."""
+    deadline = time.time() + 15
+    while True:
+        segs = [n for n in os.listdir(shm_dir) if n.startswith(f"mft.{run_tag}")]
+        procs = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if workdir in " ".join(p.info["cmdline"] or []):
+                    procs.append(f"pid {p.info['pid']}")
+            except psutil.Error:
+                pass
+        if not segs and not procs or time.time() > deadline:
+            return segs + procs
+        time.sleep(0.5)
+
+
+def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/shm") -> Outcome:
+    wd = os.path.join(workdir, f"trial{trial.index:04d}")
+    ref = os.path.join(workdir, "references", trial.shape)
+    os.makedirs(wd, exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--workdir={wd}/demo",
+           f"--reference-dir={ref}", f"--timeout={timeout}", *trial.demo_args()]
+    if KINDS[trial.kind].get("max_restarts") is not None:
+        cfg = ftconfig.replace(ftconfig.load(), launch={"max_restarts": KINDS[trial.kind]["max_restarts"]})
+        path = os.path.join(wd, "job.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f)
+        cmd.append(f"--config={path}")
+    load0 = os.getloadavg()[0]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout + 120)
+        rc: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the demo kills its jobs on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        rc = None
+    lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
+    summary = json.loads(lines[-1]) if lines else None
+    tag = f"demo-{KINDS[trial.kind]['fail']}-{proc.pid}"
+    left = _leftovers(tag, wd, shm_dir)
+    verdict, why = classify(trial, rc, summary, left, out or "")
+    with open(os.path.join(wd, "demo.out"), "w") as f:
+        f.write(out or "")
+    return Outcome(asdict(trial), verdict, why, (summary or {}).get("recovered_from"),
+                   (summary or {}).get("promised_tier"), (summary or {}).get("resumed_step"),
+                   round(time.time() - t0, 1), round(load0, 2), round(os.getloadavg()[0], 2), left,
+                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def tally(outcomes: list[dict]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for o in outcomes:
+        row = out.setdefault(o["trial"]["kind"], {"right": 0, "wrong": 0})
+        row[o["verdict"]] += 1
+    return out
+
+
+def report(outcomes: list[dict], command: str) -> str:
+    t = tally(outcomes)
+    loads = [o["load_before"] for o in outcomes]
+    lines = ["# Reliability: the chaos campaign", "",
+             "Each trial is one `megatron-ft demo` run with a seeded failure (kind, kill iteration, wall-clock delay),",
+             "classified against the promised tiers (`megatron_ft/tiers.py`, `docs/architecture.md`): right means",
+             "bit-exact at the promised tier or better with nothing left in /dev/shm or running.", "",
+             f"Command: `{command}`", "",
+             "| kind | trials | right | wrong |", "|---|---|---|---|"]
+    for kind in sorted(t):
+        r = t[kind]
+        lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} |")
+    total_r = sum(r["right"] for r in t.values())
+    total_w = sum(r["wrong"] for r in t.values())
+    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} |")
+    if loads:
+        lines += ["", f"Load average (1 min) before each trial: min {min(loads):.2f}, median "
+                      f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}; "
+                      f"{outcomes[0]['when'][:10]} to {outcomes[-1]['when'][:10]}."]
+    wrong = [o for o in outcomes if o["verdict"] == "wrong"]
+    if wrong:
+        lines += ["", "## Wrong trials", ""]
+        lines += [f"- trial {o['trial']['index']} ({o['trial']['kind']}, kill at {o['trial']['kill_at']} "
+                  f"+{o['trial']['kill_delay']} s): {o['why']}" for o in wrong]
+    return "\n".join(lines) + "\n"
+
+
+def read_results(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(ln) for ln in f if ln.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def main(args: argparse.Namespace) -> int:
+    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ftconfig.ConfigError(f"--kinds: {bad} not among {list(KINDS)}")
+    results = os.path.abspath(args.results)
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    done = {o["trial"]["index"] for o in read_results(results) if o["trial"]["seed"] == args.seed}
+    for i in range(args.start, args.start + args.trials):
+        if i in done:
+            continue
+        trial = draw(args.seed, i, kinds)
+        o = run_trial(trial, os.path.abspath(args.workdir), args.trial_timeout)
+        with open(results, "a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(o)) + "\n")
+        print(f"[chaos] trial {i} {trial.kind} kill_at={trial.kill_at} +{trial.kill_delay}s: {o.verdict}"
+              f"{' (' + o.why + ')' if o.why else ''} [{o.recovered_from} step {o.resumed_step}, "
+              f"{o.seconds} s, load {o.load_before}]", flush=True)
+    outcomes = [o for o in read_results(results) if o["trial"]["seed"] == args.seed]
+    if args.docs:
+        with open(args.docs, "w", encoding="utf-8") as f:
+            f.write(report(outcomes, " ".join(["megatron-ft chaos", *sys.argv[2:]])))
+    wrong = sum(o["verdict"] == "wrong" for o in outcomes)
+    print(f"[chaos] seed {args.seed}: {len(outcomes)} trials, {wrong} wrong; {tally(outcomes)}", flush=True)
+    return 1 if wrong else 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("chaos", help="a seeded campaign of failures, each classified against the promised tiers")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--trials", type=int, default=10, help="trials in this batch")
+    p.add_argument("--start", type=int, default=0, help="first trial index of this batch")
+    p.add_argument("--kinds", default=None, help=f"comma-separated subset of {list(KINDS)}")
+    p.add_argument("--workdir", default="/tmp/megatron-ft/chaos")
+    p.add_argument("--results", default="/tmp/megatron-ft/chaos/results.jsonl",
+                   help="JSON lines, appended; trials already there are skipped (resume)")
+    p.add_argument("--trial-timeout", type=float, default=300.0, help="a trial past this is a hang")
+    p.add_argument("--docs", default=None, help="write the tally (markdown) here, e.g. docs/reliability.md")
+    p.set_defaults(func=main)
