@@ -344,7 +344,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         victims = [args.victim_rank if args.victim_rank is not None else world - 1]
     elif args.fail == "all-trainers":
         rpn = cfg.cluster.ranks_per_node
-        victims = list(range(args.victim_node * rpn, (args.victim_node + 1) * rpn))
+        vn = args.victim_node or 0
+        victims = list(range(vn * rpn, (vn + 1) * rpn))
     elif args.fail == "launcher":
         victim_node = args.victim_node or cfg.cluster.nodes - 1
         if not 0 < victim_node < cfg.cluster.nodes:
@@ -356,10 +357,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         if cfg.redundancy.scheme == "none":
             raise ftconfig.ConfigError("--fail node needs peer redundancy: pass --redundancy replica|xor|rs "
                                        "(or a --config with redundancy.scheme set)")
-        victim_node = args.victim_node if args.victim_node else default_victim_node(cfg)
-        if not 0 < victim_node < cfg.cluster.nodes:
+        victim_node = args.victim_node if args.victim_node is not None else default_victim_node(cfg)
+        if not 0 <= victim_node < cfg.cluster.nodes:
             raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail node: must be in "
-                                       f"[1, {cfg.cluster.nodes - 1}] (node 0 hosts the job's rendezvous)")
+                                       f"[0, {cfg.cluster.nodes - 1}]")
         rpn = cfg.cluster.ranks_per_node
         victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
     env = {}
@@ -377,7 +378,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     agent_killed = None
     try:
         if args.kill_agent and victims:
-            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), args.victim_node
+            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), (args.victim_node or 0)
                                            if args.fail == "all-trainers" else victims[0] // cfg.cluster.ranks_per_node,
                                            p, args.timeout, log_path)
             say(f"[demo] SIGKILL -> agent of node {agent_killed[0]} (pid {agent_killed[1]}); the launcher restarts it")
@@ -532,7 +533,7 @@ def add_parser(sub) -> None:
                         "SIGKILL (a wall-clock moment inside the next iteration: copy, exchange, persist)")
     p.add_argument("--iters", type=int, default=24, help="training iterations")
     p.add_argument("--victim-rank", type=int, default=None, help="--fail trainer: rank to kill (default: last)")
-    p.add_argument("--victim-node", type=int, default=0,
+    p.add_argument("--victim-node", type=int, default=None,
                    help="--fail all-trainers: node whose trainers die; --fail node: the node lost (default: one "
                         "whose ranks no other node holds whole, so xor/rs must decode)")
     p.add_argument("--workdir", default="/tmp/megatron-ft/demo")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 import os
 import signal
 import socket
@@ -65,6 +66,8 @@ class NodeLauncher:
         self.torchrun: Optional[subprocess.Popen] = None
         self.agent_restarts = 0
         self.log = log
+        self.rendezvous = Rendezvous(cfg, node)
+        self.rdzv = self.rendezvous.initial()
 
     # ------------------------------------------------------------------ agent
     def adopt_agent(self) -> bool:
@@ -140,10 +143,10 @@ class NodeLauncher:
         return [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nodes}", f"--nproc-per-node={self.nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={lc.master_addr}:{lc.rdzv_port}",
-            f"--rdzv-id={self.cfg.run_id}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv.addr}:{self.rdzv.port}",
+            f"--rdzv-id={self.cfg.run_id}-g{self.rdzv.gen}",
             # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
-            f"--rdzv-conf=is_host={'true' if self.node == 0 else 'false'},"
+            f"--rdzv-conf=is_host={'true' if self.node == self.rdzv.node else 'false'},"
             f"join_timeout={max(1, int(lc.start_timeout_s))}",
             f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.5",
             *self.script,
@@ -167,6 +170,28 @@ class NodeLauncher:
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        self.rdzv = self.rendezvous.current(self.log)
+        while True:
+            self.rendezvous.begin(self.rdzv)
+            rc = self._run_torchrun(env)
+            if rc is None:  # fatal or interrupted: the job is over
+                return fatal.EXIT_CODE if fatal.read(self.run_dir) is not None else 130
+            if rc == 0 or fatal.read(self.run_dir) is not None:
+                break
+            nxt = self.rendezvous.after_failure(self.rdzv, self.log)
+            if nxt is None:
+                break
+            self.log(f"[launch n{self.node}] the rendezvous host (node {self.rdzv.node}) is gone; joining "
+                     f"generation {nxt.gen} hosted by node {nxt.node} at {nxt.addr}:{nxt.port}")
+            self.rdzv = nxt
+        self.stop_agent()
+        if (f := fatal.read(self.run_dir)) is not None:  # a trainer ended the job as torchrun exited
+            return self._end_job(f"node {f[0]}: {f[1]}", record=False)
+        return rc
+
+    def _run_torchrun(self, env: dict) -> Optional[int]:
+        """One torchrun for the current rendezvous generation; its exit code, or None when the job
+        ended (a fatal record, an interrupt) and the agent was stopped."""
         # torchrun (and so its workers) ends with this launcher; the agent waits for a new launcher
         self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env, preexec_fn=_die_with_parent)
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
@@ -176,7 +201,8 @@ class NodeLauncher:
                 if (f := fatal.read(self.run_dir)) is not None:
                     self._stop_torchrun()
                     self.stop_agent()
-                    return self._end_job(f"node {f[0]}: {f[1]}", record=False)
+                    self._end_job(f"node {f[0]}: {f[1]}", record=False)
+                    return None
                 if self.agent is not None and self.agent.poll() is not None:
                     self.agent_restarts += 1
                     self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "
@@ -186,11 +212,9 @@ class NodeLauncher:
         except KeyboardInterrupt:
             self.torchrun.send_signal(signal.SIGINT)
             self.torchrun.wait()
-        rc = self.torchrun.returncode
-        self.stop_agent()
-        if (f := fatal.read(self.run_dir)) is not None:  # a trainer ended the job as torchrun exited
-            return self._end_job(f"node {f[0]}: {f[1]}", record=False)
-        return rc
+            self.stop_agent()
+            return None
+        return self.torchrun.returncode
 
     def _stop_torchrun(self) -> None:
         """SIGTERM torchrun (it stops its workers), SIGKILL after 30 s."""
@@ -210,6 +234,167 @@ class NodeLauncher:
             fatal.write(self.run_dir, self.node, message)
         self.log(f"[launch n{self.node}] job ended: {message}")
         return fatal.EXIT_CODE
+
+
+@dataclass(frozen=True)
+class RdzvGeneration:
+    """One torchrun rendezvous: generation ``gen`` hosted by node ``node`` at ``addr:port``."""
+    gen: int
+    node: int
+    addr: str
+    port: int
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "megatron-ft-rdzv/1", "gen": self.gen, "node": self.node, "addr": self.addr,
+                           "port": self.port})
+
+
+class Rendezvous:
+    """Where torchrun's c10d rendezvous lives, so that no node is special.
+
+    Generation 0 is hosted by node 0 at ``launch.master_addr:launch.rdzv_port``; the hosting node's
+    launcher publishes the generation under ``rdzv`` in the agents' store. When a torchrun ends in
+    failure, the launcher asks whether the host node was lost: the root agent's ``failed/<host>``
+    verdict on the host's agent, or a different agent pid in ``hb/<host>`` (a replacement). If so,
+    generation g+1 is hosted by the lowest-numbered *survivor* (a node whose agent has the pid it had
+    when generation g began) at ``health.host_of(node):rdzv_port + g + 1``: that launcher publishes it
+    (compare-and-set), the others wait for it (``launch.start_timeout_s``). A launcher starting on the
+    node that hosts the published generation is a replacement of the lost host: it waits for the
+    survivors' next generation instead of hosting the old one. Without a store
+    (``redundancy.scheme: none``) there is no failover: a lost host ends the job (disk recovery)."""
+
+    def __init__(self, cfg: ftconfig.FTConfig, node: int):
+        self.cfg, self.node = cfg, node
+        self.store = None
+        self.pids: dict[int, Optional[int]] = {}  # every node's agent pid when the generation began
+        if cfg.redundancy.scheme != "none":
+            from .health.store import StoreClient
+
+            self.store = StoreClient(cfg)
+
+    def initial(self) -> RdzvGeneration:
+        lc = self.cfg.launch
+        return RdzvGeneration(0, 0, lc.master_addr, lc.rdzv_port)
+
+    def _hosted_here(self, gen: int) -> RdzvGeneration:
+        """Generation ``gen`` hosted by this node, on a port free here now."""
+        addr = self.cfg.health.host_of(self.node)
+        with socket.socket() as s:
+            s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return RdzvGeneration(gen, self.node, addr, port)
+
+    def _published(self) -> tuple[str, Optional[RdzvGeneration]]:
+        raw = self.store.get("rdzv") or ""
+        try:
+            rec = json.loads(raw) if raw else None
+            if rec is None or rec.get("format") != "megatron-ft-rdzv/1":
+                return raw, None
+            return raw, RdzvGeneration(int(rec["gen"]), int(rec["node"]), str(rec["addr"]), int(rec["port"]))
+        except (ValueError, KeyError, TypeError):
+            return raw, None
+
+    def _agent_pid(self, node: int) -> Optional[int]:
+        try:
+            return int(json.loads(self.store.get(f"hb/{node}") or "{}").get("pid"))
+        except (ValueError, TypeError):
+            return None
+
+    def current(self, log) -> RdzvGeneration:
+        """The generation to join at start: the published one, or 0 when the job is starting; on the
+        node hosting the published one (a replacement for the lost host), the survivors' next one."""
+        if self.store is None:
+            return self.initial()
+        from .health.store import StoreUnavailable
+
+        try:
+            self.store.connect(3.0)
+            raw, pub = self._published()
+        except StoreUnavailable:
+            return self.initial()  # no agent store yet: the job is starting
+        if pub is None:
+            return self.initial()
+        if pub.node != self.node:
+            return pub
+        log(f"[launch n{self.node}] this node hosted rendezvous generation {pub.gen} and starts again: "
+            f"waiting for the survivors' next generation")
+        deadline = time.time() + self.cfg.launch.start_timeout_s
+        while time.time() < deadline:
+            time.sleep(0.5)
+            try:
+                _, nxt = self._published()
+            except StoreUnavailable:
+                continue
+            if nxt is not None and nxt.gen > pub.gen:
+                return nxt
+        return pub  # nobody moved on: host it again
+
+    def begin(self, cur: RdzvGeneration) -> None:
+        """Before torchrun runs generation ``cur``: remember every node's agent pid; the host
+        publishes the generation (so a replacement of this node knows it hosted it)."""
+        if self.store is None:
+            return
+        from .health.store import StoreUnavailable
+
+        try:
+            deadline = time.time() + 15.0  # every node's agent heartbeats within moments of its start
+            while True:
+                self.pids = {n: self._agent_pid(n) for n in range(self.cfg.cluster.nodes)}
+                if all(p is not None for p in self.pids.values()) or time.time() > deadline:
+                    break
+                time.sleep(0.2)
+            if cur.node == self.node:
+                raw, pub = self._published()
+                if pub is None or pub.gen <= cur.gen:
+                    self.store.compare_set("rdzv", raw, cur.to_json())
+        except StoreUnavailable:
+            pass
+
+    def _host_lost(self, cur: RdzvGeneration) -> bool:
+        """Whether the node hosting ``cur`` was lost: the root's verdict on its agent, or another
+        agent pid there. Waits up to three health timeouts for the verdict (failure path only)."""
+        from .health.store import StoreUnavailable
+
+        was = self.pids.get(cur.node)
+        deadline = time.time() + 3 * self.cfg.health.timeout_s + 5
+        while time.time() < deadline:
+            try:
+                verdict = json.loads(self.store.get(f"failed/{cur.node}") or "{}")
+                if verdict and (was is None or verdict.get("pid") == was):
+                    return True
+                now = self._agent_pid(cur.node)
+                if now is not None and was is not None and now != was:
+                    return True
+            except (StoreUnavailable, ValueError):
+                pass
+            time.sleep(0.5)
+        return False
+
+    def after_failure(self, cur: RdzvGeneration, log) -> Optional[RdzvGeneration]:
+        """The generation to join after torchrun failed, or None (end: the host node was not lost,
+        there is no store to agree on a new one, or one generation per node was used up)."""
+        from .health.store import StoreUnavailable
+
+        if self.store is None or cur.gen >= self.cfg.cluster.nodes or not self._host_lost(cur):
+            return None
+        deadline = time.time() + self.cfg.launch.start_timeout_s
+        while time.time() < deadline:
+            try:
+                raw, pub = self._published()
+                if pub is not None and pub.gen > cur.gen:
+                    return pub
+                survivors = [n for n in range(self.cfg.cluster.nodes)
+                             if n != cur.node and self.pids.get(n) is not None and self._agent_pid(n) == self.pids[n]]
+                if survivors and survivors[0] == self.node:  # this node hosts the next generation
+                    nxt = self._hosted_here(max(cur.gen, pub.gen if pub else 0) + 1)
+                    if self.store.compare_set("rdzv", raw, nxt.to_json()) == nxt.to_json():
+                        return nxt
+            except StoreUnavailable as e:
+                log(f"[launch n{self.node}] store not answering while choosing a new rendezvous host: {e}")
+            time.sleep(0.5)
+        log(f"[launch n{self.node}] no new rendezvous host within launch.start_timeout_s="
+            f"{self.cfg.launch.start_timeout_s:g} s")
+        return None
 
 
 class _AdoptedProcess:

@@ -50,9 +50,11 @@ def test_report_tallies_kinds_and_load():
     assert "max 2.00" in text
 
 
-@pytest.mark.parametrize("kind", ["node-rs", "launcher"])
+@pytest.mark.parametrize("kind", ["node0-replica", "launcher"])
 def test_one_real_trial(tmp_path, kind):
-    """A real trial (demo run, SIGKILL at a drawn wall-clock moment): right, at the promised tier."""
+    """A real trial (demo run, SIGKILL at a wall-clock moment inside an iteration): right, at the
+    promised tier. node0-replica loses the node hosting torchrun's rendezvous: the survivors move it
+    to the next generation; launcher kills one launcher, whose agent a new launcher adopts."""
     t = chaos.Trial(0, 1, kind, 5, 0.05, 10)
     o = chaos.run_trial(t, str(tmp_path), timeout=300)
     assert (o.verdict, o.why) == ("right", ""), (o, open(tmp_path / "trial0000" / "demo.out").read()[-3000:])

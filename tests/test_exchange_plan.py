@@ -135,3 +135,31 @@ def test_beyond_tolerance_some_rank_has_no_recipe():
     held = build(plan, data)
     recs = xch.recipes(plan, 0, {r: 64 for r in range(3)})
     assert all(rebuild(plan, rec, data, held, {0, 1}) is None for rec in recs)
+
+
+def test_rebuild_planning_doctests():
+    from megatron_ft.redundancy import rebuild
+
+    assert doctest.testmod(rebuild).failed == 0
+
+
+def test_rs_lost_data_node_is_decoded_at_the_groups_complete_step_only():
+    """rs k=2 m=2 on 4 nodes x 1 rank (the demo's shape): data node 2 lost. Every survivor holds step
+    5 (complete in the group); step 6 only in node 0's primary and a parity node's single slot (the
+    exchange of 6 never completed): rank 2 is decoded at 5, never at 6. With a second node of the
+    group lost (m=2) step 5 is still decodable; with a third it is not."""
+    from megatron_ft.redundancy import rebuild
+    from megatron_ft.redundancy.plan import make_plan
+    from megatron_ft.redundancy.topology import Topology
+
+    plan = make_plan(Topology(4, 1), "rs", k=2, m=2)
+    assert plan.groups[0].role(2) == ("data", 1)
+    sizes = {r: 1000 for r in range(4)}
+    ex = xch.group_exchange(plan, 0, sizes)
+    holds = {n: {"primary": {str(n): [5]}, "blocks": {b.key: [5] for b in ex.held_by(n)}} for n in (0, 1, 3)}
+    holds[0]["primary"]["0"] = [6, 5]
+    holds[1]["primary"]["1"] = [6]  # a parity node's single slot already took the unfinished step
+    got = rebuild.rebuildable(plan, holds, 2, sizes)
+    assert got == [{"step": 5, "source": "decoded"}], got
+    assert rebuild.plan_rebuild(plan, {n: holds[n] for n in (0, 1)}, 2, 5, sizes)[0] == "decoded"
+    assert rebuild.plan_rebuild(plan, {0: holds[0]}, 2, 5, sizes) is None

@@ -36,6 +36,7 @@ import numpy as np
 from .. import faults, shm, snapfile
 from ..layout import Layout
 from ..redundancy import exchange as xch
+from ..redundancy import rebuild
 from ..redundancy.codecs import get_codec
 from ..redundancy.plan import RedundancyPlan, plan_from_config
 from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
@@ -346,31 +347,48 @@ class Redundancy:
 
     # ------------------------------------------------------------------ receiving
     def _version_for(self, key: str, step: int, length: int, expect: int, meta: dict) -> Optional[BlockVersion]:
-        with self.lock:
-            vs = self.blocks.setdefault(key, [])
-            for v in vs:
-                if v.step == step:
-                    return v
-            if any(v.step > step for v in vs):
-                return None  # stale contribution
-            # two versions per block: never reuse the one of the newest step the group holds
-            v = None if len(vs) < 2 else min((v for v in vs if v.step != self.complete_step),
-                                             key=lambda b: b.step)
-            if v is not None and v.segment.size < length:  # too small for this version: replaced, not kept
-                vs.remove(v)
-                _remove(v.segment)
-                v = None
-            if v is None:
-                self._serial += 1  # a name never used before by this agent: create() cannot hit a live version
-                path = os.path.join(self.cfg.agent.shm_dir,
-                                    shm.block_segment_name(self.cfg.run_id, self.node, key, self._serial))
-                seg = shm.create(path, max(length, 1))
-                v = BlockVersion(seg)
-                vs.append(v)
-            v.step, v.got, v.expect, v.meta = step, set(), expect, meta
-            if not key.startswith(xch.COPY + "."):  # XOR-accumulated: start from zeros (copies are overwritten)
+        """The block version receiving ``step`` of ``key`` (None: a stale contribution). Two versions
+        per block: the one of the newest step the group holds is never reused. A new segment is
+        created and pre-faulted outside ``Redundancy.lock`` (which ``Agent.begin`` reads through
+        ``protected_steps``), and an XOR block is zeroed under the version's own lock only."""
+        fresh: Optional[shm.Segment] = None
+        try:
+            while True:
+                with self.lock:
+                    vs = self.blocks.setdefault(key, [])
+                    for v in vs:
+                        if v.step == step:
+                            return v
+                    if any(v.step > step for v in vs):
+                        return None  # stale contribution
+                    v = None if len(vs) < 2 else min((v for v in vs if v.step != self.complete_step),
+                                                     key=lambda b: b.step)
+                    if v is not None and v.segment.size < length:  # too small for this version: replaced
+                        vs.remove(v)
+                        _remove(v.segment)
+                        v = None
+                    if v is None and fresh is not None:
+                        v, fresh = BlockVersion(fresh), None
+                        vs.append(v)
+                    if v is not None:
+                        v.step, v.got, v.expect, v.meta = step, set(), expect, meta
+                        xor = not key.startswith(xch.COPY + ".")  # accumulated: starts from zeros
+                        if xor:
+                            v.lock.acquire()  # lock order: Redundancy.lock, then the version's
+                        break
+                    self._serial += 1  # a name never used before by this agent: no live version has it
+                    path = os.path.join(self.cfg.agent.shm_dir,
+                                        shm.block_segment_name(self.cfg.run_id, self.node, key, self._serial))
+                fresh = shm.create(path, max(length, 1))
+        finally:
+            if fresh is not None:  # not needed after all (another thread set the version up)
+                _remove(fresh)
+        if xor:
+            try:
                 v.segment.array[:length] = 0
-            return v
+            finally:
+                v.lock.release()
+        return v
 
     def _receive(self, msg: dict, payload: Optional[memoryview], sock: Any = None) -> dict:
         key, step, length, src = msg["key"], int(msg["step"]), int(msg["length"]), int(msg["src"])
@@ -550,57 +568,11 @@ class Redundancy:
                 log.info("agent node %d: node %d unreachable for recovery (%s)", self.node, n, e)
         return out
 
-    @staticmethod
-    def _has_primary(h: dict, rank: int, step: int) -> bool:
-        return step in h.get("primary", {}).get(str(rank), [])
-
-    @staticmethod
-    def _has_block(h: dict, key: str, step: int) -> bool:
-        return step in h.get("blocks", {}).get(key, [])
-
-    def _whole_at(self, holds: dict, rank: int, step: int) -> Optional[tuple[int, str, Optional[str]]]:
-        """(node, what, key) of a survivor holding ``rank``'s container whole at ``step``."""
-        for n, h in holds.items():
-            if self._has_primary(h, rank, step):
-                return n, "primary", None
-        for n, h in holds.items():
-            if self._has_block(h, f"copy.r{rank}", step):
-                return n, "block", f"copy.r{rank}"
-        return None
-
-    def _plan_recovery(self, holds: dict, rank: int, step: int, sizes: dict) -> Optional[tuple[str, Any]]:
-        for rec in xch.recipes(self.plan, rank, sizes):
-            if isinstance(rec, xch.CopyRecipe):
-                if rec.block.holder in holds and self._has_block(holds[rec.block.holder], rec.block.key, step):
-                    return "peer_memory", rec
-            elif isinstance(rec, xch.XorRecipe):
-                ok = all(x.parity.holder in holds and self._has_block(holds[x.parity.holder], x.parity.key, step)
-                         and all(self._whole_at(holds, p.rank, step) for _, p in x.others) for x in rec.pieces)
-                if ok:
-                    return "decoded", rec
-            elif isinstance(rec, xch.RsRecipe):
-                avail = sum(1 for j, d in enumerate(rec.data) if j != rec.index and (
-                    d is None or self._whole_at(holds, d[0], step)))
-                avail += sum(1 for b in rec.parity if b.holder in holds and self._has_block(holds[b.holder], b.key, step))
-                if avail >= rec.k:
-                    return "decoded", rec
-        return None
-
     def candidates(self, rank: int) -> list[dict]:
-        """Steps of ``rank`` this node can rebuild from its group, newest first."""
+        """Steps of ``rank`` this node can rebuild from its group, newest first (planned by
+        :func:`megatron_ft.redundancy.rebuild.rebuildable`)."""
         holds, sizes = self._wait_sizes(RECOVERY_WAIT_S, ask_group=True)
-        steps = set()
-        for h in holds.values():
-            for lst in h.get("primary", {}).values():
-                steps.update(lst)
-            for lst in h.get("blocks", {}).values():
-                steps.update(lst)
-        out = []
-        for s in sorted(steps, reverse=True):
-            how = self._plan_recovery(holds, rank, s, sizes)
-            if how is not None:
-                out.append({"step": s, "source": how[0]})
-        return out
+        return rebuild.rebuildable(self.plan, holds, rank, sizes)
 
     def _fetch(self, node: int, what: str, ident: Any, step: int, lo: int, hi: int, dst: memoryview) -> None:
         cl = self._client(node)
@@ -612,7 +584,7 @@ class Redundancy:
             cl.close()
 
     def _fetch_whole(self, holds: dict, rank: int, step: int, lo: int, hi: int, dst: memoryview) -> None:
-        where = self._whole_at(holds, rank, step)
+        where = rebuild.whole_at(holds, rank, step)
         if where is None:
             raise PeerError(f"no survivor holds rank {rank} step {step}")
         node, what, key = where
@@ -622,7 +594,7 @@ class Redundancy:
         """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
         t0 = time.perf_counter()
         holds, sizes = self._wait_sizes(RECOVERY_WAIT_S, ask_group=True)
-        how = self._plan_recovery(holds, rank, step, sizes)
+        how = rebuild.plan_rebuild(self.plan, holds, rank, step, sizes)
         if how is None:
             raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members")
         source, rec = how
@@ -655,14 +627,14 @@ class Redundancy:
                 continue
             if d is None:
                 avail[j] = np.zeros(rec.length, np.uint8)
-            elif self._whole_at(holds, d[0], step):
+            elif rebuild.whole_at(holds, d[0], step):
                 a = np.zeros(rec.length, np.uint8)
                 self._fetch_whole(holds, d[0], step, 0, d[1], memoryview(a)[: d[1]])
                 avail[j] = a
         for i, b in enumerate(rec.parity):
             if len(avail) >= rec.k:
                 break
-            if b.holder in holds and self._has_block(holds[b.holder], b.key, step):
+            if b.holder in holds and rebuild.has_block(holds[b.holder], b.key, step):
                 a = np.zeros(rec.length, np.uint8)
                 self._fetch(b.holder, "block", b.key, step, 0, rec.length, memoryview(a))
                 avail[rec.k + i] = a

@@ -64,6 +64,7 @@ class Agent:
         self.segments: dict[int, list[shm.Segment]] = {}  # rank -> its slots' segments, by index
         self.fingerprints: dict[int, str] = {}  # rank -> its layout's fingerprint
         self.layouts: dict[int, bytes] = {}  # rank -> its layout record (to re-initialise a repaired slot)
+        self._reserved: dict[int, int] = {}  # rank -> shared memory being allocated for it (outside the lock)
         self.connected: dict[int, int] = {}  # rank -> open trainer connections
         self.persisted: list[int] = []
         self.persist_errors: list[str] = []
@@ -143,33 +144,39 @@ class Agent:
         return n
 
     def register(self, rank: int, layout_json: str) -> dict:
+        """Slots for ``rank``'s layout: its existing ones when they fit, else new ones. The shared
+        memory is allocated and pre-faulted *outside* ``Agent.lock`` (seconds for GiBs: other ranks'
+        begin/commit never wait on it), against a budget reserved under the lock; the size is
+        published to the store after the lock is released."""
         layout = Layout.from_json(layout_json.encode())
         fp = layout.fingerprint()
         geom = snapfile.geometry_for(layout, layout_json.encode())
+        nslots = self.slots_per_rank()
+        limit = self.cfg.agent.shm_limit_mib << 20
         with self.lock:
             rv = self.table.ranks.get(rank)
             segs = self.segments.get(rank, [])
-            nslots = self.slots_per_rank()
-            if rv and self.fingerprints.get(rank) == fp and len(segs) == nslots and all(
-                    g.size >= geom.total for g in segs):
-                if self.redundancy is not None:
-                    self.redundancy.publish_size(rank, segs[0].size)
-                return {"slots": [g.path for g in segs], "adopted": True}
-            if rv and any(s.pins for s in rv.slots):
-                raise RuntimeError(f"rank {rank}: slots are busy (being persisted); retry")
-            if rv:
-                log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
-                self._drop_rank(rank)
-            limit = self.cfg.agent.shm_limit_mib << 20
-            created: list[shm.Segment] = []
+            adopted = bool(rv and self.fingerprints.get(rank) == fp and len(segs) == nslots
+                           and all(g.size >= geom.total for g in segs))
+            if not adopted:
+                if rv and any(s.pins for s in rv.slots):
+                    raise RuntimeError(f"rank {rank}: slots are busy (being persisted); retry")
+                if rv:
+                    log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
+                    self._drop_rank(rank)
+                used = sum(g.size for gs in self.segments.values() for g in gs) + sum(self._reserved.values())
+                budget = max(0, limit - used) if limit else None
+                self._reserved[rank] = geom.total * nslots
+        if adopted:
+            self._publish_size(rank, segs[0].size)
+            return {"slots": [g.path for g in segs], "adopted": True}
+        created: list[shm.Segment] = []
+        try:
             for i in range(nslots):
                 path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, i))
-                budget = None
-                if limit:
-                    used = sum(g.size for gs in self.segments.values() for g in gs) + sum(g.size for g in created)
-                    budget = max(0, limit - used)
+                left = None if budget is None else budget - sum(g.size for g in created)
                 try:
-                    seg = shm.create(path, geom.total, budget)
+                    seg = shm.create(path, geom.total, left)
                 except shm.SharedMemoryError as e:
                     for g in created:  # do not keep half a rank
                         g.close()
@@ -179,15 +186,21 @@ class Agent:
                     raise
                 snapfile.init_container(seg.mm, layout_json.encode(), geom)
                 created.append(seg)
+        finally:
+            with self.lock:
+                self._reserved.pop(rank, None)
+        with self.lock:
             self.table.add_rank(rank, nslots)
             self.segments[rank] = created
             self.fingerprints[rank] = fp
             self.layouts[rank] = layout_json.encode()
-            if self.redundancy is not None:
-                self.redundancy.publish_size(rank, geom.total)
-            log.info("agent node %d: rank %d registered, %d x %.1f MiB slots", self.node, rank, nslots,
-                     geom.total / 2**20)
-            return {"slots": [g.path for g in created], "adopted": False}
+        self._publish_size(rank, geom.total)
+        log.info("agent node %d: rank %d registered, %d x %.1f MiB slots", self.node, rank, nslots, geom.total / 2**20)
+        return {"slots": [g.path for g in created], "adopted": False}
+
+    def _publish_size(self, rank: int, size: int) -> None:
+        if self.redundancy is not None:  # a store call: never under Agent.lock
+            self.redundancy.publish_size(rank, size)
 
     def slots_per_rank(self) -> int:
         """Two (REFT's clean/dirty double buffer), or one on an rs parity node: every packet it
@@ -435,8 +448,10 @@ class Agent:
         snapfile.read_version(data, hdr)  # a well-formed record, before any slot is touched
         with self.lock:
             segs = self.segments.get(rank)
-            if not segs or any(seg.size < len(data) for seg in segs):
-                self.register(rank, layout_json.decode())
+            fits = bool(segs) and all(seg.size >= len(data) for seg in segs)
+        if not fits:
+            self.register(rank, layout_json.decode())
+        with self.lock:
             s = self.table.install(rank, step)
             self._mirror(rank, [s])
             s.pins += 1  # the copy below runs without the lock

@@ -40,6 +40,7 @@ KINDS: dict[str, dict] = {
     "agent-then-trainer": {"fail": "trainer", "kill_agent": True},
     "launcher": {"fail": "launcher"},
     "node-replica": {"fail": "node", "redundancy": "replica"},
+    "node0-replica": {"fail": "node", "redundancy": "replica", "victim_node": 0},  # hosts the rendezvous
     "node-xor": {"fail": "node", "redundancy": "xor"},
     "node-rs": {"fail": "node", "redundancy": "rs"},
     "corrupt": {"fail": "trainer", "kill_point": "corrupt-after-commit"},
@@ -68,6 +69,8 @@ class Trial:
             out.append(f"--kill-delay={self.kill_delay:.4f}")
         if k.get("kill_agent"):
             out.append("--kill-agent")
+        if k.get("victim_node") is not None:
+            out.append(f"--victim-node={k['victim_node']}")
         return out
 
     @property
