@@ -468,7 +468,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     identical, problems = compare(ref_dir, run_dir, world)
     promise = None
     if kill_time is not None:
-        failure = "corrupt" if args.kill_point == "corrupt-after-commit" else args.fail
+        failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
         promise = tiers.promised(failure, cfg.redundancy.scheme)
     summary = {
         "scenario": args.fail,
@@ -541,7 +541,8 @@ def add_parser(sub) -> None:
     p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--kill-point", default="after-iteration",
-                   choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit"],
+                   choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit",
+                            "truncate-after-commit"],
                    help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "
                         "the victims SIGKILL themselves at that point of step --kill-at (fault injection)")
     p.add_argument("--kill-agent", action="store_true",

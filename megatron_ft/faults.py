@@ -8,7 +8,9 @@ only the failed node's counter moves), so the restarted job runs clean. Points:
 * ``mid-copy``        - the snapshot of ``step`` has copied its first piece of tensor bytes, not the rest;
 * ``after-commit``    - the agent has marked the snapshot of ``step`` clean;
 * ``corrupt-after-commit`` - as ``after-commit``, but first flip a byte of the committed data
-  (a corrupted snapshot that restore must reject).
+  (a corrupted snapshot that restore must reject);
+* ``truncate-after-commit`` - as ``after-commit``, but first cut the committed slot's file to half
+  its size (no reader may map past its end; restore must reject it).
 
 The kill is a real ``SIGKILL`` of the process; an event line is written just before it.
 """
@@ -20,7 +22,7 @@ import signal
 import time
 from typing import Callable, Optional
 
-POINTS = ("before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit")
+POINTS = ("before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit", "truncate-after-commit")
 
 
 def _parse() -> Optional[tuple[str, int, set[int]]]:

@@ -226,12 +226,12 @@ def intact(seg: Segment) -> bool:
         return False
 
 
-def restore_size(seg: Segment) -> None:
-    """Give a truncated segment its size back (same inode: every mapping of it is valid again)
-    with its pages reserved; its content is zeros past the cut (the caller re-initialises it)."""
-    fd = os.open(seg.path, os.O_RDWR)
+def restore_size(path: str, size: int) -> None:
+    """Give a truncated segment file its ``size`` back (same inode: every mapping of it is valid
+    again) with its pages reserved; it reads zeros past the cut (the caller re-initialises it)."""
+    fd = os.open(path, os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, seg.size)
+        os.posix_fallocate(fd, 0, size)
     finally:
         os.close(fd)
 

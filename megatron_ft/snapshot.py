@@ -204,6 +204,8 @@ class SnapshotEngine:
         self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step)
         faults.maybe_fail("after-commit", job.step, self.rank)
         faults.maybe_fail("corrupt-after-commit", job.step, self.rank, before=lambda: _corrupt(area))
+        faults.maybe_fail("truncate-after-commit", job.step, self.rank,
+                          before=lambda: os.truncate(seg.path, seg.size // 2))
         job.stats.ok = True
         job.stats.copy_s = time.perf_counter() - t0
         job.stats.clean_at = time.time()

@@ -309,3 +309,20 @@ def test_persist_verifies_every_chunk_before_writing(agent):
     st = a_status(c)
     assert st["persisted"] == [1] and "checksum mismatch" in st["persist_errors"][-1], st
     assert not os.path.exists(persist.rank_file(agent.cfg.persist.dir, agent.cfg.run_id, 2, 0))
+
+
+def test_truncated_slot_found_by_a_restarted_agent_is_dropped_not_adopted(agent):
+    """The agent dies, a slot is cut short, a new agent starts: it gives the file its size back with
+    no version in it, adopts the other slot, and the restore reads the older step."""
+    c = agent.client()
+    m, opt, _ = train_and_snapshot(c, agent.cfg, 2)
+    newest = max(c.request("list", rank=0)["versions"], key=lambda v: v["step"])
+    size = os.path.getsize(newest["path"])
+    agent.kill()
+    os.truncate(newest["path"], size // 3)
+    agent.start()
+    assert os.path.getsize(newest["path"]) == size
+    assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [1]
+    m2, opt2 = make_model(seed=3)
+    res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 1)

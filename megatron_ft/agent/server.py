@@ -113,6 +113,14 @@ class Agent:
                 seg = shm.open_segment(path)
                 hdr = snapfile.read_header(seg.mm)
                 state = hdr.state
+                if seg.size < hdr.geometry.total:  # truncated behind the agents' back: its version is gone
+                    log.error("agent node %d: %s was truncated (%d of %d bytes); its version is dropped", self.node,
+                              path, seg.size, hdr.geometry.total)
+                    seg.close()
+                    shm.restore_size(path, hdr.geometry.total)
+                    seg = shm.open_segment(path)
+                    snapfile.set_state(seg.mm, snapfile.EMPTY)
+                    state = snapfile.EMPTY
                 if state == snapfile.WRITING:  # torn by a crash mid-snapshot
                     snapfile.set_state(seg.mm, snapfile.EMPTY)
                     state = snapfile.EMPTY
@@ -252,7 +260,7 @@ class Agent:
             if s.state != snapfile.EMPTY:
                 s.state, s.step = snapfile.EMPTY, -1
             try:
-                shm.restore_size(seg)
+                shm.restore_size(seg.path, seg.size)
                 layout_json = self.layouts[rank]
                 snapfile.init_container(seg.mm, layout_json, snapfile.geometry_for(Layout.from_json(layout_json),
                                                                                     layout_json))

@@ -44,6 +44,7 @@ KINDS: dict[str, dict] = {
     "node-xor": {"fail": "node", "redundancy": "xor"},
     "node-rs": {"fail": "node", "redundancy": "rs"},
     "corrupt": {"fail": "trainer", "kill_point": "corrupt-after-commit"},
+    "truncated": {"fail": "trainer", "kill_point": "truncate-after-commit"},
     "mid-copy": {"fail": "all-trainers", "kill_point": "mid-copy"},
     "max-restarts-0": {"fail": "trainer", "max_restarts": 0},
 }
