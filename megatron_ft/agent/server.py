@@ -51,9 +51,11 @@ class SlotRef:
 
 
 class Agent:
-    """One node's agent. Lock order: ``Agent.lock`` may be taken while holding nothing or
-    ``Redundancy.lock`` is *not* held; the redundancy takes its own lock and calls into the agent
-    only without it (``pin_step``, ``clean_steps``, ``install_recovered`` ...)."""
+    """One node's agent. Lock order: ``Agent.lock`` and ``Redundancy.lock`` are never held together:
+    the redundancy calls into the agent (``pin_step``, ``clean_steps``, ``slot_sizes``,
+    ``install_recovered``) without its own lock, and the agent reads the redundancy's steps before it
+    takes its own. Neither is held across network I/O, a store call or a shared-memory allocation
+    (docs/architecture.md)."""
 
     def __init__(self, cfg: ftconfig.FTConfig, node: int):
         self.cfg = cfg
@@ -140,7 +142,7 @@ class Agent:
             self.table.adopt(rank, slot_idx, state, hdr.step)
             segs = self.segments.setdefault(rank, [])
             segs.append(seg)
-            segs.sort(key=lambda g: g.path)
+            segs.sort(key=lambda g: shm.parse_segment_name(os.path.basename(g.path))[3])  # by slot index
             n += 1
         for rank, rv in list(self.table.ranks.items()):  # a rank with a missing slot index is not adopted
             if [s.index for s in rv.slots] != list(range(len(rv.slots))):
@@ -327,8 +329,8 @@ class Agent:
         if self.redundancy is not None:
             self.redundancy.rewind(step)
         if emptied:
-            log.warning("agent node %d: rank %d resumed from step %d; dropped newer versions %s", self.node, rank,
-                        step, sorted({s.index for s in emptied}))
+            log.warning("agent node %d: rank %d resumed from step %d; emptied %d slot(s) holding newer or unfinished "
+                        "versions", self.node, rank, step, len(emptied))
         return {"dropped": len(emptied)}
 
     def mark_global(self, rank: int, step: int) -> None:
