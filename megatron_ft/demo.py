@@ -440,9 +440,15 @@ def run_demo(args: argparse.Namespace) -> dict:
             wait_job(replacement, args.timeout, "standby node" if args.standby else "replacement node",
                      replacement_log)
     finally:
+        killed = False
         for proc in (p, replacement):
             if proc is not None and proc.poll() is None:
                 _kill_tree(proc)
+                killed = True
+        if killed:  # its agents were SIGKILLed too: their segments are this demo's to remove
+            for name in os.listdir(cfg.agent.shm_dir):
+                if name.startswith(f"mft.{cfg.run_id}."):
+                    os.unlink(os.path.join(cfg.agent.shm_dir, name))
     run_seconds = time.time() - t0
 
     # 3. results. torchrun's restart counters differ between nodes (only the failed node's counts),

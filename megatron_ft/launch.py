@@ -196,6 +196,7 @@ class NodeLauncher:
         self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env, preexec_fn=_die_with_parent)
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))
+        next_publish = time.time() + 2.0
         try:
             while self.torchrun.poll() is None:
                 if (f := fatal.read(self.run_dir)) is not None:
@@ -203,6 +204,9 @@ class NodeLauncher:
                     self.stop_agent()
                     self._end_job(f"node {f[0]}: {f[1]}", record=False)
                     return None
+                if time.time() > next_publish:
+                    self.rendezvous.keep_published(self.rdzv)
+                    next_publish = time.time() + 2.0
                 if self.agent is not None and self.agent.poll() is not None:
                     self.agent_restarts += 1
                     self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "
@@ -247,6 +251,9 @@ class RdzvGeneration:
     def to_json(self) -> str:
         return json.dumps({"format": "megatron-ft-rdzv/1", "gen": self.gen, "node": self.node, "addr": self.addr,
                            "port": self.port})
+
+
+RUNNING_HEARTBEATS = 20  # another agent past this many heartbeats: the job was already running
 
 
 class Rendezvous:
@@ -300,16 +307,35 @@ class Rendezvous:
         except (ValueError, TypeError):
             return None
 
+    def _job_running(self) -> bool:
+        """Whether another node's agent has been heartbeating for a while: this launcher joins a
+        running job (a replacement), not one that is starting (every agent's count is small then)."""
+        for n in range(self.cfg.cluster.nodes):
+            if n == self.node:
+                continue
+            try:
+                if int(json.loads(self.store.get(f"hb/{n}") or "{}").get("seq", 0)) >= RUNNING_HEARTBEATS:
+                    return True
+            except (ValueError, TypeError):
+                continue
+        return False
+
     def current(self, log) -> RdzvGeneration:
-        """The generation to join at start: the published one, or 0 when the job is starting; on the
-        node hosting the published one (a replacement for the lost host), the survivors' next one."""
+        """The generation to join at start: the published one, or 0 when the job is starting. A
+        launcher joining a running job waits for the record (the survivors re-publish it into a
+        store that lost it with its root); on the node hosting the published generation (a
+        replacement for the lost host) it waits for the survivors' next generation."""
         if self.store is None:
             return self.initial()
         from .health.store import StoreUnavailable
 
+        deadline = time.time() + self.cfg.launch.start_timeout_s
         try:
             self.store.connect(3.0)
             raw, pub = self._published()
+            while pub is None and self._job_running() and time.time() < deadline:
+                time.sleep(0.5)
+                raw, pub = self._published()
         except StoreUnavailable:
             return self.initial()  # no agent store yet: the job is starting
         if pub is None:
@@ -318,7 +344,6 @@ class Rendezvous:
             return pub
         log(f"[launch n{self.node}] this node hosted rendezvous generation {pub.gen} and starts again: "
             f"waiting for the survivors' next generation")
-        deadline = time.time() + self.cfg.launch.start_timeout_s
         while time.time() < deadline:
             time.sleep(0.5)
             try:
@@ -328,6 +353,20 @@ class Rendezvous:
             if nxt is not None and nxt.gen > pub.gen:
                 return nxt
         return pub  # nobody moved on: host it again
+
+    def keep_published(self, cur: RdzvGeneration) -> None:
+        """While ``cur`` runs: put its record back if the store lost it (a new root's store starts
+        empty). Every launcher does it, so the record survives the loss of any node."""
+        if self.store is None:
+            return
+        from .health.store import StoreUnavailable
+
+        try:
+            raw, pub = self._published()
+            if pub is None:
+                self.store.compare_set("rdzv", raw, cur.to_json())
+        except StoreUnavailable:
+            pass
 
     def begin(self, cur: RdzvGeneration) -> None:
         """Before torchrun runs generation ``cur``: remember every node's agent pid; the host
