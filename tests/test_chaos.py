@@ -43,10 +43,10 @@ def test_classification(kind, rc, summary, left, out, want):
 
 def test_report_tallies_kinds_and_load():
     outs = [{"trial": {"kind": "trainer", "index": i, "kill_at": 4, "kill_delay": 0.1}, "verdict": v, "why": w,
-             "load_before": 1.0 + i, "when": "2026-11-24T19:00:00Z"}
-            for i, (v, w) in enumerate([("right", ""), ("wrong", "hang")])]
+             "load_before": 1.0 + i, "when": "2026-11-24T19:00:00Z", "recovered_from": r, "resumed_step": s}
+            for i, (v, w, r, s) in enumerate([("right", "", "local_memory", 3), ("wrong", "hang", None, None)])]
     text = chaos.report(outs, "megatron-ft chaos --seed 1")
-    assert "| trainer | 2 | 1 | 1 |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
+    assert "| trainer | 2 | 1 | 1 | local_memory, none (clean exit) | 3 |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
     assert "max 2.00" in text
 
 

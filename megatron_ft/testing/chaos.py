@@ -203,13 +203,17 @@ def report(outcomes: list[dict], command: str) -> str:
              "classified against the promised tiers (`megatron_ft/tiers.py`, `docs/architecture.md`): right means",
              "bit-exact at the promised tier or better with nothing left in /dev/shm or running.", "",
              f"Command: `{command}`", "",
-             "| kind | trials | right | wrong |", "|---|---|---|---|"]
+             "| kind | trials | right | wrong | tiers reached | resumed steps |", "|---|---|---|---|---|---|"]
     for kind in sorted(t):
         r = t[kind]
-        lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} |")
+        mine = [o for o in outcomes if o["trial"]["kind"] == kind]
+        reached = sorted({str(o["recovered_from"] or "none (clean exit)") for o in mine})
+        steps = sorted({o["resumed_step"] for o in mine if o["resumed_step"] is not None})
+        lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} | {', '.join(reached)} "
+                     f"| {', '.join(map(str, steps)) or '-'} |")
     total_r = sum(r["right"] for r in t.values())
     total_w = sum(r["wrong"] for r in t.values())
-    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} |")
+    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} | | |")
     if loads:
         lines += ["", f"Load average (1 min) before each trial: min {min(loads):.2f}, median "
                       f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}; "
