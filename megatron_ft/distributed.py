@@ -30,16 +30,28 @@ def stable_rank() -> int:
     return int(os.environ["RANK"])
 
 
+def torchrun_rank() -> int:
+    """The rank torchrun gave this worker (``RANK`` unless a bootstrap pinned it and kept the
+    original in ``MFT_TORCHRUN_RANK``): its rank 0 runs on ``MASTER_ADDR``."""
+    return int(os.environ.get("MFT_TORCHRUN_RANK", os.environ.get("RANK", "0")))
+
+
+def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
+    """The store for this restart round's process group: hosted by torchrun's rank 0 at
+    ``MASTER_ADDR:MASTER_PORT`` (a client of torchrun's own store, key-prefixed by the restart
+    count, when torchrun shares it)."""
+    world = int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"mft/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+    return dist.TCPStore(addr, port, world, is_master=torchrun_rank() == 0, timeout=timeout)
+
+
 def init_process_group(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """Initialise the default group from torchrun's environment; returns (rank, world_size)."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = stable_rank(), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        base = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
-        store: dist.Store = dist.PrefixStore(f"mft/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
-    else:
-        store = dist.TCPStore(addr, port, world, is_master=int(os.environ.get("RANK", rank)) == 0, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=rendezvous_store(timeout), rank=rank, world_size=world, timeout=timeout)
     return rank, world

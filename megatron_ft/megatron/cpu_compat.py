@@ -12,15 +12,13 @@ necessary on megatron-core 0.16.1:
    calls use it; the real function raises without CUDA.
 2. ``torch.cuda.synchronize()`` is a no-op. The p2p pipeline code and Megatron's timers
    call it; the real function raises without CUDA.
-3. The "CUDA" RNG functions drive the CPU default generator. Megatron's
-   ``CudaRNGStatesTracker`` (``tensor_parallel.random``) and
-   ``model_parallel_cuda_manual_seed`` save, seed and restore the CUDA generator to give
-   tensor-parallel regions their own dropout stream. On CPU, dropout draws from
-   ``torch.default_generator``, so that is the generator the tracker must switch for
-   ``fork()`` to have any effect. ``get_cuda_rng_tracker().get_states()/set_states()``
-   then hold CPU generator states (``torch.ByteTensor``), which checkpointing saves and
-   restores as they are. Consequence: the "default CUDA RNG state" and the CPU RNG state
-   are one and the same on CPU.
+3. The "CUDA" RNG functions drive :data:`CUDA_GENERATOR`, a CPU generator of its own that stands
+   in for the GPU's default generator. Megatron's ``CudaRNGStatesTracker``
+   (``tensor_parallel.random``) and ``model_parallel_cuda_manual_seed`` save, seed and restore the
+   CUDA generator to give tensor-parallel regions their own dropout stream, and dropout (which the
+   mode below routes to :data:`CUDA_GENERATOR`, as CUDA dropout draws from the CUDA generator) then
+   sees them. The CPU default generator stays what it is on a GPU machine: weights initialised on
+   the CPU, DataLoader seeds. ``torch.manual_seed`` seeds both, as it does with CUDA.
 4. One global :class:`torch.overrides.TorchFunctionMode` (:class:`_CudaToCpuMode`) that
    handles the ~55 hard-coded CUDA uses: ``device="cuda"`` (or ``torch.device("cuda")``)
    arguments are mapped to CPU, ``Tensor.cuda()`` returns the tensor itself,
@@ -53,7 +51,9 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "install_cpu_compat",
+    "install_upstream_cpu",
     "is_installed",
+    "CUDA_GENERATOR",
     "cpu_config_overrides",
     "CPU_DEVICE",
 ]
@@ -100,6 +100,17 @@ def _cpu_type_arg(dtype: Any) -> Any:
     return dtype
 
 
+#: The CPU generator that stands in for the CUDA default generator (shim 3): Megatron's "CUDA" RNG
+#: state, the tensor-parallel tracker's states and dropout live here, apart from the CPU default
+#: generator, exactly as on a GPU. (Sharing one generator made a resume diverge whenever code after
+#: the restore, e.g. a DataLoader iterator's seed, drew from the CPU generator.)
+CUDA_GENERATOR = torch.Generator()
+
+_DROPOUTS = (torch.nn.functional.dropout, torch.dropout)
+#: Random factories that draw from the CUDA generator when asked for a CUDA tensor.
+_CUDA_RANDOM_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm, torch.rand_like,
+                                    torch.randn_like, torch.randint_like})
+
 # Functions that need more than the ``device=`` keyword mapped.
 _SPECIAL_FUNCS = frozenset(
     {
@@ -108,8 +119,30 @@ _SPECIAL_FUNCS = frozenset(
         torch.Tensor.to,
         torch.Tensor.backward,
         torch.autograd.backward,
+        *_DROPOUTS,
     }
 )
+
+
+def _dropout(func: Callable[..., Any], args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
+    """Dropout that draws its mask from :data:`CUDA_GENERATOR` (where CUDA dropout draws).
+    Same semantics as ATen's: keep with probability ``1 - p``, scale kept values by ``1 / (1 - p)``."""
+    if func is torch.dropout:  # torch.dropout(input, p, train)
+        names = ("input", "p", "train")
+        bound = {**dict(zip(names, args)), **kwargs}
+        x, p, training, inplace = bound["input"], bound["p"], bound["train"], False
+    else:  # F.dropout(input, p=0.5, training=True, inplace=False)
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args)), **kwargs}
+        x, p, training, inplace = bound["input"], bound["p"], bound["training"], bound["inplace"]
+    if p < 0.0 or p > 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return x
+    if p == 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    noise = torch.empty_like(x).bernoulli_(1.0 - p, generator=CUDA_GENERATOR).div_(1.0 - p)
+    return x.mul_(noise) if inplace else x * noise
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -143,8 +176,12 @@ class _CudaToCpuMode(TorchFunctionMode):
             if "dtype" in kwargs:
                 kwargs["dtype"] = _cpu_type_arg(kwargs["dtype"])
             return func(*args, **kwargs)
+        if func in _DROPOUTS:
+            return _dropout(func, args, kwargs)
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = CPU_DEVICE
+            if func in _CUDA_RANDOM_FACTORIES and kwargs.get("generator") is None:
+                kwargs["generator"] = CUDA_GENERATOR
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             # Tensor.to("cuda", ...) / Tensor.to(torch.device("cuda"), ...)
             args = (args[0], CPU_DEVICE, *args[2:])
@@ -214,33 +251,35 @@ def _synchronize(device: Any = None) -> None:
 
 
 def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
-    """Shim 3: ``torch.cuda.get_rng_state`` -> state of the CPU default generator."""
+    """Shim 3: ``torch.cuda.get_rng_state`` -> state of :data:`CUDA_GENERATOR`."""
     del device
-    return torch.get_rng_state()
+    return CUDA_GENERATOR.get_state()
+
+
+def _get_rng_state_all() -> list:
+    return [CUDA_GENERATOR.get_state()]
 
 
 def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
-    """Shim 3: ``torch.cuda.set_rng_state`` -> set the CPU default generator."""
+    """Shim 3: ``torch.cuda.set_rng_state`` -> set :data:`CUDA_GENERATOR`."""
     del device
-    torch.set_rng_state(new_state)
+    CUDA_GENERATOR.set_state(new_state)
 
 
 def _manual_seed(seed: int) -> None:
-    """Shim 3: ``torch.cuda.manual_seed`` -> seed the CPU default generator.
-
-    (Not ``torch.manual_seed``, which itself calls ``torch.cuda.manual_seed_all``.)
-    """
-    torch.default_generator.manual_seed(int(seed))
+    """Shim 3: ``torch.cuda.manual_seed`` / ``manual_seed_all`` -> seed :data:`CUDA_GENERATOR`
+    (``torch.manual_seed`` calls ``torch.cuda.manual_seed_all``, so it seeds both, as on a GPU)."""
+    CUDA_GENERATOR.manual_seed(int(seed))
 
 
 def _megatron_get_cuda_rng_state(
     device: Any = "cuda", clone: bool = False, graph_safe: bool = False
 ) -> torch.Tensor:
     """Shim 3: replacement for ``tensor_parallel.random._get_cuda_rng_state``."""
-    del device, clone  # torch.get_rng_state() already returns a fresh copy
+    del device, clone  # get_state() already returns a fresh copy
     if graph_safe:
         raise RuntimeError("CUDA-graph-safe RNG states are not supported on CPU")
-    return torch.get_rng_state()
+    return CUDA_GENERATOR.get_state()
 
 
 def _megatron_set_cuda_rng_state(
@@ -254,7 +293,7 @@ def _megatron_set_cuda_rng_state(
     del device
     if graph_safe:
         raise RuntimeError("CUDA-graph-safe RNG states are not supported on CPU")
-    torch.set_rng_state(new_state)
+    CUDA_GENERATOR.set_state(new_state)
 
 
 class _DropForkWarning(logging.Filter):
@@ -297,6 +336,8 @@ def install_cpu_compat() -> bool:
             namespace.get_rng_state = _get_rng_state  # type: ignore[attr-defined]
             namespace.set_rng_state = _set_rng_state  # type: ignore[attr-defined]
             namespace.manual_seed = _manual_seed  # type: ignore[attr-defined]
+            namespace.manual_seed_all = _manual_seed  # type: ignore[attr-defined]
+            namespace.get_rng_state_all = _get_rng_state_all  # type: ignore[attr-defined]
         mcore_random._get_cuda_rng_state = _megatron_get_cuda_rng_state
         mcore_random._set_cuda_rng_state = _megatron_set_cuda_rng_state
         logging.getLogger(mcore_random.__name__).addFilter(_DropForkWarning())
@@ -331,3 +372,93 @@ def cpu_config_overrides() -> Dict[str, Any]:
         "cross_entropy_loss_fusion": False,
         "sequence_parallel": False,  # needs apex/TE norms
     }
+
+
+# --------------------------------------------------------------------------------------
+# What megatron.training (upstream Megatron-LM) needs beyond megatron-core
+# --------------------------------------------------------------------------------------
+class _HostStream:
+    """Stands in for ``torch.cuda.Stream`` / ``torch.cuda.current_stream()``: on CPU every operation
+    is synchronous, so waiting and synchronising do nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def record_event(self, event: Any = None) -> "_HostEvent":
+        return event if event is not None else _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_HostStream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _HostEvent:
+    """Stands in for ``torch.cuda.Event``: records the host time (``elapsed_time`` in ms)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+        self._t: Optional[float] = None
+
+    def record(self, stream: Any = None) -> None:
+        import time
+
+        del stream
+        self._t = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return 1000.0 * ((end._t or 0.0) - (self._t or 0.0))
+
+
+_DEFAULT_STREAM = _HostStream()
+_upstream_installed = False
+
+
+def install_upstream_cpu() -> bool:
+    """:func:`install_cpu_compat` plus what upstream ``megatron.training`` calls. CPU ONLY.
+
+    ``torch.cuda.device_count()`` is 1 (``initialize_megatron`` creates the model-parallel groups and
+    the tensor-parallel RNG tracker only when it sees a device), ``set_device`` / ``set_stream`` /
+    ``empty_cache`` do nothing, and ``Stream``, ``Event``, ``current_stream``, ``default_stream`` and
+    ``stream`` are host stand-ins. Returns ``False`` and changes nothing when CUDA is available.
+    """
+    global _upstream_installed
+    if not install_cpu_compat():
+        return False
+    with _lock:
+        if _upstream_installed:
+            return True
+        cuda = torch.cuda
+        cuda.device_count = lambda: 1  # type: ignore[assignment]
+        cuda.set_device = lambda device: None  # type: ignore[assignment]
+        cuda.set_stream = lambda stream: None  # type: ignore[assignment]
+        cuda.empty_cache = lambda: None  # type: ignore[assignment]
+        cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+        cuda.Event = _HostEvent  # type: ignore[assignment,misc]
+        cuda.current_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+        cuda.default_stream = lambda device=None: _DEFAULT_STREAM  # type: ignore[assignment]
+        cuda.stream = lambda stream=None: stream if stream is not None else _DEFAULT_STREAM  # type: ignore[assignment]
+        _upstream_installed = True
+        return True

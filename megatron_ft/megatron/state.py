@@ -87,8 +87,10 @@ class MegatronStateAdapter:
     def _rng_tensors(self) -> list[tuple[str, torch.Tensor]]:
         from megatron.core import tensor_parallel
 
+        from . import cpu_compat
+
         out = [("rng.cpu", torch.get_rng_state())]
-        if torch.cuda.is_available():  # GPU path
+        if torch.cuda.is_available() or cpu_compat.is_installed():  # the GPU's, or its CPU stand-in
             out.append(("rng.cuda", torch.cuda.get_rng_state().cpu()))
         for name, st in sorted(tensor_parallel.get_cuda_rng_tracker().get_states().items()):
             out.append((f"rng.tracker.{name}", st.detach().cpu().clone()))
@@ -166,7 +168,7 @@ class MegatronStateAdapter:
 
         rng = self._rng_targets
         torch.set_rng_state(rng["rng.cpu"])
-        if "rng.cuda" in rng and torch.cuda.is_available():  # GPU path
+        if "rng.cuda" in rng:  # the GPU's generator, or its CPU stand-in (cpu_compat)
             torch.cuda.set_rng_state(rng["rng.cuda"])
         tracker = {n[len("rng.tracker."):]: t for n, t in rng.items() if n.startswith("rng.tracker.")}
         if tracker:

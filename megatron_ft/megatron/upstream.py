@@ -1,0 +1,235 @@
+"""Bootstrap for upstream Megatron-LM's own training scripts (``pretrain_gpt.py`` and the rest).
+
+The patch set calls :func:`before_training_import` as the first statement of
+``megatron/training/__init__.py`` and :func:`after_training_import` as its last, so every script that
+imports ``megatron.training`` gets the same set-up without a hand edit:
+
+* **Ranks pinned to nodes** (any machine, only under ``megatron-ft launch``, i.e. with
+  ``MFT_NODE_RANK`` set): ``RANK`` becomes ``MFT_NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK`` before
+  Megatron reads it, so a restarted or replacement node's trainers get the ranks whose snapshots its
+  agent and its peers hold (torchrun's c10d rendezvous orders nodes by host name and pid). torchrun's
+  own rank is kept in ``MFT_TORCHRUN_RANK``: that rank's host is ``MASTER_ADDR``, so it (not pinned rank
+  0) hosts the process-group store; ``torch.distributed.init_process_group`` is given that store
+  (:func:`megatron_ft.distributed.rendezvous_store`) when Megatron passes none.
+* **CPU layer** (only when ``torch.cuda.is_available()`` is false; never installed with CUDA):
+  :mod:`megatron_ft.megatron.cpu_compat` plus what ``megatron.training`` needs beyond megatron-core:
+  a stand-in for the Triton kernel modules it imports (no Triton without CUDA), ``initialize_megatron``
+  without its CUDA assertion, one "device" for the model-parallel set-up, no fused-kernel build, the
+  dataset helpers' compiled module taken from the installed megatron-core wheel when its source is
+  byte-identical to the tree's (no pybind11 build), the gloo backend, and the CPU flags appended to
+  ``sys.argv`` when absent (:data:`CPU_FLAGS`). One log line says what was done.
+
+Both functions are idempotent and cheap; neither does I/O beyond reading files and the environment.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import types
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger("megatron_ft.upstream")
+
+#: Flags appended to a CPU run's command line when the user gave none of the same name
+#: (value-less flags are switches). Fused kernels, Transformer Engine and GPU initialisation need CUDA.
+CPU_FLAGS: tuple[tuple[str, str | None], ...] = (
+    ("--transformer-impl", "local"),
+    ("--distributed-backend", "gloo"),
+    ("--use-cpu-initialization", None),
+    ("--no-gradient-accumulation-fusion", None),
+    ("--no-masked-softmax-fusion", None),
+    ("--no-bias-gelu-fusion", None),
+    ("--no-bias-swiglu-fusion", None),
+    ("--no-bias-dropout-fusion", None),
+    ("--no-rope-fusion", None),
+    ("--no-persist-layer-norm", None),
+)
+
+#: Modules of megatron-core that import Triton at import time; stood in for on CPU.
+TRITON_MODULES = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
+
+_done: set[str] = set()
+
+
+def pin_rank() -> int | None:
+    """Under ``megatron-ft launch``: rewrite ``RANK`` (and ``GROUP_RANK``) to the node-pinned rank.
+    Returns the pinned rank, or None outside megatron-ft (nothing changed). Idempotent."""
+    node = os.environ.get("MFT_NODE_RANK")
+    if node is None or "LOCAL_RANK" not in os.environ:
+        return None
+    local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    os.environ.setdefault("MFT_TORCHRUN_RANK", os.environ.get("RANK", "0"))
+    rank = int(node) * per_node + local
+    os.environ["RANK"] = str(rank)
+    os.environ["GROUP_RANK"] = node
+    return rank
+
+
+def cpu_argv(argv: list[str]) -> list[str]:
+    """``argv`` with :data:`CPU_FLAGS` appended where absent (``--x`` and ``--x=v`` both count)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    out = list(argv)
+    for flag, value in CPU_FLAGS:
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def _stand_in_triton_modules() -> list[str]:
+    """Empty stand-ins for megatron-core modules that need Triton (only their names are imported
+    at module level; calling them on CPU raises)."""
+    if importlib.util.find_spec("triton") is not None:
+        return []
+    done = []
+    for name in TRITON_MODULES:
+        if name in sys.modules:
+            continue
+        mod = types.ModuleType(name, "megatron-ft CPU stand-in: this module needs Triton (CUDA)")
+
+        def _needs_triton(*_a: Any, _name: str = name, **_k: Any) -> Any:
+            raise RuntimeError(f"{_name} needs Triton and CUDA; not available on a CPU run")
+
+        def __getattr__(attr: str, _f: Callable[..., Any] = _needs_triton) -> Any:
+            if attr.startswith("__"):  # module protocol (__file__, __path__, ...): a plain module's answer
+                raise AttributeError(attr)
+            return _f
+
+        mod.__getattr__ = __getattr__  # type: ignore[attr-defined]
+        sys.modules[name] = mod
+        done.append(name.rsplit(".", 1)[-1])
+    return done
+
+
+def _dataset_helpers() -> str | None:
+    """Load the installed megatron-core wheel's compiled dataset helpers as the tree's
+    ``megatron.core.datasets.helpers_cpp`` when the tree has none and both ``helpers.cpp`` are
+    byte-identical; then ``compile_helpers`` (a ``make`` that needs pybind11) has nothing to do."""
+    name = "megatron.core.datasets.helpers_cpp"
+    tree = importlib.util.find_spec("megatron.core.datasets")
+    if tree is None or not tree.submodule_search_locations:
+        return None
+    tree_dir = list(tree.submodule_search_locations)[0]
+    if importlib.util.find_spec(name) is not None:
+        return None  # the tree has its own build
+    try:
+        from importlib.metadata import distribution
+
+        dist = distribution("megatron-core")
+    except Exception:
+        return None
+    wheel_dir = str(dist.locate_file("megatron/core/datasets"))
+    if os.path.realpath(wheel_dir) == os.path.realpath(tree_dir):
+        return None
+
+    def digest(path: str) -> str | None:
+        try:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            return None
+
+    if digest(os.path.join(tree_dir, "helpers.cpp")) != digest(os.path.join(wheel_dir, "helpers.cpp")):
+        return None
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = os.path.join(wheel_dir, "helpers_cpp" + suffix)
+        if os.path.exists(path):
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            sys.modules[name] = mod
+            import megatron.core.datasets.utils as ds_utils
+
+            ds_utils.compile_helpers = lambda: None
+            return f"dataset helpers from megatron-core {dist.version}"
+    return None
+
+
+def _wrap(module: Any, attr: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    orig = getattr(module, attr)
+    if not getattr(orig, "_megatron_ft", False):
+        new = make(orig)
+        new._megatron_ft = True  # type: ignore[attr-defined]
+        setattr(module, attr, new)
+
+
+def _store_for_init_process_group() -> None:
+    """``init_process_group`` with no store and the env:// method gets the store hosted by
+    torchrun's rank 0 (see :func:`pin_rank`)."""
+    import torch.distributed as dist
+
+    from .. import distributed as ftdist
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://") and len(args) <= 1:
+                import datetime
+
+                timeout = kwargs.get("timeout") or datetime.timedelta(minutes=10)
+                kwargs.pop("init_method", None)
+                kwargs["store"] = ftdist.rendezvous_store(timeout)
+                kwargs.setdefault("rank", ftdist.stable_rank())
+                kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
+            return orig(*args, **kwargs)
+
+        return init_process_group
+
+    _wrap(dist, "init_process_group", make)
+
+
+def before_training_import() -> None:
+    """First statement of the patched ``megatron/training/__init__.py``."""
+    if "before" in _done:
+        return
+    _done.add("before")
+    said = []
+    if pin_rank() is not None:
+        _store_for_init_process_group()
+        said.append(f"rank {os.environ['RANK']} pinned to node {os.environ['MFT_NODE_RANK']}")
+    if torch.cuda.is_available():
+        if said:
+            print(f"[megatron-ft] {'; '.join(said)}", flush=True)
+        return
+    from .cpu_compat import install_upstream_cpu
+
+    install_upstream_cpu()
+    stood_in = _stand_in_triton_modules()
+    added = cpu_argv(sys.argv)[len(sys.argv):]
+    sys.argv[:] = cpu_argv(sys.argv)
+    helpers = _dataset_helpers()
+    said.append("no CUDA: megatron-ft CPU layer installed"
+                + (f", Triton modules stood in ({', '.join(stood_in)})" if stood_in else "")
+                + (f", {helpers}" if helpers else "")
+                + (f", CPU flags added: {' '.join(added)}" if added else ""))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[megatron-ft] {'; '.join(said)}", flush=True)
+
+
+def after_training_import() -> None:
+    """Last statement of the patched ``megatron/training/__init__.py``: on CPU, ``initialize_megatron``
+    without its CUDA assertion and no fused-kernel build."""
+    if "after" in _done or torch.cuda.is_available():
+        return
+    _done.add("after")
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    fused_kernels.load = lambda args: None  # CUDA kernels; CPU runs use the unfused paths
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def initialize_megatron(*args: Any, **kwargs: Any) -> Any:
+            kwargs["allow_no_cuda"] = True
+            return orig(*args, **kwargs)
+
+        return initialize_megatron
+
+    _wrap(initialize, "initialize_megatron", make)
+    training.initialize_megatron = initialize.initialize_megatron
+    sys.modules["megatron.training"].initialize_megatron = initialize.initialize_megatron  # type: ignore[attr-defined]
