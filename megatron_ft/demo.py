@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import yaml
@@ -30,6 +31,37 @@ from . import config as ftconfig
 from . import tiers
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+@dataclass(frozen=True)
+class Program:
+    """The training program the demo runs under ``megatron-ft launch``: the project's
+    ``scripts/pretrain_gpt.py``, or upstream Megatron-LM's own ``pretrain_gpt.py`` (patched copy) run
+    by :mod:`megatron_ft.testing.megatron_lm`, which records every iteration's parameter digest.
+    ``{run_dir}`` in the training arguments becomes the run's directory."""
+
+    script: tuple[str, ...]
+    upstream: bool = False
+
+    def command(self, targs: list[str], run_dir: str, cfg_path: str, inmem: bool) -> list[str]:
+        out = [*self.script, *(a.replace("{run_dir}", run_dir) for a in targs)]
+        if not self.upstream:
+            out += ["--dump-final-state", os.path.join(run_dir, "final", "state")]
+        if inmem:
+            out += ["--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
+        return out
+
+
+PROJECT_SCRIPT = Program((os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"),))
+
+
+def upstream_program(src: str, workdir: str) -> Program:
+    """Upstream ``pretrain_gpt.py`` from ``src`` (an unpatched tree or its archive), patched into
+    ``workdir/megatron-lm``."""
+    from .testing import megatron_lm
+
+    tree = megatron_lm.patched_tree(src, os.path.join(workdir, "megatron-lm"))
+    return Program((megatron_lm.__file__, os.path.join(tree, "pretrain_gpt.py")), upstream=True)
 
 
 def free_port() -> int:
@@ -132,30 +164,25 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
 
 
 def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int], targs: list[str],
-                      log_path: str) -> subprocess.Popen:
+                      log_path: str, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
     """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun.
     ``node`` None: a standby launcher (``launch --standby``) that waits for the root agent's verdict
     on a failed node and takes that node's place."""
     cfg_path = os.path.join(run_dir, "job.yaml")
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
            "--standby" if node is None else f"--node-rank={node}", "--",
-           os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *targs,
-           "--dump-final-state", os.path.join(run_dir, "final", "state"),
-           "--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
+           *program.command(targs, run_dir, cfg_path, inmem=True)]
     return subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
-               log_path: str, env: Optional[dict] = None) -> subprocess.Popen:
+               log_path: str, env: Optional[dict] = None, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
     os.makedirs(run_dir, exist_ok=True)
     cfg_path = os.path.join(run_dir, "job.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
-           os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"), *script_args,
-           "--dump-final-state", os.path.join(run_dir, "final", "state")]
-    if inmem:
-        cmd += ["--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
+           *program.command(script_args, run_dir, cfg_path, inmem)]
     logf = open(log_path, "wb")
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
                             env=dict(os.environ, **(env or {})))
@@ -199,8 +226,10 @@ def losses(run_dir: str) -> dict[tuple[int, int], set[str]]:
     prog = os.path.join(run_dir, "progress")
     for name in sorted(os.listdir(prog)) if os.path.isdir(prog) else []:
         for rec in read_jsonl(os.path.join(prog, name)):
-            if rec.get("loss_hex") is not None:
-                out.setdefault((rec["rank"], rec["iteration"]), set()).add(rec["loss_hex"])
+            # the project's script logs the loss; upstream's runner also a digest of the parameters
+            value = "|".join(str(rec[k]) for k in ("loss_hex", "state_digest") if rec.get(k) is not None)
+            if value:
+                out.setdefault((rec["rank"], rec["iteration"]), set()).add(value)
     return out
 
 
@@ -311,8 +340,16 @@ def run_demo(args: argparse.Namespace) -> dict:
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     world = cfg.cluster.world_size
-    shape_args = DEMO_TRAIN_ARGS.get(args.redundancy or "", []) if not args.config else []
-    targs = training_args(cfg, args.iters, shape_args + (args.train_arg or []))
+    if args.megatron_lm:
+        from .testing import megatron_lm
+
+        program = upstream_program(args.megatron_lm, workdir)
+        targs = megatron_lm.demo_args(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data_parallel, args.iters,
+                                      "{run_dir}") + (args.train_arg or [])
+    else:
+        program = PROJECT_SCRIPT
+        shape_args = DEMO_TRAIN_ARGS.get(args.redundancy or "", []) if not args.config else []
+        targs = training_args(cfg, args.iters, shape_args + (args.train_arg or []))
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
 
     # 1. reference (or an earlier one with the same arguments)
@@ -327,7 +364,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         t0 = time.time()
         ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port()})
         ref_log = ref_dir + ".log"
-        p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log)
+        p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log, program=program)
         wait_job(p, args.timeout, "reference run", ref_log)
         with open(os.path.join(ref_dir, "args.json"), "w") as f:
             json.dump({"train_args": targs, "world": world}, f)
@@ -366,11 +403,11 @@ def run_demo(args: argparse.Namespace) -> dict:
     env = {}
     if victims and args.kill_point != "after-iteration":
         env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
-    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env)
+    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env, program=program)
     replacement: Optional[subprocess.Popen] = None
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
     if args.standby:
-        replacement = start_replacement(cfg, run_dir, None, targs, replacement_log)
+        replacement = start_replacement(cfg, run_dir, None, targs, replacement_log, program)
         say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
@@ -391,7 +428,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                 say(f"[demo] node {node} lost: its launcher, torchrun and agent SIGKILLed (pids {killed_pids}), "
                     f"its shared memory removed")
                 if not args.standby:
-                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
+                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
         elif victims:
             deadline = time.time() + args.timeout
             while kill_time is None:
@@ -413,7 +450,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                         + ("The standby takes its place once the root agent declares it failed" if args.standby
                            else f"Starting a replacement node {node}"))
                     if not args.standby:
-                        replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
+                        replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
                 elif reached and args.fail == "launcher":
                     node = victims[0] // cfg.cluster.ranks_per_node
                     with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
@@ -422,7 +459,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                     killed_pids.append(lpid)
                     kill_time = time.time()
                     say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
-                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log)
+                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
                 elif reached:
                     for v in victims:
                         pid = recs[v][-1]["pid"]
@@ -545,6 +582,9 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", default="/tmp/megatron-ft/demo")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")
+    p.add_argument("--megatron-lm", metavar="DIR", default=None,
+                   help="run upstream Megatron-LM's own pretrain_gpt.py from this unpatched tree (or its .tar.gz), "
+                        "patched into a copy in the workdir, instead of scripts/pretrain_gpt.py")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--kill-point", default="after-iteration",
                    choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit",

@@ -1,0 +1,171 @@
+"""Upstream Megatron-LM as the demo's and the tests' training program (harness only).
+
+* :func:`patched_tree` copies an unpatched Megatron-LM tree (a directory or the project's archive)
+  and applies ``patches/megatron-lm/<tag>`` with ``scripts/apply_megatron_patches.sh``.
+* :func:`demo_args` are upstream ``pretrain_gpt.py`` arguments for the demo's tiny GPT (mock data,
+  NullTokenizer) on a given cluster shape.
+* Run as a script (``python megatron_lm.py PRETRAIN_SCRIPT ARGS...``, the launcher's training
+  script), it runs the upstream script unchanged in this process after wrapping
+  ``megatron.training.training.train_step`` to append, after every completed iteration, one JSON line
+  to ``$MFT_RUN_DIR/progress/rank{R}.jsonl``: the iteration, the loss (hex; last pipeline stage), and a
+  SHA-256 of this rank's parameters, bit for bit. At exit it writes the last iteration's digest to
+  ``$MFT_RUN_DIR/final/state.rank{R}.json``. That is what the demo compares with a reference run.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from typing import Any, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TAG = "core_v0.16.1"
+
+
+def _archives() -> list[str]:
+    """Where the shared archive may be: beside this checkout, or beside the checkout it was cloned
+    from (a clean clone elsewhere, as CI makes)."""
+    roots = [os.path.dirname(REPO)]
+    try:
+        origin = subprocess.run(["git", "-C", REPO, "remote", "get-url", "origin"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        if origin and os.path.isdir(origin):
+            roots.append(os.path.dirname(os.path.abspath(origin)))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return [os.path.join(r, "shared", "upstream", f"megatron-lm-{TAG}.tar.gz") for r in roots]
+
+
+def source() -> Optional[str]:
+    """An unpatched upstream tree or archive: ``MEGATRON_LM_DIR``, else ``MEGATRON_LM_ARCHIVE``, else
+    the shared archive (:func:`_archives`), else None."""
+    for var in ("MEGATRON_LM_DIR", "MEGATRON_LM_ARCHIVE"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return next((a for a in _archives() if os.path.exists(a)), None)
+
+
+def patched_tree(src: str, dst: str) -> str:
+    """An unpatched Megatron-LM ``src`` (directory or ``.tar.gz`` of ``Megatron-LM/``) copied to ``dst``
+    with the patch series applied; reused when ``dst`` already holds it. Returns ``dst``."""
+    stamp = os.path.join(dst, ".megatron-ft-patched")
+    series = os.path.join(REPO, "patches", "megatron-lm", TAG)
+    want = hashlib.sha256(b"".join(open(os.path.join(series, p), "rb").read()
+                                   for p in sorted(os.listdir(series)))).hexdigest()
+    if os.path.exists(stamp) and open(stamp).read() == want:
+        return dst
+    shutil.rmtree(dst, ignore_errors=True)
+    if os.path.isdir(src):
+        if not os.path.exists(os.path.join(src, "pretrain_gpt.py")):
+            raise FileNotFoundError(f"--megatron-lm {src}: no pretrain_gpt.py there (a Megatron-LM tree at {TAG})")
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".git", "__pycache__"))
+    else:
+        tmp = dst + ".extract"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with tarfile.open(src) as tf:
+            tf.extractall(tmp, filter="data")
+        inner = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
+        shutil.move(os.path.join(tmp, inner[0]) if len(inner) == 1 else tmp, dst)
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patches.sh"), dst, TAG],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the patch series does not apply to {src}:\n{out.stdout}{out.stderr}")
+    with open(stamp, "w") as f:
+        f.write(want)
+    return dst
+
+
+def demo_args(tensor: int, pipeline: int, data: int, iters: int, run_dir: str) -> list[str]:
+    """Upstream ``pretrain_gpt.py`` arguments: the demo's tiny GPT, mock data, 2 micro-batches per
+    data-parallel rank, dropout 0.1 (upstream's default), ``--save``/``--load`` in ``run_dir``."""
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--max-position-embeddings", "32",
+        "--micro-batch-size", "2", "--global-batch-size", str(4 * data),
+        "--train-iters", str(iters), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--tensor-model-parallel-size", str(tensor), "--pipeline-model-parallel-size", str(pipeline),
+        "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
+        "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--save", os.path.join(run_dir, "megatron-save"), "--load", os.path.join(run_dir, "megatron-save"),
+        "--save-interval", "1000000",
+    ]
+
+
+def _digest(model: list) -> str:
+    h = hashlib.sha256()
+    for chunk in model:
+        for name, p in chunk.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class _Recorder:
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+        self.last: Optional[dict] = None
+        self._file: Any = None
+
+    def record(self, iteration: int, model: list, loss_dict: Any) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        if self._file is None:
+            os.makedirs(os.path.join(self.run_dir, "progress"), exist_ok=True)
+            self._file = open(os.path.join(self.run_dir, "progress", f"rank{rank}.jsonl"), "a", encoding="utf-8")
+        loss = None
+        if isinstance(loss_dict, dict) and loss_dict:
+            v = loss_dict.get("lm loss", next(iter(loss_dict.values())))
+            loss = float(v[0] / v[1]) if isinstance(v, (tuple, list)) else float(v)
+        self.last = {"rank": rank, "pid": os.getpid(), "iteration": iteration, "time": time.time(),
+                     "loss_hex": None if loss is None else loss.hex(), "state_digest": _digest(model),
+                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+        self._file.write(json.dumps(self.last) + "\n")
+        self._file.flush()
+
+    def write_final(self) -> None:
+        if self.last is None:
+            return
+        os.makedirs(os.path.join(self.run_dir, "final"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "final", f"state.rank{self.last['rank']}.json"), "w") as f:
+            json.dump({"parameters": {"iteration": self.last["iteration"], "sha256": self.last["state_digest"]}}, f)
+
+
+def run(script: str, args: list[str]) -> None:
+    """Run upstream ``script`` with ``args`` in this process, recording every iteration."""
+    script = os.path.abspath(script)
+    tree = os.path.dirname(script)
+    sys.argv[:] = [script, *args]
+    sys.path.insert(0, tree)
+    import megatron.training.training as training
+
+    recorder = _Recorder(os.environ.get("MFT_RUN_DIR", os.getcwd()))
+    orig = training.train_step
+
+    def train_step(*a: Any, **kw: Any) -> Any:
+        out = orig(*a, **kw)
+        model = kw.get("model", a[2] if len(a) > 2 else None)
+        iteration = kw.get("iteration")
+        if iteration is not None and model is not None:
+            recorder.record(int(iteration) + 1, model, out[0])
+        return out
+
+    training.train_step = train_step
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        recorder.write_final()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: megatron_lm.py PRETRAIN_SCRIPT [ARGS...]")
+    run(sys.argv[1], sys.argv[2:])
