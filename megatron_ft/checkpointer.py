@@ -48,8 +48,13 @@ class InMemoryCheckpointer:
             cfg.agent.socket_dir, cfg.run_id, self.node)
         self.client: Optional[AgentClient] = AgentClient(path)
         try:
-            self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-                                 "pid": os.getpid(), "run_id": cfg.run_id})
+            hello = self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+                                         "pid": os.getpid(), "run_id": cfg.run_id})
+            differ = ftconfig.settings_differ(ftconfig.shared_settings(cfg), hello.get("settings") or {})
+            if differ:  # e.g. a flag the launcher did not see: the agents would persist elsewhere
+                fatal.end_job(f"rank {rank}: this trainer's settings differ from its node agent's (trainer vs "
+                              f"agent): {'; '.join(differ)}. Give them once, in the YAML or on the training "
+                              f"command under `megatron-ft launch`, which passes them to both")
         except OSError as e:
             if cfg.agent.required:
                 fatal.end_job(f"rank {rank}: no snapshot agent at {path} ({e}); start the job with `megatron-ft "

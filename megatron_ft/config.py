@@ -581,7 +581,44 @@ def from_args(args: argparse.Namespace) -> FTConfig:
     """The config file named by ``--inmem-ckpt-config`` (or the default), overridden by flags
     and by the launcher's environment (``MFT_CONFIG``, ``MFT_RUN_ID``)."""
     path = getattr(args, "inmem_ckpt_config", None) or os.environ.get("MFT_CONFIG")
-    cfg = load(path)
+    return apply_flags(load(path), args)
+
+
+def command_flags(argv: list[str]) -> argparse.Namespace:
+    """The ``--inmem-ckpt*`` flags of a training command (its other arguments ignored): the
+    launcher reads them so that its agents use what the trainers use."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_inmem_ckpt_args(p)
+    try:
+        known, _ = p.parse_known_args(argv)
+    except SystemExit as e:  # argparse already printed which flag and value
+        raise ConfigError(f"the training command's --inmem-ckpt* flags are invalid: {' '.join(argv)}") from e
+    return known
+
+
+#: settings that a trainer and its node's agent must agree on (a trainer that sees a difference refuses to start)
+SHARED_SETTINGS = ("persist.dir", "persist.interval", "persist.keep", "redundancy.scheme", "snapshot.interval")
+
+
+def shared_settings(cfg: FTConfig) -> dict[str, Any]:
+    out = {}
+    for key in SHARED_SETTINGS:
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if section == "persist" and field_name == "dir":
+            value = os.path.abspath(value)
+        out[key] = value
+    return out
+
+
+def settings_differ(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """``key: a vs b`` for every shared setting that differs (keys missing on either side ignored)."""
+    return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in SHARED_SETTINGS
+            if k in mine and k in theirs and mine[k] != theirs[k]]
+
+
+def apply_flags(cfg: FTConfig, args: argparse.Namespace) -> FTConfig:
+    """``cfg`` with the ``--inmem-ckpt*`` flags in ``args`` and ``MFT_RUN_ID`` applied."""
     snap: dict[str, Any] = {}
     pers: dict[str, Any] = {}
     if getattr(args, "inmem_ckpt_interval", None) is not None:

@@ -587,13 +587,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def job_config(config: Optional[str], script: list[str]) -> ftconfig.FTConfig:
+    """One source of truth: the YAML (``--config``, else the training command's
+    ``--inmem-ckpt-config``, else the default) with the training command's ``--inmem-ckpt*`` flags
+    applied, as the trainers apply them, so that the agents persist where and when the trainers
+    look. Two different YAML files on the launcher and the training command are an error."""
+    flags = ftconfig.command_flags(script[1:])
+    if config and flags.inmem_ckpt_config and os.path.realpath(config) != os.path.realpath(flags.inmem_ckpt_config):
+        raise ftconfig.ConfigError(f"--config={config} and the training command's --inmem-ckpt-config="
+                                   f"{flags.inmem_ckpt_config} name different files: give one, or the same file")
+    return ftconfig.apply_flags(ftconfig.load(config or flags.inmem_ckpt_config), flags)
+
+
 def main(args: argparse.Namespace) -> int:
     script = list(args.script)
     if script and script[0] == "--":
         script = script[1:]
     if not script:
         raise SystemExit("megatron-ft launch: give the training script after '--'")
-    cfg = ftconfig.load(args.config)
+    cfg = job_config(args.config, script)
     nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes
     nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.cluster.ranks_per_node
     if nodes < 1:

@@ -142,3 +142,32 @@ def test_a_trainer_without_its_agent_ends_the_job_unless_allowed(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, "false"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and "protected: False" in out.stdout, out.stderr[-2000:]
     assert "in-memory snapshots are OFF" in out.stderr and fatal.read(str(tmp_path)) is None
+
+
+def test_launcher_takes_the_training_commands_flags_for_its_agents(tmp_path):
+    """One source of truth: --inmem-ckpt-* on the training command override the YAML for the agents
+    too (the launcher reads them from the command it starts), exactly as the trainers apply them."""
+    from megatron_ft import launch
+
+    yml = tmp_path / "job.yaml"
+    yml.write_text("persist:\n  dir: /tmp/from-yaml\n  interval: 10\n")
+    cmd = ["pretrain_gpt.py", "--num-layers", "2", "--inmem-ckpt", "--inmem-ckpt-persist-dir", str(tmp_path / "fast"),
+           "--inmem-ckpt-persist-interval", "3", f"--inmem-ckpt-config={yml}"]
+    cfg = launch.job_config(None, cmd)
+    assert (cfg.persist.dir, cfg.persist.interval) == (str(tmp_path / "fast"), 3)
+    trainer = config.from_args(config.command_flags(cmd[1:]))
+    assert config.settings_differ(config.shared_settings(trainer), config.shared_settings(cfg)) == []
+    assert launch.job_config(str(yml), cmd).persist.dir == str(tmp_path / "fast")
+    other = tmp_path / "other.yaml"
+    other.write_text("persist:\n  interval: 5\n")
+    with pytest.raises(config.ConfigError, match="other.yaml.*job.yaml|job.yaml.*other.yaml"):
+        launch.job_config(str(other), cmd)
+    with pytest.raises(config.ConfigError, match="--inmem-ckpt"):
+        launch.job_config(None, ["x.py", "--inmem-ckpt-persist-interval", "often"])
+
+
+def test_settings_that_differ_are_named_with_both_values():
+    a = config.shared_settings(config.load(None))
+    b = dict(a, **{"persist.dir": "/elsewhere", "persist.interval": 7})
+    assert config.settings_differ(a, b) == [f"persist.dir: {a['persist.dir']!r} vs '/elsewhere'",
+                                            f"persist.interval: {a['persist.interval']!r} vs 7"]

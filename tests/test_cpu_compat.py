@@ -182,26 +182,37 @@ def test_mode_active_inside_backward(installed_results: Dict[str, object]) -> No
 
 
 _check(
-    "cuda_rng_functions_drive_cpu_generator",
+    "cuda_rng_functions_drive_their_own_generator",
     """
+    ones = torch.ones(256)
+    drop = lambda: torch.nn.functional.dropout(ones, 0.5)
     torch.cuda.manual_seed(7)
-    a = torch.rand(4)
-    torch.manual_seed(7)
-    b = torch.rand(4)
+    a = drop()
+    torch.manual_seed(7)  # seeds the CPU generator and the CUDA stand-in, as with CUDA
+    b = drop()
     s = torch.cuda.get_rng_state()
-    same_state = torch.equal(s, torch.get_rng_state())
-    c = torch.rand(4)
+    torch.rand(100)  # the CPU default generator (e.g. a DataLoader seed) ...
+    cpu_draw_leaves_cuda = torch.equal(torch.cuda.get_rng_state(), s)  # ... leaves the CUDA one alone
+    c = drop()
     torch.cuda.set_rng_state(s)
-    replay = torch.equal(torch.rand(4), c)
+    replay = torch.equal(drop(), c)
     torch.cuda.random.set_rng_state(s)
-    replay2 = torch.equal(torch.rand(4), c)
-    result = [torch.equal(a, b), same_state, replay, replay2]
+    replay2 = torch.equal(torch.nn.Dropout(0.5)(ones), c)  # the module form too
+    cpu = torch.get_rng_state()
+    torch.rand(3, device="cuda")  # a "CUDA" random tensor draws from the CUDA stand-in
+    cuda_factory = torch.equal(torch.get_rng_state(), cpu) and not torch.equal(torch.cuda.get_rng_state(), s)
+    kept = drop()
+    scaled = bool(((kept == 0) | (kept == 2.0)).all()) and 0 < int((kept == 0).sum()) < 256
+    result = [torch.equal(a, b), cpu_draw_leaves_cuda, replay, replay2, cuda_factory, scaled,
+              torch.equal(torch.nn.functional.dropout(ones, 0.5, training=False), ones)]
     """,
 )
 
 
-def test_cuda_rng_functions_drive_cpu_generator(installed_results: Dict[str, object]) -> None:
-    assert installed_results["cuda_rng_functions_drive_cpu_generator"] == [True] * 4
+def test_cuda_rng_functions_drive_their_own_generator(installed_results: Dict[str, object]) -> None:
+    """The CUDA RNG stand-in is a generator of its own: dropout draws from it and nothing that draws
+    from the CPU default generator after a restore (a DataLoader's seed) shifts dropout."""
+    assert installed_results["cuda_rng_functions_drive_their_own_generator"] == [True] * 7
 
 
 _check(

@@ -623,7 +623,7 @@ class Agent:
         if op == "hello":
             if msg.get("run_id") != self.run_id:
                 raise ValueError(f"run_id {msg.get('run_id')!r} does not match this agent's {self.run_id!r}")
-            return {"node": self.node, "agent_pid": os.getpid()}
+            return {"node": self.node, "agent_pid": os.getpid(), "settings": ftconfig.shared_settings(self.cfg)}
         if op == "register":
             return self.register(int(msg["rank"]), msg["layout"])
         if op == "begin":
