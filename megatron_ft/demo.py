@@ -135,6 +135,13 @@ def default_victim_node(cfg: ftconfig.FTConfig) -> int:
     return cfg.cluster.nodes - 1
 
 
+def persisted_steps(cfg: ftconfig.FTConfig) -> list[int]:
+    """Steps every rank has persisted (complete sets) in the job's persist directory."""
+    from .agent import persist
+
+    return persist.complete_steps(cfg.persist.dir, cfg.run_id, cfg.cluster.world_size)
+
+
 def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: list[int]) -> list[int]:
     """Lose simulated node ``node``: SIGKILL its trainers, its launcher's process group (launcher,
     torchrun) and its agent, and remove its shared memory, as if the machine had died."""
@@ -391,9 +398,6 @@ def run_demo(args: argparse.Namespace) -> dict:
         rpn = cfg.cluster.ranks_per_node
         victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
     elif args.fail == "node":
-        if cfg.redundancy.scheme == "none":
-            raise ftconfig.ConfigError("--fail node needs peer redundancy: pass --redundancy replica|xor|rs "
-                                       "(or a --config with redundancy.scheme set)")
         victim_node = args.victim_node if args.victim_node is not None else default_victim_node(cfg)
         if not 0 <= victim_node < cfg.cluster.nodes:
             raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail node: must be in "
@@ -411,6 +415,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
+    # the settings the job runs with (the training command's --inmem-ckpt* flags applied), and the
+    # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
+    eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
+    persisted_at_kill: list[int] = []
     last_before_kill = 0
     agent_killed = None
     try:
@@ -425,6 +433,7 @@ def run_demo(args: argparse.Namespace) -> dict:
             if args.fail == "node":  # the rest of the machine goes with them
                 node = victims[0] // cfg.cluster.ranks_per_node
                 killed_pids = kill_node(cfg, run_dir, node, [])
+                persisted_at_kill = persisted_steps(eff_cfg)
                 say(f"[demo] node {node} lost: its launcher, torchrun and agent SIGKILLed (pids {killed_pids}), "
                     f"its shared memory removed")
                 if not args.standby:
@@ -445,6 +454,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                     node = victims[0] // cfg.cluster.ranks_per_node
                     killed_pids = kill_node(cfg, run_dir, node, [recs[v][-1]["pid"] for v in victims])
                     kill_time = time.time()
+                    persisted_at_kill = persisted_steps(eff_cfg)
                     say(f"[demo] node {node} lost: SIGKILL -> its launcher, torchrun, trainers {victims} and agent "
                         f"(pids {killed_pids}); its shared memory removed. "
                         + ("The standby takes its place once the root agent declares it failed" if args.standby
@@ -513,10 +523,22 @@ def run_demo(args: argparse.Namespace) -> dict:
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
         promise = tiers.promised(failure, cfg.redundancy.scheme)
+    # from disk, the newest step persisted whole before the loss (a node's loss without redundancy);
+    # with none persisted whole yet, a fresh start is all there is
+    want_step = max((s for s in persisted_at_kill if s <= last_before_kill), default=None)
+    if promise == "disk" and want_step is None:
+        promise = "none"
+    step_ok = not (kill_time is not None and recovered_from == "disk" and want_step is not None
+                   and resumed != want_step)
+    if not step_ok:
+        problems.append(f"resumed from persisted step {resumed}, but step {want_step} was persisted whole "
+                        f"before the failure")
     summary = {
         "scenario": args.fail,
         "promised_tier": promise,
-        "tier_ok": bool(promise is None or (recovered_from != "none" and tiers.meets(recovered_from, promise))),
+        "tier_ok": bool(promise in (None, "none") or (recovered_from != "none" and tiers.meets(recovered_from, promise)))
+        and step_ok,
+        "newest_persisted_before_failure": want_step,
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,

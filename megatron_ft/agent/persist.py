@@ -16,7 +16,9 @@ import re
 import shutil
 from typing import Iterable, Optional
 
-from .. import snapfile
+import numpy as np
+
+from .. import checksum, snapfile  # imported with the agent: its first persist must not pay for imports
 
 _STEP_RE = re.compile(r"step_(\d{10})$")
 _RANK_RE = re.compile(r"rank_(\d{5})\.mft$")
@@ -73,10 +75,6 @@ def write_container(buf, path: str) -> int:
 def verify_container(buf) -> None:
     """Raise :class:`~megatron_ft.snapfile.SnapshotFormatError` unless ``buf`` holds a CLEAN
     container whose record is well formed and every chunk matches its checksum."""
-    import numpy as np
-
-    from .. import checksum
-
     hdr = snapfile.read_header(buf)
     if hdr.state != snapfile.CLEAN:
         raise snapfile.SnapshotFormatError(f"container is {snapfile.STATE_NAMES[hdr.state]}, not clean")
