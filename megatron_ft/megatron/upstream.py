@@ -183,6 +183,54 @@ def _store_for_init_process_group() -> None:
     _wrap(dist, "init_process_group", make)
 
 
+def _distributed_optimizer_state_before_first_step() -> None:
+    """Without Apex or Transformer Engine (always so on CPU), megatron-core's
+    ``DistributedOptimizer.state_dict`` asserts that torch Adam holds a ``step`` for every parameter,
+    which a fresh optimizer does not: every resume (``load_checkpoint`` builds the sharded state dict
+    with ``is_loading=True`` before any step) fails, from memory and from disk alike. Give the inner
+    torch Adam its initial state first (``step`` 0, zero moments: exactly what it holds before its
+    first step); the load then overwrites all of it. ``load_state_dict`` runs under ``no_grad`` and
+    leaves each parameter its own ``step``."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def state_dict(self: Any) -> Any:
+            inner = self.optimizer
+            if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) and len(inner.state) == 0:
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        st = inner.state[p]
+                        st["step"] = torch.tensor(0.0)
+                        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            return orig(self)
+
+        return state_dict
+
+    _wrap(distrib_optimizer.DistributedOptimizer, "state_dict", make)
+
+    # fp32 parameters (all a CPU run has): the optimizer's main parameter shards are views of the
+    # model's leaf parameters, which load_state_dict copies into; outside no_grad autograd refuses.
+    # And load_state_dict gives every parameter's state the *same* ``step`` tensor, which torch Adam
+    # then increments once per parameter per step (wrong bias correction after any resume): each
+    # parameter gets its own copy, as a fresh optimizer has.
+    def make_load(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load_state_dict(self: Any, state_dict: Any) -> Any:
+            with torch.no_grad():
+                out = orig(self, state_dict)
+            for st in self.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].detach().clone()
+            return out
+
+        return load_state_dict
+
+    _wrap(distrib_optimizer.DistributedOptimizer, "load_state_dict", make_load)
+
+
 def before_training_import() -> None:
     """First statement of the patched ``megatron/training/__init__.py``."""
     if "before" in _done:
@@ -231,5 +279,6 @@ def after_training_import() -> None:
         return initialize_megatron
 
     _wrap(initialize, "initialize_megatron", make)
+    _distributed_optimizer_state_before_first_step()
     training.initialize_megatron = initialize.initialize_megatron
     sys.modules["megatron.training"].initialize_megatron = initialize.initialize_megatron  # type: ignore[attr-defined]
