@@ -170,6 +170,7 @@ class NodeLauncher:
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         self.rdzv = self.rendezvous.current(self.log)
         while True:
             self.rendezvous.begin(self.rdzv)

@@ -1,0 +1,121 @@
+"""Upstream Megatron-LM's own ``pretrain_gpt.py``, patched, under ``megatron-ft launch``.
+
+The end-to-end tests run ``megatron-ft demo --megatron-lm SOURCE``: an unpatched upstream tree
+(``MEGATRON_LM_DIR``) or the project's shared archive is patched into a copy, run once without a
+failure and once with one, and every rank's parameter digest and loss at every iteration compared bit
+for bit, with the tier reached and the step resumed from asserted (bit-exact alone cannot tell a
+recovery from a fresh start). Dropout is upstream's default, 0.1.
+"""
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from megatron_ft.megatron import upstream
+from megatron_ft.testing import megatron_lm
+
+SOURCE = megatron_lm.source()
+needs_upstream = pytest.mark.skipif(not SOURCE, reason="no upstream Megatron-LM: set MEGATRON_LM_DIR (a checkout "
+                                                       "at core_v0.16.1) or provide ../shared/upstream/megatron-lm-"
+                                                       "core_v0.16.1.tar.gz")
+
+
+def test_cpu_flags_are_added_only_where_absent():
+    argv = ["pretrain_gpt.py", "--transformer-impl=transformer_engine", "--no-rope-fusion", "--lr", "1"]
+    out = upstream.cpu_argv(argv)
+    assert out[:len(argv)] == argv
+    added = out[len(argv):]
+    assert "--transformer-impl" not in added and "--no-rope-fusion" not in added  # the user's choice stays
+    assert added[added.index("--distributed-backend") + 1] == "gloo"
+    assert "--use-cpu-initialization" in added and "--no-gradient-accumulation-fusion" in added
+
+
+def test_ranks_are_pinned_to_nodes_and_torchruns_rank_kept(monkeypatch):
+    monkeypatch.setenv("MFT_NODE_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")  # torchrun ordered this node first
+    monkeypatch.setenv("MFT_TORCHRUN_RANK", "unset")  # recorded, so restored after the test
+    monkeypatch.delenv("MFT_TORCHRUN_RANK")
+    assert upstream.pin_rank() == 2
+    assert (os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["MFT_TORCHRUN_RANK"]) == ("2", "1", "0")
+    assert upstream.pin_rank() == 2 and os.environ["MFT_TORCHRUN_RANK"] == "0"  # idempotent
+    from megatron_ft import distributed
+
+    assert (distributed.stable_rank(), distributed.torchrun_rank()) == (2, 0)
+    monkeypatch.delenv("MFT_NODE_RANK")
+    assert upstream.pin_rank() is None
+
+
+def test_triton_stand_in_answers_module_protocol_like_a_module():
+    """``inspect`` walks sys.modules asking for ``__file__``: the stand-in must not answer it."""
+    code = ("import sys, inspect\n"
+            "from megatron_ft.megatron import upstream\n"
+            "upstream._stand_in_triton_modules()\n"
+            "m = sys.modules[upstream.TRITON_MODULES[0]]\n"
+            "assert not hasattr(m, '__file__')\n"
+            "f = m.enable_batch_invariant_mode\n"
+            "try:\n    f()\nexcept RuntimeError as e:\n    print('RAISED', e)\n"
+            "inspect.getmodule(inspect.currentframe())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "RAISED" in out.stdout and "needs Triton" in out.stdout
+
+
+def demo(tmp_path, *args, iters=8):
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--megatron-lm={SOURCE}", f"--iters={iters}",
+           f"--workdir={tmp_path / 'demo'}", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"demo printed no summary (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    summary = json.loads(lines[-1])
+    assert summary["bitwise_identical"], summary["problems"]
+    assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return summary
+
+
+@needs_upstream
+def test_upstream_trainer_kill_resumes_from_local_memory_bit_exact(tmp_path):
+    """Upstream pretrain_gpt.py (TP1 PP2 DP2 on 2 simulated nodes x 2, dropout 0.1): one trainer
+    SIGKILLed after iteration 4 resumes from its agent's memory, bit for bit."""
+    s = demo(tmp_path, "--fail=trainer", "--kill-at=4")
+    assert s["recovered_from"] == "local_memory"
+    assert 3 <= s["resumed_step"] <= 4
+
+
+@needs_upstream
+@pytest.mark.slow
+def test_upstream_node_loss_with_replica_resumes_from_peer_memory(tmp_path):
+    s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--kill-at=4")
+    assert s["recovered_from"] == "peer_memory" and 3 <= s["resumed_step"] <= 4
+
+
+@needs_upstream
+@pytest.mark.slow
+def test_upstream_all_trainers_of_a_node(tmp_path):
+    s = demo(tmp_path, "--fail=all-trainers", "--kill-at=4")
+    assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
+
+
+@needs_upstream
+@pytest.mark.slow
+def test_upstream_node_loss_without_redundancy_resumes_from_the_persisted_step(tmp_path):
+    """--inmem-ckpt-persist-dir on the training command reaches the agents: after a node loss the job
+    resumes from the newest step persisted whole before it (the demo checks that step)."""
+    s = demo(tmp_path, "--fail=node", "--kill-at=12", f"--train-arg=--inmem-ckpt-persist-dir={tmp_path / 'fast'}",
+             "--train-arg=--inmem-ckpt-persist-interval=3", iters=16)
+    assert s["recovered_from"] in ("disk", "none")
+    if s["newest_persisted_before_failure"] is not None:
+        assert (s["recovered_from"], s["resumed_step"]) == ("disk", s["newest_persisted_before_failure"])
+
+
+@needs_upstream
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="--use-distributed-optimizer resumes from memory but is not bit-exact yet on CPU")
+def test_upstream_distributed_optimizer_resumes_bit_exact(tmp_path):
+    s = demo(tmp_path, "--fail=trainer", "--kill-at=4", "--train-arg=--use-distributed-optimizer")
+    assert s["recovered_from"] == "local_memory"
