@@ -33,3 +33,20 @@ def agent(job_config):
     a = AgentProc(cfg, path).start()
     yield a
     a.kill()
+
+
+def run_demo(cmd: list, timeout: float = 1200) -> dict:
+    """Run a ``megatron-ft demo`` command; return its JSON summary after asserting what every recovery
+    test needs: bit-exact, the promised tier reached (bit-exact alone cannot tell a recovery from a
+    fresh restart), exit status 0."""
+    import json
+    import subprocess
+
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"demo printed no summary (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    summary = json.loads(lines[-1])
+    assert summary["bitwise_identical"], summary["problems"]
+    assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    return summary

@@ -6,13 +6,12 @@ failure and once with one, and every rank's parameter digest and loss at every i
 for bit, with the tier reached and the step resumed from asserted (bit-exact alone cannot tell a
 recovery from a fresh start). Dropout is upstream's default, 0.1.
 """
-import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
+from conftest import run_demo
 
 from megatron_ft.megatron import upstream
 from megatron_ft.testing import megatron_lm
@@ -68,14 +67,7 @@ def test_triton_stand_in_answers_module_protocol_like_a_module():
 def demo(tmp_path, *args, iters=8):
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--megatron-lm={SOURCE}", f"--iters={iters}",
            f"--workdir={tmp_path / 'demo'}", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"demo printed no summary (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    summary = json.loads(lines[-1])
-    assert summary["bitwise_identical"], summary["problems"]
-    assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    return summary
+    return run_demo(cmd)
 
 
 @needs_upstream

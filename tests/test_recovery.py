@@ -7,11 +7,11 @@ without megatron-ft. The reference run is shared by the whole session.
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
+from conftest import run_demo
 from megatron_ft import config as ftconfig
 from megatron_ft.agent import persist
 from megatron_ft.schedule.modes import free_share_of_waits
@@ -29,15 +29,7 @@ def demo(tmp_path, reference_dir, *args, config=None):
            f"--workdir={tmp_path / 'demo'}", f"--reference-dir={reference_dir}", *args]
     if config:
         cmd.append(f"--config={config}")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"demo printed no summary (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-    summary = json.loads(lines[-1])
-    assert summary["bitwise_identical"], summary["problems"]
-    # bit-exact alone cannot tell a recovery from a fresh restart: the promised tier must be reached
-    assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    return summary
+    return run_demo(cmd, timeout=900)
 
 
 def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
