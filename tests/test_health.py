@@ -199,7 +199,9 @@ def test_lost_node_gets_a_verdict_root_moves_and_node_is_rebuilt_from_peers(tmp_
         v = wait_for(f"failed/{lost}", lambda: verdict(client, lost), cluster=c)
         assert (v["node"], v["kind"], v["pid"], v["detected_by"]) == (lost, "hardware", pid, new_root)
         assert client.get("root") == str(new_root)
-        assert {c.status(n)["root"] for n in range(3) if n != lost} == {new_root}
+        # every survivor follows the new root (each notices on its own heartbeat, so allow it a moment)
+        wait_for("survivors following the new root",
+                 lambda: {c.status(n)["root"] for n in range(3) if n != lost} == {new_root}, cluster=c)
         # exactly one standby claims the node (with the embedded store: on the new root's server)
         who = wait_for("a standby's claim", lambda: client.get(f"claim/{lost}/{pid}"), cluster=c)
         c.replace_node(lost)  # a fresh agent (new pid): the verdict is withdrawn, the root stays
