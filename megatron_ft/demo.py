@@ -310,6 +310,59 @@ def kill_agent_when(run_dir: str, rank: int, iteration: int, node: int, p: subpr
     return node, pid
 
 
+def node_workers(run_dir: str, node: int) -> list[int]:
+    """Process ids of node ``node``'s trainers now: the children of its launcher's torchrun."""
+    import psutil
+
+    try:
+        with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
+            launcher = psutil.Process(int(f.read()))
+        for child in launcher.children():
+            if "torch.distributed.run" in " ".join(child.cmdline()):
+                return [w.pid for w in child.children()]
+    except (OSError, ValueError, psutil.Error):
+        pass
+    return []
+
+
+def _agent_pid(run_dir: str, node: int) -> Optional[int]:
+    try:
+        with open(os.path.join(run_dir, f"node{node}", "agent.pid")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def kill_during_recovery(run_dir: str, nodes: int, known: set[int], prefer_not: set[int], delay: float,
+                         deadline: float, p: subprocess.Popen, log_path: str) -> tuple[int, int, float]:
+    """A second failure while the first recovery runs: once a trainer of the restarted generation
+    exists (a pid not in ``known``), wait ``delay`` seconds (importing, rendezvous, restore) and
+    SIGKILL it. A trainer on a node outside ``prefer_not`` is chosen when one appears as soon.
+    Returns (node, pid, time)."""
+    while True:
+        fresh = [(n, w) for n in range(nodes) for w in node_workers(run_dir, n) if w not in known]
+        if fresh:
+            fresh.sort(key=lambda nw: nw[0] in prefer_not)
+            node, pid = fresh[0]
+            time.sleep(delay)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it ended on its own (its generation was torn down): the failure still counts
+            return node, pid, time.time()
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"no restarted trainer appeared for the second failure; log {log_path}")
+        time.sleep(0.02)
+
+
 def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: float, log_path: str) -> float:
     """Wait for the injected faults' event lines; return the time of the first."""
     deadline = time.time() + timeout
@@ -321,6 +374,38 @@ def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: f
         if p.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"the injected fault never fired; log {log_path}")
         time.sleep(0.05)
+
+
+def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[list[int], list[int]]:
+    """(ranks that fail, nodes lost) for ``args.fail``; a clear error for a node outside the cluster."""
+    rpn, nodes = cfg.cluster.ranks_per_node, cfg.cluster.nodes
+
+    def ranks(node: int) -> list[int]:
+        return list(range(node * rpn, (node + 1) * rpn))
+
+    def check(node: int, lo: int, why: str = "") -> int:
+        if not lo <= node < nodes:
+            raise ftconfig.ConfigError(f"--victim-node={node} is invalid for --fail {args.fail}: must be in "
+                                       f"[{lo}, {nodes - 1}]{why}")
+        return node
+
+    if args.fail == "trainer":
+        return [args.victim_rank if args.victim_rank is not None else cfg.cluster.world_size - 1], []
+    if args.fail in ("all-trainers", "agent"):
+        return ranks(check(args.victim_node if args.victim_node is not None else
+                           (0 if args.fail == "all-trainers" else nodes - 1), 0)), []
+    if args.fail == "launcher":
+        return ranks(check(args.victim_node or nodes - 1, 1, " (node 0's launcher hosts the rendezvous)")), []
+    if args.fail == "node":
+        node = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
+        return ranks(node), [node]
+    if args.fail == "two-nodes":
+        if nodes < 3:
+            raise ftconfig.ConfigError(f"--fail two-nodes needs a cluster of at least 3 nodes, not {nodes}")
+        first = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
+        other = next(n for n in range(nodes - 1, -1, -1) if n != first)
+        return ranks(first) + ranks(other), sorted([first, other])
+    return [], []
 
 
 def run_demo(args: argparse.Namespace) -> dict:
@@ -383,35 +468,16 @@ def run_demo(args: argparse.Namespace) -> dict:
     log_path = os.path.join(workdir, "run.log")
     say(f"[demo] megatron-ft run, failure: {args.fail}" + (f" after iteration {args.kill_at}" if args.fail != "none" else ""))
     t0 = time.time()
-    victims = []
-    if args.fail == "trainer":
-        victims = [args.victim_rank if args.victim_rank is not None else world - 1]
-    elif args.fail == "all-trainers":
-        rpn = cfg.cluster.ranks_per_node
-        vn = args.victim_node or 0
-        victims = list(range(vn * rpn, (vn + 1) * rpn))
-    elif args.fail == "launcher":
-        victim_node = args.victim_node or cfg.cluster.nodes - 1
-        if not 0 < victim_node < cfg.cluster.nodes:
-            raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail launcher: must be in "
-                                       f"[1, {cfg.cluster.nodes - 1}] (node 0's launcher hosts the rendezvous)")
-        rpn = cfg.cluster.ranks_per_node
-        victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
-    elif args.fail == "node":
-        victim_node = args.victim_node if args.victim_node is not None else default_victim_node(cfg)
-        if not 0 <= victim_node < cfg.cluster.nodes:
-            raise ftconfig.ConfigError(f"--victim-node={victim_node} is invalid for --fail node: must be in "
-                                       f"[0, {cfg.cluster.nodes - 1}]")
-        rpn = cfg.cluster.ranks_per_node
-        victims = list(range(victim_node * rpn, (victim_node + 1) * rpn))
+    victims, lost_nodes = choose_victims(args, cfg)
+    rpn = cfg.cluster.ranks_per_node
     env = {}
     if victims and args.kill_point != "after-iteration":
         env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
     p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env, program=program)
-    replacement: Optional[subprocess.Popen] = None
+    replacements: list[tuple[subprocess.Popen, str]] = []  # (launcher, its log)
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
     if args.standby:
-        replacement = start_replacement(cfg, run_dir, None, targs, replacement_log, program)
+        replacements.append((start_replacement(cfg, run_dir, None, targs, replacement_log, program), replacement_log))
         say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
@@ -419,76 +485,117 @@ def run_demo(args: argparse.Namespace) -> dict:
     # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
     eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
     persisted_at_kill: list[int] = []
-    last_before_kill = 0
     agent_killed = None
+    protected_from = None  # --fail agent: the first step the restarted agent must hold
+    second = None
+    deadline = time.time() + args.timeout
+
+    def lose_nodes(trainer_pids: list[int]) -> None:
+        """The lost nodes' machines die; a replacement (or the standby) takes each one's place."""
+        nonlocal killed_pids, persisted_at_kill
+        for n in lost_nodes:
+            killed_pids += kill_node(cfg, run_dir, n, trainer_pids)
+            trainer_pids = []
+        persisted_at_kill = persisted_steps(eff_cfg)
+        say(f"[demo] node(s) {lost_nodes} lost: SIGKILL -> their launchers, torchrun, trainers {victims} and agents "
+            f"(pids {killed_pids}); their shared memory removed. "
+            + ("The standby takes the place of one once the root agent declares it failed" if args.standby
+               else f"Starting replacement node(s) {lost_nodes}"))
+        if not args.standby:
+            for n in lost_nodes:
+                log = replacement_log if len(lost_nodes) == 1 else os.path.join(workdir, f"replacement{n}.log")
+                replacements.append((start_replacement(cfg, run_dir, n, targs, log, program), log))
+
+    def wait_iteration(ranks: list[int], iteration: int) -> dict[int, list[dict]]:
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"job ended before rank(s) {ranks} reached iteration {iteration}; log {log_path}")
+            if time.time() > deadline:
+                raise RuntimeError(f"rank(s) {ranks} never reached iteration {iteration}; log {log_path}")
+            recs = {v: _progress(run_dir, v) for v in ranks}
+            if all(recs[v] and recs[v][-1]["iteration"] >= iteration for v in ranks):
+                return recs
+            time.sleep(0.02)
+
+    def kill_trainers(recs: dict[int, list[dict]]) -> None:
+        nonlocal kill_time
+        for v in victims:
+            pid = recs[v][-1]["pid"]
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed_pids.append(pid)
+            except ProcessLookupError:
+                pass
+        kill_time = time.time()
+        say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
+
     try:
         if args.kill_agent and victims:
-            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), (args.victim_node or 0)
-                                           if args.fail == "all-trainers" else victims[0] // cfg.cluster.ranks_per_node,
+            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), victims[0] // rpn,
                                            p, args.timeout, log_path)
             say(f"[demo] SIGKILL -> agent of node {agent_killed[0]} (pid {agent_killed[1]}); the launcher restarts it")
         if victims and args.kill_point != "after-iteration":
             kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
             say(f"[demo] rank(s) {victims} SIGKILLed themselves at {args.kill_point} of step {args.kill_at}")
-            if args.fail == "node":  # the rest of the machine goes with them
-                node = victims[0] // cfg.cluster.ranks_per_node
-                killed_pids = kill_node(cfg, run_dir, node, [])
-                persisted_at_kill = persisted_steps(eff_cfg)
-                say(f"[demo] node {node} lost: its launcher, torchrun and agent SIGKILLed (pids {killed_pids}), "
-                    f"its shared memory removed")
-                if not args.standby:
-                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
+            if lost_nodes:  # the rest of the machine goes with them
+                lose_nodes([])
         elif victims:
-            deadline = time.time() + args.timeout
-            while kill_time is None:
-                if p.poll() is not None:
-                    raise RuntimeError(f"job ended before the kill point; log {log_path}")
-                if time.time() > deadline:
-                    raise RuntimeError(f"victims never reached iteration {args.kill_at}; log {log_path}")
+            recs = wait_iteration(victims, args.kill_at)
+            if args.kill_delay > 0:
+                time.sleep(args.kill_delay)
                 recs = {v: _progress(run_dir, v) for v in victims}
-                reached = all(recs[v] and recs[v][-1]["iteration"] >= args.kill_at for v in victims)
-                if reached and args.kill_delay > 0:
-                    time.sleep(args.kill_delay)
-                    recs = {v: _progress(run_dir, v) for v in victims}
-                if reached and args.fail == "node":
-                    node = victims[0] // cfg.cluster.ranks_per_node
-                    killed_pids = kill_node(cfg, run_dir, node, [recs[v][-1]["pid"] for v in victims])
-                    kill_time = time.time()
-                    persisted_at_kill = persisted_steps(eff_cfg)
-                    say(f"[demo] node {node} lost: SIGKILL -> its launcher, torchrun, trainers {victims} and agent "
-                        f"(pids {killed_pids}); its shared memory removed. "
-                        + ("The standby takes its place once the root agent declares it failed" if args.standby
-                           else f"Starting a replacement node {node}"))
-                    if not args.standby:
-                        replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
-                elif reached and args.fail == "launcher":
-                    node = victims[0] // cfg.cluster.ranks_per_node
-                    with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
-                        lpid = int(f.read())
-                    os.kill(lpid, signal.SIGKILL)
-                    killed_pids.append(lpid)
-                    kill_time = time.time()
-                    say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
-                    replacement = start_replacement(cfg, run_dir, node, targs, replacement_log, program)
-                elif reached:
-                    for v in victims:
-                        pid = recs[v][-1]["pid"]
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                            killed_pids.append(pid)
-                        except ProcessLookupError:
-                            pass
-                    kill_time = time.time()
-                    say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
-                else:
-                    time.sleep(0.02)
+            if lost_nodes:
+                lose_nodes([recs[v][-1]["pid"] for v in victims])
+                kill_time = time.time()
+            elif args.fail == "launcher":
+                node = victims[0] // rpn
+                with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
+                    lpid = int(f.read())
+                os.kill(lpid, signal.SIGKILL)
+                killed_pids.append(lpid)
+                kill_time = time.time()
+                say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
+                replacements.append((start_replacement(cfg, run_dir, node, targs, replacement_log, program),
+                                     replacement_log))
+            elif args.fail == "agent":
+                # the agent dies at this moment; its launcher restarts it and the new agent must protect
+                # the next steps: once it runs and the node's trainers finished two more iterations,
+                # they are SIGKILLed and must resume from it, at a step taken after its restart
+                node = victims[0] // rpn
+                old = _agent_pid(run_dir, node)
+                os.kill(old, signal.SIGKILL)
+                agent_killed = (node, old)
+                say(f"[demo] SIGKILL -> agent of node {node} (pid {old}) inside iteration {args.kill_at + 1}")
+                from .protocol import socket_path
+
+                sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
+                # restarted: a new pid, alive, listening on the node's socket (the launcher removes it first)
+                while not ((new := _agent_pid(run_dir, node)) and new != old and _alive(new) and os.path.exists(sock)):
+                    if p.poll() is not None or time.time() > deadline:
+                        raise RuntimeError(f"node {node}'s agent was never restarted; log {log_path}")
+                    time.sleep(0.05)
+                done = max(_progress(run_dir, v)[-1]["iteration"] for v in victims)
+                protected_from = done + 1
+                last = int(dict(zip(targs, targs[1:])).get("--train-iters", args.iters))
+                if protected_from + 2 > last:
+                    raise RuntimeError(f"the agent restarted after iteration {done}: too late to check it "
+                                       f"protects the next steps of {last}; use a smaller --kill-at")
+                say(f"[demo] agent of node {node} restarted (pid {new}) after iteration {done}")
+                kill_trainers(wait_iteration(victims, protected_from + 1))
+            else:
+                kill_trainers(recs)
+        if args.second_failure and kill_time is not None:
+            known = {r["pid"] for r in _all_records(run_dir, "progress")} | set(killed_pids)
+            second = kill_during_recovery(run_dir, cfg.cluster.nodes, known, set(lost_nodes) | {victims[0] // rpn},
+                                          args.second_delay, deadline, p, log_path)
+            say(f"[demo] second failure during the recovery: SIGKILL -> restarted trainer pid {second[1]} on node "
+                f"{second[0]}, {args.second_delay} s after it started")
         wait_job(p, args.timeout, "megatron-ft run", log_path)
-        if replacement is not None:
-            wait_job(replacement, args.timeout, "standby node" if args.standby else "replacement node",
-                     replacement_log)
+        for r, rlog in replacements:
+            wait_job(r, args.timeout, "standby node" if args.standby else "replacement node", rlog)
     finally:
         killed = False
-        for proc in (p, replacement):
+        for proc in (p, *(r for r, _ in replacements)):
             if proc is not None and proc.poll() is None:
                 _kill_tree(proc)
                 killed = True
@@ -522,7 +629,23 @@ def run_demo(args: argparse.Namespace) -> dict:
     promise = None
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
-        promise = tiers.promised(failure, cfg.redundancy.scheme)
+        if lost_nodes:
+            from .redundancy.plan import plan_from_config
+
+            promise = tiers.promised("node", cfg.redundancy.scheme,
+                                     beyond_tolerance=not plan_from_config(cfg).survives(lost_nodes))
+        else:
+            promise = tiers.promised(failure, cfg.redundancy.scheme)
+    unprotected = False
+    if protected_from is not None:  # the restarted agent must have protected the steps after its restart
+        last_restore = {}
+        for e in sorted(after, key=lambda e: e["time"]):
+            if e["rank"] in victims:
+                last_restore[e["rank"]] = e["step"]
+        if not last_restore or min(last_restore.values()) < protected_from:
+            unprotected = True
+            problems.append(f"the restarted agent did not protect the steps after its restart: the node's trainers "
+                            f"resumed from step(s) {sorted(set(last_restore.values()))}, want >= {protected_from}")
     # from disk, the newest step persisted whole before the loss (a node's loss without redundancy);
     # with none persisted whole yet, a fresh start is all there is
     want_step = max((s for s in persisted_at_kill if s <= last_before_kill), default=None)
@@ -537,7 +660,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         "scenario": args.fail,
         "promised_tier": promise,
         "tier_ok": bool(promise in (None, "none") or (recovered_from != "none" and tiers.meets(recovered_from, promise)))
-        and step_ok,
+        and step_ok and not unprotected,
         "newest_persisted_before_failure": want_step,
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
@@ -549,6 +672,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         "bitwise_identical": identical,
         "kill_point": args.kill_point if kill_time is not None else None,
         "agent_killed": agent_killed is not None,
+        "lost_nodes": lost_nodes,
+        "second_failure": {"node": second[0], "pid": second[1], "after_first_s": round(second[2] - kill_time, 2)}
+        if second else None,
         "standby": bool(args.standby),
         "killed_after_iteration": args.kill_at if kill_time is not None else None,
         "last_iteration_before_kill": last_before_kill if kill_time is not None else None,
@@ -581,10 +707,14 @@ def run_demo(args: argparse.Namespace) -> dict:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--fail", choices=["trainer", "all-trainers", "launcher", "node", "none"], default="trainer",
+    p.add_argument("--fail", choices=["trainer", "all-trainers", "agent", "launcher", "node", "two-nodes", "none"],
+                   default="trainer",
                    help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement; "
+                        "two-nodes: lose --victim-node and the highest other node at once; "
                         "launcher: SIGKILL one node's launcher (its torchrun and trainers end with it, its agent "
-                        "waits) and start the node's launcher again, which adopts the agent")
+                        "waits) and start the node's launcher again, which adopts the agent; agent: SIGKILL one "
+                        "node's agent (its launcher restarts it), then, two iterations after the restart, that "
+                        "node's trainers, which must resume from the new agent at a step it took")
     p.add_argument("--redundancy", choices=sorted(DEMO_SHAPES), default=None,
                    help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
     p.add_argument("--transport", choices=["agent", "scheduled"], default="agent",
@@ -613,6 +743,11 @@ def add_parser(sub) -> None:
                             "truncate-after-commit"],
                    help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "
                         "the victims SIGKILL themselves at that point of step --kill-at (fault injection)")
+    p.add_argument("--second-failure", action="store_true",
+                   help="a second failure while the first recovery runs: SIGKILL the first trainer of the restarted "
+                        "generation (one on another node where possible) --second-delay seconds after it starts")
+    p.add_argument("--second-delay", type=float, default=1.0,
+                   help="--second-failure: seconds after the restarted trainer appeared (import, rendezvous, restore)")
     p.add_argument("--kill-agent", action="store_true",
                    help="also SIGKILL the victims' node agent two iterations earlier (the launcher restarts it)")
     p.add_argument("--standby", action="store_true",
@@ -629,6 +764,10 @@ def main(args: argparse.Namespace) -> int:
     if args.fail != "none" and not 1 <= args.kill_at <= last:
         raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid with --kill-point {args.kill_point}: must be "
                                    f"in [1, {last}]")
+    if args.second_failure and args.fail == "none":
+        raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
+    if args.second_delay < 0:
+        raise ftconfig.ConfigError(f"--second-delay={args.second_delay} is invalid: must be >= 0 seconds")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")

@@ -14,10 +14,14 @@ trainer, all trainers of a node, agent    local_memory
 a committed slot corrupted on one node    local_memory (the older clean version), or
                                           peer_memory / decoded where a copy exists
 a whole node, with replica                peer_memory
-a whole node, with xor or rs              decoded (peer_memory where a whole copy exists)
-more nodes than the scheme tolerates,     disk
-or a node with no redundancy
+a whole node, with xor or rs, or two      decoded (peer_memory where a whole copy exists)
+nodes of one group with rs m = 2
+more nodes than the scheme tolerates,     disk (the newest step persisted whole before
+or a node with no redundancy              the failure)
+any of these again during the recovery    the same tier as the first
 ========================================  ==========================================
+
+``beyond_tolerance`` comes from the redundancy plan (``RedundancyPlan.survives(lost nodes)``).
 """
 from __future__ import annotations
 

@@ -104,6 +104,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("parallelism and batch")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline stage: the interleaved 1F1B schedule (needs PP > 1, "
+                        "--num-layers a multiple of PP x this, micro-batches a multiple of PP)")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=16)
 
@@ -146,6 +149,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         )
     if args.inmem_ckpt_profile_iterations < 0:
         p.error(f"--inmem-ckpt-profile-iterations {args.inmem_ckpt_profile_iterations}: must be >= 0 (0: off)")
+    vpp = args.virtual_pipeline_model_parallel_size
+    if vpp is not None:
+        pp = args.pipeline_model_parallel_size
+        if vpp < 1 or pp < 2:
+            p.error(f"--virtual-pipeline-model-parallel-size {vpp}: needs a value >= 1 and "
+                    f"--pipeline-model-parallel-size > 1 (is {pp})")
+        if args.num_layers % (pp * vpp):
+            p.error(f"--num-layers {args.num_layers} is not a multiple of pipeline {pp} x virtual {vpp} "
+                    f"(each model chunk gets the same number of layers)")
+        if vpp == 1:
+            args.virtual_pipeline_model_parallel_size = None
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
     return args
@@ -166,6 +180,7 @@ def init_distributed(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     args.rank = rank
     args.world_size = world_size
@@ -177,6 +192,12 @@ def init_distributed(args: argparse.Namespace) -> None:
             f"micro-batch-size * data-parallel-size = {per_step}"
         )
     args.num_microbatches = args.global_batch_size // per_step
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size and args.num_microbatches % pp:
+        raise ValueError(
+            f"the interleaved schedule needs the micro-batches per iteration ({args.num_microbatches} = "
+            f"--global-batch-size / (micro-batch-size x DP)) to be a multiple of --pipeline-model-parallel-size {pp}"
+        )
 
 
 def set_seeds(seed: int) -> None:
@@ -218,6 +239,7 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         use_cpu_initialization=True,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
@@ -234,25 +256,34 @@ def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[DistributedDataParallel]:
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-    )
-    if torch.cuda.is_available():
-        gpt.cuda(torch.cuda.current_device())
+    """This rank's model chunks, each wrapped in DDP: one, or one per virtual pipeline stage (the
+    interleaved schedule: chunk ``i`` of stage ``p`` holds layers of virtual stage ``i * PP + p``)."""
+    vpp = args.virtual_pipeline_model_parallel_size
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
         use_distributed_optimizer=True,
     )
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)]
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            gpt.cuda(torch.cuda.current_device())
+        # as Megatron-LM: only the first chunk's gradients go in buckets of their own
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt,
+                                              disable_bucketing=bool(chunks)))
+    return chunks
 
 
 def build_training_objects(args: argparse.Namespace) -> TrainingObjects:
@@ -471,7 +502,10 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
     # May load model/optimizer/scheduler/RNG state and move iteration/consumed_samples;
     # the data iterator is built from consumed_samples afterwards.
     iteration, consumed_samples = hooks.restore(objs, iteration, consumed_samples)
-    data_iterator = build_iterator(objs, consumed_samples)
+    # one iterator per model chunk with a virtual pipeline: each chunk draws every micro-batch
+    chunks = args.virtual_pipeline_model_parallel_size
+    data_iterator = [build_iterator(objs, consumed_samples) for _ in range(chunks)] if chunks else \
+        build_iterator(objs, consumed_samples)
 
     for chunk in objs.model:
         chunk.train()
@@ -487,7 +521,8 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
             result = train_step(objs, data_iterator, iteration, hooks)
             iteration += 1
             consumed_samples += args.global_batch_size
-            assert data_iterator.consumed_samples == consumed_samples
+            assert all(it.consumed_samples == consumed_samples
+                       for it in (data_iterator if chunks else [data_iterator]))
 
             # ---- HOOK (c) "after_iteration" ----------------------------------------
             hooks.after_iteration(objs, iteration, consumed_samples)

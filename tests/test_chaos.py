@@ -14,8 +14,24 @@ def test_draws_are_seeded_and_every_kind_gets_its_share():
     assert a != [chaos.draw(8, i, kinds) for i in range(3 * len(kinds))]
     for k in kinds:
         assert sum(t.kind == k for t in a) == 3
-    assert all(3 <= t.kill_at <= t.iters - 3 and 0 <= t.kill_delay <= 0.25 for t in a)
+    assert all(3 <= t.kill_at <= min(t.iters - 3, chaos.KINDS[t.kind].get("kill_at_max", 99))
+               and 0 <= t.kill_delay <= 0.25 for t in a)
     assert any(t.kill_delay < 0.03 for t in a) and any(t.kill_delay > 0.03 for t in a)
+    seconds = [t.second_delay for t in a if chaos.KINDS[t.kind].get("second_failure")]
+    assert seconds and all(0 <= d <= 4 for d in seconds) and len(set(seconds)) > 1
+    assert all(t.second_delay == 0 for t in a if not chaos.KINDS[t.kind].get("second_failure"))
+
+
+def test_kinds_cover_the_promise_table():
+    """Every failure of the promised-tier table has a kind, and each kind's demo arguments say it."""
+    args = {k: " ".join(chaos.Trial(0, 1, k, 4, 0.01, 12, 1.5).demo_args()) for k in chaos.KINDS}
+    assert "--fail=agent" in args["agent"] and "--kill-agent" not in args["agent"]
+    assert "--second-failure --second-delay=1.5000" in args["second-failure"]
+    assert "--fail=node" in args["node-replica-second-failure"] and "--second-failure" in args["node-replica-second-failure"]
+    assert "--fail=two-nodes --kill-at=4 --iters=12 --redundancy=rs" in args["two-nodes-rs"]
+    assert "--train-arg=--inmem-ckpt-persist-interval=3" in args["two-nodes-xor"]
+    # a kind with its own training arguments has its own reference run
+    assert chaos.Trial(0, 1, "two-nodes-xor", 4, 0, 12).shape != chaos.Trial(0, 1, "node-xor", 4, 0, 12).shape
 
 
 def trial(kind):
@@ -60,3 +76,42 @@ def test_one_real_trial(tmp_path, kind):
     assert (o.verdict, o.why) == ("right", ""), (o, open(tmp_path / "trial0000" / "demo.out").read()[-3000:])
     assert o.recovered_from == o.promised and o.resumed_step >= 1
     json.dumps(o.__dict__)
+
+
+def _demo_args(*argv):
+    import argparse
+
+    from megatron_ft import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_parser(p.add_subparsers())
+    return p.parse_args(["demo", *argv])
+
+
+@pytest.mark.parametrize("argv,shape,want", [
+    (["--fail=agent"], None, ([2, 3], [])),  # the last node's trainers, no node lost
+    (["--fail=all-trainers"], None, ([0, 1], [])),
+    (["--fail=node", "--victim-node=0"], None, ([0, 1], [0])),
+    (["--fail=two-nodes", "--redundancy=rs"], "rs", ([2, 3], [2, 3])),  # 4 nodes x 1: the default victim and the highest other
+    (["--fail=two-nodes", "--redundancy=xor"], "xor", ([4, 5, 2, 3], [1, 2])),
+])
+def test_demo_victims(argv, shape, want):
+    from megatron_ft import config as ftconfig
+    from megatron_ft import demo
+
+    cfg = ftconfig.load()
+    if shape:
+        cfg = ftconfig.replace(cfg, **demo.DEMO_SHAPES[shape])
+    assert demo.choose_victims(_demo_args(*argv), cfg) == want
+
+
+def test_demo_refuses_bad_failure_arguments():
+    from megatron_ft import config as ftconfig
+    from megatron_ft import demo
+
+    with pytest.raises(ftconfig.ConfigError, match="at least 3 nodes, not 2"):
+        demo.choose_victims(_demo_args("--fail=two-nodes"), ftconfig.load())
+    with pytest.raises(ftconfig.ConfigError, match="--victim-node=5 is invalid for --fail agent"):
+        demo.choose_victims(_demo_args("--fail=agent", "--victim-node=5"), ftconfig.load())
+    with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
+        demo.main(_demo_args("--fail=none", "--second-failure"))

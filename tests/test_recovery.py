@@ -159,3 +159,44 @@ def test_node_lost_recovers_by_decoding(tmp_path, scheme):
     s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", f"--kill-at={KILL_AT}")
     assert s["recovered_from"] == "decoded" and s["promised_tier"] == "decoded"
     assert 1 <= s["resumed_step"] <= KILL_AT, s
+
+
+@pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
+def test_agent_killed_alone_its_restart_protects_the_next_steps(tmp_path):
+    """The agent dies inside an iteration; its launcher restarts it. Once it serves, the node's trainers
+    are killed: they must resume from it at a step taken after its restart (protection is back on)."""
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=agent", "--kill-at=3", "--kill-delay=0.05", "--iters=48")
+    assert s["recovered_from"] == "local_memory" and s["agent_killed"]
+    assert s["resumed_step"] > 3 and not s["problems"], s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [["--fail=trainer"], ["--fail=node", "--redundancy=replica"]])
+def test_a_second_failure_during_the_recovery_ends_at_the_same_tier(tmp_path, first):
+    """A restarted trainer is SIGKILLed while it imports, joins the rendezvous or restores."""
+    s = demo(tmp_path, str(tmp_path / "ref"), *first, f"--kill-at={KILL_AT}", "--second-failure",
+             "--second-delay=1.5")
+    assert s["second_failure"] and s["recovered_from"] == s["promised_tier"], s
+    assert 1 <= s["resumed_step"] <= KILL_AT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,tier", [("rs", "decoded"), ("xor", "disk")])
+def test_two_nodes_of_one_group_lost_at_once(tmp_path, scheme, tier):
+    """rs with m = 2 decodes two lost nodes; xor tolerates one, so two send the job to the newest step
+    persisted whole (every 3 steps here), which the demo checks against the files at the kill."""
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=two-nodes", f"--redundancy={scheme}", "--kill-at=7",
+             "--train-arg=--inmem-ckpt-persist-interval=3")
+    assert len(s["lost_nodes"]) == 2 and (s["promised_tier"], s["recovered_from"]) in ((tier, tier), ("none", "none"))
+    if tier == "disk" and s["recovered_from"] == "disk":
+        assert s["resumed_step"] == s["newest_persisted_before_failure"]
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_recovers_bit_exact(tmp_path):
+    """--virtual-pipeline-model-parallel-size 2: two model chunks per stage, the interleaved 1F1B schedule."""
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=trainer", f"--kill-at={KILL_AT}",
+             "--train-arg=--virtual-pipeline-model-parallel-size=2")
+    assert s["recovered_from"] == "local_memory" and s["resumed_step"] >= KILL_AT - 1
+    with open(tmp_path / "demo" / "run" / "final" / "state.rank0.json") as f:
+        assert "chunk1.buffer0.param_data" in json.load(f)["param_buffers"]  # really two chunks

@@ -47,6 +47,17 @@ KINDS: dict[str, dict] = {
     "truncated": {"fail": "trainer", "kill_point": "truncate-after-commit"},
     "mid-copy": {"fail": "all-trainers", "kill_point": "mid-copy"},
     "max-restarts-0": {"fail": "trainer", "max_restarts": 0},
+    # the agent alone: its restart must protect the next steps (the node's trainers are killed after
+    # it); a restart takes seconds, dozens of the demo's iterations, so the run is longer
+    "agent": {"fail": "agent", "kill_at_max": 5, "iters": 48, "shape": "default-48"},
+    # a second failure while the first recovery runs: the same tier as one
+    "second-failure": {"fail": "trainer", "second_failure": True},
+    "node-replica-second-failure": {"fail": "node", "redundancy": "replica", "second_failure": True},
+    # two nodes of one group at once: within rs m=2's tolerance, and beyond xor's (disk, at the newest
+    # step persisted whole: persisted every 3 steps here)
+    "two-nodes-rs": {"fail": "two-nodes", "redundancy": "rs"},
+    "two-nodes-xor": {"fail": "two-nodes", "redundancy": "xor",
+                      "train_args": ["--inmem-ckpt-persist-interval=3"], "shape": "xor-persist3"},
 }
 
 
@@ -58,12 +69,16 @@ class Trial:
     kill_at: int
     kill_delay: float  # seconds after the victims logged kill_at (after-iteration kinds)
     iters: int
+    second_delay: float = 0.0  # seconds after the restarted trainer appeared (second-failure kinds)
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
         out = [f"--fail={k['fail']}", f"--kill-at={self.kill_at}", f"--iters={self.iters}"]
         if k.get("redundancy"):
             out.append(f"--redundancy={k['redundancy']}")
+        if k.get("second_failure"):
+            out += ["--second-failure", f"--second-delay={self.second_delay:.4f}"]
+        out += [f"--train-arg={a}" for a in k.get("train_args", [])]
         if k.get("kill_point"):
             out.append(f"--kill-point={k['kill_point']}")
         else:
@@ -77,19 +92,24 @@ class Trial:
     @property
     def shape(self) -> str:
         """Trials of one shape share a reference run."""
-        return KINDS[self.kind].get("redundancy") or "default"
+        return KINDS[self.kind].get("shape") or KINDS[self.kind].get("redundancy") or "default"
 
 
 def draw(seed: int, index: int, kinds: list[str], iters: int = 12) -> Trial:
     """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
     share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
-    iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run."""
+    iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run.
+    A second failure strikes 0-4 s after the restarted trainer appeared: while it imports, joins the
+    rendezvous or restores."""
     order = list(kinds)
     random.Random(seed * 7919 + index // len(kinds)).shuffle(order)
     rng = random.Random(seed * 1_000_003 + index)
     kind = order[index % len(order)]
     delay = rng.uniform(0.0, 0.25) if rng.random() < 0.5 else rng.uniform(0.0, 0.03)
-    return Trial(index, seed, kind, rng.randint(3, iters - 3), round(delay, 4), iters)
+    iters = KINDS[kind].get("iters", iters)
+    kill_at = rng.randint(3, min(iters - 3, KINDS[kind].get("kill_at_max", iters)))
+    second = round(rng.uniform(0.0, 4.0), 4) if KINDS[kind].get("second_failure") else 0.0
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second)
 
 
 @dataclass
