@@ -87,9 +87,13 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[str]:
+    """``scripts/pretrain_gpt.py`` arguments for the cluster: its TP and PP, and a global batch of about
+    16 samples that every data-parallel size divides (micro-batch 2); ``extra`` comes last and wins."""
+    dp = cfg.data_parallel
     return [
         "--tensor-model-parallel-size", str(cfg.parallel.tensor),
         "--pipeline-model-parallel-size", str(cfg.parallel.pipeline),
+        "--global-batch-size", str(2 * dp * max(1, 8 // dp)),
         "--train-iters", str(iters), "--log-interval", "5", *extra,
     ]
 
@@ -101,7 +105,6 @@ DEMO_SHAPES = {
     "rs": {"cluster": {"nodes": 4, "ranks_per_node": 1}, "redundancy": {"scheme": "rs", "k": 2, "m": 2}},
 }
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
-DEMO_TRAIN_ARGS = {"xor": ["--global-batch-size", "12"]}  # a multiple of micro-batch 2 x DP 3
 
 
 def free_port_range(n: int) -> int:
@@ -440,8 +443,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                                       "{run_dir}") + (args.train_arg or [])
     else:
         program = PROJECT_SCRIPT
-        shape_args = DEMO_TRAIN_ARGS.get(args.redundancy or "", []) if not args.config else []
-        targs = training_args(cfg, args.iters, shape_args + (args.train_arg or []))
+        targs = training_args(cfg, args.iters, args.train_arg or [])
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
 
     # 1. reference (or an earlier one with the same arguments)
