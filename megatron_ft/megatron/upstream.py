@@ -214,16 +214,24 @@ def _distributed_optimizer_state_before_first_step() -> None:
 
     # fp32 parameters (all a CPU run has): the optimizer's main parameter shards are views of the
     # model's leaf parameters, which load_state_dict copies into; outside no_grad autograd refuses.
-    # And load_state_dict gives every parameter's state the *same* ``step`` tensor, which torch Adam
-    # then increments once per parameter per step (wrong bias correction after any resume): each
-    # parameter gets its own copy, as a fresh optimizer has.
+    # The checkpoint's step is the one in its param groups. load_state_dict gives every parameter's
+    # state the *same* tensor holding it, which torch Adam would then increment once per parameter
+    # per step; worse, the parameter-state load that follows (dp_reshardable and the other sharding
+    # types) copies into that shared tensor the ``step`` it captured from the *fresh* optimizer when
+    # the loading state dict was built (a non-persistent object: 0), so every resume restarted Adam's
+    # bias correction. Each parameter gets its own tensor holding the checkpoint's step.
     def make_load(orig: Callable[..., Any]) -> Callable[..., Any]:
         def load_state_dict(self: Any, state_dict: Any) -> Any:
+            groups = (state_dict.get("optimizer") or {}).get("param_groups", []) if isinstance(state_dict, dict) else []
+            steps = {g["step"] for g in groups if isinstance(g, dict) and g.get("step") is not None}
             with torch.no_grad():
                 out = orig(self, state_dict)
+            step = float(steps.pop()) if len(steps) == 1 else None
             for st in self.optimizer.state.values():
                 if isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = st["step"].detach().clone()
+                    old = st["step"]
+                    st["step"] = torch.tensor(step, dtype=old.dtype, device=old.device) if step is not None \
+                        else old.detach().clone()
             return out
 
         return load_state_dict
