@@ -10,7 +10,9 @@ def write_section(path: str, heading: str, body: str) -> None:
     rest of the file alone; ``body`` is the text under the heading. Atomic (rename)."""
     section = heading + "\n\n" + body.strip("\n") + "\n"
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    pat = re.compile(r"^" + re.escape(heading) + r"[^\n]*\n.*?(?=^## |\Z)", re.S | re.M)
+    # the heading alone on its line (or with a parenthesised suffix an older file may carry), so
+    # "## Peer redundancy" never takes "## Peer redundancy: findings"
+    pat = re.compile(r"^" + re.escape(heading) + r"[ \t]*(?:\([^)\n]*\))?[ \t]*\n.*?(?=^## |\Z)", re.S | re.M)
     if pat.search(text):
         text = pat.sub(lambda _: section + "\n", text, count=1)
     else:

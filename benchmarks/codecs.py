@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Erasure-codec throughput (issue 3, item 3): our codecs beside ISA-L called directly and plain numpy XOR.
+"""Erasure-codec throughput: our codecs beside ISA-L called directly and plain numpy XOR.
 
 For k in {2,4,8} and m in {1,2}, on shards of --shard-mib MiB (default 64), in one process and
 on the same preallocated, pre-faulted buffers:
@@ -37,7 +37,7 @@ sys.path.insert(0, REPO)
 
 from megatron_ft.redundancy.codecs import BitmatrixRSCodec, IsalRSCodec, XorCodec, gf256, load_isal  # noqa: E402
 
-SECTION = "## Codecs (issue 3)"
+SECTION = "## Codecs"
 TARGET_RS = 0.8
 TARGET_XOR = 0.8
 
@@ -202,7 +202,7 @@ def run(args) -> Tuple[str, List[str]]:
 
 
 def write_section(path: str, section: str) -> None:
-    """Replace (or append) the '## Codecs (issue 3)' section, leaving the rest of the file alone."""
+    """Replace (or append) the '## Codecs' section, leaving the rest of the file alone."""
     from _docs import write_section as write
 
     write(path, SECTION, section.split("\n", 1)[1])
@@ -215,7 +215,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,2", help="parity shard counts (default 1,2)")
     ap.add_argument("--reps", type=int, default=7, help="timed runs per figure (median; default 7)")
     ap.add_argument("--docs", default=os.path.join(REPO, "docs", "benchmarks.md"),
-                    help="markdown file whose '## Codecs (issue 3)' section is replaced")
+                    help="markdown file whose '## Codecs' section is replaced")
     ap.add_argument("--no-docs", action="store_true", help="print only, do not touch the docs file")
     args = ap.parse_args()
     args.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())

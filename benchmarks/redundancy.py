@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Peer redundancy (issue 3, item 7): replication beside a raw gloo exchange, recovery time per
+"""Peer redundancy: replication beside a raw gloo exchange, recovery time per
 tier, memory per node per scheme. Codec throughput (encode/decode beside ISA-L direct and numpy
 XOR) is ``benchmarks/codecs.py``.
 
@@ -184,7 +184,7 @@ def main() -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _docs import write_section
 
-        write_section(os.path.join(REPO, "docs", "benchmarks.md"), "## Peer redundancy (issue 3)", text)
+        write_section(os.path.join(REPO, "docs", "benchmarks.md"), "## Peer redundancy", text)
     return 0
 
 

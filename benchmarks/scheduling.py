@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checkpoint-traffic scheduling modes side by side (issue 4; GEMINI figure 16, BAFT section 4).
+"""Checkpoint-traffic scheduling modes side by side (GEMINI figure 16, BAFT section 4).
 
 For each pipeline depth (``--pp``, one rank per simulated node, TP1 DP1, GEMINI replicas m = 2 on a
 ring of nodes: each stage's node holds the next one's copy) it trains the same megatron-core GPT on
@@ -364,7 +364,7 @@ def main() -> int:
                 f"(`schedule.idle`); iteration time = mean over the turns; "
                 f"median of {args.rounds} round(s)):\n\n"
                 + text + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n" + img)
-        write_section(DOCS, "## Scheduling checkpoint traffic (issue 4)", body)
+        write_section(DOCS, "## Scheduling checkpoint traffic", body)
     return 0
 
 

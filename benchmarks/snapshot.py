@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Snapshot benchmark (issue 2): megatron-ft against the memory limit, torch.save and DCP, in one run.
+"""Snapshot benchmark: megatron-ft against the memory limit, torch.save and DCP, in one run.
 
 For every per-rank state size and rank count, ``ranks`` separate processes (torch.multiprocessing
 spawn, one gloo process group) hold the same synthetic training state and measure the methods one
@@ -92,7 +92,7 @@ from megatron_ft.state import StateTensor  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
-SECTION = "## Snapshot benchmark (issue 2)"
+SECTION = "## Snapshot benchmark"
 DEMO_HEADING = "### Demo iteration time"
 SHM_DIR = "/dev/shm"  # default for every method's memory; --shm-dir / --huge-shm change it
 HUGE_HEADING = "### On a huge-page tmpfs"

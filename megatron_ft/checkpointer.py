@@ -67,7 +67,7 @@ class InMemoryCheckpointer:
                        if self.client is not None and cfg.snapshot.enabled else None)
         self._events = _EventLog(rank)
         self.last_restore: Optional[RestoreResult] = None
-        # issue 6: "interval: auto" - measure the first snapshots, then pick the intervals
+        # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, _max_over_ranks(self.coord_group))
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
@@ -122,7 +122,7 @@ class InMemoryCheckpointer:
         self.engine.snapshot(iteration, tensors, extra)
 
     def _auto_intervals(self) -> None:
-        """Issue 6: let the policy measure / decide; ask the agent to persist when it is due."""
+        """Let the policy measure / decide; ask the agent to persist when it is due."""
         # the policy's all-reduce shares the coordination group with the snapshot worker's
         # agreement: make sure the worker is idle (it always is after before_optimizer_step)
         self.engine.wait()  # type: ignore[union-attr]

@@ -60,10 +60,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     plan.add_parser(sub)
     from .policy import simulate
 
-    simulate.add_parser(sub)  # issue 6: goodput simulation
+    simulate.add_parser(sub)  # goodput simulation
     from .schedule import timeline
 
-    timeline.add_parser(sub)  # issue 4: profiled timelines and the checkpoint plan
+    timeline.add_parser(sub)  # profiled timelines and the checkpoint plan
     p = sub.add_parser("shm-mount", help="mount a huge-page tmpfs for agent.shm_dir (root), or --check a directory")
     p.add_argument("directory", help="absolute path of the mount point (created if missing)")
     p.add_argument("--size", default="50%", help="tmpfs size: bytes, k/m/g suffix or %% of RAM (default 50%%)")

@@ -54,7 +54,7 @@ AUTO = "auto"
 
 
 def _normalize_auto_interval(obj: Any, section: str, placeholder: int, minimum: int) -> None:
-    """``interval: auto`` becomes ``interval=placeholder, auto=True`` (issue 6): readers that only
+    """``interval: auto`` becomes ``interval=placeholder, auto=True``: readers that only
     know numbers (the agent) see the placeholder; the trainer's policy picks the real interval
     (``megatron_ft/policy/runtime.py``). A number together with ``auto: true`` is a conflict."""
     if obj.interval == AUTO:
@@ -101,7 +101,7 @@ class ParallelConfig:
 class SnapshotConfig:
     """In-memory snapshots (trainer -> agent shared memory)."""
 
-    interval: int = 1  # iterations between snapshots, or "auto" (issue 6: measured, then chosen)
+    interval: int = 1  # iterations between snapshots, or "auto" (measured, then chosen)
     chunk_mib: int = 4  # checksum / copy unit
     enabled: bool = True
     auto: bool = False  # set by "interval: auto"
@@ -180,7 +180,7 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """Coordination among the agents (issue 3): the key-value store, heartbeats, failure detection.
+    """Coordination among the agents: the key-value store, heartbeats, failure detection.
 
     ``store``: ``embedded`` (a torch TCPStore hosted by the root agent; every agent runs one at
     ``hosts[node]:store_port``, or ``127.0.0.1:store_port + node`` when ``hosts`` is empty, i.e.
@@ -304,7 +304,7 @@ class SimulateConfig:
 
 @dataclass(frozen=True)
 class RedundancyConfig:
-    """Peer redundancy of the in-memory snapshots against lost nodes (issue 3; ``megatron-ft plan``).
+    """Peer redundancy of the in-memory snapshots against lost nodes (``megatron-ft plan``).
 
     ``none``: each node keeps only its own snapshot; ``replica``: GEMINI's mixed placement of
     ``replicas`` copies (the node's own included); ``xor``: REFT's RAIM5 parity inside each
@@ -319,7 +319,7 @@ class RedundancyConfig:
     m: int = 2  # rs: parity nodes per coding group; any m of a group's k + m nodes may fail
     #: who moves the bytes to the peers: ``agent`` (the agents exchange every consistent version as
     #: soon as it is clean) or ``scheduled`` (the trainers send it in planned chunks inside the idle
-    #: spans / bubbles of the training timeline, issue 4; the ``schedule`` section says how)
+    #: spans / bubbles of the training timeline; the ``schedule`` section says how)
     transport: str = "agent"
 
     SCHEMES = ("none", "replica", "xor", "rs")
@@ -361,7 +361,7 @@ class RedundancyConfig:
 @dataclass(frozen=True)
 class ScheduleConfig:
     """How the scheduled transport (``redundancy.transport: scheduled``) times checkpoint traffic
-    (issue 4; ``docs/scheduling.md``).
+    (``docs/scheduling.md``).
 
     ``mode``: ``pipelined`` (GEMINI: chunks of R/p bytes in the network idle spans through p
     rotating sub-buffers), ``one-buffer`` (the same partition, one buffer of R: each chunk waits for

@@ -721,7 +721,7 @@ def add_parser(sub) -> None:
                    help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
     p.add_argument("--transport", choices=["agent", "scheduled"], default="agent",
                    help="who sends the peer copies (with --redundancy replica): the agents, or the trainers in "
-                        "planned chunks inside the training timeline's idle time (issue 4)")
+                        "planned chunks inside the training timeline's idle time")
     p.add_argument("--schedule-mode", choices=list(ftconfig.ScheduleConfig.MODES), default="pipelined",
                    help="--transport scheduled: when the chunks go (docs/scheduling.md)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")

@@ -1,4 +1,4 @@
-"""Erasure codecs (issue 3, item 3): XOR, Cauchy Reed-Solomon on ISA-L, numpy bit-matrix RS.
+"""Erasure codecs: XOR, Cauchy Reed-Solomon on ISA-L, numpy bit-matrix RS.
 
 Fast (< 30 s): small shards, every erasure pattern of up to m losses for several (k, m).
 ISA-L tests are skipped, with the reason, when libisal is absent (scripts/setup.sh installs it).

@@ -1,4 +1,4 @@
-"""Every shipped cluster config is valid and plannable: `megatron-ft plan` runs on it (issue 5)."""
+"""Every shipped cluster config is valid and plannable: `megatron-ft plan` runs on it."""
 import glob
 import os
 import subprocess

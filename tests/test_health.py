@@ -1,4 +1,4 @@
-"""The agents' health store and monitor (issue 3): the embedded TCPStore and a real etcd server
+"""The agents' health store and monitor: the embedded TCPStore and a real etcd server
 (the ``etcd`` binary of Debian's etcd-server, started here on free loopback ports), root election
 and re-election after the root agent's process is SIGKILLed, heartbeat failure verdicts, standby
 claims, and a node (the root's too) lost and rebuilt from its peers bit for bit."""

@@ -171,7 +171,7 @@ def test_corrupt_parity_block_is_never_restored(cluster):
 @pytest.mark.parametrize("cluster", [(2, {"scheme": "replica", "replicas": 2, "transport": "scheduled"})],
                          indirect=True, ids=["replica-scheduled"])
 def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
-    """Issue 4: the slot a trainer's scheduled transport reads is pinned in its agent, which outlives
+    """The slot a trainer's scheduled transport reads is pinned in its agent, which outlives
     the trainer: a repeated pin is harmless, and a lost trainer's pin is released (else a restarted
     job could never write that slot again). With the scheduled transport the agents do not exchange."""
     cluster.train(2, wait_complete=False)

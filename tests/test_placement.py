@@ -1,4 +1,4 @@
-"""Placement and coding plans (issue 3, item 1): the papers' hand-worked examples, recoverability of
+"""Placement and coding plans: the papers' hand-worked examples, recoverability of
 every plan checked against what each node holds, memory, failure counts, bad input, `megatron-ft plan`."""
 import ast
 import importlib.util

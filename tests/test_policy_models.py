@@ -1,4 +1,4 @@
-"""Issue 6: wasted time (GEMINI eq. 1-2), Weibull survival (REFT eq. 1-3), optimal intervals (REFT
+"""Wasted time (GEMINI eq. 1-2), Weibull survival (REFT eq. 1-3), optimal intervals (REFT
 eq. 4-11, Young, Daly) and the exact goodput of periodic checkpointing."""
 import doctest
 import math

@@ -1,4 +1,4 @@
-"""Issue 6: P(recover from memory | k simultaneous node failures) for replica (GEMINI), XOR (REFT) and
+"""P(recover from memory | k simultaneous node failures) for replica (GEMINI), XOR (REFT) and
 k+m coding (ECHECK): exact combinatorics == exhaustive enumeration for every N <= 12, GEMINI's
 Corollary 1 as a lower bound, Monte Carlo within its confidence interval for N = 1,000."""
 import itertools

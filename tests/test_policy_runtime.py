@@ -1,4 +1,4 @@
-"""Issue 6: `interval: auto`, the `failure:` / `simulate:` config sections, and the decision logic the
+"""`interval: auto`, the `failure:` / `simulate:` config sections, and the decision logic the
 checkpointer consults (no processes, except one end-to-end check with a real agent)."""
 import argparse
 import json
@@ -146,7 +146,7 @@ def test_placement_from_config_defaults_to_none():
         redundancy = Red()
 
     assert placement_from_config(Cfg()).label == "replica(m=2)"
-    if hasattr(config, "RedundancyConfig"):  # issue 3's section, when present
+    if hasattr(config, "RedundancyConfig"):  # the redundancy section, when present
         for red, label in [({"scheme": "replica", "replicas": 2}, "replica(m=2)"),
                            ({"scheme": "xor", "group_size": 2}, "xor(n=2)"),
                            ({"scheme": "rs", "k": 2, "m": 1}, "rs(k=2+m=1)")]:

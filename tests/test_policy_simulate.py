@@ -1,4 +1,4 @@
-"""Issue 6: the event-driven goodput simulator and `megatron-ft simulate`."""
+"""The event-driven goodput simulator and `megatron-ft simulate`."""
 import csv
 import math
 import os

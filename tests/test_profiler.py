@@ -1,4 +1,4 @@
-"""The timeline profiler (issue 4 item 1): megatron-core hooks on a real 2-stage pipeline, the
+"""The timeline profiler: megatron-core hooks on a real 2-stage pipeline, the
 profile files, their summary, and ``megatron-ft timeline``.
 
 * ``profiled_run`` (module scope, ~1 min): two real megatron-core ranks (PP=2, gloo) under torchrun,

@@ -104,7 +104,7 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
 
 
 def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
-    """Issue 3: a whole node (trainers, launcher, agent, shared memory) is lost and replaced; its
+    """A whole node (trainers, launcher, agent, shared memory) is lost and replaced; its
     ranks come back from the replica on the other node, the rest from local memory."""
     s = demo(tmp_path, reference_dir, "--fail=node", "--redundancy=replica", f"--kill-at={KILL_AT}")
     assert s["recovered_from"] == "peer_memory"
@@ -112,7 +112,7 @@ def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
 
 
 def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, reference_dir):
-    """Issue 4: the trainers send the copies (planned chunks, rotating sub-buffers; the agents do not
+    """The trainers send the copies (planned chunks, rotating sub-buffers; the agents do not
     exchange at all with ``transport: scheduled``); the lost node's ranks come back bit for bit."""
     s = demo(tmp_path, reference_dir, "--fail=node", "--redundancy=replica", "--transport=scheduled",
              f"--kill-at={KILL_AT}")

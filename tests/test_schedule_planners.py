@@ -1,4 +1,4 @@
-"""Checkpoint-traffic planners (issue 4, item 2): GEMINI Algorithm 2, BAFT Algorithms 1 and 2, span
+"""Checkpoint-traffic planners: GEMINI Algorithm 2, BAFT Algorithms 1 and 2, span
 and bubble derivation. Pure and fast. Expected values are worked by hand in the comments."""
 import itertools
 import math

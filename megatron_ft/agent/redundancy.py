@@ -137,7 +137,7 @@ class Redundancy:
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")  # encodes row r+1 while r is sent
         self._aconns: dict[int, PeerClient] = {}  # the announcer's open connections
-        #: transport "scheduled": the trainers send their copies (issue 4); steps whose transfer
+        #: transport "scheduled": the trainers send their copies; steps whose transfer
         #: started here -> when; their primary slots stay protected until the group holds them
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
         self._sched_sending: dict[int, float] = {}

@@ -651,7 +651,7 @@ class Agent:
             if self.redundancy is None:
                 raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
             return self.redundancy.recover(int(msg["rank"]), int(msg["step"]))
-        if op and op.startswith("sched_"):  # the scheduled transport's trainers (issue 4)
+        if op and op.startswith("sched_"):  # the scheduled transport's trainers
             if self.redundancy is None or not self.redundancy.scheduled:
                 raise RuntimeError(f"{op}: redundancy.transport is not 'scheduled' on node {self.node}")
             red = self.redundancy

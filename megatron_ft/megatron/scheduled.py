@@ -1,4 +1,4 @@
-"""The scheduled transport in a megatron-core training loop (issue 4): profile the first W
+"""The scheduled transport in a megatron-core training loop: profile the first W
 iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
 (:func:`megatron_ft.schedule.modes.plan_sends_every`), then run them every iteration
 (:class:`megatron_ft.transport.scheduled.ScheduledTransport`).

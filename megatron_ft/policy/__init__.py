@@ -1,4 +1,4 @@
-"""Failure-aware policy (issue 6): the papers' models as pure, tested functions.
+"""Failure-aware policy: the papers' models as pure, tested functions.
 
 One module per idea (each docstring works an example by hand):
 

@@ -74,8 +74,8 @@ class Decision:
 
 
 def placement_from_config(cfg: ftconfig.FTConfig) -> Placement:
-    """The job's redundancy placement over its nodes, from the ``redundancy:`` section (issue 3:
-    ``scheme``, ``replicas``, ``group_size``, ``k``, ``m``); ``none`` without one (a hardware failure
+    """The job's redundancy placement over its nodes, from the ``redundancy:`` section
+    (``scheme``, ``replicas``, ``group_size``, ``k``, ``m``); ``none`` without one (a hardware failure
     loses that node's snapshot). xor's ``group_size: 0`` (a whole sharding group) is taken as all nodes."""
     nodes = cfg.cluster.nodes
     red = getattr(cfg, "redundancy", None)

@@ -1,4 +1,4 @@
-"""Peer redundancy for the in-memory snapshots (issue 3): placement and coding plans.
+"""Peer redundancy for the in-memory snapshots: placement and coding plans.
 
 Pure functions, one module per paper (each docstring works an example by hand):
 

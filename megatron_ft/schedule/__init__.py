@@ -1,4 +1,4 @@
-"""Checkpoint-traffic planners (issue 4, item 2): where in an iteration the snapshot's bytes go over
+"""Checkpoint-traffic planners: where in an iteration the snapshot's bytes go over
 the network so that they do not slow training. Pure functions, no processes, no torch.
 
 * :mod:`.spans`  - idle spans, recorded events, the alpha-beta link model; network idle spans

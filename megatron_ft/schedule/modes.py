@@ -1,4 +1,4 @@
-"""Send schedules of the scheduled transport, one per mode (issue 4, items 3-4; GEMINI figure 16,
+"""Send schedules of the scheduled transport, one per mode (GEMINI figure 16,
 BAFT section 4). Pure: profiled spans and sizes in, a :class:`SendSchedule` out.
 
 A schedule lists the :class:`Send` s of one checkpoint transfer: which bytes of the container go to

@@ -1,4 +1,4 @@
-"""Per-rank timeline profiler (issue 4, item 1): records the first W iterations of a rank, writes
+"""Per-rank timeline profiler: records the first W iterations of a rank, writes
 them as JSON, and summarises them into network idle spans and reserved pipeline bubbles with their
 variance across iterations (:mod:`.spans`). No torch here: the records come from
 :mod:`megatron_ft.megatron.hooks` (a :class:`Profiler` is one of its sinks) or from anything that

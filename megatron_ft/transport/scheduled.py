@@ -1,4 +1,4 @@
-"""The scheduled transport (issue 4, item 3): trainers send their latest clean snapshot to the peers
+"""The scheduled transport: trainers send their latest clean snapshot to the peers
 that hold its copies, in the chunks and at the times of a :class:`~megatron_ft.schedule.modes.SendSchedule`,
 through rotating sub-buffers; the receiving trainer copies each chunk into its agent's shared memory
 while the next one arrives, and tells its agent when every chunk is there.

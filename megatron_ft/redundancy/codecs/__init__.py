@@ -1,4 +1,4 @@
-"""Erasure codecs for peer-memory redundancy (issue 3, item 3).
+"""Erasure codecs for peer-memory redundancy.
 
 Shards are equal-length, caller-preallocated ``numpy.uint8`` arrays; indices ``0..k-1`` are
 data, ``k..k+m-1`` parity::
