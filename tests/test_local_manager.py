@@ -176,3 +176,36 @@ def test_validate_args_selects_and_checks():
         with pytest.raises(ftconfig.ConfigError, match=msg):
             local_manager.validate_args(bad)
 
+
+
+def _scheduled_config(tmp_path):
+    import yaml
+
+    cfg = ftconfig.replace(ftconfig.load(), redundancy={"scheme": "replica", "transport": "scheduled"})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return str(path)
+
+
+def test_scheduled_transport_is_refused_with_upstream_training(tmp_path):
+    """Upstream's loop has no hooks for the trainers to send the copies: protection would be off."""
+    with pytest.raises(ftconfig.ConfigError, match="redundancy.transport=scheduled is not available.*allowed here: "
+                                                   "redundancy.transport: agent"):
+        local_manager.validate_args(_args(inmem_ckpt=True, inmem_ckpt_config=_scheduled_config(tmp_path)))
+
+
+def test_a_configuration_error_under_the_launcher_ends_the_job_once(tmp_path):
+    """Under megatron-ft launch (MFT_RUN_DIR, MFT_NODE_RANK) a bad value ends the job (exit 2, the
+    message recorded for every launcher) instead of torchrun retrying it max_restarts times."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import argparse\nfrom megatron_ft.megatron import local_manager\n"
+            "local_manager.validate_args(argparse.Namespace(inmem_ckpt=True, non_persistent_ckpt_type=None, "
+            "ckpt_format='torch', save='/s', load='/s'))\n")
+    env = dict(os.environ, MFT_RUN_DIR=str(tmp_path), MFT_NODE_RANK="1", RANK="3")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    rec = json.loads((tmp_path / "node1" / "fatal.json").read_text())
+    assert rec["node"] == 1 and rec["message"].startswith("rank 3: --ckpt-format torch:")

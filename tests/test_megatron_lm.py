@@ -81,28 +81,33 @@ def test_upstream_trainer_kill_resumes_from_local_memory_bit_exact(tmp_path):
 
 @needs_upstream
 @pytest.mark.slow
-def test_upstream_node_loss_with_replica_resumes_from_peer_memory(tmp_path):
-    s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--kill-at=4")
-    assert s["recovered_from"] == "peer_memory" and 3 <= s["resumed_step"] <= 4
+@pytest.mark.parametrize("scheme,optimizer,tier", [
+    ("replica", [], "peer_memory"), ("replica", ["--train-arg=--use-distributed-optimizer"], "peer_memory"),
+    ("xor", [], "decoded"), ("rs", [], "decoded")], ids=["replica", "replica-distributed", "xor", "rs"])
+def test_upstream_node_loss_resumes_from_the_group(tmp_path, scheme, optimizer, tier):
+    s = demo(tmp_path, "--fail=node", f"--redundancy={scheme}", "--kill-at=4", *optimizer)
+    assert s["recovered_from"] == tier and 3 <= s["resumed_step"] <= 4
 
 
 @needs_upstream
 @pytest.mark.slow
-def test_upstream_all_trainers_of_a_node(tmp_path):
-    s = demo(tmp_path, "--fail=all-trainers", "--kill-at=4")
+@pytest.mark.parametrize("optimizer", [[], ["--train-arg=--use-distributed-optimizer"]], ids=["adam", "distributed"])
+def test_upstream_all_trainers_of_a_node(tmp_path, optimizer):
+    s = demo(tmp_path, "--fail=all-trainers", "--kill-at=4", *optimizer)
     assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
 
 
 @needs_upstream
 @pytest.mark.slow
-def test_upstream_node_loss_without_redundancy_resumes_from_the_persisted_step(tmp_path):
+@pytest.mark.parametrize("optimizer", [[], ["--train-arg=--use-distributed-optimizer"]], ids=["adam", "distributed"])
+def test_upstream_node_loss_without_redundancy_resumes_from_the_persisted_step(tmp_path, optimizer):
     """--inmem-ckpt-persist-dir on the training command reaches the agents: after a node loss the job
-    resumes from the newest step persisted whole before it (the demo checks that step)."""
+    resumes from the newest step persisted whole before it (the demo reads the directory at the kill).
+    Persisting every 3 steps, at least step 9 is on disk when iteration 12 ends."""
     s = demo(tmp_path, "--fail=node", "--kill-at=12", f"--train-arg=--inmem-ckpt-persist-dir={tmp_path / 'fast'}",
-             "--train-arg=--inmem-ckpt-persist-interval=3", iters=16)
-    assert s["recovered_from"] in ("disk", "none")
-    if s["newest_persisted_before_failure"] is not None:
-        assert (s["recovered_from"], s["resumed_step"]) == ("disk", s["newest_persisted_before_failure"])
+             "--train-arg=--inmem-ckpt-persist-interval=3", *optimizer, iters=16)
+    assert s["newest_persisted_before_failure"] is not None and s["newest_persisted_before_failure"] >= 9, s
+    assert (s["recovered_from"], s["resumed_step"]) == ("disk", s["newest_persisted_before_failure"])
 
 
 @needs_upstream

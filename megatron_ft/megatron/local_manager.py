@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,6 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
 from .. import config as ftconfig
+from .. import fatal
 from ..checkpointer import InMemoryCheckpointer
 from ..layout import Layout, dtype_from_name
 from ..recovery import RestoreFailed
@@ -243,8 +245,18 @@ def validate_args(args: argparse.Namespace) -> None:
 
     ``--inmem-ckpt`` selects ``--non-persistent-ckpt-type in_memory`` (and the other way round);
     ``--non-persistent-save-interval`` defaults to ``--inmem-ckpt-interval`` (1 for ``auto``, which
-    then picks its own interval among the iterations Megatron offers). Raises ``ConfigError``
-    naming the bad value."""
+    then picks its own interval among the iterations Megatron offers). A bad value raises
+    ``ConfigError`` naming it; under ``megatron-ft launch`` it ends the whole job at once instead
+    (:func:`megatron_ft.fatal.end_job`, exit 2), since torchrun would only repeat it ``max_restarts`` times."""
+    try:
+        _validate_args(args)
+    except ftconfig.ConfigError as e:
+        if os.environ.get("MFT_RUN_DIR") and os.environ.get("MFT_NODE_RANK") is not None:
+            fatal.end_job(f"rank {os.environ.get('RANK', '?')}: {e}")
+        raise
+
+
+def _validate_args(args: argparse.Namespace) -> None:
     kind = getattr(args, "non_persistent_ckpt_type", None)
     if getattr(args, "inmem_ckpt", False):
         if kind not in (None, CKPT_TYPE):
@@ -263,6 +275,13 @@ def validate_args(args: argparse.Namespace) -> None:
                                        f"with --save and restores them only with --load; pass both (the same "
                                        f"directory is fine, nothing is written there unless --save-interval says so)")
     cfg = ftconfig.from_args(args)  # validates the megatron-ft config and flags
+    if cfg.redundancy.scheme != "none" and cfg.redundancy.transport == "scheduled":
+        # the trainers send the peer copies only from the training-loop hooks of scripts/pretrain_gpt.py;
+        # here nobody would, and a lost node would find no copy (a silent fresh start)
+        raise ftconfig.ConfigError(
+            "redundancy.transport=scheduled is not available with upstream Megatron-LM's training loop (the "
+            "trainers send the scheduled copies only from scripts/pretrain_gpt.py's hooks); allowed here: "
+            "redundancy.transport: agent (the agents send the copies)")
     every = 1 if cfg.snapshot.auto else cfg.snapshot.interval
     given = getattr(args, "non_persistent_save_interval", None)
     if given is None:
