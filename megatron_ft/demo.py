@@ -155,12 +155,9 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
             pids.append(pid)
         except ProcessLookupError:
             pass
-    node_dir = os.path.join(run_dir, f"node{node}")
-    for name in ("launcher.pid", "agent.pid"):
-        try:
-            with open(os.path.join(node_dir, name)) as f:
-                pid = int(f.read())
-        except (OSError, ValueError):
+    for name in ("launcher", "agent"):
+        pid = node_pid(run_dir, node, name)
+        if pid is None:
             continue
         try:
             os.killpg(os.getpgid(pid), signal.SIGKILL)
@@ -296,21 +293,13 @@ def _all_records(run_dir: str, kind: str) -> list[dict]:
     return [r for name in sorted(os.listdir(d)) for r in read_jsonl(os.path.join(d, name))] if os.path.isdir(d) else []
 
 
-def kill_agent_when(run_dir: str, rank: int, iteration: int, node: int, p: subprocess.Popen, timeout: float,
-                    log_path: str) -> tuple[int, int]:
-    """SIGKILL node ``node``'s agent once ``rank`` finished ``iteration``."""
-    deadline = time.time() + timeout
-    while True:
-        recs = _progress(run_dir, rank)
-        if recs and recs[-1]["iteration"] >= iteration:
-            break
-        if p.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"job never reached iteration {iteration}; log {log_path}")
-        time.sleep(0.02)
-    with open(os.path.join(run_dir, f"node{node}", "agent.pid")) as f:
-        pid = int(f.read())
-    os.kill(pid, signal.SIGKILL)
-    return node, pid
+def node_pid(run_dir: str, node: int, name: str) -> Optional[int]:
+    """The pid node ``node``'s launcher wrote for its ``launcher`` or ``agent`` (None: not there yet)."""
+    try:
+        with open(os.path.join(run_dir, f"node{node}", f"{name}.pid")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def node_workers(run_dir: str, node: int) -> list[int]:
@@ -318,30 +307,13 @@ def node_workers(run_dir: str, node: int) -> list[int]:
     import psutil
 
     try:
-        with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
-            launcher = psutil.Process(int(f.read()))
+        launcher = psutil.Process(node_pid(run_dir, node, "launcher") or -1)
         for child in launcher.children():
             if "torch.distributed.run" in " ".join(child.cmdline()):
                 return [w.pid for w in child.children()]
     except (OSError, ValueError, psutil.Error):
         pass
     return []
-
-
-def _agent_pid(run_dir: str, node: int) -> Optional[int]:
-    try:
-        with open(os.path.join(run_dir, f"node{node}", "agent.pid")) as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def kill_during_recovery(run_dir: str, nodes: int, known: set[int], prefer_not: set[int], delay: float,
@@ -532,9 +504,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
 
     try:
-        if args.kill_agent and victims:
-            agent_killed = kill_agent_when(run_dir, victims[0], max(1, args.kill_at - 2), victims[0] // rpn,
-                                           p, args.timeout, log_path)
+        if args.kill_agent and victims:  # two iterations before the trainers' failure
+            wait_iteration(victims[:1], max(1, args.kill_at - 2))
+            agent_killed = (victims[0] // rpn, node_pid(run_dir, victims[0] // rpn, "agent"))
+            os.kill(agent_killed[1], signal.SIGKILL)
             say(f"[demo] SIGKILL -> agent of node {agent_killed[0]} (pid {agent_killed[1]}); the launcher restarts it")
         if victims and args.kill_point != "after-iteration":
             kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
@@ -551,8 +524,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                 kill_time = time.time()
             elif args.fail == "launcher":
                 node = victims[0] // rpn
-                with open(os.path.join(run_dir, f"node{node}", "launcher.pid")) as f:
-                    lpid = int(f.read())
+                lpid = node_pid(run_dir, node, "launcher")
                 os.kill(lpid, signal.SIGKILL)
                 killed_pids.append(lpid)
                 kill_time = time.time()
@@ -564,15 +536,18 @@ def run_demo(args: argparse.Namespace) -> dict:
                 # the next steps: once it runs and the node's trainers finished two more iterations,
                 # they are SIGKILLed and must resume from it, at a step taken after its restart
                 node = victims[0] // rpn
-                old = _agent_pid(run_dir, node)
+                old = node_pid(run_dir, node, "agent")
                 os.kill(old, signal.SIGKILL)
                 agent_killed = (node, old)
                 say(f"[demo] SIGKILL -> agent of node {node} (pid {old}) inside iteration {args.kill_at + 1}")
+                import psutil
+
                 from .protocol import socket_path
 
                 sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
                 # restarted: a new pid, alive, listening on the node's socket (the launcher removes it first)
-                while not ((new := _agent_pid(run_dir, node)) and new != old and _alive(new) and os.path.exists(sock)):
+                while not ((new := node_pid(run_dir, node, "agent")) and new != old and psutil.pid_exists(new)
+                           and os.path.exists(sock)):
                     if p.poll() is not None or time.time() > deadline:
                         raise RuntimeError(f"node {node}'s agent was never restarted; log {log_path}")
                     time.sleep(0.05)
