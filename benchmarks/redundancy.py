@@ -131,7 +131,7 @@ def tiers(workdir: str, nbytes: int) -> tuple[list[tuple], list[tuple]]:
                     mem.append((red["scheme"] + (f" k={red['k']} m={red['m']}" if "k" in red else ""), n,
                                 sizes[0], sum(sizes), len(sizes), st["redundancy"]["block_bytes"], ideal))
             if persist:
-                c.clients[0].request("wait_persisted", timeout=600)
+                c.clients[0].request("wait_persisted", wait_s=600)
             if lost is None:
                 res, _ = c.restore(0)
                 rows.append((label, res.source, res.seconds))

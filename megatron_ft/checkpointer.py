@@ -46,7 +46,7 @@ class InMemoryCheckpointer:
         self.coord_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         path = agent_socket or os.environ.get("MFT_AGENT_SOCKET") or socket_path(
             cfg.agent.socket_dir, cfg.run_id, self.node)
-        self.client: Optional[AgentClient] = AgentClient(path)
+        self.client: Optional[AgentClient] = AgentClient(path, cfg.agent.request_timeout_s)
         try:
             hello = self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                                          "pid": os.getpid(), "run_id": cfg.run_id})

@@ -17,7 +17,7 @@ def _status(args: argparse.Namespace) -> int:
     for node in range(cfg.cluster.nodes):
         path = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
         try:
-            c = AgentClient(path, timeout=5)
+            c = AgentClient(path, cfg.agent.request_timeout_s)
             c.connect({"rank": -1, "local_rank": -1, "pid": 0, "run_id": cfg.run_id})
             print(json.dumps(c.request("status")["status"], indent=1))
             c.close(orderly=True)

@@ -146,6 +146,9 @@ class AgentConfig:
     shm_dir: str = "/dev/shm"
     socket_dir: str = "/tmp/megatron-ft/sockets"
     connect_timeout_s: float = 60.0
+    #: the bound on every request to an agent (a trainer's, a launcher's, a peer agent's); one that
+    #: waits on purpose (e.g. for queued persists) says its own
+    request_timeout_s: float = 30.0
     shm_limit_mib: int = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
     #: true: a trainer that cannot reach its agent or get its slots ends the job (exit 2, never retried);
     #: false: it trains unprotected, saying so
@@ -159,6 +162,7 @@ class AgentConfig:
         _check_str("agent.socket_dir", self.socket_dir)
         if not isinstance(self.connect_timeout_s, (int, float)) or self.connect_timeout_s <= 0:
             _fail("agent.connect_timeout_s", self.connect_timeout_s, "must be a positive number of seconds")
+        _check_num("agent.request_timeout_s", self.request_timeout_s, 1.0)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class NodeLauncher:
             proc = psutil.Process(pid)
             if "megatron_ft.agent" not in " ".join(proc.cmdline()) or not os.path.exists(self.sock):
                 return False
-            c = AgentClient(self.sock, timeout=10)
+            c = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
             try:
                 c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
                 c.request("adopt", launcher_pid=os.getpid())
@@ -125,7 +125,7 @@ class NodeLauncher:
         if self.agent is None or self.agent.poll() is not None:
             return
         try:
-            c = AgentClient(self.sock, timeout=10)
+            c = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
             c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
             c.request("shutdown")
             c.close(orderly=False)

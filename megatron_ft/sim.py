@@ -77,7 +77,7 @@ class AgentProc:
         return self
 
     def client(self, rank: int = 0) -> AgentClient:
-        c = AgentClient(self.sock)
+        c = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
         c.connect({"rank": rank, "local_rank": rank, "pid": os.getpid(), "run_id": self.cfg.run_id})
         return c
 

@@ -177,7 +177,7 @@ def test_periodic_persist_and_retention(job_config, tmp_path):
         model = make_model()
         for step in range(1, 8):  # one step at a time, each persist finished before the next snapshot
             model = train_and_snapshot(c, cfg, 1, start=step, model=model)[:2]
-            c.request("wait_persisted", timeout=30)
+            c.request("wait_persisted", wait_s=30)
         assert sorted(a_status(c)["persisted"]) == [2, 4, 6]
         assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
     finally:
@@ -282,7 +282,7 @@ def test_truncated_slot_is_never_read_past_its_end(agent):
     newest = max(c.request("list", rank=0)["versions"], key=lambda v: v["step"])
     os.truncate(newest["path"], 4096)
     c.request("persist", step=newest["step"])
-    c.request("wait_persisted", timeout=30)
+    c.request("wait_persisted", wait_s=30)
     st = a_status(c)
     assert newest["step"] not in st["persisted"] and st["persist_errors"], st
     assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [1]
@@ -305,7 +305,7 @@ def test_persist_verifies_every_chunk_before_writing(agent):
         f.write(bytes([b[0] ^ 0x5A]))
     c.request("persist", step=2)
     c.request("persist", step=1)
-    c.request("wait_persisted", timeout=30)
+    c.request("wait_persisted", wait_s=30)
     st = a_status(c)
     assert st["persisted"] == [1] and "checksum mismatch" in st["persist_errors"][-1], st
     assert not os.path.exists(persist.rank_file(agent.cfg.persist.dir, agent.cfg.run_id, 2, 0))

@@ -92,8 +92,8 @@ def test_rs_survives_m_lost_nodes_including_the_root(cluster):
 @pytest.mark.parametrize("cluster", [REPLICA + (1,)], indirect=True, ids=["replica"])
 def test_whole_replica_group_lost_falls_back_to_disk(cluster, caplog):
     cluster.train(2)
-    cluster.clients[0].request("wait_persisted", timeout=60)
-    cluster.clients[1].request("wait_persisted", timeout=60)
+    cluster.clients[0].request("wait_persisted", wait_s=60)
+    cluster.clients[1].request("wait_persisted", wait_s=60)
     for n in (0, 1):
         cluster.lose_node(n)
     for n in (0, 1):
@@ -180,12 +180,12 @@ def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
         return {s["step"]: s["pins"] for s in cluster.status(0)["ranks"]["0"]["slots"]}
 
     assert len(cluster.status(0)["ranks"]["0"]["slots"]) == 4  # complete, sending, newest, writing
-    transport = AgentClient(cluster.agents[0].sock)  # a trainer's transport connection (role: transport)
+    transport = AgentClient(cluster.agents[0].sock, 30)  # a trainer's transport connection (role: transport)
     transport.connect({"rank": 0, "run_id": cluster.run_id, "role": "transport"})
     for _ in range(2):
         assert transport.request("sched_pin", rank=0, step=2)["size"] > 0
     assert pins()[2] == 1
-    trainer = AgentClient(cluster.agents[0].sock)
+    trainer = AgentClient(cluster.agents[0].sock, 30)
     trainer.connect({"rank": 0, "run_id": cluster.run_id})
     trainer.close(orderly=False)  # the trainer process dies
     wait_for("the lost trainer's pin to be released", lambda: pins()[2] == 0, 10.0, cluster.agents[0].log)

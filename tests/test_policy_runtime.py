@@ -262,7 +262,7 @@ def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch):
         after = [s for s in snapped if s > 4]
         assert after and all(s % d.snapshot_every == 0 for s in after)
         c = agent.client(rank=0)
-        persisted = c.request("wait_persisted", timeout=60)["persisted"]
+        persisted = c.request("wait_persisted", wait_s=60)["persisted"]
         c.close(orderly=True)
         if d.persist_every:
             assert persisted, "the agent never persisted on the policy's request"

@@ -39,12 +39,16 @@ from ..redundancy import exchange as xch
 from ..redundancy import rebuild
 from ..redundancy.codecs import get_codec
 from ..redundancy.plan import RedundancyPlan, plan_from_config
-from .peers import PeerClient, PeerError, PeerServer, discard, recv_into
+from ..transport import wire
 
 log = logging.getLogger("megatron_ft.agent")
 
 EXCHANGE_TIMEOUT_S = 60.0
-RECOVERY_WAIT_S = 15.0  # for the group's holdings after a failover; within a trainer's 30 s request timeout
+RECOVERY_WAIT_S = 15.0  # for the group's holdings after a failover; within a trainer's request timeout (30 s)
+
+
+class PeerError(wire.RemoteError):
+    """A peer agent refused a request (the message says why), or could not be found."""
 SCHEDULED_TIMEOUT_S = 3600.0  # a scheduled transfer spreads over iterations: protect its step longer
 
 
@@ -130,13 +134,13 @@ class Redundancy:
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
-        self._conns: dict[int, PeerClient] = {}  # the exchange thread's open connections to peers
+        self._conns: dict[int, wire.Client] = {}  # the exchange thread's open connections to peers
         self._ex_cache: Optional[tuple] = None
         self._serial = 0  # block version files created (their names' suffix)
         self._started: dict[int, float] = {}  # step -> when this node began exchanging it
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")  # encodes row r+1 while r is sent
-        self._aconns: dict[int, PeerClient] = {}  # the announcer's open connections
+        self._aconns: dict[int, wire.Client] = {}  # the announcer's open connections
         #: transport "scheduled": the trainers send their copies; steps whose transfer
         #: started here -> when; their primary slots stay protected until the group holds them
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
@@ -147,7 +151,7 @@ class Redundancy:
         self._codec = None
         if self.plan.scheme == "rs":  # the group's own k: a remainder of nodes joins a group as data nodes
             self._codec = get_codec("rs", g.k, g.m)
-        self.server = PeerServer(host, 0, self._handle).start()
+        self.server = wire.Server((host, 0), self, name=f"peers-n{self.node}").start()
         self.address = f"{self.server.address[0]}:{self.server.address[1]}"
         self.store.publish(f"addr/{self.node}", self.address)
         self._thread = threading.Thread(target=self._loop, name="exchange", daemon=True)
@@ -233,27 +237,20 @@ class Redundancy:
         host, port = v.rsplit(":", 1)
         return host, int(port)
 
-    def _client(self, node: int) -> PeerClient:
-        return PeerClient(self.addr(node), timeout=30)
+    def _client(self, node: int) -> wire.Client:
+        """A connection to ``node``'s agent (its address looked up at each (re)connect: a restarted
+        agent listens on a new port); bounded by ``agent.request_timeout_s``."""
+        return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError)
 
     def _send(self, node: int, msg: dict, payload: Optional[memoryview] = None,
               conns: Optional[dict] = None) -> dict:
         """A request on a kept-open connection to ``node`` (``conns``: one dict per thread - the
-        exchange thread's by default, the announcer's); one reconnect if the peer restarted since."""
+        exchange thread's by default, the announcer's); the wire re-opens it once if the peer restarted."""
         conns = self._conns if conns is None else conns
-        for attempt in (0, 1):
-            cl = conns.get(node)
-            try:
-                if cl is None:
-                    cl = conns[node] = self._client(node)
-                return cl.request(msg, payload)
-            except (OSError, ConnectionError):
-                conns.pop(node, None)
-                if cl is not None:
-                    cl.close()
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        cl = conns.get(node)
+        if cl is None:
+            cl = conns[node] = self._client(node)
+        return cl.request(**msg, payload=payload)
 
     # ------------------------------------------------------------------ sending (one version)
     def version_global(self, step: int) -> None:
@@ -390,29 +387,28 @@ class Redundancy:
                 v.lock.release()
         return v
 
-    def _receive(self, msg: dict, payload: Optional[memoryview], sock: Any = None) -> dict:
+    def _receive(self, msg: dict, payload: Optional[memoryview], conn: Optional[wire.Connection] = None) -> dict:
+        """One contribution to a block version: ``payload`` in memory (this node's own), or still on
+        ``conn`` (a peer's put), read straight into the block's shared memory."""
         key, step, length, src = msg["key"], int(msg["step"]), int(msg["length"]), int(msg["src"])
         n = int(msg.get("nbytes", len(payload) if payload is not None else 0))
         if n > length:
             raise ValueError(f"contribution of {n} bytes to block {key} of {length} bytes")
         v = self._version_for(key, step, length, int(msg["expect"]), msg.get("meta") or {})
         if v is None:
-            if sock is not None:
-                msg["_consumed"] = True
-                discard(sock, n)
+            if conn is not None:
+                conn.skip()
             return {"ignored": True}
         dst = v.segment.array
         if msg["kind"] == xch.COPY:
-            if sock is not None:
-                msg["_consumed"] = True
-                recv_into(sock, memoryview(v.segment.mm)[:n])
+            if conn is not None:
+                conn.read_into(memoryview(v.segment.mm)[:n])
             else:
                 dst[:n] = np.frombuffer(payload, np.uint8)
         else:
-            if sock is not None:
+            if conn is not None:
                 tmp = np.empty(n, np.uint8)
-                msg["_consumed"] = True
-                recv_into(sock, memoryview(tmp))
+                conn.read_into(memoryview(tmp))
             else:
                 tmp = np.frombuffer(payload, np.uint8)
             with v.lock:
@@ -508,19 +504,23 @@ class Redundancy:
         return {}
 
     # ------------------------------------------------------------------ serving peers
-    def _handle(self, msg: dict, sock) -> tuple[dict, Any]:
+    # wire.Handler: requests from the group's agents
+    def closed(self, conn: wire.Connection) -> None:
+        pass
+
+    def handle(self, conn: wire.Connection, msg: dict) -> "wire.Reply | dict":
         op = msg.get("op")
         if msg.get("run_id", self.cfg.run_id) != self.cfg.run_id:
             raise ValueError(f"run_id {msg.get('run_id')!r} is not this agent's {self.cfg.run_id!r}")
         if op == "put":
-            return self._receive(msg, None, sock), None
+            return self._receive(msg, None, conn)
         if op == "announce":
             self._on_announce(int(msg["node"]), int(msg["step"]))
-            return {}, None
+            return {}
         if op == "holds":
-            return self.holds(), None
+            return self.holds()
         if op == "get":
-            return {}, self._serve_get(msg)
+            return wire.Reply(payload=self._serve_get(msg))
         raise ValueError(f"unknown peer op {op!r}")
 
     def holds(self) -> dict:
@@ -561,7 +561,7 @@ class Redundancy:
             try:
                 cl = self._client(n)
                 try:
-                    out[n] = cl.request({"op": "holds"})
+                    out[n] = cl.request("holds")
                 finally:
                     cl.close()
             except (OSError, PeerError) as e:
@@ -579,7 +579,7 @@ class Redundancy:
         try:
             msg = {"op": "get", "what": what, "step": step, "lo": lo, "hi": hi}
             msg["rank" if what == "primary" else "key"] = ident
-            cl.get(msg, dst)
+            cl.request(**msg, into=dst)
         finally:
             cl.close()
 

@@ -20,8 +20,6 @@ import logging
 import os
 import queue
 import signal
-import socket
-import socketserver
 import sys
 import threading
 import time
@@ -31,7 +29,8 @@ from typing import Optional
 from .. import config as ftconfig
 from .. import shm, snapfile
 from ..layout import Layout
-from ..protocol import recv_msg, send_msg, socket_path
+from ..protocol import socket_path
+from ..transport import wire
 from . import persist
 from .versions import BusyError, TransitionError, VersionTable
 
@@ -76,7 +75,7 @@ class Agent:
         self._stop = threading.Event()
         self._done = threading.Event()  # set when shutdown() has finished
         self.socket_path = socket_path(cfg.agent.socket_dir, self.run_id, node)
-        self._server: Optional[socketserver.ThreadingUnixStreamServer] = None
+        self._server: Optional[wire.Server] = None
         self._persist_thread: Optional[threading.Thread] = None
         self.started = time.time()
         self._sched_pins: dict[int, SlotRef] = {}  # rank -> the slot its scheduled transport reads
@@ -553,21 +552,10 @@ class Agent:
 
     # ------------------------------------------------------------------ serving
     def serve_forever(self) -> None:
+        """Serve trainers on the node's Unix socket (:mod:`megatron_ft.transport.wire`) until
+        :meth:`shutdown`; starts the persist thread."""
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        agent = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                agent._handle_connection(self.request)
-
-        class Server(socketserver.ThreadingUnixStreamServer):
-            daemon_threads = True
-
-        self._server = Server(self.socket_path, Handler)
+        self._server = wire.Server(self.socket_path, self, name=f"agent-n{self.node}")
         self._persist_thread = threading.Thread(target=self._persist_loop, name="persist", daemon=True)
         self._persist_thread.start()
         backing = shm.page_backing(self.cfg.agent.shm_dir)
@@ -577,47 +565,32 @@ class Agent:
             log.info("agent node %d: %s has 4 KiB pages; a huge-page tmpfs restores ~2x faster: "
                      "`megatron-ft shm-mount DIR --size S` (root), then agent.shm_dir: DIR", self.node,
                      self.cfg.agent.shm_dir)
-        try:
-            self._server.serve_forever(poll_interval=0.2)
-        finally:
-            self._server.server_close()
+        self._server.serve_forever()
 
-    def _handle_connection(self, sock: socket.socket) -> None:
-        rank: Optional[int] = None
-        orderly = False
-        try:
-            while True:
-                try:
-                    msg = recv_msg(sock)
-                except ConnectionError:
-                    break
-                op = msg.get("op")
-                try:
-                    reply = self._dispatch(op, msg)
-                    if op == "hello" and msg.get("role") != "transport":  # a trainer (not its transport's threads)
-                        rank = int(msg["rank"])
-                        with self.lock:
-                            if not self.connected.get(rank):  # a restarted trainer: no transfer of the old one
-                                self.unpin_rank(rank)
-                            self.connected[rank] = self.connected.get(rank, 0) + 1
-                    if op == "bye":
-                        orderly = True
-                    send_msg(sock, {"ok": True, **reply})
-                except BusyError as e:
-                    send_msg(sock, {"ok": False, "error": str(e), "busy": True})
-                except Exception as e:  # report to the trainer, keep serving
-                    send_msg(sock, {"ok": False, "error": f"{type(e).__name__}: {e}", "kind": type(e).__name__})
-                if op == "shutdown":
-                    threading.Thread(target=self.shutdown, daemon=True).start()
-                    return
-                if op == "bye":
-                    return
-        finally:
-            if rank is not None:
-                with self.lock:
-                    self.connected[rank] = max(0, self.connected.get(rank, 1) - 1)
-                if not orderly and not self._stop.is_set():
-                    self.trainer_lost(rank)
+    # wire.Handler: one connection per trainer (and per scheduled-transport thread, launcher, CLI)
+    def handle(self, conn: wire.Connection, msg: dict) -> "wire.Reply | dict":
+        op = msg.get("op")
+        reply = self._dispatch(op, msg)
+        if op == "hello" and msg.get("role") != "transport" and int(msg["rank"]) >= 0:
+            rank = conn.state["rank"] = int(msg["rank"])  # a trainer (not its transport's threads)
+            with self.lock:
+                if not self.connected.get(rank):  # a restarted trainer: no transfer of the old one
+                    self.unpin_rank(rank)
+                self.connected[rank] = self.connected.get(rank, 0) + 1
+        if op == "bye":
+            return wire.Reply(reply, close=True, orderly=True)
+        if op == "shutdown":
+            return wire.Reply(reply, close=True, orderly=True, then=self.shutdown)
+        return reply
+
+    def closed(self, conn: wire.Connection) -> None:
+        rank = conn.state.get("rank")
+        if rank is None:
+            return
+        with self.lock:
+            self.connected[rank] = max(0, self.connected.get(rank, 1) - 1)
+        if not conn.orderly and not self._stop.is_set():
+            self.trainer_lost(rank)
 
     def _dispatch(self, op: Optional[str], msg: dict) -> dict:
         if op == "hello":
@@ -672,13 +645,13 @@ class Agent:
             step = int(msg.get("step", self.newest_consistent_step()))
             return {"queued": self.request_persist(step, "requested"), "step": step}
         if op == "wait_persisted":
-            deadline = time.time() + float(msg.get("timeout", 60))
+            deadline = time.time() + float(msg.get("wait_s", 60))
             while time.time() < deadline:
                 with self.lock:
                     if not self._queued_steps and self._persist_q.empty():
                         return {"persisted": list(self.persisted)}
                 time.sleep(0.05)
-            raise TimeoutError("persists still pending")
+            raise TimeoutError(f"persists still pending after {float(msg.get('wait_s', 60)):g} s")
         if op in ("bye", "shutdown"):
             return {}
         raise ValueError(f"unknown op {op!r}")
@@ -734,7 +707,7 @@ class Agent:
         self._stop.set()
         self._persist_q.put(None)
         if self._server is not None:
-            self._server.shutdown()
+            self._server.close()
         if self._persist_thread is not None:
             self._persist_thread.join(timeout=300)  # let queued persists finish
         if self.monitor is not None:

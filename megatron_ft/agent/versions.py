@@ -40,6 +40,8 @@ __all__ = ["BusyError", "TransitionError", "SlotState", "RankVersions", "Version
 class BusyError(RuntimeError):
     """No slot of the rank may be overwritten now (every one protected, kept or pinned)."""
 
+    busy = True  # a temporary refusal (the wire tells the client so)
+
 
 class TransitionError(RuntimeError):
     """An event that the slot's state does not allow (e.g. commit of a slot not being written)."""

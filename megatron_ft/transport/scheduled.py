@@ -134,13 +134,13 @@ class ScheduledTransport:
         # headers, tables and byes are small host tensors: gloo (NCCL moves device memory only)
         self.ctrl = self.data if backend == "gloo" else dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         self.failed: Optional[str] = None  # set once a send failed: the stream to a peer is out of step
-        self.client = AgentClient(agent_socket)  # the training thread's (pin / unpin)
+        self.client = AgentClient(agent_socket, cfg.agent.request_timeout_s)  # the training thread's (pin / unpin)
         self.client.connect(hello)
         # each receiver thread has its own connection: a receiver waiting on its agent (e.g. for a
         # sender's size to be published) must never hold up the training thread's requests
         self._recv_clients = {}
         for src in self.srcs:
-            self._recv_clients[src] = AgentClient(agent_socket)
+            self._recv_clients[src] = AgentClient(agent_socket, cfg.agent.request_timeout_s)
             self._recv_clients[src].connect(hello)
         self.schedule: Optional[SendSchedule] = None
         self.label = ""  # the mode in use (use()'s label: a schedule's mode, or "local" / "off" without one)

@@ -1,0 +1,388 @@
+"""One wire layer for every connection megatron-ft opens: a trainer to its node's agent (Unix
+socket) and an agent to its peers (TCP). Framing, versioned messages, the server loop, the client,
+the error carried back, and the retry and timeout policy live here and nowhere else.
+
+**Frame.** A 4-byte big-endian length, then a UTF-8 JSON object carrying ``"v"`` (this module's
+:data:`WIRE_VERSION`) and ``"op"``; a frame whose object has ``"nbytes": N`` is followed by exactly
+``N`` raw payload bytes (snapshot data: sent from and received into shared-memory mappings, so the
+wire adds no copy). Replies carry ``"ok"``; a refused request carries ``"error"`` (the message),
+``"kind"`` (the server-side exception class) and ``"busy"`` (the refusal is temporary). Nothing is
+pickled; a frame of another version, or larger than :data:`MAX_FRAME`, is a :class:`WireError`.
+
+**Server.** :class:`Server` runs one thread per connection and hands each request to a
+:class:`Handler` with the connection's :class:`Connection` (per-connection state, the request's
+payload still on the socket). A handler's exception becomes a refusal and the server keeps serving;
+a payload the handler did not read is discarded, so the stream stays in step.
+
+**Client.** :class:`Client` is thread-safe (one request at a time per client). Every blocking call
+is bounded by the client's timeout (from the configuration: ``agent.request_timeout_s``); a request
+that waits on purpose names its wait (``wait_s``), which the server honours and the client adds.
+Retry policy, the same for every connection: a connection that breaks (the server restarted) is
+re-opened once, re-sending the client's greeting, and the request sent again; a timeout is never
+retried (the server may still be working on it) and is raised as ``TimeoutError`` naming the
+operation, the address and the limit.
+
+Lock order: a client's lock is the innermost lock of its caller; the server holds no lock while it
+reads or writes a socket.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Union
+
+log = logging.getLogger("megatron_ft.wire")
+
+WIRE_VERSION = 1
+MAX_FRAME = 16 << 20
+IO_BLOCK = 8 << 20
+SOCKET_BUFFER = 4 << 20  # kernel socket buffers for bulk TCP transfers (the default ~200 KiB stalls loopback)
+_LEN = struct.Struct(">I")
+
+#: A Unix socket path, or a TCP ``(host, port)``.
+Address = Union[str, "tuple[str, int]"]
+
+
+class WireError(RuntimeError):
+    """A frame that breaks the wire format (wrong version, too large, not a JSON object)."""
+
+
+class RemoteError(RuntimeError):
+    """The server refused the request. ``kind`` names the server-side exception class; ``busy``
+    says the refusal is temporary (asking again later may succeed)."""
+
+    def __init__(self, message: str, kind: str = "", busy: bool = False):
+        super().__init__(message)
+        self.kind = kind
+        self.busy = busy
+
+
+def describe(address: Address) -> str:
+    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"
+
+
+# ---------------------------------------------------------------------------------------- framing
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(n - len(buf))
+        if not part:
+            raise ConnectionError("the other side closed the connection")
+        buf += part
+    return bytes(buf)
+
+
+def send_frame(sock: socket.socket, msg: dict, payload: Optional[memoryview] = None) -> None:
+    """Write one frame (and ``payload`` after it, announced as ``nbytes``)."""
+    if payload is not None:
+        msg = {**msg, "nbytes": len(payload)}
+    raw = json.dumps({"v": WIRE_VERSION, **msg}, separators=(",", ":")).encode()
+    if len(raw) > MAX_FRAME:
+        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_FRAME}-byte frame limit")
+    sock.sendall(_LEN.pack(len(raw)) + raw)
+    if payload is not None and len(payload):
+        sock.sendall(payload)
+
+
+def recv_frame(sock: socket.socket) -> dict:
+    """Read one frame's object (not its payload: see :func:`recv_into` and :func:`discard`)."""
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    raw = _recv_exact(sock, n)
+    try:
+        msg = json.loads(raw)
+    except ValueError as e:
+        raise WireError(f"a frame that is not JSON ({e}): {raw[:200]!r}") from None
+    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
+        raise WireError(f"unsupported message (wire version {WIRE_VERSION} expected): {str(msg)[:200]}")
+    return msg
+
+
+def recv_into(sock: socket.socket, dst: memoryview) -> None:
+    """Read exactly ``len(dst)`` payload bytes into ``dst``."""
+    done, n = 0, len(dst)
+    while done < n:
+        got = sock.recv_into(dst[done: min(n, done + IO_BLOCK)])
+        if not got:
+            raise ConnectionError(f"the other side closed the connection with {n - done} payload bytes missing")
+        done += got
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` payload bytes."""
+    buf = memoryview(bytearray(min(n, IO_BLOCK) or 1))
+    while n > 0:
+        got = sock.recv_into(buf[: min(n, len(buf))])
+        if not got:
+            raise ConnectionError("the other side closed the connection inside a payload")
+        n -= got
+
+
+def _tune_tcp(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+def open_socket(address: Address, timeout: float) -> socket.socket:
+    """Connect to ``address`` (bounded by ``timeout``, which then bounds every read and write)."""
+    if isinstance(address, str):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(address)
+        except BaseException:
+            s.close()
+            raise
+        return s
+    s = socket.create_connection(tuple(address), timeout=timeout)
+    _tune_tcp(s)
+    return s
+
+
+# ---------------------------------------------------------------------------------------- server
+@dataclass
+class Reply:
+    """A handler's answer: ``fields`` of the reply frame, an optional ``payload`` sent after it;
+    ``close`` ends the connection after the reply (``orderly`` says the client said goodbye), and
+    ``then`` runs on a new thread once the reply is sent (e.g. a shutdown)."""
+    fields: dict = field(default_factory=dict)
+    payload: Optional[memoryview] = None
+    close: bool = False
+    orderly: bool = False
+    then: Optional[Callable[[], None]] = None
+
+
+class Connection:
+    """The server side of one connection: ``state`` is the handler's, per connection; the current
+    request's payload (``nbytes``) is still on the socket until read with :meth:`read_into` or
+    :meth:`skip` (the server skips what is left after the handler returns)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.state: dict[str, Any] = {}
+        self.orderly = False  # the client ended the connection with a goodbye
+        self.unread = 0
+
+    def read_into(self, dst: memoryview) -> None:
+        if len(dst) > self.unread:
+            raise WireError(f"{len(dst)} payload bytes asked for, {self.unread} announced")
+        recv_into(self.sock, dst)
+        self.unread -= len(dst)
+
+    def skip(self) -> None:
+        n, self.unread = self.unread, 0
+        discard(self.sock, n)
+
+
+class Handler(Protocol):
+    def handle(self, conn: Connection, msg: dict) -> Union[Reply, dict]:
+        """Answer one request (a dict is the reply's fields); raise to refuse it."""
+
+    def closed(self, conn: Connection) -> None:
+        """The connection ended (``conn.orderly`` false: the client vanished without a goodbye)."""
+
+
+class Server:
+    """Serves ``handler`` on ``address`` (a Unix path: a stale socket file is replaced; a TCP
+    ``(host, port)``, port 0 picks one: see :attr:`address`). ``start()`` serves on a thread,
+    ``serve_forever()`` on the caller's; ``close()`` stops accepting and returns."""
+
+    def __init__(self, address: Address, handler: Handler, name: str):
+        outer = self
+        self.handler, self.name = handler, name
+
+        class _Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                outer._serve(self.request)
+
+        if isinstance(address, str):
+            try:
+                os.unlink(address)
+            except FileNotFoundError:
+                pass
+
+            class _Unix(socketserver.ThreadingUnixStreamServer):
+                daemon_threads = True
+
+            self._server: socketserver.BaseServer = _Unix(address, _Handler)
+            self.address: Address = address
+        else:
+            class _Tcp(socketserver.ThreadingTCPServer):
+                daemon_threads = True
+                allow_reuse_address = True
+
+            self._server = _Tcp(tuple(address), _Handler)
+            self.address = tuple(self._server.server_address[:2])  # type: ignore[assignment]
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Server":
+        self._thread = threading.Thread(target=self.serve_forever, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        try:
+            self._server.serve_forever(poll_interval=0.2)
+        finally:
+            self._server.server_close()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _serve(self, sock: socket.socket) -> None:
+        if not isinstance(self.address, str):
+            _tune_tcp(sock)
+        conn = Connection(sock)
+        try:
+            while True:
+                try:
+                    msg = recv_frame(sock)
+                except (ConnectionError, OSError, WireError, ValueError):
+                    return
+                conn.unread = int(msg.get("nbytes", 0))
+                try:
+                    out = self.handler.handle(conn, msg)
+                    reply = out if isinstance(out, Reply) else Reply(fields=out)
+                    fields = {"ok": True, **reply.fields}
+                except Exception as e:  # refuse this request, keep serving
+                    if not isinstance(e, KeyError):
+                        log.debug("%s: request %s refused: %s", self.name, msg.get("op"), e)
+                    reply = Reply()
+                    fields = {"ok": False, "error": f"{type(e).__name__}: {e}", "kind": type(e).__name__,
+                              "busy": bool(getattr(e, "busy", False))}
+                try:
+                    if conn.unread:
+                        conn.skip()
+                    send_frame(sock, fields, reply.payload)
+                except (ConnectionError, OSError):
+                    return
+                finally:
+                    if reply.then is not None:
+                        threading.Thread(target=reply.then, daemon=True).start()
+                if reply.close:
+                    conn.orderly = reply.orderly
+                    return
+        finally:
+            self.handler.closed(conn)
+
+
+# ---------------------------------------------------------------------------------------- client
+class Client:
+    """A connection to one server (thread-safe: one request at a time).
+
+    ``address`` may be a callable that resolves the address at each (re)connect (a peer that
+    restarted listens elsewhere). ``greeting`` is sent first on every connection (the agent's
+    ``hello``); its reply is kept as :attr:`greeted`. ``error`` is the :class:`RemoteError`
+    subclass raised for a refusal. The connection opens on the first request or :meth:`connect`.
+    """
+
+    def __init__(self, address: Union[Address, Callable[[], Address]], timeout: float,
+                 greeting: Optional[dict] = None, error: type = RemoteError, reconnects: int = 1):
+        if not timeout or timeout <= 0:
+            raise ValueError(f"timeout={timeout!r}: a positive number of seconds is required")
+        self._address = address
+        self.timeout = timeout
+        self.greeting = greeting
+        self.greeted: Optional[dict] = None
+        self.error = error
+        self.reconnects = reconnects
+        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()
+        self._where = "" if callable(address) else describe(address)  # for messages: the last address used
+
+    def connect(self, greeting: Optional[dict] = None) -> Optional[dict]:
+        """(Re)open the connection now, sending ``greeting`` (kept for reconnects); returns its reply."""
+        with self._lock:
+            if greeting is not None:
+                self.greeting = greeting
+            self._close_locked()
+            self._open_locked()
+            return self.greeted
+
+    def request(self, op: str, *, payload: Optional[memoryview] = None, into: Optional[memoryview] = None,
+                **fields: Any) -> dict:
+        """Send ``{"op": op, **fields}`` (+ ``payload``); return the reply's fields. ``into``: the
+        reply's payload lands there and must be exactly its size. A request that waits on purpose
+        says how long in its ``wait_s`` field; the call's bound is then the client's timeout plus it."""
+        timeout = self.timeout + float(fields["wait_s"]) if "wait_s" in fields else None
+        with self._lock:
+            for attempt in range(self.reconnects + 1):
+                try:
+                    if self._sock is None:
+                        self._open_locked()
+                    return self._exchange_locked({"op": op, **fields}, payload, into, timeout)
+                except TimeoutError as e:
+                    self._close_locked()
+                    raise TimeoutError(f"{op} to {self._where}: no answer within "
+                                       f"{timeout or self.timeout:g} s (agent.request_timeout_s)") from e
+                except (ConnectionError, OSError):
+                    self._close_locked()
+                    if attempt == self.reconnects:
+                        raise
+            raise AssertionError("unreachable")
+
+    def close(self, goodbye: Optional[str] = None) -> None:
+        """Close the connection, first sending the op ``goodbye`` (e.g. ``bye``) if given, best effort."""
+        with self._lock:
+            if goodbye and self._sock is not None:
+                try:
+                    send_frame(self._sock, {"op": goodbye})
+                    recv_frame(self._sock)
+                except (ConnectionError, OSError, WireError, ValueError):
+                    pass
+            self._close_locked()
+
+    # -- locked helpers
+    def _open_locked(self) -> None:
+        address = self._address() if callable(self._address) else self._address
+        self._where = describe(address)
+        self._sock = open_socket(address, self.timeout)
+        if self.greeting is not None:
+            self.greeted = self._exchange_locked(self.greeting, None, None, None)
+
+    def _exchange_locked(self, msg: dict, payload: Optional[memoryview], into: Optional[memoryview],
+                         timeout: Optional[float]) -> dict:
+        sock = self._sock
+        assert sock is not None
+        if timeout is not None:
+            sock.settimeout(timeout)
+        try:
+            send_frame(sock, msg, payload)
+            reply = recv_frame(sock)
+            n = int(reply.get("nbytes", 0))
+            if n and (into is None or len(into) != n):
+                self._close_locked()  # the payload is not read: the stream is out of step
+                raise WireError(f"{msg.get('op')}: {n} payload bytes sent back, "
+                                f"{'none' if into is None else len(into)} expected")
+            if n:
+                recv_into(sock, into)  # type: ignore[arg-type]
+        finally:
+            if timeout is not None and self._sock is not None:
+                self._sock.settimeout(self.timeout)
+        if not reply.get("ok", False):
+            raise self.error(f"{self._where} refused {msg.get('op')}: "
+                             f"{reply.get('error', 'no reason given')}", str(reply.get("kind", "")),
+                             bool(reply.get("busy", False)))
+        if into is not None and not n and len(into):
+            raise WireError(f"{msg.get('op')}: no payload sent back, {len(into)} bytes expected")
+        return reply
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None

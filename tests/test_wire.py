@@ -1,0 +1,150 @@
+"""The wire layer every connection uses (trainer <-> agent over Unix sockets, agent <-> agent over
+TCP): frames and versions, refusals, payloads, the retry and timeout policy, in one process."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from megatron_ft.transport import wire
+
+
+class Echo:
+    """A handler: echoes fields, stores put payloads, serves get ranges, refuses on demand."""
+
+    def __init__(self):
+        self.blob = bytearray(range(256)) * 64
+        self.closed_with: list[bool] = []
+        self.greeted = 0
+        self.release = threading.Event()
+
+    def handle(self, conn, msg):
+        op = msg["op"]
+        if op == "hello":
+            self.greeted += 1
+            conn.state["who"] = msg["who"]
+            return {"hi": msg["who"]}
+        if op == "echo":
+            return {"x": msg["x"], "who": conn.state.get("who")}
+        if op == "put":
+            conn.read_into(memoryview(self.blob)[msg["at"]: msg["at"] + msg["nbytes"]])
+            return {}
+        if op == "put_ignored":
+            return {"ignored": True}  # the server skips the unread payload
+        if op == "get":
+            return wire.Reply(payload=memoryview(self.blob)[msg["lo"]: msg["hi"]])
+        if op == "busy":
+            e = RuntimeError("no free slot")
+            e.busy = True
+            raise e
+        if op == "fail":
+            raise KeyError("nothing here")
+        if op == "slow":
+            self.release.wait(5)
+            return {}
+        if op == "bye":
+            return wire.Reply(close=True, orderly=True)
+        raise ValueError(op)
+
+    def closed(self, conn):
+        self.closed_with.append(conn.orderly)
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def served(request, tmp_path):
+    handler = Echo()
+    address = str(tmp_path / "s.sock") if request.param == "unix" else ("127.0.0.1", 0)
+    server = wire.Server(address, handler, name="test").start()
+    yield server, handler
+    server.close()
+
+
+def test_requests_payloads_and_refusals_keep_the_stream_in_step(served):
+    server, h = served
+    c = wire.Client(server.address, timeout=5, greeting={"op": "hello", "who": "r0"})
+    assert c.connect() == {"v": wire.WIRE_VERSION, "ok": True, "hi": "r0"}
+    assert c.request("echo", x=[1, 2])["x"] == [1, 2]
+    assert c.request("echo", x=0)["who"] == "r0"  # per-connection state
+    data = bytes(range(100, 200)) * 10
+    c.request("put", at=1000, payload=memoryview(data))
+    assert bytes(h.blob[1000:2000]) == data
+    c.request("put_ignored", payload=memoryview(b"z" * 70000))  # skipped by the server
+    got = bytearray(1000)
+    c.request("get", lo=1000, hi=2000, into=memoryview(got))
+    assert bytes(got) == data
+    with pytest.raises(wire.RemoteError) as e:
+        c.request("busy")
+    assert e.value.busy and e.value.kind == "RuntimeError" and "no free slot" in str(e.value)
+    with pytest.raises(wire.RemoteError) as e:
+        c.request("fail")
+    assert e.value.kind == "KeyError" and not e.value.busy
+    with pytest.raises(wire.WireError, match="1000 payload bytes sent back, 10 expected"):
+        c.request("get", lo=0, hi=1000, into=memoryview(bytearray(10)))
+    assert c.request("echo", x=3)["x"] == 3  # re-opened (greeting sent again) after the bad payload
+    assert h.greeted == 2
+    c.close("bye")
+    deadline = time.time() + 5
+    while len(h.closed_with) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    assert h.closed_with == [False, True]  # the dropped connection, then the goodbye
+
+
+def test_frames_of_another_version_or_too_large_are_refused(tmp_path):
+    a, b = socket.socketpair()
+    wire.send_frame(a, {"op": "x"})
+    assert wire.recv_frame(b)["op"] == "x"
+    for raw, why in ((b'{"v":99,"op":"x"}', "wire version 1 expected"), (b"[1, 2]", "wire version 1 expected"),
+                     (b"\x80 not json", "not JSON")):
+        a.sendall(len(raw).to_bytes(4, "big") + raw)
+        with pytest.raises(wire.WireError, match=why):
+            wire.recv_frame(b)
+    a.sendall((wire.MAX_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(wire.WireError, match="exceeds"):
+        wire.recv_frame(b)
+
+
+def test_a_broken_connection_is_reopened_once_with_the_greeting(tmp_path):
+    h = Echo()
+    path = str(tmp_path / "s.sock")
+    server = wire.Server(path, h, name="test").start()
+    c = wire.Client(path, timeout=5, greeting={"op": "hello", "who": "r1"})
+    assert c.request("echo", x=1)["who"] == "r1"
+    server.close()  # the server restarts: same address, new process state
+    h2 = Echo()
+    server = wire.Server(path, h2, name="test").start()
+    try:
+        c._sock.shutdown(socket.SHUT_RDWR)  # the old connection is gone
+        assert c.request("echo", x=2) == {"v": 1, "ok": True, "x": 2, "who": "r1"}
+        assert h2.greeted == 1
+    finally:
+        server.close()
+    with pytest.raises(OSError):  # nobody listens: one retry, then the error
+        c._sock.shutdown(socket.SHUT_RDWR)
+        c.request("echo", x=3)
+
+
+def test_a_timeout_names_the_operation_and_is_not_retried(served):
+    server, h = served
+    c = wire.Client(server.address, timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"slow to .*no answer within 0.3 s"):
+        c.request("slow")
+    assert time.monotonic() - t0 < 2.0  # once, not twice
+    h.release.set()
+    time.sleep(0.1)
+    assert c.request("echo", x=5)["x"] == 5  # a fresh connection: the late reply is not read as this one's
+
+
+def test_wait_s_extends_the_bound_of_one_call(served):
+    server, h = served
+    c = wire.Client(server.address, timeout=0.2)
+    threading.Timer(0.5, h.release.set).start()
+    assert c.request("slow", wait_s=2)["ok"]
+    assert c.request("echo", x=1)["x"] == 1
+
+
+def test_a_client_needs_a_positive_timeout():
+    with pytest.raises(ValueError, match="timeout=0"):
+        wire.Client("/nowhere", timeout=0)
