@@ -3,7 +3,7 @@
 tier, memory per node per scheme. Codec throughput (encode/decode beside ISA-L direct and numpy
 XOR) is ``benchmarks/codecs.py``.
 
-Real agents (``megatron_ft.sim.LocalCluster``: one agent process per simulated node, TCP between
+Real agents (``megatron_ft.testing.sim.LocalCluster``: one agent process per simulated node, TCP between
 them), one trainer per node whose state is one ``--state-mib`` MiB tensor.
 
 * replication: two nodes exchange one version (each sends its state to the other: pin, send from
@@ -36,8 +36,8 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from megatron_ft.demo import free_port  # noqa: E402
-from megatron_ft.sim import LocalCluster  # noqa: E402
+from megatron_ft.testing.demo import free_port  # noqa: E402
+from megatron_ft.testing.sim import LocalCluster  # noqa: E402
 
 GLOO_PAIR = r"""
 import datetime, json, os, sys, time

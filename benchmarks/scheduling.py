@@ -41,7 +41,7 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_ft import config as ftconfig  # noqa: E402
-from megatron_ft import demo  # noqa: E402
+from megatron_ft.testing import demo  # noqa: E402
 
 ALL_MODES = ["none", "off", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
 # none: a separate job without megatron-ft; the others rotate inside one job (schedule.compare_modes)

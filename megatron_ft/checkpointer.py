@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from . import config as ftconfig
-from . import fatal, faults
+from . import fatal, faultpoints
 from .policy.runtime import AutoIntervals
 from .protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
@@ -110,7 +110,7 @@ class InMemoryCheckpointer:
         every = self.auto.snapshot_every if self.auto is not None else self.cfg.snapshot.interval
         if self.engine is None or iteration % every:
             return
-        faults.maybe_fail("before-snapshot", iteration, self.rank)
+        faultpoints.reached("before-snapshot", iteration, self.rank)
         if hasattr(self.adapter, "progress"):
             self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
         try:

@@ -48,7 +48,8 @@ def _shm_mount(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ft", description="in-memory fault tolerance for Megatron / DeepSpeed")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import demo, launch
+    from . import launch
+    from .testing import demo
 
     from .redundancy import report as plan
 

@@ -31,8 +31,6 @@ shutdown        -                                           - (agent removes its
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from .transport.wire import Client, RemoteError
 
 

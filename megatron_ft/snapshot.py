@@ -18,7 +18,6 @@ coordination collective never hangs); the agreed step is the newest one *every* 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checksum, fatal, faults, shm, snapfile
+from . import checksum, fatal, faultpoints, shm, snapfile
 from .layout import Layout, plan_layout
 from .protocol import AgentClient, AgentError
 from .state import StateTensor
@@ -196,16 +195,13 @@ class SnapshotEngine:
             for k, p in enumerate(pieces):
                 chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
                 if i == 0 and k == 0:
-                    faults.maybe_fail("mid-copy", job.step, self.rank)
+                    faultpoints.reached("mid-copy", job.step, self.rank)
             sums.append(chunk.finish())
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
         self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step)
-        faults.maybe_fail("after-commit", job.step, self.rank)
-        faults.maybe_fail("corrupt-after-commit", job.step, self.rank, before=lambda: _corrupt(area))
-        faults.maybe_fail("truncate-after-commit", job.step, self.rank,
-                          before=lambda: os.truncate(seg.path, seg.size // 2))
+        faultpoints.reached("after-commit", job.step, self.rank, area=area, path=seg.path, size=seg.size)
         job.stats.ok = True
         job.stats.copy_s = time.perf_counter() - t0
         job.stats.clean_at = time.time()
@@ -227,11 +223,6 @@ class SnapshotEngine:
                 self.client.request("global", rank=self.rank, step=agreed)
             except (AgentError, OSError, ConnectionError) as e:
                 log.warning("rank %d: could not tell the agent step %d is consistent: %s", self.rank, agreed, e)
-
-
-def _corrupt(area) -> None:
-    """Fault injection only: flip one byte of a committed snapshot."""
-    area[len(area) // 2] ^= 0xFF
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

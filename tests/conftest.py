@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from megatron_ft import config as ftconfig
-from megatron_ft.sim import AgentProc  # noqa: F401 (the tests' real agent process)
+from megatron_ft.testing.sim import AgentProc  # noqa: F401 (the tests' real agent process)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

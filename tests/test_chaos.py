@@ -81,7 +81,7 @@ def test_one_real_trial(tmp_path, kind):
 def _demo_args(*argv):
     import argparse
 
-    from megatron_ft import demo
+    from megatron_ft.testing import demo
 
     p = argparse.ArgumentParser()
     demo.add_parser(p.add_subparsers())
@@ -97,7 +97,7 @@ def _demo_args(*argv):
 ])
 def test_demo_victims(argv, shape, want):
     from megatron_ft import config as ftconfig
-    from megatron_ft import demo
+    from megatron_ft.testing import demo
 
     cfg = ftconfig.load()
     if shape:
@@ -107,7 +107,7 @@ def test_demo_victims(argv, shape, want):
 
 def test_demo_refuses_bad_failure_arguments():
     from megatron_ft import config as ftconfig
-    from megatron_ft import demo
+    from megatron_ft.testing import demo
 
     with pytest.raises(ftconfig.ConfigError, match="at least 3 nodes, not 2"):
         demo.choose_victims(_demo_args("--fail=two-nodes"), ftconfig.load())

@@ -31,7 +31,8 @@ import torch
 import yaml
 
 from megatron_ft import config as ftconfig
-from megatron_ft.demo import free_port, read_jsonl
+from megatron_ft.testing import faults
+from megatron_ft.testing.demo import free_port, read_jsonl
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
@@ -151,20 +152,19 @@ def test_failed_save_is_skipped_and_load_restores_newest_good_snapshot(tmp_path,
 # ---------------------------------------------------------------- end to end
 
 
-def script_args(stage, pipeline, run_dir, inmem):
+def script_args(stage, pipeline, run_dir, inmem, fault=None):
     args = [SCRIPT, f"--zero-stage={stage}", f"--iters={ITERS}",
             f"--dump-final-state={os.path.join(run_dir, 'final', 'state')}"]
     if pipeline:
         args.append("--pipeline")
     if inmem:
         args += ["--inmem-ckpt", f"--save-dir={os.path.join(run_dir, 'ckpt')}", f"--iter-sleep={SLEEP}"]
-    return args
+    return faults.wrap(args, fault) if fault else args
 
 
 def env_for(run_dir, **extra):
     env = dict(os.environ, DS_ACCELERATOR="cpu", MFT_RUN_DIR=run_dir, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("MFT_FAULT_INJECT", None)
     env.update(extra)
     return env
 
@@ -203,14 +203,13 @@ def job_config(tmp):
 
 def recovered_run(tmp, stage, pipeline, kill_rank=1, fault=None):
     """The job under megatron-ft launch; rank ``kill_rank`` is SIGKILLed from outside once it logged
-    iteration KILL_AT (``fault=None``) or kills itself at a fault point (``MFT_FAULT_INJECT``)."""
+    iteration KILL_AT (``fault=None``) or kills itself at a fault point (megatron_ft.testing.faults)."""
     cfg, cfg_path = job_config(tmp)
     run_dir = str(tmp / "run")
     log = str(tmp / "run.log")
-    extra = {"MFT_FAULT_INJECT": f"{fault}:{KILL_AT}:{kill_rank}"} if fault else {}
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
-           "--", *script_args(stage, pipeline, run_dir, inmem=True)]
-    p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env_for(run_dir, **extra),
+           "--", *script_args(stage, pipeline, run_dir, inmem=True, fault=fault and f"{fault}:{KILL_AT}:{kill_rank}")]
+    p = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env_for(run_dir),
                          start_new_session=True)
     killed = None
     try:

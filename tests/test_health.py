@@ -14,11 +14,11 @@ import uuid
 import pytest
 
 from megatron_ft import config as ftconfig
-from megatron_ft import sim
-from megatron_ft.demo import free_port
+from megatron_ft.testing import sim
+from megatron_ft.testing.demo import free_port
 from megatron_ft.health.store import StoreClient, StoreUnavailable
 from megatron_ft.launch import claim_failed_node
-from megatron_ft.sim import LocalCluster
+from megatron_ft.testing.sim import LocalCluster
 
 from test_peer_redundancy import assert_same, make_model
 

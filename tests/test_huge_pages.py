@@ -12,7 +12,7 @@ import yaml
 
 from megatron_ft import config as ftconfig
 from megatron_ft import recovery, shm, snapfile
-from megatron_ft.sim import AgentProc
+from megatron_ft.testing.sim import AgentProc
 from megatron_ft.state import TorchStateAdapter
 
 from test_agent import make_model, restorer, state_equal, train_and_snapshot

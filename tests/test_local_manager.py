@@ -20,6 +20,7 @@ import yaml
 
 from megatron_ft import config as ftconfig
 from megatron_ft.megatron import local_manager, sdcodec
+from megatron_ft.testing import faults
 
 from conftest import REPO, AgentProc
 
@@ -48,13 +49,10 @@ def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
     out.mkdir(exist_ok=True)
     env = dict(os.environ, MFT_CONFIG=cfg_path, MFT_AGENT_SOCKET=agent.sock, MFT_RUN_DIR=str(tmp_path / "run"),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("MFT_FAULT_INJECT", None)
-    if fault:
-        env["MFT_FAULT_INJECT"] = fault
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29500 + os.getpid() % 1000 + (7 if phase == "load" else 0)),
-           os.path.join(REPO, "tests", "local_manager_job.py"), "--phase", phase, "--out", str(out),
+    job = [os.path.join(REPO, "tests", "local_manager_job.py"), "--phase", phase, "--out", str(out),
            "--iters", str(ITERS)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + os.getpid() % 1000 + (7 if phase == "load" else 0)), *(faults.wrap(job, fault) if fault else job)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if expect_ok and p.returncode != 0:
         pytest.fail(f"{phase} phase failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}\n{agent.log()}")

@@ -1,4 +1,4 @@
-"""Peer redundancy with real agent processes (megatron_ft.sim.LocalCluster): N simulated nodes, one
+"""Peer redundancy with real agent processes (megatron_ft.testing.sim.LocalCluster): N simulated nodes, one
 agent each with its own shared memory, TCP between agents, the embedded TCPStore on the root
 agent; one trainer per node driven from this process. Losing a node = SIGKILL of its agent plus
 removal of its shared memory; a fresh agent takes its place and the rank is restored bit for bit
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_ft.protocol import AgentClient, AgentError
-from megatron_ft.sim import LocalCluster, wait_for
+from megatron_ft.testing.sim import LocalCluster, wait_for
 
 
 def make_model(rank, seed):
@@ -106,13 +106,11 @@ def test_whole_replica_group_lost_falls_back_to_disk(cluster, caplog):
 
 
 @pytest.mark.parametrize("cluster", [XOR], indirect=True, ids=["xor"])
-def test_node_lost_mid_exchange_recovers_the_previous_complete_version(cluster, monkeypatch):
+def test_node_lost_mid_exchange_recovers_the_previous_complete_version(cluster):
     cluster.train(2)
     # node 1's agent dies after the first contribution of step 3 left it, before the rest
     cluster.agents[1].kill()
-    monkeypatch.setenv("MFT_AGENT_FAULT", "mid-exchange:3")
-    cluster.agents[1].start()  # adopts node 1's slots; will die inside the exchange of step 3
-    monkeypatch.delenv("MFT_AGENT_FAULT")
+    cluster.agents[1].start(fault="mid-exchange:3")  # adopts node 1's slots; dies inside the exchange of step 3
     cluster.clients[1] = cluster.agents[1].client(1)
     cluster.train(1, start=3, wait_complete=False)
     cluster.agents[1].proc.wait(timeout=120)

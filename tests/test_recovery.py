@@ -77,7 +77,7 @@ def test_agent_restart_then_trainer_kill(tmp_path, reference_dir):
 
 def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     """A job stops (agents shut down, memory gone); the next launch resumes from disk."""
-    from megatron_ft import demo as demo_mod
+    from megatron_ft.testing import demo as demo_mod
 
     # make sure the shared reference exists (ITERS iterations; an earlier test usually made it)
     if not demo_mod.reference_matches(reference_dir, demo_mod.training_args(ftconfig.load(), ITERS, []), 4):

@@ -22,7 +22,6 @@ with every checksum verified, as from local memory.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -33,8 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import faults, shm, snapfile
-from ..layout import Layout
+from .. import faultpoints, shm
 from ..redundancy import exchange as xch
 from ..redundancy import rebuild
 from ..redundancy.codecs import get_codec
@@ -308,7 +306,7 @@ class Redundancy:
                     self._receive(msg, memoryview(payload).cast("B"))
                 else:
                     self._send(c.dst, msg, memoryview(payload).cast("B"))
-                    faults.maybe_fail_agent("mid-exchange", step)
+                    faultpoints.reached("mid-exchange", step)
                 sent += len(payload)
         finally:
             self.agent.unpin(slots)

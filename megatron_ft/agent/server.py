@@ -32,7 +32,7 @@ from ..layout import Layout
 from ..protocol import socket_path
 from ..transport import wire
 from . import persist
-from .versions import BusyError, TransitionError, VersionTable
+from .versions import TransitionError, VersionTable
 
 log = logging.getLogger("megatron_ft.agent")
 
@@ -536,7 +536,7 @@ class Agent:
             if bad:
                 for rank in bad:
                     self.invalidate(rank, step)
-                raise RuntimeError(f"not persisted, corrupt in shared memory: " +
+                raise RuntimeError("not persisted, corrupt in shared memory: " +
                                    "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
             for rank, ref in refs.items():
                 nbytes += persist.write_container(ref.segment.mm, persist.rank_file(base, self.run_id, step, rank))

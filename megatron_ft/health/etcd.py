@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Optional
 
-from .store import StoreUnavailable
+from .kv import StoreUnavailable
 
 log = logging.getLogger("megatron_ft.health")
 

@@ -21,20 +21,14 @@ import logging
 import socket
 import threading
 import time
-from typing import Optional, Protocol
+from typing import Optional
+
+from .etcd import EtcdKV, EtcdStore
+from .kv import KV, StoreUnavailable
+
+__all__ = ["KV", "StoreUnavailable", "EmbeddedStore", "StoreClient", "make_store"]
 
 log = logging.getLogger("megatron_ft.health")
-
-
-class StoreUnavailable(RuntimeError):
-    pass
-
-
-class KV(Protocol):
-    def set(self, key: str, value: str) -> None: ...
-    def get(self, key: str) -> Optional[str]: ...
-    def compare_set(self, key: str, expected: str, desired: str) -> str: ...
-    def delete(self, key: str) -> None: ...
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -242,8 +236,6 @@ def make_store(cfg, node: int):
     """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`)."""
     h = cfg.health
     if h.store.startswith("etcd://"):
-        from .etcd import EtcdStore
-
         return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s)
     return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, h.host_list(cfg.cluster.nodes), h.store_port, h.timeout_s)
 
@@ -261,8 +253,6 @@ class StoreClient:
         self.kv: Optional[KV] = None
         self.root = -1
         if h.store.startswith("etcd://"):
-            from .etcd import EtcdKV
-
             self.kv = EtcdKV(h.store, self.prefix, self.timeout_s)
         self.hosts = h.host_list(cfg.cluster.nodes)
         self.where = h.store if self.kv is not None else (

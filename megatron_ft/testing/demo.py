@@ -27,10 +27,11 @@ from typing import Optional
 
 import yaml
 
-from . import config as ftconfig
-from . import tiers
+from .. import config as ftconfig
+from .. import tiers
+from . import faults
 
-REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,16 @@ class Program:
     script: tuple[str, ...]
     upstream: bool = False
 
-    def command(self, targs: list[str], run_dir: str, cfg_path: str, inmem: bool) -> list[str]:
+    def command(self, targs: list[str], run_dir: str, cfg_path: str, inmem: bool,
+                fault: Optional[str] = None) -> list[str]:
+        """The training command for ``megatron-ft launch``; ``fault`` (:mod:`megatron_ft.testing.faults`)
+        wraps it in the fault injector."""
         out = [*self.script, *(a.replace("{run_dir}", run_dir) for a in targs)]
         if not self.upstream:
             out += ["--dump-final-state", os.path.join(run_dir, "final", "state")]
         if inmem:
             out += ["--inmem-ckpt", "--inmem-ckpt-config", cfg_path]
-        return out
+        return faults.wrap(out, fault) if fault else out
 
 
 PROJECT_SCRIPT = Program((os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"),))
@@ -58,7 +62,7 @@ PROJECT_SCRIPT = Program((os.path.join(REPO_SCRIPTS, "pretrain_gpt.py"),))
 def upstream_program(src: str, workdir: str) -> Program:
     """Upstream ``pretrain_gpt.py`` from ``src`` (an unpatched tree or its archive), patched into
     ``workdir/megatron-lm``."""
-    from .testing import megatron_lm
+    from . import megatron_lm
 
     tree = megatron_lm.patched_tree(src, os.path.join(workdir, "megatron-lm"))
     return Program((megatron_lm.__file__, os.path.join(tree, "pretrain_gpt.py")), upstream=True)
@@ -127,8 +131,8 @@ def _port_free(port: int) -> bool:
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:
     """The highest node (not 0, which hosts the rendezvous) whose ranks no other node holds whole."""
-    from .redundancy.exchange import holders_of_whole
-    from .redundancy.plan import plan_from_config
+    from ..redundancy.exchange import holders_of_whole
+    from ..redundancy.plan import plan_from_config
 
     plan = plan_from_config(cfg)
     rpn = cfg.cluster.ranks_per_node
@@ -140,7 +144,7 @@ def default_victim_node(cfg: ftconfig.FTConfig) -> int:
 
 def persisted_steps(cfg: ftconfig.FTConfig) -> list[int]:
     """Steps every rank has persisted (complete sets) in the job's persist directory."""
-    from .agent import persist
+    from ..agent import persist
 
     return persist.complete_steps(cfg.persist.dir, cfg.run_id, cfg.cluster.world_size)
 
@@ -183,16 +187,15 @@ def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int],
 
 
 def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
-               log_path: str, env: Optional[dict] = None, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
+               log_path: str, fault: Optional[str] = None, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
     os.makedirs(run_dir, exist_ok=True)
     cfg_path = os.path.join(run_dir, "job.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
-           *program.command(script_args, run_dir, cfg_path, inmem)]
+           *program.command(script_args, run_dir, cfg_path, inmem, fault)]
     logf = open(log_path, "wb")
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, **(env or {})))
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _kill_tree(p: subprocess.Popen) -> None:
@@ -408,7 +411,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     world = cfg.cluster.world_size
     if args.megatron_lm:
-        from .testing import megatron_lm
+        from . import megatron_lm
 
         program = upstream_program(args.megatron_lm, workdir)
         targs = megatron_lm.demo_args(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data_parallel, args.iters,
@@ -444,10 +447,10 @@ def run_demo(args: argparse.Namespace) -> dict:
     t0 = time.time()
     victims, lost_nodes = choose_victims(args, cfg)
     rpn = cfg.cluster.ranks_per_node
-    env = {}
+    fault = None
     if victims and args.kill_point != "after-iteration":
-        env["MFT_FAULT_INJECT"] = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
-    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, env=env, program=program)
+        fault = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
+    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program)
     replacements: list[tuple[subprocess.Popen, str]] = []  # (launcher, its log)
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
     if args.standby:
@@ -542,7 +545,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                 say(f"[demo] SIGKILL -> agent of node {node} (pid {old}) inside iteration {args.kill_at + 1}")
                 import psutil
 
-                from .protocol import socket_path
+                from ..protocol import socket_path
 
                 sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
                 # restarted: a new pid, alive, listening on the node's socket (the launcher removes it first)
@@ -607,7 +610,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
         if lost_nodes:
-            from .redundancy.plan import plan_from_config
+            from ..redundancy.plan import plan_from_config
 
             promise = tiers.promised("node", cfg.redundancy.scheme,
                                      beyond_tolerance=not plan_from_config(cfg).survives(lost_nodes))

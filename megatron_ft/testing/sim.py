@@ -18,12 +18,13 @@ from typing import Any, Callable, Optional
 import torch
 import yaml
 
-from . import config as ftconfig
+from .. import config as ftconfig
+from . import faults
 from .demo import free_port_range
-from .protocol import AgentClient, socket_path
-from .recovery import Restorer, RestoreResult
-from .snapshot import SnapshotEngine
-from .state import TorchStateAdapter
+from ..protocol import AgentClient, socket_path
+from ..recovery import Restorer, RestoreResult
+from ..snapshot import SnapshotEngine
+from ..state import TorchStateAdapter
 
 
 class WaitTimeout(RuntimeError):
@@ -52,17 +53,20 @@ class AgentProc:
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = cfg_path + f".agent{node}.log"
 
-    def start(self, timeout: float = 60.0) -> "AgentProc":
-        return self.launch().wait_ready(timeout)
+    def start(self, timeout: float = 60.0, fault: Optional[str] = None) -> "AgentProc":
+        return self.launch(fault).wait_ready(timeout)
 
-    def launch(self) -> "AgentProc":
-        """Start the agent process without waiting (several agents start faster side by side)."""
+    def launch(self, fault: Optional[str] = None) -> "AgentProc":
+        """Start the agent process without waiting (several agents start faster side by side);
+        ``fault``: a :mod:`megatron_ft.testing.faults` fault the agent fires (e.g. ``mid-exchange:3``)."""
         try:
             os.unlink(self.sock)
         except FileNotFoundError:
             pass
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path,
-                                      "--node", str(self.node)], stdout=open(self.log_path, "ab"),
+        cmd = ["-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node)]
+        if fault:
+            cmd = faults.wrap(cmd, fault)
+        self.proc = subprocess.Popen([sys.executable, *cmd], stdout=open(self.log_path, "ab"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
         return self
 

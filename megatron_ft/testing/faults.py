@@ -1,0 +1,137 @@
+"""Fault injection for the demo, the chaos harness and the tests: a process SIGKILLs itself at a
+named point of the runtime (:mod:`megatron_ft.faultpoints`), optionally damaging its snapshot first.
+
+A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and the agent). Actions:
+
+* ``before-snapshot``, ``mid-copy``, ``after-commit``, ``mid-exchange`` - kill at that point;
+* ``corrupt-after-commit`` - at ``after-commit``, first flip a byte of the committed data (a
+  corrupted snapshot that restore must reject);
+* ``truncate-after-commit`` - at ``after-commit``, first cut the committed slot's file to half its
+  size (no reader may map past its end; restore must reject it).
+
+Each rank fires at most once per run when ``run_dir`` is given (a marker file in ``run_dir/faults``
+remembers it; torchrun's restart counter cannot, since only the failed node's counter moves), so
+the restarted job runs clean; an event line is written to ``run_dir/events`` just before the kill.
+
+Wrap a program to give it the injector::
+
+    python -m megatron_ft.testing.faults --fault mid-copy:5:1 [--run-dir DIR] -- SCRIPT [ARGS...]
+    python -m megatron_ft.testing.faults --fault mid-exchange:3 -- -m megatron_ft.agent [ARGS...]
+
+(``--run-dir`` defaults to ``$MFT_RUN_DIR``, which ``megatron-ft launch`` gives its trainers.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..faultpoints import POINTS, install
+
+#: action -> the runtime point it fires at
+ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", "truncate-after-commit": "after-commit"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    step: int
+    ranks: Optional[frozenset] = None  # None: any rank (and the agent)
+
+    @property
+    def point(self) -> str:
+        return ACTIONS[self.action]
+
+
+def parse(spec: str) -> Fault:
+    """``<action>:<step>[:<rank>[,<rank>...]]`` -> :class:`Fault`; a clear error otherwise."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        step = int(parts[1])
+        ranks = frozenset(int(r) for r in parts[2].split(",")) if len(parts) == 3 else None
+    except ValueError:
+        raise ValueError(f"fault {spec!r} is invalid: expected <action>:<step>[:<rank>[,<rank>...]]") from None
+    if parts[0] not in ACTIONS:
+        raise ValueError(f"fault action {parts[0]!r} is invalid: allowed {sorted(ACTIONS)}")
+    return Fault(parts[0], step, ranks)
+
+
+class KillAt:
+    """An :class:`megatron_ft.faultpoints.Injector` that SIGKILLs the process at its fault."""
+
+    def __init__(self, fault: Fault, run_dir: Optional[str] = None):
+        self.fault, self.run_dir = fault, run_dir
+
+    def reached(self, point: str, step: int, rank: int, **context: Any) -> None:
+        f = self.fault
+        if point != f.point or step != f.step or (f.ranks is not None and rank not in f.ranks):
+            return
+        if self.run_dir and not self._first_time(rank):
+            return
+        if f.action == "corrupt-after-commit":
+            area = context["area"]
+            area[len(area) // 2] ^= 0xFF
+        elif f.action == "truncate-after-commit":
+            os.truncate(context["path"], context["size"] // 2)
+        if self.run_dir:
+            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
+            with open(os.path.join(self.run_dir, "events", f"rank{rank}.jsonl"), "a") as out:
+                out.write(json.dumps({"event": "fault", "point": f.action, "step": step, "rank": rank,
+                                      "pid": os.getpid(), "time": time.time()}) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _first_time(self, rank: int) -> bool:
+        marker = os.path.join(self.run_dir, "faults", f"rank{rank}.fired")  # type: ignore[arg-type]
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False  # fired in an earlier attempt
+
+
+def wrap(script: list[str], fault: str, run_dir: Optional[str] = None) -> list[str]:
+    """The argument list that runs ``script`` (a path and its arguments) with ``fault`` injected,
+    for ``python`` or for torchrun (which takes ``-m MODULE``)."""
+    out = ["-m", __name__, "--fault", fault]
+    if run_dir:
+        out += ["--run-dir", run_dir]
+    return [*out, "--", *script]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m megatron_ft.testing.faults --fault F [--run-dir D] -- "
+                         "(SCRIPT | -m MODULE) [ARGS...]")
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m megatron_ft.testing.faults",
+                                description="run a script or module with a fault injected")
+    p.add_argument("--fault", required=True, help="<action>:<step>[:<rank>[,<rank>...]]")
+    p.add_argument("--run-dir", default=os.environ.get("MFT_RUN_DIR"),
+                   help="fire once per rank across restarts (marker files); default $MFT_RUN_DIR")
+    args = p.parse_args(argv[:cut])
+    program = argv[cut + 1:]
+    if not program or program[0] == "-m" and len(program) < 2:
+        p.error("a SCRIPT or -m MODULE after -- is required")
+    install(KillAt(parse(args.fault), args.run_dir))
+    if program[0] == "-m":
+        sys.argv[:] = [program[1], *program[2:]]
+        runpy.run_module(program[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(program[0])
+        sys.argv[:] = [script, *program[1:]]
+        sys.path.insert(0, os.path.dirname(script))
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Fault injection is an object a harness gives the process (megatron_ft.testing.faults), never
+something the runtime reads from the environment: the runtime's points are no-ops without it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_ft import faultpoints
+from megatron_ft.testing import faults
+
+from conftest import REPO
+
+SCRIPT = """
+import sys
+from megatron_ft import faultpoints
+for step in range(1, 6):
+    faultpoints.reached("before-snapshot", step, int(sys.argv[1]))
+    print("step", step, flush=True)
+"""
+
+
+def test_a_fault_spec_is_checked_with_a_clear_message():
+    assert faults.parse("mid-copy:5:1,3") == faults.Fault("mid-copy", 5, frozenset({1, 3}))
+    assert faults.parse("mid-exchange:3") == faults.Fault("mid-exchange", 3, None)
+    with pytest.raises(ValueError, match=r"fault 'mid-copy:x:1' is invalid: expected <action>:<step>"):
+        faults.parse("mid-copy:x:1")
+    with pytest.raises(ValueError, match=r"fault action 'explode' is invalid: allowed \['after-commit'"):
+        faults.parse("explode:1:0")
+
+
+def test_the_runtime_points_do_nothing_without_an_injector(monkeypatch):
+    monkeypatch.setenv("MFT_FAULT_INJECT", "garbage")  # the environment is not read
+    faultpoints.install(None)
+    faultpoints.reached("after-commit", 1, 0, area=None)
+
+
+def test_the_damage_actions_act_on_the_context_before_the_kill(tmp_path, monkeypatch):
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    area = np.zeros(8, np.uint8)
+    path = tmp_path / "slot"
+    path.write_bytes(b"x" * 100)
+    faults.KillAt(faults.parse("corrupt-after-commit:2:0")).reached("after-commit", 2, 0, area=area, path=str(path),
+                                                                   size=100)
+    assert area[4] == 0xFF and len(killed) == 1
+    faults.KillAt(faults.parse("truncate-after-commit:2")).reached("after-commit", 2, 7, area=area, path=str(path),
+                                                                  size=100)
+    assert path.stat().st_size == 50 and len(killed) == 2
+    faults.KillAt(faults.parse("after-commit:2:0")).reached("after-commit", 3, 0)  # another step
+    faults.KillAt(faults.parse("after-commit:2:0")).reached("after-commit", 2, 1)  # another rank
+    assert len(killed) == 2
+
+
+def test_the_wrapper_kills_the_script_once_per_rank_and_run(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    cmd = [sys.executable, *faults.wrap([str(script), "1"], "before-snapshot:3:1", str(tmp_path / "run"))]
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert first.returncode == -9, first.stderr
+    assert first.stdout.split("\n")[:2] == ["step 1", "step 2"] and "step 3" not in first.stdout
+    event = json.loads((tmp_path / "run" / "events" / "rank1.jsonl").read_text())
+    assert (event["event"], event["point"], event["step"], event["rank"]) == ("fault", "before-snapshot", 3, 1)
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # the restarted attempt
+    assert second.returncode == 0 and "step 5" in second.stdout
+    other_rank = subprocess.run([sys.executable, *faults.wrap([str(script), "0"], "before-snapshot:3:1")],
+                                capture_output=True, text=True, env=env, timeout=120)
+    assert other_rank.returncode == 0 and "step 5" in other_rank.stdout
+
+
+def test_the_wrapper_runs_a_module_and_refuses_a_bad_fault(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, *faults.wrap(["-m", "json.tool", "--help"], "mid-exchange:1")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "json.tool" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "megatron_ft.testing.faults", "--fault", "nope:1", "--", "x.py"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0 and "fault action 'nope' is invalid" in bad.stderr
