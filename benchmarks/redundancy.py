@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from megatron_ft.testing.demo import free_port  # noqa: E402
+from megatron_ft.testing.helpers import free_port  # noqa: E402
 from megatron_ft.testing.sim import LocalCluster  # noqa: E402
 
 GLOO_PAIR = r"""

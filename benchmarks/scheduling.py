@@ -41,7 +41,7 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_ft import config as ftconfig  # noqa: E402
-from megatron_ft.testing import demo  # noqa: E402
+from megatron_ft.testing import demo, helpers  # noqa: E402
 
 ALL_MODES = ["none", "off", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
 # none: a separate job without megatron-ft; the others rotate inside one job (schedule.compare_modes)
@@ -57,7 +57,7 @@ def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes
         ftconfig.load(None), run_id=f"bsched-{pp}-{kind}-{os.getpid()}",
         cluster={"nodes": pp, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": pp},
         persist={"interval": 0, "dir": os.path.join(workdir, "persist"), "on_failure": False},
-        launch={"rdzv_port": demo.free_port()}, health={"store_port": demo.free_port_range(pp + 2)})
+        launch={"rdzv_port": helpers.free_port()}, health={"store_port": helpers.free_port_range(pp + 2)})
     if kind != "none":
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "scheduled"},
                                schedule={"mode": "pipelined", "profile_iterations": args.profile, "sub_buffers": args.p,
@@ -76,7 +76,7 @@ def train_args(pp: int, iters: int, args: argparse.Namespace) -> list[str]:
 
 
 def iteration_times(run_dir: str, first: int) -> list[float]:
-    recs = demo.read_jsonl(os.path.join(run_dir, "progress", "rank0.jsonl"))
+    recs = helpers.read_jsonl(os.path.join(run_dir, "progress", "rank0.jsonl"))
     t = {r["iteration"]: r["time"] for r in recs}
     return [t[i] - t[i - 1] for i in sorted(t) if i > first and i - 1 in t]
 

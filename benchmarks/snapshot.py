@@ -61,7 +61,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -89,6 +88,7 @@ from megatron_ft import recovery  # noqa: E402
 from megatron_ft.recovery import Restorer  # noqa: E402
 from megatron_ft.snapshot import SnapshotEngine  # noqa: E402
 from megatron_ft.state import StateTensor  # noqa: E402
+from megatron_ft.testing.helpers import free_port  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -636,11 +636,6 @@ def _rank_entry(rank: int, world: int, port: int, params: dict, out_dir: str) ->
 
 # ====================================================================================== main side
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Janitor:

@@ -11,13 +11,13 @@ saves only its slice (REFT); ``group`` is the process group that re-assembles it
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
 
+from .capture import rng
 from .layout import Layout, ShardSpec, TensorSpec, dtype_from_name, dtype_name
 
 
@@ -58,29 +58,6 @@ class StateAdapter(Protocol):
 
     def finish_restore(self, extra: dict) -> None:
         """Apply the JSON record and anything that depends on restored tensors (RNG, schedulers)."""
-
-
-# ---------------------------------------------------------------- RNG as explicit data
-
-
-def python_rng_state() -> dict:
-    version, internal, gauss = random.getstate()
-    return {"version": version, "internal": list(internal), "gauss": gauss}
-
-
-def set_python_rng_state(rec: dict) -> None:
-    random.setstate((rec["version"], tuple(rec["internal"]), rec["gauss"]))
-
-
-def numpy_rng_state() -> dict:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"name": name, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached)}
-
-
-def set_numpy_rng_state(rec: dict) -> None:
-    np.random.set_state((rec["name"], np.array(rec["keys"], dtype=np.uint32), rec["pos"], rec["has_gauss"],
-                         rec["cached_gaussian"]))
 
 
 def json_safe(value: Any, where: str = "state") -> Any:
@@ -125,6 +102,7 @@ class TorchStateAdapter:
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.extra: dict = {}
         self.restored_extra: Optional[dict] = None
+        self._rng: dict[str, torch.Tensor] = {}  # restore targets of the generators' states
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p) for n, p in self.model.named_parameters()]
@@ -144,9 +122,9 @@ class TorchStateAdapter:
                         if isinstance(val, torch.Tensor):
                             out.append(StateTensor(f"optim.p{index[id(p)]}.{key}", val.detach().clone()
                                                    if val.dim() == 0 else val))
-        out.append(StateTensor("rng.torch", torch.get_rng_state()))
-        extra = {"python_rng": python_rng_state(), "numpy_rng": numpy_rng_state(),
-                 "param_groups": json_safe(groups, "param_groups"), "user": json_safe(self.extra, "extra")}
+        rng_tensors, extra = rng.capture()
+        out += [StateTensor(n, t) for n, t in rng_tensors]
+        extra.update({"param_groups": json_safe(groups, "param_groups"), "user": json_safe(self.extra, "extra")})
         return out, extra
 
     def targets(self, layout: Layout) -> dict[str, StateTensor]:
@@ -165,17 +143,15 @@ class TorchStateAdapter:
                 if key not in st or tuple(st[key].shape) != spec.shape:
                     st[key] = torch.zeros(spec.shape, dtype=dtype_from_name(spec.dtype))
                 out[name] = StateTensor(name, st[key])
-            elif name == "rng.torch":
-                self._rng = torch.empty(spec.shape, dtype=torch.uint8)
-                out[name] = StateTensor(name, self._rng)
+            elif name in rng.TENSORS:
+                self._rng[name] = torch.empty(spec.shape, dtype=torch.uint8)
+                out[name] = StateTensor(name, self._rng[name])
             else:
                 raise KeyError(f"snapshot tensor {name!r} has no destination in this model")
         return out
 
     def finish_restore(self, extra: dict) -> None:
-        torch.set_rng_state(self._rng)
-        set_python_rng_state(extra["python_rng"])
-        set_numpy_rng_state(extra["numpy_rng"])
+        rng.restore(self._rng, extra)
         if self.optimizer is not None:
             for g, saved in zip(self.optimizer.param_groups, extra["param_groups"]):
                 g.update(restore_like(g, saved))

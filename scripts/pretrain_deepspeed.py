@@ -169,7 +169,7 @@ def _sha_json(obj) -> str:
 
 
 def final_state(engine, batches: Batches, iteration: int) -> dict:
-    from megatron_ft.deepspeed import codec
+    from megatron_ft.capture import tree as codec
 
     params = {}
     for name, p in engine.module.named_parameters():

@@ -6,13 +6,24 @@ import pytest
 import yaml
 
 from megatron_ft import config as ftconfig
+from megatron_ft.testing.helpers import remove_run_segments
 from megatron_ft.testing.sim import AgentProc  # noqa: F401 (the tests' real agent process)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
-def job_config(tmp_path):
+def shm_cleanup():
+    """``shm_cleanup(cfg)`` registers a job: after the test, whatever happened, every shared-memory
+    segment of its run id is removed (the one place tests clean /dev/shm)."""
+    runs = []
+    yield lambda cfg: runs.append((cfg.agent.shm_dir, cfg.run_id))
+    for shm_dir, run_id in runs:
+        remove_run_segments(shm_dir, run_id)
+
+
+@pytest.fixture
+def job_config(tmp_path, shm_cleanup):
     """A single-node config isolated in tmp_path with a unique run id."""
     run_id = f"t{uuid.uuid4().hex[:10]}"
     cfg = ftconfig.replace(ftconfig.load(), run_id=run_id,
@@ -21,10 +32,8 @@ def job_config(tmp_path):
     path = str(tmp_path / "job.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)
-    yield cfg, path
-    for name in os.listdir(cfg.agent.shm_dir):
-        if name.startswith(f"mft.{run_id}."):
-            os.unlink(os.path.join(cfg.agent.shm_dir, name))
+    shm_cleanup(cfg)
+    return cfg, path
 
 
 @pytest.fixture

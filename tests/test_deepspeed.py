@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ import yaml
 
 from megatron_ft import config as ftconfig
 from megatron_ft.testing import faults
-from megatron_ft.testing.demo import free_port, read_jsonl
+from megatron_ft.testing.helpers import free_port, read_jsonl
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
@@ -43,56 +42,6 @@ TIMEOUT = 600
 
 
 # ---------------------------------------------------------------- codec (no processes)
-
-
-def test_codec_round_trip_is_exact_and_json():
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    from megatron_ft.deepspeed import codec
-
-    shared = torch.arange(6, dtype=torch.float32)
-    sd = {
-        "module": OrderedDict([("w", torch.randn(3, 2)), ("b", torch.zeros(0))]),
-        "optimizer_state_dict": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": shared}},
-                                 "param_groups": [{"params": [0], "betas": (0.9, 0.999), "lr": 1e-3}],
-                                 "loss_scaler": LossScaler(1.0), "dyn": DynamicLossScaler(2.0 ** 8, 1000, 1.0, 2, True, raise_error_at_min_scale=False),
-                                 "zero_stage": ZeroStageEnum.gradients,
-                                 "slices": [{"w": fragment_address(numel=6, start=0)}],
-                                 "again": shared},
-        "param_shapes": [OrderedDict([("w", torch.Size([3, 2]))])],
-        "odd": {"$t": "not a tensor", 1.5: float("inf"), (1, 2): float("nan"), "dt": torch.bfloat16},
-        "none": None, "flag": True, "ds_version": "0.19.8",
-    }
-    enc = codec.Encoder()
-    tree = json.loads(json.dumps(enc.encode(sd), allow_nan=False))  # strict JSON survives
-    back = codec.decode(tree, [t.clone() for t in enc.tensors])
-    assert len(enc.tensors) == 4  # "again" is the same tensor object as exp_avg: stored once
-    assert back["optimizer_state_dict"]["again"] is back["optimizer_state_dict"]["state"][0]["exp_avg"]
-    assert type(back["module"]) is OrderedDict and list(back["module"]) == ["w", "b"]
-    assert torch.equal(back["module"]["w"], sd["module"]["w"])
-    assert back["optimizer_state_dict"]["param_groups"][0]["betas"] == (0.9, 0.999)
-    assert back["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.gradients
-    assert back["optimizer_state_dict"]["slices"][0]["w"] == fragment_address(numel=6, start=0)
-    assert vars(back["optimizer_state_dict"]["dyn"]) == vars(sd["optimizer_state_dict"]["dyn"])
-    assert isinstance(back["param_shapes"][0]["w"], torch.Size)
-    odd = back["odd"]
-    assert odd["$t"] == "not a tensor" and odd[1.5] == float("inf") and odd[(1, 2)] != odd[(1, 2)]
-    assert odd["dt"] is torch.bfloat16
-    assert 0 in back["optimizer_state_dict"]["state"]  # int keys stay ints
-
-
-def test_codec_refuses_unknown_objects():
-    from megatron_ft.deepspeed import codec
-
-    class Opaque:
-        pass
-
-    with pytest.raises(TypeError, match=r"state\.x\.y: value of type .*Opaque"):
-        codec.Encoder().encode({"x": {"y": Opaque()}})
-    with pytest.raises(ValueError, match="not allowed"):
-        codec.decode({"$obj": "os.system", "state": {}}, [])
 
 
 # ---------------------------------------------------------------- one process, real agent
@@ -201,10 +150,11 @@ def job_config(tmp):
     return cfg, path
 
 
-def recovered_run(tmp, stage, pipeline, kill_rank=1, fault=None):
+def recovered_run(tmp, stage, pipeline, shm_cleanup, kill_rank=1, fault=None):
     """The job under megatron-ft launch; rank ``kill_rank`` is SIGKILLed from outside once it logged
     iteration KILL_AT (``fault=None``) or kills itself at a fault point (megatron_ft.testing.faults)."""
     cfg, cfg_path = job_config(tmp)
+    shm_cleanup(cfg)
     run_dir = str(tmp / "run")
     log = str(tmp / "run.log")
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
@@ -230,9 +180,6 @@ def recovered_run(tmp, stage, pipeline, kill_rank=1, fault=None):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-        for name in os.listdir(cfg.agent.shm_dir):
-            if name.startswith(f"mft.{cfg.run_id}."):
-                os.unlink(os.path.join(cfg.agent.shm_dir, name))
     return run_dir, killed
 
 
@@ -265,9 +212,9 @@ def compare(ref_dir, run_dir):
     return problems
 
 
-def check_recovery(tmp_path, stage, pipeline=False, fault=None):
+def check_recovery(tmp_path, shm_cleanup, stage, pipeline=False, fault=None):
     ref_dir = reference(tmp_path, stage, pipeline)
-    run_dir, killed = recovered_run(tmp_path, stage, pipeline, fault=fault)
+    run_dir, killed = recovered_run(tmp_path, stage, pipeline, shm_cleanup, fault=fault)
     events = restores(run_dir)
     # first start: nothing to restore; after the kill both ranks restore the same step from memory
     assert [e["source"] for e in events if e["restart_count"] == 0] == ["none", "none"], events
@@ -283,29 +230,29 @@ def check_recovery(tmp_path, stage, pipeline=False, fault=None):
 
 
 @pytest.mark.slow
-def test_zero2_sigkill_recovers_bit_exact(tmp_path):
-    check_recovery(tmp_path, stage=2)
+def test_zero2_sigkill_recovers_bit_exact(tmp_path, shm_cleanup):
+    check_recovery(tmp_path, shm_cleanup, stage=2)
 
 
 @pytest.mark.slow
-def test_zero1_sigkill_recovers_bit_exact(tmp_path):
-    check_recovery(tmp_path, stage=1)
+def test_zero1_sigkill_recovers_bit_exact(tmp_path, shm_cleanup):
+    check_recovery(tmp_path, shm_cleanup, stage=1)
 
 
 @pytest.mark.slow
-def test_zero3_sigkill_recovers_bit_exact(tmp_path):
-    check_recovery(tmp_path, stage=3)
+def test_zero3_sigkill_recovers_bit_exact(tmp_path, shm_cleanup):
+    check_recovery(tmp_path, shm_cleanup, stage=3)
 
 
 @pytest.mark.slow
-def test_zero3_corrupt_snapshot_is_never_restored(tmp_path):
+def test_zero3_corrupt_snapshot_is_never_restored(tmp_path, shm_cleanup):
     """Rank 1 flips a byte of its committed snapshot of KILL_AT, then SIGKILLs itself: restore must
     reject that step (checksum) and resume both ranks from KILL_AT - 1, still bit exact."""
-    step, after = check_recovery(tmp_path, stage=3, fault="corrupt-after-commit")
+    step, after = check_recovery(tmp_path, shm_cleanup, stage=3, fault="corrupt-after-commit")
     assert step == KILL_AT - 1
     assert any("checksum mismatch" in r for e in after for r in e["rejected"]), after
 
 
 @pytest.mark.slow
-def test_pipeline_engine_sigkill_recovers_bit_exact(tmp_path):
-    check_recovery(tmp_path, stage=1, pipeline=True)
+def test_pipeline_engine_sigkill_recovers_bit_exact(tmp_path, shm_cleanup):
+    check_recovery(tmp_path, shm_cleanup, stage=1, pipeline=True)

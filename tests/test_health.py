@@ -14,8 +14,8 @@ import uuid
 import pytest
 
 from megatron_ft import config as ftconfig
-from megatron_ft.testing import sim
-from megatron_ft.testing.demo import free_port
+from megatron_ft.testing import helpers
+from megatron_ft.testing.helpers import free_port
 from megatron_ft.health.store import StoreClient, StoreUnavailable
 from megatron_ft.launch import claim_failed_node
 from megatron_ft.testing.sim import LocalCluster
@@ -144,7 +144,7 @@ FAST_HEALTH = {"heartbeat_s": 0.1, "timeout_s": 1.0}
 
 def wait_for(what, fn, timeout=30.0, cluster=None):
     logs = (lambda: "\n".join(a.log()[-2000:] for a in cluster.agents)) if cluster else (lambda: "")
-    return sim.wait_for(what, fn, timeout, logs)
+    return helpers.wait_for(what, fn, timeout, logs)
 
 
 def verdict(client, n):

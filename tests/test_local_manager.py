@@ -13,13 +13,11 @@ import subprocess
 import sys
 import uuid
 
-import numpy as np
 import pytest
-import torch
 import yaml
 
 from megatron_ft import config as ftconfig
-from megatron_ft.megatron import local_manager, sdcodec
+from megatron_ft.megatron import local_manager
 from megatron_ft.testing import faults
 
 from conftest import REPO, AgentProc
@@ -28,7 +26,7 @@ ITERS = 4
 
 
 @pytest.fixture
-def two_rank_job(tmp_path):
+def two_rank_job(tmp_path, shm_cleanup):
     run_id = f"lm{uuid.uuid4().hex[:10]}"
     cfg = ftconfig.replace(ftconfig.load(), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 2},
                            parallel={"tensor": 1, "pipeline": 1},
@@ -36,12 +34,10 @@ def two_rank_job(tmp_path):
     path = str(tmp_path / "job.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)
+    shm_cleanup(cfg)
     agent = AgentProc(cfg, path).start()
     yield cfg, path, agent
     agent.kill()
-    for name in os.listdir(cfg.agent.shm_dir):
-        if name.startswith(f"mft.{run_id}."):
-            os.unlink(os.path.join(cfg.agent.shm_dir, name))
 
 
 def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
@@ -112,41 +108,6 @@ def test_nothing_to_find_returns_minus_one(tmp_path, two_rank_job):
 
 
 # ---------------------------------------------------------------- units (no processes)
-
-
-def test_codec_round_trip_is_exact_and_pickle_free():
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from megatron.core.transformer.enums import AttnBackend
-
-    w = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    st = ShardedTensor.from_rank_offsets("decoder.w", w, (0, 0, 2), replica_id=(0, 1, 0))
-    obj = ShardedObject("rng_state", [{"np": np.random.get_state(), "t": torch.get_rng_state()}], (1, 1), (0, 0))
-    sd = {"args": argparse.Namespace(lr=3e-4, dtype=torch.bfloat16, be=AttnBackend.flash, fn=print,
-                                     nan=float("nan")),
-          "sharded": {"w": st, "o": obj, 0: (1, None, b"\x00\xff"), "s": slice(0, 5)}, "np": np.float32(0.5)}
-    rec, tensors = sdcodec.encode(sd)
-    text = json.dumps(rec)  # the record is plain JSON
-    back = sdcodec.decode(json.loads(text), [t.clone() for t in tensors])
-    ns = back["args"]
-    assert (ns.lr, ns.dtype, ns.be, ns.fn) == (3e-4, torch.bfloat16, AttnBackend.flash, None)
-    assert rec["omitted"] == ["state_dict.args.fn"] and ns.nan != ns.nan
-    bst = back["sharded"]["w"]
-    assert isinstance(bst, ShardedTensor) and torch.equal(bst.data.view(torch.int16), w.view(torch.int16))
-    assert (bst.global_shape, bst.global_offset, bst.replica_id) == (st.global_shape, st.global_offset, st.replica_id)
-    keys = back["sharded"]["o"].data[0]["np"][1]
-    assert keys.dtype == np.uint32 and (keys == np.random.get_state()[1]).all()
-    assert back["sharded"][0] == (1, None, b"\x00\xff") and back["sharded"]["s"] == slice(0, 5)
-    assert type(back["np"]) is np.float32
-
-
-def test_codec_names_what_it_cannot_store():
-    with pytest.raises(sdcodec.CodecError, match=r"state_dict\.x\.f: a value of type builtins.function"):
-        sdcodec.encode({"x": {"f": lambda: 0}})
-    with pytest.raises(sdcodec.CodecError, match="version 9 is not supported"):
-        sdcodec.decode({"format": sdcodec.FORMAT, "version": 9, "body": None, "names": []}, [])
-    with pytest.raises(sdcodec.CodecError, match="is not an enum class"):
-        sdcodec.decode({"format": sdcodec.FORMAT, "version": 1, "names": [],
-                        "body": {"$enum": "os:system", "name": "x"}}, [])
 
 
 def _args(**kw):

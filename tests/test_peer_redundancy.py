@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_ft.protocol import AgentClient, AgentError
-from megatron_ft.testing.sim import LocalCluster, wait_for
+from megatron_ft.testing.helpers import wait_for
+from megatron_ft.testing.sim import LocalCluster
 
 
 def make_model(rank, seed):

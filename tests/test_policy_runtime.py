@@ -220,7 +220,7 @@ def test_persist_requests_follow_the_decision():
 # ------------------------------------------------------------------ end to end with a real agent
 
 
-def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch):
+def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch, shm_cleanup):
     """The checkpointer measures 3 snapshots, logs the decision (one line, also in the event log),
     snapshots at the chosen interval and asks the agent to persist at the chosen interval."""
     from conftest import AgentProc
@@ -237,6 +237,7 @@ def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch):
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     monkeypatch.setenv("MFT_RUN_DIR", str(tmp_path / "run"))
+    shm_cleanup(cfg)
     agent = AgentProc(cfg, str(path)).start()
     try:
         torch.manual_seed(0)
@@ -272,6 +273,3 @@ def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch):
         assert len(auto_ev) == 1 and auto_ev[0]["reason"].startswith("auto intervals: snapshot every")
     finally:
         agent.kill()
-        for name in os.listdir(cfg.agent.shm_dir):
-            if name.startswith(f"mft.{run_id}."):
-                os.unlink(os.path.join(cfg.agent.shm_dir, name))

@@ -9,7 +9,6 @@ profile files, their summary, and ``megatron-ft timeline``.
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ from megatron_ft import cli
 from megatron_ft import config as ftconfig
 from megatron_ft.schedule import profiler as prof_mod
 from megatron_ft.schedule.spans import LinkModel
+from megatron_ft.testing.helpers import free_port
 
 from conftest import REPO
 
@@ -28,11 +28,6 @@ PROFILED, ITERS, MICROBATCHES = 3, 4, 4
 ACT_BYTES = 32 * 2 * 64 * 4  # seq x micro-batch x hidden x fp32: one activation / gradient message
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_env(run_dir):
@@ -262,7 +257,7 @@ def test_timeline_draws_the_schedule_a_transport_ran(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_launch_with_inmem_ckpt_and_profile_then_timeline(tmp_path):
+def test_launch_with_inmem_ckpt_and_profile_then_timeline(tmp_path, shm_cleanup):
     """The user's path: megatron-ft launch (agent + torchrun, PP=2) with snapshots and the profiler."""
     run_id = f"pf{uuid.uuid4().hex[:10]}"
     cfg = ftconfig.replace(ftconfig.load(), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 2},
@@ -275,12 +270,8 @@ def test_launch_with_inmem_ckpt_and_profile_then_timeline(tmp_path):
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
            os.path.join(REPO, "scripts", "pretrain_gpt.py"), "--pipeline-model-parallel-size", "2",
            "--num-layers", "2", "--train-iters", "5", "--inmem-ckpt", "--inmem-ckpt-profile-iterations", "4"]
-    try:
-        p = subprocess.run(cmd, env=run_env(run_dir), capture_output=True, text=True, timeout=900)
-    finally:
-        for name in os.listdir(cfg.agent.shm_dir):
-            if name.startswith(f"mft.{run_id}."):
-                os.unlink(os.path.join(cfg.agent.shm_dir, name))
+    shm_cleanup(cfg)
+    p = subprocess.run(cmd, env=run_env(run_dir), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     profiles = prof_mod.load_profiles(str(run_dir))
     assert [q["rank"] for q in profiles] == [0, 1]

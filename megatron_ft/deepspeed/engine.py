@@ -6,7 +6,7 @@ and wraps ``engine.load_checkpoint``. What happens then::
     engine.save_checkpoint(dir, tag)            (every rank; DeepSpeed's own code path)
       checkpoint_engine.makedirs(dir)           real directory (DeepSpeed writes `latest` there)
       checkpoint_engine.create(tag)             wait for the previous snapshot; start a new file set
-      checkpoint_engine.save(sd, dir/tag/F)     encode sd -> tensors + JSON tree (codec.py); F is
+      checkpoint_engine.save(sd, dir/tag/F)     encode sd -> tensors + JSON tree (capture/tree.py); F is
                                                 only a key: nothing is written under dir/tag
       checkpoint_engine.commit(tag)             one snapshot of step engine.global_steps with all
                                                 of this rank's files + RNG, copied to the agent's
@@ -59,13 +59,16 @@ from .. import config as ftconfig
 from ..checkpointer import InMemoryCheckpointer
 from ..layout import Layout, dtype_from_name
 from ..recovery import RestoreFailed
-from ..state import StateTensor, numpy_rng_state, python_rng_state, set_numpy_rng_state, set_python_rng_state
-from . import codec
+from ..capture import rng
+from ..state import StateTensor
+from ..capture import tree as treecodec
 
 log = logging.getLogger("megatron_ft.deepspeed")
 
 RECORD_FORMAT = "megatron-ft-deepspeed"
 RECORD_VERSION = 1
+#: tree encodings a record may name: the shared codec's, and the DeepSpeed-only one it replaced
+TREE_FORMATS = {(treecodec.FORMAT, treecodec.VERSION), ("megatron-ft-dsdict", 1)}
 ENGINE_NAME = "MegatronFTInMemoryCheckpointEngine"
 VERIFIED_DEEPSPEED = "0.19."
 
@@ -88,26 +91,19 @@ class DeepSpeedStateAdapter:
         self.tag, self.files, self.rng = tag, [], {}
 
     def add_file(self, name: str, state: Any) -> None:
-        enc = codec.Encoder()
+        enc = treecodec.Encoder()
         tree = enc.encode(state, name)
-        tensors = []
-        for t in enc.tensors:
-            t = t.detach()
-            if t.dim() == 0 or not t.is_contiguous():  # tiny counters updated in place / strided views: own them
-                t = t.clone(memory_format=torch.contiguous_format)
-            tensors.append(t)
-        self.files.append((name, tree, tensors))
+        self.files.append((name, tree, [treecodec.owned(t) for t in enc.tensors]))
 
     def capture(self) -> tuple[list[StateTensor], dict]:
         out = [StateTensor(f"f{i}.t{k}", t) for i, (_, _, ts) in enumerate(self.files) for k, t in enumerate(ts)]
-        out.append(StateTensor("rng.cpu", torch.get_rng_state()))
-        if torch.cuda.is_available():  # GPU path
-            out.append(StateTensor("rng.cuda", torch.cuda.get_rng_state().cpu()))
+        rng_tensors, rng_record = rng.capture()
+        out += [StateTensor(n, t) for n, t in rng_tensors]
         extra = {
-            "format": RECORD_FORMAT, "version": RECORD_VERSION, "codec": [codec.FORMAT, codec.VERSION],
+            "format": RECORD_FORMAT, "version": RECORD_VERSION, "codec": [treecodec.FORMAT, treecodec.VERSION],
             "tag": self.tag,
             "files": [{"name": name, "tensors": len(ts), "tree": tree} for name, tree, ts in self.files],
-            "python_rng": python_rng_state(), "numpy_rng": numpy_rng_state(),
+            **rng_record,
         }
         return out, extra
 
@@ -127,8 +123,8 @@ class DeepSpeedStateAdapter:
         if extra.get("format") != RECORD_FORMAT or extra.get("version") != RECORD_VERSION:
             raise ValueError(f"not a {RECORD_FORMAT} v{RECORD_VERSION} record: {extra.get('format')!r} "
                              f"v{extra.get('version')!r}")
-        if extra.get("codec") != [codec.FORMAT, codec.VERSION]:
-            raise ValueError(f"record codec {extra.get('codec')!r} is not {[codec.FORMAT, codec.VERSION]}")
+        if tuple(extra.get("codec") or ()) not in TREE_FORMATS:
+            raise ValueError(f"record codec {extra.get('codec')!r} is not one of {sorted(TREE_FORMATS)}")
         files = {}
         for i, f in enumerate(extra["files"]):
             files[f["name"]] = (f["tree"], [self._buffers[f"f{i}.t{k}"] for k in range(f["tensors"])])
@@ -217,7 +213,7 @@ class InMemoryCheckpointEngine(CheckpointEngine):
         fix = None
         if map_location is not None and not callable(map_location) and not isinstance(map_location, dict):
             fix = lambda t: t.to(map_location)  # noqa: E731
-        return codec.decode(tree, tensors, fix)
+        return treecodec.decode_tree(tree, tensors, fix)
 
     @staticmethod
     def _resolve(name: str, files: dict) -> str:
@@ -389,11 +385,7 @@ def _placeholders(paths: list[str], tag: str) -> None:
 
 
 def _set_rng(restored: dict) -> None:
-    torch.set_rng_state(restored["rng"]["rng.cpu"])
-    if "rng.cuda" in restored["rng"] and torch.cuda.is_available():  # GPU path
-        torch.cuda.set_rng_state(restored["rng"]["rng.cuda"])
-    set_python_rng_state(restored["python_rng"])
-    set_numpy_rng_state(restored["numpy_rng"])
+    rng.restore(restored["rng"], restored)
 
 
 def _patch_pipeline_module(module: Any, ce: InMemoryCheckpointEngine) -> None:

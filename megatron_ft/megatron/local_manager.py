@@ -19,7 +19,7 @@ Megatron-LM (``core_v0.16.1``) drives its local tier through ``checkpointing_con
   everything).
 * ``local_ckpt_dir``: only printed (and joined into names); here it is the agents' persist dir.
 
-The mapping onto megatron-ft: ``save`` encodes the state dict with :mod:`.sdcodec` (tensors by
+The mapping onto megatron-ft: ``save`` encodes the state dict with :mod:`megatron_ft.capture.tree` (tensors by
 reference, the rest as a versioned JSON record - no pickle) and hands it to the trainer's
 :class:`~megatron_ft.checkpointer.InMemoryCheckpointer` as the state of ``iteration``: the snapshot
 engine copies the tensors into this rank's agent slot in the background (fused copy + checksum),
@@ -60,7 +60,7 @@ from ..checkpointer import InMemoryCheckpointer
 from ..layout import Layout, dtype_from_name
 from ..recovery import RestoreFailed
 from ..state import StateTensor
-from . import sdcodec
+from ..capture import tree as treecodec
 from .checkpointing import checked_topology
 
 log = logging.getLogger("megatron_ft")
@@ -102,7 +102,7 @@ class _StateDictAdapter:
     def capture(self) -> tuple[list[StateTensor], dict]:
         sd = self.state_dict
         assert sd is not None
-        record, tensors = sdcodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict})
+        record, tensors = treecodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict}, "state_dict")
         if record["omitted"]:
             log.info("in-memory checkpoint: args attributes that are not data are not kept: %s",
                      ", ".join(record["omitted"][:10]))
@@ -210,7 +210,7 @@ class InMemoryLocalCheckpointManager:
         record = res.extra["state_dict"]
         names = [tensor_name(i, p) for i, p in enumerate(record["names"])]
         tensors = [self._adapter.loaded[n] for n in names]
-        for i, spec in enumerate(sdcodec.tensor_specs(record)):
+        for i, spec in enumerate(treecodec.tensor_specs(record)):
             if spec["device"] == "cuda":  # GPU path
                 tensors[i] = tensors[i].to(torch.cuda.current_device())
         self._adapter.loaded = {}
@@ -223,7 +223,7 @@ class InMemoryLocalCheckpointManager:
                                "(find_latest() returned -1)")
         loaded = self._loaded
         assert loaded is not None and loaded.record is not None and loaded.tensors is not None
-        tree = sdcodec.decode(loaded.record, loaded.tensors)
+        tree = treecodec.decode(loaded.record, loaded.tensors)
         tasd = InMemoryTensorAwareStateDict(common=tree["common"], sharded_state_dict=tree["sharded"])
         return tasd, f"megatron-ft {loaded.source} run {self.cfg.run_id} iteration {loaded.step} rank {self.rank}"
 

@@ -23,9 +23,9 @@ from typing import Any, Optional
 
 import torch
 
+from ..capture import rng
 from ..layout import Layout, ShardSpec, dtype_from_name
-from ..state import (StateTensor, json_safe, numpy_rng_state, python_rng_state, restore_like,
-                     set_numpy_rng_state, set_python_rng_state)
+from ..state import StateTensor, json_safe, restore_like
 
 
 def _dp_group_and_rank():
@@ -84,17 +84,19 @@ class MegatronStateAdapter:
                             out.append((f"{prefix}.{key}", val, p, key))
         return out
 
-    def _rng_tensors(self) -> list[tuple[str, torch.Tensor]]:
+    @staticmethod
+    def _rng() -> tuple[list[tuple[str, torch.Tensor]], dict]:
+        """The process's generators (:mod:`megatron_ft.capture.rng`) plus Megatron's tensor-parallel
+        tracker states (``rng.tracker.<name>``)."""
         from megatron.core import tensor_parallel
 
         from . import cpu_compat
 
-        out = [("rng.cpu", torch.get_rng_state())]
-        if torch.cuda.is_available() or cpu_compat.is_installed():  # the GPU's, or its CPU stand-in
-            out.append(("rng.cuda", torch.cuda.get_rng_state().cpu()))
+        # the GPU's generator, or its CPU stand-in (cpu_compat)
+        out, record = rng.capture(cuda=lambda: torch.cuda.is_available() or cpu_compat.is_installed())
         for name, st in sorted(tensor_parallel.get_cuda_rng_tracker().get_states().items()):
             out.append((f"rng.tracker.{name}", st.detach().cpu().clone()))
-        return out
+        return out, record
 
     def capture(self) -> tuple[list[StateTensor], dict]:
         group, dp_rank, dp_size = _dp_group_and_rank()
@@ -104,7 +106,8 @@ class MegatronStateAdapter:
             if t.dim() == 0:  # e.g. Adam's step counter: tiny, and updated in place -> own it
                 t = t.detach().clone()
             tensors.append(StateTensor(name, t))
-        tensors += [StateTensor(name, t) for name, t in self._rng_tensors()]
+        rng_tensors, rng_record = self._rng()
+        tensors += [StateTensor(name, t) for name, t in rng_tensors]
         groups = []
         nontensor_state = {}
         for k, inner in enumerate(_inner_optimizers(self.optimizer)):
@@ -115,8 +118,7 @@ class MegatronStateAdapter:
                     if rest:
                         nontensor_state[f"o{k}.g{g}.p{j}"] = rest
         extra = {
-            "python_rng": python_rng_state(),
-            "numpy_rng": numpy_rng_state(),
+            **rng_record,
             "scheduler": json_safe(self.scheduler.state_dict(), "scheduler") if self.scheduler else None,
             "param_groups": json_safe(groups, "param_groups"),
             "optimizer_nontensor": json_safe(nontensor_state, "optimizer state"),
@@ -166,15 +168,11 @@ class MegatronStateAdapter:
     def finish_restore(self, extra: dict) -> None:
         from megatron.core import tensor_parallel
 
-        rng = self._rng_targets
-        torch.set_rng_state(rng["rng.cpu"])
-        if "rng.cuda" in rng:  # the GPU's generator, or its CPU stand-in (cpu_compat)
-            torch.cuda.set_rng_state(rng["rng.cuda"])
-        tracker = {n[len("rng.tracker."):]: t for n, t in rng.items() if n.startswith("rng.tracker.")}
+        targets = self._rng_targets
+        rng.restore({n: t for n, t in targets.items() if n in rng.TENSORS}, extra)
+        tracker = {n[len("rng.tracker."):]: t for n, t in targets.items() if n.startswith("rng.tracker.")}
         if tracker:
             tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
-        set_python_rng_state(extra["python_rng"])
-        set_numpy_rng_state(extra["numpy_rng"])
         inners = _inner_optimizers(self.optimizer)
         for inner, saved_groups in zip(inners, extra["param_groups"]):
             for g, saved in zip(inner.param_groups, saved_groups):

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import yaml
 from .. import config as ftconfig
 from .. import tiers
 from . import faults
+from .helpers import free_port, free_port_range, read_jsonl
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 
@@ -68,26 +68,8 @@ def upstream_program(src: str, workdir: str) -> Program:
     return Program((megatron_lm.__file__, os.path.join(tree, "pretrain_gpt.py")), upstream=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def read_jsonl(path: str) -> list[dict]:
-    out = []
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a line being written
-    except FileNotFoundError:
-        pass
-    return out
 
 
 def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[str]:
@@ -111,22 +93,8 @@ DEMO_SHAPES = {
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
 
 
-def free_port_range(n: int) -> int:
-    """A base port with ``n`` free ports above it (the agents' stores on one machine)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:

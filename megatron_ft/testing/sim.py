@@ -13,35 +13,21 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import yaml
 
 from .. import config as ftconfig
 from . import faults
-from .demo import free_port_range
+from .helpers import WaitTimeout, free_port_range
 from ..protocol import AgentClient, socket_path
 from ..recovery import Restorer, RestoreResult
 from ..snapshot import SnapshotEngine
 from ..state import TorchStateAdapter
 
 
-class WaitTimeout(RuntimeError):
-    pass
 
-
-def wait_for(what: str, fn: Callable[[], Any], limit_s: float = 30.0, logs: Callable[[], str] = lambda: "") -> Any:
-    """Poll ``fn`` until it returns something truthy (returned); past ``limit_s`` (a wait limit, not
-    a performance check) raise :class:`WaitTimeout` naming ``what``, with ``logs()``."""
-    deadline = time.time() + limit_s
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.time() > deadline:
-            raise WaitTimeout(f"timed out waiting for {what}\n{logs()}")
-        time.sleep(0.05)
 
 
 class AgentProc:

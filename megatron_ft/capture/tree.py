@@ -1,0 +1,332 @@
+"""Nested state structures as JSON plus a list of tensors: the one tree codec of megatron-ft.
+
+Megatron-LM's checkpoint tier hands its manager a state dict of nested dicts, lists and tuples
+holding ``ShardedTensor``/``ShardedObject`` entries, tensors, numpy arrays, the run's
+``argparse.Namespace``, enums and dtypes; DeepSpeed's ``save_checkpoint`` hands its checkpoint
+engine OrderedDicts keyed by parameter ids, ``torch.Size``, tensors and a few of its own objects.
+Both are snapshotted the same way: :func:`encode` replaces every tensor (and numpy array) by a
+reference into a flat list of tensors - what a snapshot holds in its flat area - and returns the
+rest as JSON for the version record; :func:`decode` rebuilds an equal structure from both. No
+pickle; nothing is imported or constructed on decode but the classes of :data:`ALLOWED`.
+
+Worked example::
+
+    >>> import argparse, torch
+    >>> w = torch.ones(2)
+    >>> rec, tensors = encode({"iteration": 7, "args": argparse.Namespace(lr=1e-3), "w": w, 3: (w, None)})
+    >>> rec["format"], len(tensors), rec["names"]
+    ('megatron-ft/tree', 1, ['state.w'])
+    >>> back = decode(rec, tensors)
+    >>> back["args"].lr, back[3][0] is back["w"]
+    (0.001, True)
+
+Tree (version 1). Plain JSON values stand for themselves, a string-keyed dict is a JSON object
+(keys starting with ``$`` force the ``$dict`` form), except:
+
+==========================================  ============================================================
+``{"$t": i, "device", "rg", "param"}``      tensor ``i`` of the list (its device type; ``rg``: it
+                                            required grad; ``param``: an ``nn.Parameter``). The same
+                                            tensor object reached twice is stored once and comes back
+                                            as one object
+``{"$nd": i, "dtype", "shape"}``            a numpy array (tensor ``i`` holds its bytes)
+``{"$np": dtype, "value"}``                 a numpy scalar
+``{"$dict": [[k, v], ...]}``                a dict with other keys; ``$odict`` an ``OrderedDict``
+``{"$tuple": [...]}``, ``{"$size": [...]}``  a tuple, a ``torch.Size``
+``{"$float": "nan"}``, ``{"$dtype": "f"}``  a non-finite float, a ``torch.dtype``
+``{"$slice": [a, b, c]}``, ``{"$bytes"}``   a slice, bytes (base64)
+``{"$ns": "argparse"|"simple", "attrs"}``   a namespace; inside one, attributes that are not data
+                                            (functions, objects) are ``{"$omitted": type}`` and decode
+                                            to ``None`` (listed in the record's ``omitted``)
+``{"$obj": class, "state"}``                an instance of an allow-listed class (:data:`ALLOWED`),
+                                            rebuilt from its fields, ``__dict__`` or enum value
+==========================================  ============================================================
+
+Anything else is a :class:`CodecError` naming where it was found. Records of the earlier
+formats (``megatron-ft/state-dict`` v1, whose ``$sharded`` and ``$enum`` tags are read through the
+same allow-list, and ``megatron-ft-dsdict`` v1 trees) are still decoded.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import enum
+import importlib
+import math
+import types
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+FORMAT = "megatron-ft/tree"
+VERSION = 1
+READS = {(FORMAT, VERSION), ("megatron-ft/state-dict", 1)}
+
+#: The only classes a record may name: tag -> (module, class, how it is rebuilt: its dataclass
+#: "fields", its "dict" (``__dict__``) or its "enum" value). Adding one is a format change,
+#: reviewed like code.
+ALLOWED: dict[str, tuple[str, str, str]] = {
+    "ShardedTensor": ("megatron.core.dist_checkpointing.mapping", "ShardedTensor", "fields"),
+    "ShardedObject": ("megatron.core.dist_checkpointing.mapping", "ShardedObject", "fields"),
+    "LossScaler": ("deepspeed.runtime.fp16.loss_scaler", "LossScaler", "dict"),
+    "DynamicLossScaler": ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", "dict"),
+    "fragment_address": ("deepspeed.utils.tensor_fragment", "fragment_address", "fields"),
+    "ZeroStageEnum": ("deepspeed.runtime.zero.config", "ZeroStageEnum", "enum"),
+}
+#: Enum classes of these packages are allowed by name too (Megatron's run arguments hold a
+#: changing set of them: ``ModelType``, ``AttnBackend``, ...); they are rebuilt only if the named
+#: class is an ``enum.Enum``.
+ALLOWED_ENUM_PACKAGES = ("megatron.core.", "megatron.training.", "deepspeed.")
+
+
+class CodecError(ValueError):
+    """A value this encoding cannot represent, or a record it cannot (or may not) read."""
+
+
+def _tag_of(value: Any) -> Optional[str]:
+    cls = type(value)
+    for tag, (module, name, _) in ALLOWED.items():
+        if cls.__name__ == name and cls.__module__ == module:
+            return tag
+    if isinstance(value, enum.Enum) and cls.__module__.startswith(ALLOWED_ENUM_PACKAGES):
+        return f"{cls.__module__}:{cls.__qualname__}"
+    return None
+
+
+def _resolve(tag: str) -> tuple[type, str]:
+    """The class a record names, if the allow-list has it; :class:`CodecError` otherwise."""
+    if tag in ALLOWED:
+        module, name, how = ALLOWED[tag]
+        return getattr(importlib.import_module(module), name), how
+    module, _, qual = tag.partition(":")
+    if qual and module.startswith(ALLOWED_ENUM_PACKAGES):
+        obj: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            return obj, "enum"
+    raise CodecError(f"class {tag!r} is not allowed in a {FORMAT} record; allowed: {sorted(ALLOWED)} and enums "
+                     f"of {list(ALLOWED_ENUM_PACKAGES)}")
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as a snapshot takes it: detached and contiguous; a 0-dim tensor (a counter such as
+    Adam's step, updated in place) is copied so that the snapshot owns its value."""
+    t = t.detach()
+    if t.dim() == 0 or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+class Encoder:
+    """Collects tensors while turning one or more structures into trees (shared tensors once)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.names: list[str] = []  # each tensor's path where it was first reached
+        self.omitted: list[str] = []
+        self._index: dict[int, int] = {}  # id(tensor) -> index (kept alive in self.tensors)
+
+    def _tensor(self, t: torch.Tensor, path: str) -> int:
+        i = self._index.get(id(t))
+        if i is None:
+            i = self._index[id(t)] = len(self.tensors)
+            self.tensors.append(t)
+            self.names.append(path)
+        return i
+
+    def encode(self, v: Any, path: str = "state", lenient: bool = False) -> Any:
+        if v is None or type(v) in (bool, int, str):
+            return v
+        if type(v) is float:
+            return v if math.isfinite(v) else {"$float": repr(v)}
+        if isinstance(v, torch.Tensor):
+            node: dict = {"$t": self._tensor(v, path), "device": v.device.type}
+            if v.requires_grad:
+                node["rg"] = True
+            if isinstance(v, torch.nn.Parameter):
+                node["param"] = True
+            return node
+        if isinstance(v, np.ndarray):
+            raw = torch.from_numpy(np.ascontiguousarray(v).reshape(-1).view(np.uint8).copy())
+            return {"$nd": self._tensor(raw, path), "dtype": v.dtype.str, "shape": list(v.shape)}
+        if isinstance(v, np.generic):
+            return {"$np": v.dtype.str, "value": self.encode(v.item(), path)}
+        if isinstance(v, torch.dtype):
+            return {"$dtype": str(v).removeprefix("torch.")}
+        if isinstance(v, torch.Size):
+            return {"$size": [int(x) for x in v]}
+        tag = _tag_of(v)  # before int/str: IntEnum members are ints
+        if tag is not None:
+            how = _resolve(tag)[1] if tag in ALLOWED else "enum"
+            if how == "enum":
+                return {"$obj": tag, "state": self.encode(v.value, f"{path}.value")}
+            state = ({f.name: getattr(v, f.name) for f in dataclasses.fields(v)} if how == "fields" else vars(v))
+            return {"$obj": tag, "state": self.encode(dict(state), f"{path}.<{tag}>", lenient)}
+        if isinstance(v, enum.Enum):
+            if lenient:
+                return self._omit(v, path)
+            raise CodecError(f"{path}: enum {type(v).__module__}.{type(v).__qualname__} is not allowed; allowed: "
+                             f"{sorted(ALLOWED)} and enums of {list(ALLOWED_ENUM_PACKAGES)} "
+                             f"(megatron_ft.capture.tree.ALLOWED)")
+        if isinstance(v, (bool, int)):  # subclasses that are not enums
+            return int(v)
+        if isinstance(v, str):
+            return str(v)
+        if isinstance(v, float):
+            return self.encode(float(v), path)
+        if isinstance(v, tuple):
+            return {"$tuple": [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            if type(v) is dict and all(type(k) is str and not k.startswith("$") for k in v):
+                return {k: self.encode(x, f"{path}.{k}", lenient) for k, x in v.items()}
+            pairs = [[self.encode(k, f"{path}.<key>"), self.encode(x, f"{path}.{k}", lenient)] for k, x in v.items()]
+            return {"$odict" if isinstance(v, OrderedDict) else "$dict": pairs}
+        if isinstance(v, slice):
+            return {"$slice": [self.encode(v.start, path), self.encode(v.stop, path), self.encode(v.step, path)]}
+        if isinstance(v, (bytes, bytearray)):
+            return {"$bytes": base64.b64encode(bytes(v)).decode("ascii")}
+        if isinstance(v, (argparse.Namespace, types.SimpleNamespace)):
+            kind = "argparse" if isinstance(v, argparse.Namespace) else "simple"
+            return {"$ns": kind, "attrs": self.encode(dict(vars(v)), path, lenient=True)}
+        if lenient:
+            return self._omit(v, path)
+        raise CodecError(f"{path}: a value of type {type(v).__module__}.{type(v).__qualname__} cannot be stored in "
+                         f"a snapshot (no pickle); allowed: None, bool, int, float, str, bytes, list, tuple, dict, "
+                         f"slice, torch.Tensor/dtype/Size, numpy arrays and scalars, namespaces, and the classes "
+                         f"of megatron_ft.capture.tree.ALLOWED")
+
+    def _omit(self, v: Any, path: str) -> dict:
+        self.omitted.append(path)
+        return {"$omitted": f"{type(v).__module__}.{type(v).__qualname__}", "repr": repr(v)[:200]}
+
+    def record(self, body: Any) -> dict:
+        """The versioned record of an encoded ``body``."""
+        return {"format": FORMAT, "version": VERSION, "body": body, "names": list(self.names),
+                "omitted": list(self.omitted)}
+
+
+def encode(state: Any, path: str = "state") -> tuple[dict, list[torch.Tensor]]:
+    """``state`` -> (record, the tensors it references, not copied). The record's ``names`` give
+    each tensor's path (for layout names and messages); ``omitted`` the namespace attributes that
+    were not data."""
+    e = Encoder()
+    return e.record(e.encode(state, path)), e.tensors
+
+
+def tensor_specs(record: dict) -> list[dict]:
+    """For each referenced tensor: its path and device type (what a loader allocates where)."""
+    devices: dict[int, str] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, list):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            if "$t" in v:
+                devices[v["$t"]] = v.get("device", "cpu")
+            elif "$nd" not in v:
+                for x in v.values():
+                    walk(x)
+
+    walk(record["body"])
+    return [{"name": n, "device": devices.get(i, "cpu")} for i, n in enumerate(record["names"])]
+
+
+def check(record: Any, tensors: int) -> None:
+    """Refuse a record this build cannot read, or one that references another number of tensors."""
+    if not isinstance(record, dict) or (record.get("format"), record.get("version")) not in READS:
+        got = (record.get("format"), record.get("version")) if isinstance(record, dict) else None
+        raise CodecError(f"record {got!r} cannot be read; this build reads {sorted(READS)}")
+    if len(record["names"]) != tensors:
+        raise CodecError(f"record references {len(record['names'])} tensors, {tensors} were given")
+
+
+def decode(record: dict, tensors: list[torch.Tensor]) -> Any:
+    """Rebuild the structure :func:`encode` saw, with ``tensors`` in place of the references."""
+    check(record, len(tensors))
+    return decode_tree(record["body"], tensors)
+
+
+def decode_tree(tree: Any, tensors: list[torch.Tensor],
+                fix: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Any:
+    """Rebuild one tree; tensor ``i`` is ``tensors[i]`` (through ``fix`` if given, e.g. a device
+    move). Each tensor index is rebuilt once, so shared tensors stay shared."""
+    made: dict[int, torch.Tensor] = {}
+
+    def tensor(i: Any, node: dict) -> torch.Tensor:
+        if i not in made:
+            if not isinstance(i, int) or not 0 <= i < len(tensors):
+                raise CodecError(f"tensor index {i!r} out of range (0..{len(tensors) - 1})")
+            t = tensors[i] if fix is None else fix(tensors[i])
+            if node.get("param"):
+                t = torch.nn.Parameter(t, requires_grad=bool(node.get("rg")))
+            elif node.get("rg") and t.is_floating_point():
+                t.requires_grad_(True)
+            made[i] = t
+        return made[i]
+
+    def obj(tag: str, state: Any) -> Any:
+        cls, how = _resolve(tag)
+        if how == "enum":
+            return cls(state)
+        if how == "fields":
+            return cls(**state)
+        out = cls.__new__(cls)
+        out.__dict__.update(state)
+        return out
+
+    def dec(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if not isinstance(v, dict):
+            raise CodecError(f"malformed value {v!r:.200}")
+        if "$t" in v:
+            return tensor(v["$t"], v)
+        if "$dict" in v:
+            return {dec(k): dec(x) for k, x in v["$dict"]}
+        if "$odict" in v:
+            return OrderedDict((dec(k), dec(x)) for k, x in v["$odict"])
+        if "$tuple" in v:
+            return tuple(dec(x) for x in v["$tuple"])
+        if "$obj" in v:
+            return obj(v["$obj"], dec(v["state"]))
+        if "$nd" in v:
+            raw = tensors[v["$nd"]].cpu().numpy()
+            return raw.view(np.dtype(v["dtype"])).reshape(v["shape"]).copy()
+        if "$np" in v:
+            return np.dtype(v["$np"]).type(dec(v["value"]))
+        if "$float" in v:
+            return float(v["$float"])
+        if "$dtype" in v:
+            dt = getattr(torch, v["$dtype"], None)
+            if not isinstance(dt, torch.dtype):
+                raise CodecError(f"unknown torch dtype {v['$dtype']!r}")
+            return dt
+        if "$size" in v:
+            return torch.Size(v["$size"])
+        if "$slice" in v:
+            return slice(*(dec(x) for x in v["$slice"]))
+        if "$bytes" in v:
+            return base64.b64decode(v["$bytes"])
+        if "$ns" in v:
+            attrs = dec(v["attrs"])
+            return argparse.Namespace(**attrs) if v["$ns"] == "argparse" else types.SimpleNamespace(**attrs)
+        if "$omitted" in v:
+            return None
+        if "$sharded" in v:  # megatron-ft/state-dict v1
+            return obj(v["$sharded"], {k: dec(x) for k, x in v["fields"].items()})
+        if "$enum" in v:  # megatron-ft/state-dict v1: a member by class path and name
+            cls, _ = _resolve(v["$enum"])
+            return cls[v["name"]]
+        if any(k.startswith("$") for k in v):
+            raise CodecError(f"unknown tag in {sorted(v)[:3]}")
+        return {k: dec(x) for k, x in v.items()}
+
+    return dec(tree)

@@ -1,0 +1,87 @@
+"""Small helpers of the harness, in one place: free ports, bounded polling, event files, and
+removing a run's shared-memory segments. Imported by the demo, the chaos harness, the simulation,
+tests and benchmarks; never by the runtime."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any, Callable
+
+
+class WaitTimeout(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_range(n: int) -> int:
+    """A base port with ``n`` free ports above it (the agents' stores on one machine)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def wait_for(what: str, fn: Callable[[], Any], limit_s: float = 30.0, logs: Callable[[], str] = lambda: "") -> Any:
+    """Poll ``fn`` until it returns something truthy (returned); past ``limit_s`` (a wait limit, not
+    a performance check) raise :class:`WaitTimeout` naming ``what``, with ``logs()``."""
+    deadline = time.time() + limit_s
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.time() > deadline:
+            raise WaitTimeout(f"timed out waiting for {what}\n{logs()}")
+        time.sleep(0.05)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The complete JSON lines of an event file (a line being written is skipped; no file: [])."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass  # a line being written
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def remove_run_segments(shm_dir: str, run_id: str) -> list[str]:
+    """Remove every shared-memory segment of ``run_id`` in ``shm_dir`` (slots and peer blocks of all
+    nodes); returns their names."""
+    gone = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return gone
+    for name in names:
+        if name.startswith(f"mft.{run_id}."):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                gone.append(name)
+            except FileNotFoundError:
+                pass
+    return gone

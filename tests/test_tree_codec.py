@@ -1,0 +1,149 @@
+"""The one tree codec (megatron_ft.capture.tree) with Megatron's and DeepSpeed's real state
+structures: exact round trips through strict JSON, shared tensors stored once, the allow-list of
+classes a record may name, and records of the earlier formats still read."""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ft.capture import rng, tree
+
+
+def through_json(record):
+    return json.loads(json.dumps(record, allow_nan=False))  # strict JSON survives
+
+
+def test_megatron_state_dict_round_trip_is_exact_and_pickle_free():
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.transformer.enums import AttnBackend
+
+    w = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    st = ShardedTensor.from_rank_offsets("decoder.w", w, (0, 0, 2), replica_id=(0, 1, 0))
+    obj = ShardedObject("rng_state", [{"np": np.random.get_state(), "t": torch.get_rng_state()}], (1, 1), (0, 0))
+    sd = {"args": argparse.Namespace(lr=3e-4, dtype=torch.bfloat16, be=AttnBackend.flash, fn=print,
+                                     nan=float("nan")),
+          "sharded": {"w": st, "o": obj, 0: (1, None, b"\x00\xff"), "s": slice(0, 5)}, "np": np.float32(0.5)}
+    rec, tensors = tree.encode(sd, "state_dict")
+    back = tree.decode(through_json(rec), [t.clone() for t in tensors])
+    ns = back["args"]
+    assert (ns.lr, ns.dtype, ns.be, ns.fn) == (3e-4, torch.bfloat16, AttnBackend.flash, None)
+    assert rec["omitted"] == ["state_dict.args.fn"] and ns.nan != ns.nan
+    bst = back["sharded"]["w"]
+    assert isinstance(bst, ShardedTensor) and torch.equal(bst.data.view(torch.int16), w.view(torch.int16))
+    assert (bst.global_shape, bst.global_offset, bst.replica_id) == (st.global_shape, st.global_offset, st.replica_id)
+    keys = back["sharded"]["o"].data[0]["np"][1]
+    assert keys.dtype == np.uint32 and (keys == np.random.get_state()[1]).all()
+    assert back["sharded"][0] == (1, None, b"\x00\xff") and back["sharded"]["s"] == slice(0, 5)
+    assert type(back["np"]) is np.float32
+
+
+def test_deepspeed_checkpoint_round_trip_stores_shared_tensors_once():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    shared = torch.arange(6, dtype=torch.float32)
+    sd = {
+        "module": OrderedDict([("w", torch.randn(3, 2)), ("b", torch.zeros(0))]),
+        "optimizer_state_dict": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": shared}},
+                                 "param_groups": [{"params": [0], "betas": (0.9, 0.999), "lr": 1e-3}],
+                                 "loss_scaler": LossScaler(1.0),
+                                 "dyn": DynamicLossScaler(2.0 ** 8, 1000, 1.0, 2, True, raise_error_at_min_scale=False),
+                                 "zero_stage": ZeroStageEnum.gradients,
+                                 "slices": [{"w": fragment_address(numel=6, start=0)}],
+                                 "again": shared},
+        "param_shapes": [OrderedDict([("w", torch.Size([3, 2]))])],
+        "odd": {"$t": "not a tensor", 1.5: float("inf"), (1, 2): float("nan"), "dt": torch.bfloat16},
+        "p": torch.nn.Parameter(torch.ones(2)),
+        "none": None, "flag": True, "ds_version": "0.19.8",
+    }
+    rec, tensors = tree.encode(sd)
+    back = tree.decode(through_json(rec), [t.detach().clone() for t in tensors])
+    assert len(tensors) == 5  # "again" is the same tensor object as exp_avg: stored once
+    assert rec["names"][3] == "state.optimizer_state_dict.state.0.exp_avg"
+    opt = back["optimizer_state_dict"]
+    assert opt["again"] is opt["state"][0]["exp_avg"]
+    assert type(back["module"]) is OrderedDict and list(back["module"]) == ["w", "b"]
+    assert torch.equal(back["module"]["w"], sd["module"]["w"])
+    assert opt["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert opt["zero_stage"] is ZeroStageEnum.gradients
+    assert opt["slices"][0]["w"] == fragment_address(numel=6, start=0)
+    assert vars(opt["dyn"]) == vars(sd["optimizer_state_dict"]["dyn"])
+    assert isinstance(back["param_shapes"][0]["w"], torch.Size)
+    odd = back["odd"]
+    assert odd["$t"] == "not a tensor" and odd[1.5] == float("inf") and odd[(1, 2)] != odd[(1, 2)]
+    assert odd["dt"] is torch.bfloat16
+    assert 0 in opt["state"]  # int keys stay ints
+    assert isinstance(back["p"], torch.nn.Parameter) and back["p"].requires_grad
+
+
+def test_a_class_outside_the_allow_list_is_refused():
+    import enum
+
+    class Opaque:
+        pass
+
+    class Color(enum.Enum):  # an enum of no allowed package
+        RED = 1
+
+    with pytest.raises(tree.CodecError, match=r"state\.x\.y: a value of type .*Opaque cannot be stored"):
+        tree.encode({"x": {"y": Opaque()}})
+    with pytest.raises(tree.CodecError, match=r"state\.c: enum .*Color is not allowed"):
+        tree.encode({"c": Color.RED})
+    body = {"$obj": "os:system", "state": "echo owned"}
+    for bad in (body, {"$obj": "posixpath:join", "state": {}}, {"$enum": "os:system", "name": "x"},
+                {"$obj": "megatron.core.parallel_state:initialize_model_parallel", "state": 1},  # not an enum
+                {"$sharded": "Popen", "fields": {}}):
+        with pytest.raises(tree.CodecError, match="is not allowed"):
+            tree.decode({"format": tree.FORMAT, "version": tree.VERSION, "names": [], "body": {"x": bad}}, [])
+
+
+def test_records_are_versioned_and_checked():
+    with pytest.raises(tree.CodecError, match=r"\('megatron-ft/tree', 9\) cannot be read"):
+        tree.decode({"format": tree.FORMAT, "version": 9, "body": None, "names": []}, [])
+    with pytest.raises(tree.CodecError, match="references 1 tensors, 0 were given"):
+        tree.decode({"format": tree.FORMAT, "version": 1, "body": {"$t": 0}, "names": ["w"]}, [])
+    with pytest.raises(tree.CodecError, match="unknown tag"):
+        tree.decode({"format": tree.FORMAT, "version": 1, "body": {"$weird": 1}, "names": []}, [])
+
+
+def test_records_of_the_earlier_state_dict_format_are_read():
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.enums import AttnBackend
+
+    w = torch.arange(4, dtype=torch.float32)
+    old = {"format": "megatron-ft/state-dict", "version": 1, "names": ["state_dict.w"], "omitted": [],
+           "body": {"$dict": [["be", {"$enum": "megatron.core.transformer.enums:AttnBackend", "name": "flash"}],
+                              ["w", {"$sharded": "ShardedTensor", "fields": {
+                                  "key": "w", "data": {"$t": 0, "device": "cpu"}, "dtype": {"$dtype": "float32"},
+                                  "local_shape": {"$tuple": [4]}, "global_shape": {"$tuple": [4]},
+                                  "global_offset": {"$tuple": [0]}, "axis_fragmentations": {"$tuple": [1]}}}]]}}
+    back = tree.decode(old, [w])
+    assert back["be"] is AttnBackend.flash
+    assert isinstance(back["w"], ShardedTensor) and back["w"].data is w and back["w"].global_shape == (4,)
+
+
+def test_owned_copies_counters_and_strided_views_only():
+    big = torch.arange(10.0)
+    assert tree.owned(big).data_ptr() == big.data_ptr()
+    step = torch.tensor(3.0)
+    assert tree.owned(step).data_ptr() != step.data_ptr()
+    view = big.reshape(2, 5).t()
+    assert tree.owned(view).is_contiguous()
+
+
+def test_rng_capture_and_restore_put_every_generator_back():
+    import random
+
+    tensors, record = rng.capture(cuda=lambda: False)
+    assert [n for n, _ in tensors] == ["rng.cpu"]
+    record = through_json(record)
+    expect = (torch.rand(3), random.random(), np.random.rand())
+    rng.restore(dict(tensors), record)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(expect[0], got[0]) and expect[1:] == got[1:]
