@@ -2,7 +2,7 @@
 
 The only compiled piece is a tiny C library (``megatron_ft/_native/fastcopy.c``) that
 copies a buffer and computes its checksum in one pass, at memory speed. It is loaded
-with ctypes; when it is missing, ``megatron_ft.checksum`` falls back to numpy.
+with ctypes; when it is missing, ``megatron_ft.capture.checksum`` falls back to numpy.
 """
 from setuptools import Extension, setup
 

@@ -80,14 +80,15 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import yaml  # noqa: E402
 
-from megatron_ft import checksum, shm  # noqa: E402
+from megatron_ft.capture import checksum
+from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft import config as ftconfig  # noqa: E402
-from megatron_ft.layout import ALIGNMENT, Layout  # noqa: E402
-from megatron_ft.protocol import AgentClient, socket_path  # noqa: E402
-from megatron_ft import recovery  # noqa: E402
-from megatron_ft.recovery import Restorer  # noqa: E402
-from megatron_ft.snapshot import SnapshotEngine  # noqa: E402
-from megatron_ft.state import StateTensor  # noqa: E402
+from megatron_ft.capture.layout import ALIGNMENT, Layout  # noqa: E402
+from megatron_ft.agent.protocol import AgentClient, socket_path  # noqa: E402
+from megatron_ft.trainer import recovery  # noqa: E402
+from megatron_ft.trainer.recovery import Restorer  # noqa: E402
+from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
+from megatron_ft.capture.state import StateTensor  # noqa: E402
 from megatron_ft.testing.helpers import free_port  # noqa: E402
 
 MiB = 1 << 20
@@ -258,7 +259,7 @@ def zero_state(state: dict[str, torch.Tensor]) -> None:
 
 
 class BenchStateAdapter:
-    """The StateAdapter protocol (megatron_ft/state.py) over a dict of named tensors."""
+    """The StateAdapter protocol (megatron_ft/capture/state.py) over a dict of named tensors."""
 
     def __init__(self, state: dict[str, torch.Tensor]):
         self.state = state

@@ -10,7 +10,7 @@ from . import config as ftconfig
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .protocol import AgentClient, socket_path
+    from .agent.protocol import AgentClient, socket_path
 
     cfg = ftconfig.load(args.config)
     rc = 0
@@ -28,7 +28,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _shm_mount(args: argparse.Namespace) -> int:
-    from . import shm
+    from .agent import shm
 
     if args.check:
         backing = shm.page_backing(args.directory)

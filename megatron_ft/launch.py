@@ -42,8 +42,9 @@ import psutil
 import yaml
 
 from . import config as ftconfig
-from . import fatal, shm
-from .protocol import AgentClient, AgentError, socket_path
+from . import fatal
+from .agent import shm
+from .agent.protocol import AgentClient, AgentError, socket_path
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
@@ -168,7 +169,7 @@ class NodeLauncher:
             return self._end_job(str(e))
         env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
-                   # a fresh worker store per rendezvous round (see megatron_ft/distributed.py)
+                   # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         self.rdzv = self.rendezvous.current(self.log)

@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_ft.data import SyntheticTokenDataset  # noqa: E402
-from megatron_ft.distributed import init_process_group  # noqa: E402
+from megatron_ft.testing.data import SyntheticTokenDataset  # noqa: E402
+from megatron_ft.trainer.distributed import init_process_group  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

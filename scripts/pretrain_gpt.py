@@ -14,7 +14,7 @@ local layer spec, megatron's DDP wrapper, the distributed optimizer from
 
 The run is bit-for-bit deterministic: fixed seeds (python, numpy, torch and megatron's
 RNG tracker), a deterministic data order driven by ``consumed_samples``
-(:mod:`megatron_ft.data`) and one intra-op thread per process.
+(:mod:`megatron_ft.testing.data`) and one intra-op thread per process.
 
 Checkpointing hooks in at four marked places (search for ``HOOK``), through a
 :class:`TrainingHooks` object passed to :func:`train`:
@@ -68,14 +68,14 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_ft.data import (  # noqa: E402
+from megatron_ft.testing.data import (  # noqa: E402
     MicroBatchIterator,
     SyntheticTokenDataset,
     build_data_iterator,
 )
 from megatron_ft.config import add_inmem_ckpt_args  # noqa: E402
 from megatron_ft.megatron.profiling import add_inmem_ckpt_profile_args  # noqa: E402
-from megatron_ft.distributed import init_process_group  # noqa: E402
+from megatron_ft.trainer.distributed import init_process_group  # noqa: E402
 from megatron_ft.megatron.cpu_compat import cpu_config_overrides, install_cpu_compat  # noqa: E402
 
 
@@ -172,7 +172,7 @@ def init_distributed(args: argparse.Namespace) -> None:
     """Create the default process group (gloo without CUDA, nccl with) and Megatron's groups.
 
     The rank is stable per simulated node and every elastic restart gets a fresh store
-    (see :mod:`megatron_ft.distributed`).
+    (see :mod:`megatron_ft.trainer.distributed`).
     """
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -24,4 +24,4 @@ apt_optional etcd-server "health.store etcd:// tests will be skipped"
 
 # deepspeed (optional extra) is pure Python here: DS_BUILD_OPS=0 skips its CUDA/C++ op builds
 DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed,etcd,plot]"
-"$PY" -c "import megatron_ft.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"
+"$PY" -c "import megatron_ft.capture.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"

@@ -5,12 +5,13 @@ import time
 import pytest
 import torch
 
-from megatron_ft import shm, snapfile
+from megatron_ft.agent import shm
+from megatron_ft.capture import snapfile
 from megatron_ft.agent import persist
-from megatron_ft.protocol import AgentError
-from megatron_ft.recovery import Restorer
-from megatron_ft.snapshot import SnapshotEngine
-from megatron_ft.state import TorchStateAdapter
+from megatron_ft.agent.protocol import AgentError
+from megatron_ft.trainer.recovery import Restorer
+from megatron_ft.trainer.snapshot import SnapshotEngine
+from megatron_ft.capture.state import TorchStateAdapter
 
 
 def make_model(seed=0):
@@ -240,7 +241,7 @@ def test_shared_memory_limit_refuses_registration_and_training_goes_on(job_confi
 def test_corrupt_only_version_is_invalidated_and_restore_fails_loudly(agent):
     """Loading began from a snapshot that then failed its checksum and nothing else is left: the
     trainer must not train on half-restored state (RestoreFailed), and the corrupt copy is gone."""
-    from megatron_ft.recovery import RestoreFailed
+    from megatron_ft.trainer.recovery import RestoreFailed
 
     c = agent.client()
     train_and_snapshot(c, agent.cfg, 1)

@@ -77,7 +77,7 @@ def test_flags_override_file(tmp_path, monkeypatch):
 
 
 def test_socket_path_too_long_is_a_clear_error():
-    from megatron_ft.protocol import socket_path
+    from megatron_ft.agent.protocol import socket_path
 
     with pytest.raises(ValueError, match=r"agent.socket_dir='/tmp/x+' is too long"):
         socket_path("/tmp/" + "x" * 120, "run", 0)
@@ -129,7 +129,7 @@ def test_a_trainer_without_its_agent_ends_the_job_unless_allowed(tmp_path):
 
     from megatron_ft import fatal
 
-    code = ("import sys; from megatron_ft import config; from megatron_ft.checkpointer import InMemoryCheckpointer; "
+    code = ("import sys; from megatron_ft import config; from megatron_ft.trainer.checkpointer import InMemoryCheckpointer; "
             "cfg = config.replace(config.load(), agent={'required': sys.argv[1] == 'true'}); "
             "c = InMemoryCheckpointer(cfg, None, 0, 1, {}, node=0, agent_socket='/nonexistent/agent.sock'); "
             "print('protected:', c.engine is not None)")

@@ -1,4 +1,4 @@
-"""Tests of the synthetic dataset and the Megatron-style sampler (megatron_ft.data)."""
+"""Tests of the synthetic dataset and the Megatron-style sampler (megatron_ft.testing.data)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ft.data import (
+from megatron_ft.testing.data import (
     PretrainingSampler,
     SyntheticTokenDataset,
     build_data_iterator,

@@ -11,9 +11,11 @@ import torch
 import yaml
 
 from megatron_ft import config as ftconfig
-from megatron_ft import recovery, shm, snapfile
+from megatron_ft.trainer import recovery
+from megatron_ft.agent import shm
+from megatron_ft.capture import snapfile
 from megatron_ft.testing.sim import AgentProc
-from megatron_ft.state import TorchStateAdapter
+from megatron_ft.capture.state import TorchStateAdapter
 
 from test_agent import make_model, restorer, state_equal, train_and_snapshot
 

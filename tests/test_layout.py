@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ft import checksum, snapfile
-from megatron_ft.layout import Layout, ShardSpec, TensorSpec, plan_layout, shard_bounds
+from megatron_ft.capture import checksum, snapfile
+from megatron_ft.capture.layout import Layout, ShardSpec, TensorSpec, plan_layout, shard_bounds
 
 
 def test_worked_example_from_docstring():

@@ -42,7 +42,7 @@ def test_ranks_are_pinned_to_nodes_and_torchruns_rank_kept(monkeypatch):
     assert upstream.pin_rank() == 2
     assert (os.environ["RANK"], os.environ["GROUP_RANK"], os.environ["MFT_TORCHRUN_RANK"]) == ("2", "1", "0")
     assert upstream.pin_rank() == 2 and os.environ["MFT_TORCHRUN_RANK"] == "0"  # idempotent
-    from megatron_ft import distributed
+    from megatron_ft.trainer import distributed
 
     assert (distributed.stable_rank(), distributed.torchrun_rank()) == (2, 0)
     monkeypatch.delenv("MFT_NODE_RANK")

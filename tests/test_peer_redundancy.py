@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from megatron_ft.protocol import AgentClient, AgentError
+from megatron_ft.agent.protocol import AgentClient, AgentError
 from megatron_ft.testing.helpers import wait_for
 from megatron_ft.testing.sim import LocalCluster
 

@@ -224,8 +224,8 @@ def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch, sh
     """The checkpointer measures 3 snapshots, logs the decision (one line, also in the event log),
     snapshots at the chosen interval and asks the agent to persist at the chosen interval."""
     from conftest import AgentProc
-    from megatron_ft.checkpointer import InMemoryCheckpointer
-    from megatron_ft.state import TorchStateAdapter
+    from megatron_ft.trainer.checkpointer import InMemoryCheckpointer
+    from megatron_ft.capture.state import TorchStateAdapter
 
     run_id = f"t{uuid.uuid4().hex[:10]}"
     cfg = config.from_dict({

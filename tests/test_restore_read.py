@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ft import checksum, recovery, shm, snapfile
-from megatron_ft.layout import plan_layout
-from megatron_ft.state import StateTensor
+from megatron_ft.capture import checksum, snapfile
+from megatron_ft.trainer import recovery
+from megatron_ft.agent import shm
+from megatron_ft.capture.layout import plan_layout
+from megatron_ft.capture.state import StateTensor
 
 IDENTITY = {"run_id": "t", "rank": 0, "world_size": 1}
 PATHS = ["block-buffer", "mapped", "in-place"]

@@ -6,7 +6,7 @@
  * lane keeps a Fletcher pair modulo 2^64:  a += w;  b += a.  The digest folds the eight
  * lane values and the byte length with an FNV-style multiply:
  *     h = 0xcbf29ce484222325;  for v in (a0..a3, b0..b3, nbytes): h = (h ^ v) * 0x100000001b3
- * The numpy reference in megatron_ft/checksum.py computes the same value.
+ * The numpy reference in megatron_ft/capture/checksum.py computes the same value.
  *
  * Loaded with ctypes (no Python API), so calls release the GIL.
  */

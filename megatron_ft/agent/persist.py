@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from .. import checksum, snapfile  # imported with the agent: its first persist must not pay for imports
+from ..capture import checksum, snapfile  # imported with the agent: its first persist must not pay for imports
 
 _STEP_RE = re.compile(r"step_(\d{10})$")
 _RANK_RE = re.compile(r"rank_(\d{5})\.mft$")
@@ -73,7 +73,7 @@ def write_container(buf, path: str) -> int:
 
 
 def verify_container(buf) -> None:
-    """Raise :class:`~megatron_ft.snapfile.SnapshotFormatError` unless ``buf`` holds a CLEAN
+    """Raise :class:`~megatron_ft.capture.snapfile.SnapshotFormatError` unless ``buf`` holds a CLEAN
     container whose record is well formed and every chunk matches its checksum."""
     hdr = snapfile.read_header(buf)
     if hdr.state != snapfile.CLEAN:

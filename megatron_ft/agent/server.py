@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import config as ftconfig
-from .. import shm, snapfile
-from ..layout import Layout
-from ..protocol import socket_path
+from . import shm
+from ..capture import snapfile
+from ..capture.layout import Layout
+from .protocol import socket_path
 from ..transport import wire
 from . import persist
 from .versions import TransitionError, VersionTable

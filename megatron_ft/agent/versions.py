@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from ..snapfile import CLEAN, EMPTY, STATE_NAMES, WRITING
+from ..capture.snapfile import CLEAN, EMPTY, STATE_NAMES, WRITING
 
 __all__ = ["BusyError", "TransitionError", "SlotState", "RankVersions", "VersionTable", "CLEAN", "EMPTY", "WRITING"]
 

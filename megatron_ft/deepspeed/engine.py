@@ -56,11 +56,11 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .. import config as ftconfig
-from ..checkpointer import InMemoryCheckpointer
-from ..layout import Layout, dtype_from_name
-from ..recovery import RestoreFailed
+from ..trainer.checkpointer import InMemoryCheckpointer
+from ..capture.layout import Layout, dtype_from_name
+from ..trainer.recovery import RestoreFailed
 from ..capture import rng
-from ..state import StateTensor
+from ..capture.state import StateTensor
 from ..capture import tree as treecodec
 
 log = logging.getLogger("megatron_ft.deepspeed")
@@ -74,7 +74,7 @@ VERIFIED_DEEPSPEED = "0.19."
 
 
 class DeepSpeedStateAdapter:
-    """StateAdapter over the files of one ``save_checkpoint`` call (see megatron_ft/state.py).
+    """StateAdapter over the files of one ``save_checkpoint`` call (see megatron_ft/capture/state.py).
 
     ``capture`` returns every tensor of every file (``f{i}.t{k}``: tensor k of file i), the torch
     RNG, and a JSON record with the files' trees; ``targets`` allocates fresh CPU buffers;

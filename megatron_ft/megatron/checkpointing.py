@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .. import config as ftconfig
-from ..checkpointer import InMemoryCheckpointer
+from ..trainer.checkpointer import InMemoryCheckpointer
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("megatron_ft")

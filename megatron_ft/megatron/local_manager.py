@@ -21,7 +21,7 @@ Megatron-LM (``core_v0.16.1``) drives its local tier through ``checkpointing_con
 
 The mapping onto megatron-ft: ``save`` encodes the state dict with :mod:`megatron_ft.capture.tree` (tensors by
 reference, the rest as a versioned JSON record - no pickle) and hands it to the trainer's
-:class:`~megatron_ft.checkpointer.InMemoryCheckpointer` as the state of ``iteration``: the snapshot
+:class:`~megatron_ft.trainer.checkpointer.InMemoryCheckpointer` as the state of ``iteration``: the snapshot
 engine copies the tensors into this rank's agent slot in the background (fused copy + checksum),
 commits, and all ranks agree on the newest complete step. A global optimizer step pre-hook waits
 for that copy before the next ``optimizer.step()`` modifies the tensors - the only point where it
@@ -56,10 +56,10 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 
 from .. import config as ftconfig
 from .. import fatal
-from ..checkpointer import InMemoryCheckpointer
-from ..layout import Layout, dtype_from_name
-from ..recovery import RestoreFailed
-from ..state import StateTensor
+from ..trainer.checkpointer import InMemoryCheckpointer
+from ..capture.layout import Layout, dtype_from_name
+from ..trainer.recovery import RestoreFailed
+from ..capture.state import StateTensor
 from ..capture import tree as treecodec
 from .checkpointing import checked_topology
 

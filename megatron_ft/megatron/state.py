@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 
 from ..capture import rng
-from ..layout import Layout, ShardSpec, dtype_from_name
-from ..state import StateTensor, json_safe, restore_like
+from ..capture.layout import Layout, ShardSpec, dtype_from_name
+from ..capture.state import StateTensor, json_safe, restore_like
 
 
 def _dp_group_and_rank():

@@ -10,7 +10,7 @@ imports ``megatron.training`` gets the same set-up without a hand edit:
   agent and its peers hold (torchrun's c10d rendezvous orders nodes by host name and pid). torchrun's
   own rank is kept in ``MFT_TORCHRUN_RANK``: that rank's host is ``MASTER_ADDR``, so it (not pinned rank
   0) hosts the process-group store; ``torch.distributed.init_process_group`` is given that store
-  (:func:`megatron_ft.distributed.rendezvous_store`) when Megatron passes none.
+  (:func:`megatron_ft.trainer.distributed.rendezvous_store`) when Megatron passes none.
 * **CPU layer** (only when ``torch.cuda.is_available()`` is false; never installed with CUDA):
   :mod:`megatron_ft.megatron.cpu_compat` plus what ``megatron.training`` needs beyond megatron-core:
   a stand-in for the Triton kernel modules it imports (no Triton without CUDA), ``initialize_megatron``
@@ -164,7 +164,7 @@ def _store_for_init_process_group() -> None:
     torchrun's rank 0 (see :func:`pin_rank`)."""
     import torch.distributed as dist
 
-    from .. import distributed as ftdist
+    from ..trainer import distributed as ftdist
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def init_process_group(*args: Any, **kwargs: Any) -> Any:

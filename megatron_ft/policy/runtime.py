@@ -1,6 +1,6 @@
 """``interval: auto``: measure the first snapshots, then choose the snapshot and persist intervals.
 
-The checkpointer (``megatron_ft/checkpointer.py``) consults an :class:`AutoIntervals`:
+The checkpointer (``megatron_ft/trainer/checkpointer.py``) consults an :class:`AutoIntervals`:
 
 * while measuring it snapshots every iteration (or at the fixed interval if only the persist
   interval is automatic) and records, per snapshot, the time ``snapshot()`` held the training

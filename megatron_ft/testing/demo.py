@@ -513,7 +513,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                 say(f"[demo] SIGKILL -> agent of node {node} (pid {old}) inside iteration {args.kill_at + 1}")
                 import psutil
 
-                from ..protocol import socket_path
+                from ..agent.protocol import socket_path
 
                 sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
                 # restarted: a new pid, alive, listening on the node's socket (the launcher removes it first)

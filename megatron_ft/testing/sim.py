@@ -21,10 +21,10 @@ import yaml
 from .. import config as ftconfig
 from . import faults
 from .helpers import WaitTimeout, free_port_range
-from ..protocol import AgentClient, socket_path
-from ..recovery import Restorer, RestoreResult
-from ..snapshot import SnapshotEngine
-from ..state import TorchStateAdapter
+from ..agent.protocol import AgentClient, socket_path
+from ..trainer.recovery import Restorer, RestoreResult
+from ..trainer.snapshot import SnapshotEngine
+from ..capture.state import TorchStateAdapter
 
 
 

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import shm
-from ..protocol import AgentClient
+from ..agent import shm
+from ..agent.protocol import AgentClient
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
 from ..schedule.modes import AT_END, Send, SendSchedule

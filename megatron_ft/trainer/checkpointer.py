@@ -24,10 +24,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from . import config as ftconfig
-from . import fatal, faultpoints
-from .policy.runtime import AutoIntervals
-from .protocol import AgentClient, socket_path
+from .. import config as ftconfig
+from .. import fatal, faultpoints
+from ..policy.runtime import AutoIntervals
+from ..agent.protocol import AgentClient, socket_path
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
 

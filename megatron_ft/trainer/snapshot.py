@@ -27,12 +27,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checksum, fatal, faultpoints, shm, snapfile
-from .layout import Layout, plan_layout
-from .protocol import AgentClient, AgentError
-from .state import StateTensor
+from ..capture import checksum, snapfile
+from .. import fatal, faultpoints
+from ..agent import shm
+from ..capture.layout import Layout, plan_layout
+from ..agent.protocol import AgentClient, AgentError
+from ..capture.state import StateTensor
 
-log = logging.getLogger("megatron_ft.snapshot")
+log = logging.getLogger("megatron_ft.trainer.snapshot")
 
 # A failed registration (e.g. /dev/shm too small) is retried only this many steps later,
 # so a job without room for snapshots keeps training at full speed and logs rarely.

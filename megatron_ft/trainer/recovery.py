@@ -28,13 +28,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checksum, shm, snapfile
-from .agent import persist
-from .layout import Layout
-from .protocol import AgentClient, AgentError
-from .state import StateAdapter
+from ..capture import checksum, snapfile
+from ..agent import shm
+from ..agent import persist
+from ..capture.layout import Layout
+from ..agent.protocol import AgentClient, AgentError
+from ..capture.state import StateAdapter
 
-log = logging.getLogger("megatron_ft.recovery")
+log = logging.getLogger("megatron_ft.trainer.recovery")
 MAX_CANDIDATES = 4
 MAX_RESTORE_THREADS = 4
 
@@ -84,7 +85,7 @@ class Container:
 
     Read with ``pread`` from 4 KiB-page memory and from disk: mapping such a file would build
     (and tear down) a page-table entry for every 4 KiB of a multi-GiB slot. Mapped when the slot
-    is on a huge-page tmpfs (:func:`megatron_ft.shm.page_backing`): one entry per 2 MiB, so the
+    is on a huge-page tmpfs (:func:`megatron_ft.agent.shm.page_backing`): one entry per 2 MiB, so the
     bytes go from the slot into the tensors in one pass, without the kernel's copy."""
 
     def __init__(self, path: str):

@@ -31,7 +31,7 @@ shutdown        -                                           - (agent removes its
 """
 from __future__ import annotations
 
-from .transport.wire import Client, RemoteError
+from ..transport.wire import Client, RemoteError
 
 
 class AgentError(RemoteError):

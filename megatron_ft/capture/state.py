@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
-from .capture import rng
+from . import rng
 from .layout import Layout, ShardSpec, TensorSpec, dtype_from_name, dtype_name
 
 

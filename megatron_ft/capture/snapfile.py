@@ -3,7 +3,7 @@
 ::
 
     [0, 4096)                    header (struct below, little-endian)
-    [layout_off, +layout_len)    layout record (JSON, megatron_ft.layout), fixed per run
+    [layout_off, +layout_len)    layout record (JSON, megatron_ft.capture.layout), fixed per run
     [version_off, +version_cap)  version record (JSON): step, chunk checksums, non-tensor state
     [data_off, +data_len)        the flat data area described by the layout (4096-aligned)
 

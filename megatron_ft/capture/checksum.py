@@ -28,7 +28,7 @@ _MASK = (1 << 64) - 1
 
 
 def _load_native() -> Optional[ctypes.CDLL]:
-    here = os.path.join(os.path.dirname(__file__), "_native")
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_native")
     for path in sorted(glob.glob(os.path.join(here, "_fastcopy*.so"))):
         try:
             lib = ctypes.CDLL(path)
