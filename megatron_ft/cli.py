@@ -1,4 +1,4 @@
-"""The ``megatron-ft`` command: launch, demo, status, simulate, plan, timeline, shm-mount."""
+"""The ``megatron-ft`` command: launch, demo, chaos, status, config, simulate, plan, timeline, shm-mount."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +25,15 @@ def _status(args: argparse.Namespace) -> int:
             print(f"node {node}: no agent at {path} ({e})")
             rc = 1
     return rc
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.schema:
+        print(json.dumps(ftconfig.schema(), indent=1))
+        return 0
+    cfg = ftconfig.load(args.file)  # a ConfigError names the field, the value and what is allowed
+    print(json.dumps(cfg.to_dict(), indent=1) if args.print else f"{args.file or ftconfig.DEFAULT_CONFIG_PATH}: valid")
+    return 0
 
 
 def _shm_mount(args: argparse.Namespace) -> int:
@@ -71,6 +80,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--huge", default="always", help="tmpfs huge= option: always (default), within_size, advise")
     p.add_argument("--check", action="store_true", help="only say which pages DIRECTORY has (exit 1: not huge)")
     p.set_defaults(func=_shm_mount)
+    p = sub.add_parser("config", help="check a cluster file, or print the JSON Schema editors check it with")
+    p.add_argument("file", nargs="?", default=None, help="cluster YAML (default: the embedded local-cpu.yaml)")
+    p.add_argument("--schema", action="store_true", help="print the JSON Schema of a cluster file")
+    p.add_argument("--print", action="store_true", help="print the validated configuration with every default")
+    p.set_defaults(func=_config)
     p = sub.add_parser("status", help="print every agent's version table")
     p.add_argument("--config", default=None)
     p.set_defaults(func=_status)

@@ -1,20 +1,23 @@
 """Job and cluster configuration: a YAML file plus ``--inmem-ckpt*`` flags, parsed into frozen,
-validated dataclasses.
+validated models (pydantic v2: types, ranges, literal choices and unknown keys are its work; the
+project words every message).
 
 Every invalid value raises :class:`ConfigError` naming the field, the value and what is
 allowed. Flags override the file; the file overrides the defaults below. The embedded
-default is ``configs/local-cpu.yaml`` (2 simulated nodes x 2 ranks, TP1 PP2 DP2).
+default is ``configs/local-cpu.yaml`` (2 simulated nodes x 2 ranks, TP1 PP2 DP2). A key given
+twice in the file is an error; :func:`schema` is the JSON Schema of the file
+(``megatron-ft config --schema``).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+                      field_validator, model_validator)
 
 
 class ConfigError(ValueError):
@@ -52,138 +55,144 @@ def _check_num(path: str, value: Any, minimum: float = 0.0, maximum: Optional[fl
 
 AUTO = "auto"
 
+#: the redundancy schemes, defined once (the planners and the simulator use these)
+Scheme = Literal["none", "replica", "xor", "rs"]
+SCHEMES: tuple[str, ...] = get_args(Scheme)
+Transport = Literal["agent", "scheduled"]
+Mode = Literal["pipelined", "one-buffer", "naive", "blocking", "bubble", "end"]
+Idle = Literal["network", "device", "auto"]
 
-def _normalize_auto_interval(obj: Any, section: str, placeholder: int, minimum: int) -> None:
-    """``interval: auto`` becomes ``interval=placeholder, auto=True``: readers that only
-    know numbers (the agent) see the placeholder; the trainer's policy picks the real interval
+
+class Allowed(str):
+    """Annotated metadata: what a field allows, in the words every message uses."""
+
+
+def _int(minimum: int, maximum: Optional[int] = None) -> Any:
+    hi = f" and <= {maximum}" if maximum is not None else ""
+    return Annotated[StrictInt, Field(ge=minimum, le=maximum), Allowed(f"must be an integer >= {minimum}{hi}")]
+
+
+def _num(minimum: float = 0.0, maximum: Optional[float] = None, strict: bool = False) -> Any:
+    lo = f"> {minimum}" if strict else f">= {minimum}"
+    hi = f" and <= {maximum}" if maximum is not None else ""
+    bound = Field(gt=minimum, le=maximum) if strict else Field(ge=minimum, le=maximum)
+    return Annotated[StrictFloat, bound, Allowed(f"must be a number {lo}{hi}")]
+
+
+def _choice(t: Any) -> Any:
+    return Annotated[t, Allowed(f"must be one of {', '.join(get_args(t))}")]
+
+
+Flag = Annotated[StrictBool, Allowed("must be true or false")]
+Text = Annotated[StrictStr, Field(min_length=1), Allowed("must be a non-empty string")]
+
+
+class _Section(BaseModel):
+    """A frozen section: unknown keys, wrong types and out-of-range values are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, validate_default=True)
+
+
+def _auto_interval(data: Any, section: str, placeholder: int, minimum: int) -> Any:
+    """``interval: auto`` becomes ``interval=placeholder, auto=True``: readers that only know
+    numbers (the agent) see the placeholder; the trainer's policy picks the real interval
     (``megatron_ft/policy/runtime.py``). A number together with ``auto: true`` is a conflict."""
-    if obj.interval == AUTO:
-        object.__setattr__(obj, "interval", placeholder)
-        object.__setattr__(obj, "auto", True)
-    if not isinstance(obj.auto, bool):
-        _fail(f"{section}.auto", obj.auto, "must be true or false")
-    if not isinstance(obj.interval, int) or isinstance(obj.interval, bool) or obj.interval < minimum:
-        _fail(f"{section}.interval", obj.interval, f"must be an integer >= {minimum} or 'auto'")
-    if obj.auto and obj.interval != placeholder:
-        _fail(f"{section}.interval", obj.interval,
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    interval, auto = data.get("interval", placeholder), data.get("auto", False)
+    if interval == AUTO:
+        interval, auto = placeholder, True if auto is False else auto
+        data.update(interval=placeholder, auto=auto)
+    if not isinstance(auto, bool):
+        _fail(f"{section}.auto", auto, "must be true or false")
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < minimum:
+        _fail(f"{section}.interval", interval, f"must be an integer >= {minimum} or 'auto'")
+    if auto and interval != placeholder:
+        _fail(f"{section}.interval", interval,
               f"conflicts with {section}.auto=true: write 'interval: auto', or a number without auto")
+    return data
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(_Section):
     """The machines: ``nodes`` x ``ranks_per_node`` training processes."""
 
-    nodes: int = 2
-    ranks_per_node: int = 2
-
-    def __post_init__(self) -> None:
-        _check_int("cluster.nodes", self.nodes, 1)
-        _check_int("cluster.ranks_per_node", self.ranks_per_node, 1)
+    nodes: _int(1) = 2
+    ranks_per_node: _int(1) = 2
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
 
 
-@dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Megatron model parallelism; data parallelism is what is left of the world size."""
 
-    tensor: int = 1
-    pipeline: int = 2
-
-    def __post_init__(self) -> None:
-        _check_int("parallel.tensor", self.tensor, 1)
-        _check_int("parallel.pipeline", self.pipeline, 1)
+    tensor: _int(1) = 1
+    pipeline: _int(1) = 2
 
 
-@dataclass(frozen=True)
-class SnapshotConfig:
+class SnapshotConfig(_Section):
     """In-memory snapshots (trainer -> agent shared memory)."""
 
-    interval: int = 1  # iterations between snapshots, or "auto" (measured, then chosen)
-    chunk_mib: int = 4  # checksum / copy unit
-    enabled: bool = True
-    auto: bool = False  # set by "interval: auto"
-    measure_iterations: int = 5  # snapshots measured before "auto" decides
+    interval: Union[StrictInt, Literal["auto"]] = 1  # iterations between snapshots, or "auto"
+    chunk_mib: _int(1, 1024) = 4  # checksum / copy unit
+    enabled: Flag = True
+    auto: Flag = False  # set by "interval: auto"
+    measure_iterations: _int(1) = 5  # snapshots measured before "auto" decides
 
-    def __post_init__(self) -> None:
-        _normalize_auto_interval(self, "snapshot", 1, 1)
-        _check_int("snapshot.measure_iterations", self.measure_iterations, 1)
-        _check_int("snapshot.chunk_mib", self.chunk_mib, 1, 1024)
-        if not isinstance(self.enabled, bool):
-            _fail("snapshot.enabled", self.enabled, "must be true or false")
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, data: Any) -> Any:
+        return _auto_interval(data, "snapshot", 1, 1)
 
     @property
     def chunk_bytes(self) -> int:
         return self.chunk_mib << 20
 
 
-@dataclass(frozen=True)
-class PersistConfig:
+class PersistConfig(_Section):
     """Asynchronous persistence of the newest consistent snapshot to disk by the agents."""
 
-    interval: int = 0  # iterations between persisted snapshots; 0 = only at breakpoints
-    dir: str = "/tmp/megatron-ft/persist"
-    keep: int = 2  # persisted steps kept per rank
-    on_failure: bool = True  # "save at breakpoint" when a trainer dies
-    auto: bool = False  # set by "interval: auto": the trainers ask the agents to persist
-    bandwidth_mib_s: float = 500.0  # write bandwidth per node to dir; "auto" persists no faster
+    interval: Union[StrictInt, Literal["auto"]] = 0  # iterations between persists; 0 = only at breakpoints
+    dir: Text = "/tmp/megatron-ft/persist"
+    keep: _int(1) = 2  # persisted steps kept per rank
+    on_failure: Flag = True  # "save at breakpoint" when a trainer dies
+    auto: Flag = False  # set by "interval: auto": the trainers ask the agents to persist
+    bandwidth_mib_s: _num(0.0, strict=True) = 500.0  # write bandwidth per node to dir
 
-    def __post_init__(self) -> None:
-        _normalize_auto_interval(self, "persist", 0, 0)
-        _check_num("persist.bandwidth_mib_s", self.bandwidth_mib_s, 0.0, strict=True)
-        _check_str("persist.dir", self.dir)
-        _check_int("persist.keep", self.keep, 1)
-        if not isinstance(self.on_failure, bool):
-            _fail("persist.on_failure", self.on_failure, "must be true or false")
+    @model_validator(mode="before")
+    @classmethod
+    def _auto(cls, data: Any) -> Any:
+        return _auto_interval(data, "persist", 0, 0)
 
 
-@dataclass(frozen=True)
-class AgentConfig:
+class AgentConfig(_Section):
     """The per-node snapshot agent (REFT's snapshot management process)."""
 
-    shm_dir: str = "/dev/shm"
-    socket_dir: str = "/tmp/megatron-ft/sockets"
-    connect_timeout_s: float = 60.0
+    shm_dir: Text = "/dev/shm"
+    socket_dir: Text = "/tmp/megatron-ft/sockets"
+    connect_timeout_s: Annotated[StrictFloat, Field(gt=0), Allowed("must be a positive number of seconds")] = 60.0
     #: the bound on every request to an agent (a trainer's, a launcher's, a peer agent's); one that
     #: waits on purpose (e.g. for queued persists) says its own
-    request_timeout_s: float = 30.0
-    shm_limit_mib: int = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
+    request_timeout_s: _num(1.0) = 30.0
+    shm_limit_mib: _int(0) = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
     #: true: a trainer that cannot reach its agent or get its slots ends the job (exit 2, never retried);
     #: false: it trains unprotected, saying so
-    required: bool = True
-
-    def __post_init__(self) -> None:
-        _check_str("agent.shm_dir", self.shm_dir)
-        if not isinstance(self.required, bool):
-            _fail("agent.required", self.required, "must be true or false")
-        _check_int("agent.shm_limit_mib", self.shm_limit_mib, 0)
-        _check_str("agent.socket_dir", self.socket_dir)
-        if not isinstance(self.connect_timeout_s, (int, float)) or self.connect_timeout_s <= 0:
-            _fail("agent.connect_timeout_s", self.connect_timeout_s, "must be a positive number of seconds")
-        _check_num("agent.request_timeout_s", self.request_timeout_s, 1.0)
+    required: Flag = True
 
 
-@dataclass(frozen=True)
-class LaunchConfig:
+class LaunchConfig(_Section):
     """How ``megatron-ft launch`` starts torchrun on each node."""
 
-    master_addr: str = "127.0.0.1"
-    rdzv_port: int = 29400
-    max_restarts: int = 3
+    master_addr: Text = "127.0.0.1"
+    rdzv_port: _int(1024, 65535) = 29400
+    max_restarts: _int(0) = 3
     #: a node whose agent does not start within this many seconds ends the job, naming the node
-    start_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        _check_str("launch.master_addr", self.master_addr)
-        _check_int("launch.rdzv_port", self.rdzv_port, 1024, 65535)
-        _check_int("launch.max_restarts", self.max_restarts, 0)
-        _check_num("launch.start_timeout_s", self.start_timeout_s, 1.0)
+    start_timeout_s: _num(1.0) = 120.0
 
 
-@dataclass(frozen=True)
-class HealthConfig:
+class HealthConfig(_Section):
     """Coordination among the agents: the key-value store, heartbeats, failure detection.
 
     ``store``: ``embedded`` (a torch TCPStore hosted by the root agent; every agent runs one at
@@ -191,12 +200,25 @@ class HealthConfig:
     all nodes simulated on one machine) or ``etcd://host:port`` (an external etcd cluster).
     """
 
-    store: str = "embedded"
-    store_port: int = 29500
-    heartbeat_s: float = 0.5
-    timeout_s: float = 5.0
-    hosts: tuple = ()
-    host_pattern: str = ""  # e.g. "gpu-{node:04d}.cluster.internal", instead of listing hosts
+    store: Annotated[StrictStr, Field(pattern=r"^(embedded|etcd://[A-Za-z0-9_.-]+:\d{1,5})$"),
+                     Allowed("must be 'embedded' or 'etcd://HOST:PORT'")] = "embedded"
+    store_port: _int(1024, 65535) = 29500
+    heartbeat_s: _num(0.01) = 0.5
+    timeout_s: _num(0.1) = 5.0
+    hosts: Annotated[tuple[Annotated[StrictStr, Field(min_length=1)], ...],
+                     Allowed("must be a list of host names, one per node (or empty: one machine)")] = ()
+    host_pattern: StrictStr = ""  # e.g. "gpu-{node:04d}.cluster.internal", instead of listing hosts
+
+    @model_validator(mode="after")
+    def _check(self) -> "HealthConfig":
+        if self.timeout_s <= self.heartbeat_s:
+            _fail("health.timeout_s", self.timeout_s, f"must be larger than health.heartbeat_s={self.heartbeat_s}")
+        if self.host_pattern and "{node" not in self.host_pattern:
+            _fail("health.host_pattern", self.host_pattern, "must be empty or a format string containing {node}, "
+                                                            "e.g. 'gpu-{node:04d}.cluster'")
+        if self.hosts and self.host_pattern:
+            _fail("health.host_pattern", self.host_pattern, "must be empty when health.hosts lists the hosts")
+        return self
 
     def host_of(self, node: int) -> str:
         """Where node ``node``'s agent listens (store server, peer transport)."""
@@ -214,100 +236,57 @@ class HealthConfig:
     def one_machine(self) -> bool:
         return not self.hosts and not self.host_pattern
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.store, str) or not (self.store == "embedded" or re.fullmatch(
-                r"etcd://[A-Za-z0-9_.-]+:\d{1,5}", self.store)):
-            _fail("health.store", self.store, "must be 'embedded' or 'etcd://HOST:PORT'")
-        _check_int("health.store_port", self.store_port, 1024, 65535)
-        _check_num("health.heartbeat_s", self.heartbeat_s, 0.01)
-        _check_num("health.timeout_s", self.timeout_s, 0.1)
-        if self.timeout_s <= self.heartbeat_s:
-            _fail("health.timeout_s", self.timeout_s, f"must be larger than health.heartbeat_s={self.heartbeat_s}")
-        if isinstance(self.hosts, list):
-            object.__setattr__(self, "hosts", tuple(self.hosts))
-        if not isinstance(self.hosts, tuple) or not all(isinstance(h, str) and h for h in self.hosts):
-            _fail("health.hosts", self.hosts, "must be a list of host names, one per node (or empty: one machine)")
-        if not isinstance(self.host_pattern, str) or (self.host_pattern and "{node" not in self.host_pattern):
-            _fail("health.host_pattern", self.host_pattern, "must be empty or a format string containing {node}, "
-                                                            "e.g. 'gpu-{node:04d}.cluster'")
-        if self.hosts and self.host_pattern:
-            _fail("health.host_pattern", self.host_pattern, "must be empty when health.hosts lists the hosts")
 
-
-@dataclass(frozen=True)
-class FailureConfig:
+class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
-    node_mttf_hours: float = 1600.0  # mean time to failure of one node; 1600 h = 1.5 % of nodes a day
-    weibull_shape: float = 1.0  # c in REFT eq. 1 (1 = exponential; > 1 wear-out, < 1 infant mortality)
-    software_fraction: float = 0.5  # failures that leave the node and its memory intact
-    replacement_minutes: float = 5.0  # wait for a new node when no standby is free (GEMINI: 4-7 min)
-    standby_nodes: int = 0  # idle spares that replace a failed node at once
-    restart_minutes: float = 4.5  # detect + restart + warm up, for every failure
-
-    def __post_init__(self) -> None:
-        _check_num("failure.node_mttf_hours", self.node_mttf_hours, 0.0, strict=True)
-        _check_num("failure.weibull_shape", self.weibull_shape, 0.0, 20.0, strict=True)
-        _check_num("failure.software_fraction", self.software_fraction, 0.0, 1.0)
-        _check_num("failure.replacement_minutes", self.replacement_minutes, 0.0)
-        _check_int("failure.standby_nodes", self.standby_nodes, 0)
-        _check_num("failure.restart_minutes", self.restart_minutes, 0.0)
+    node_mttf_hours: _num(0.0, strict=True) = 1600.0  # mean time to failure of one node
+    weibull_shape: _num(0.0, 20.0, strict=True) = 1.0  # c in REFT eq. 1 (1 = exponential)
+    software_fraction: _num(0.0, 1.0) = 0.5  # failures that leave the node and its memory intact
+    replacement_minutes: _num(0.0) = 5.0  # wait for a new node when no standby is free (GEMINI: 4-7 min)
+    standby_nodes: _int(0) = 0  # idle spares that replace a failed node at once
+    restart_minutes: _num(0.0) = 4.5  # detect + restart + warm up, for every failure
 
 
-@dataclass(frozen=True)
-class SimulateConfig:
+class SimulateConfig(_Section):
     """``megatron-ft simulate``: the job and the costs of each checkpointing strategy (docs/policy.md).
     Defaults are GEMINI's GPT-2 100B on p4d.24xlarge (sections 7.2-7.3)."""
 
-    nodes: tuple = (16, 32, 64, 128, 256, 512, 1000)  # cluster sizes to sweep
-    gpus_per_node: int = 8
-    days: float = 30.0  # simulated wall time per run
-    runs: int = 3  # independent runs per point (seeds seed, seed+1, ...)
-    seed: int = 0
-    iteration_seconds: float = 62.0
-    snapshot_seconds: float = 3.0  # in-memory snapshot, start to complete in (peer) memory
-    snapshot_stall_seconds: float = 0.0  # training time lost per in-memory snapshot
-    memory_restore_seconds: float = 30.0  # resume from local memory
-    peer_restore_seconds: float = 60.0  # resume from a replica or by decoding
-    checkpoint_seconds: float = 558.0  # persistent checkpoint, start to durable (t_ckpt)
-    checkpoint_stall_seconds: float = 81.0  # serialization that blocks training, per checkpoint
-    retrieve_seconds: float = 558.0  # read the newest persistent checkpoint back (t_rtol)
-    fixed_interval_hours: float = 3.0  # persistent-only baseline (BLOOM: every 3 h)
-    persist_interval_hours: Any = AUTO  # megatron-ft's disk tier: hours or "auto"
-    replicas: int = 2  # replica scheme: copies per node (GEMINI m)
-    xor_group: int = 4  # xor scheme: nodes per parity group (REFT sharding group)
-    rs_k: int = 4  # rs scheme: data nodes per group (ECHECK k)
-    rs_m: int = 2  # rs scheme: parity nodes per group (ECHECK m)
+    nodes: Annotated[tuple[_int(1), ...], Field(min_length=1),
+                     Allowed("must be a non-empty list of integers >= 1")] = (16, 32, 64, 128, 256, 512, 1000)
+    gpus_per_node: _int(1) = 8
+    days: _num(0.0, strict=True) = 30.0  # simulated wall time per run
+    runs: _int(1) = 3  # independent runs per point (seeds seed, seed+1, ...)
+    seed: _int(0) = 0
+    iteration_seconds: _num(0.0, strict=True) = 62.0
+    snapshot_seconds: _num(0.0) = 3.0  # in-memory snapshot, start to complete in (peer) memory
+    snapshot_stall_seconds: _num(0.0) = 0.0  # training time lost per in-memory snapshot
+    memory_restore_seconds: _num(0.0) = 30.0  # resume from local memory
+    peer_restore_seconds: _num(0.0) = 60.0  # resume from a replica or by decoding
+    checkpoint_seconds: _num(0.0, strict=True) = 558.0  # persistent checkpoint, start to durable (t_ckpt)
+    checkpoint_stall_seconds: _num(0.0) = 81.0  # serialization that blocks training, per checkpoint
+    retrieve_seconds: _num(0.0) = 558.0  # read the newest persistent checkpoint back (t_rtol)
+    fixed_interval_hours: _num(0.0, strict=True) = 3.0  # persistent-only baseline (BLOOM: every 3 h)
+    persist_interval_hours: Union[Annotated[StrictFloat, Field(gt=0)], Literal["auto"]] = AUTO
+    replicas: _int(1) = 2  # replica scheme: copies per node (GEMINI m)
+    xor_group: _int(2) = 4  # xor scheme: nodes per parity group (REFT sharding group)
+    rs_k: _int(1) = 4  # rs scheme: data nodes per group (ECHECK k)
+    rs_m: _int(1) = 2  # rs scheme: parity nodes per group (ECHECK m)
 
-    def __post_init__(self) -> None:
-        nodes = self.nodes
-        if isinstance(nodes, int) and not isinstance(nodes, bool):
-            nodes = (nodes,)
-        if not isinstance(nodes, (list, tuple)) or not nodes:
-            _fail("simulate.nodes", self.nodes, "must be a non-empty list of integers >= 1")
-        for i, n in enumerate(nodes):
-            _check_int(f"simulate.nodes[{i}]", n, 1)
-        object.__setattr__(self, "nodes", tuple(nodes))
-        _check_int("simulate.gpus_per_node", self.gpus_per_node, 1)
-        _check_num("simulate.days", self.days, 0.0, strict=True)
-        _check_int("simulate.runs", self.runs, 1)
-        _check_int("simulate.seed", self.seed, 0)
-        _check_num("simulate.iteration_seconds", self.iteration_seconds, 0.0, strict=True)
-        for name in ("snapshot_seconds", "snapshot_stall_seconds", "memory_restore_seconds",
-                     "peer_restore_seconds", "checkpoint_stall_seconds", "retrieve_seconds"):
-            _check_num(f"simulate.{name}", getattr(self, name), 0.0)
-        _check_num("simulate.checkpoint_seconds", self.checkpoint_seconds, 0.0, strict=True)
-        _check_num("simulate.fixed_interval_hours", self.fixed_interval_hours, 0.0, strict=True)
-        if self.persist_interval_hours != AUTO:
-            _check_num("simulate.persist_interval_hours", self.persist_interval_hours, 0.0, strict=True)
-        _check_int("simulate.replicas", self.replicas, 1)
-        _check_int("simulate.xor_group", self.xor_group, 2)
-        _check_int("simulate.rs_k", self.rs_k, 1)
-        _check_int("simulate.rs_m", self.rs_m, 1)
+    @field_validator("nodes", mode="before")
+    @classmethod
+    def _one_size(cls, v: Any) -> Any:
+        return [v] if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("persist_interval_hours", mode="before")
+    @classmethod
+    def _hours(cls, v: Any) -> Any:
+        if v != AUTO:
+            _check_num("simulate.persist_interval_hours", v, 0.0, strict=True)
+        return v
 
 
-@dataclass(frozen=True)
-class RedundancyConfig:
+class RedundancyConfig(_Section):
     """Peer redundancy of the in-memory snapshots against lost nodes (``megatron-ft plan``).
 
     ``none``: each node keeps only its own snapshot; ``replica``: GEMINI's mixed placement of
@@ -316,35 +295,30 @@ class RedundancyConfig:
     ``rs``: ECHECK's Cauchy Reed-Solomon with ``k`` data + ``m`` parity nodes per coding group.
     """
 
-    scheme: str = "none"
-    replicas: int = 2  # replica: copies of each node's snapshot, its own included (GEMINI m)
-    group_size: int = 0  # xor: nodes per parity group; 0 = a whole sharding group (REFT)
-    k: int = 4  # rs: data nodes per coding group (ECHECK k)
-    m: int = 2  # rs: parity nodes per coding group; any m of a group's k + m nodes may fail
+    scheme: _choice(Scheme) = "none"
+    replicas: _int(2) = 2  # replica: copies of each node's snapshot, its own included (GEMINI m)
+    group_size: Annotated[StrictInt, Field(ge=0), Allowed(
+        "must be 0 (a whole sharding group) or an integer >= 2 (nodes per parity group)")] = 0
+    k: _int(1) = 4  # rs: data nodes per coding group (ECHECK k)
+    m: _int(1) = 2  # rs: parity nodes per coding group; any m of a group's k + m nodes may fail
     #: who moves the bytes to the peers: ``agent`` (the agents exchange every consistent version as
     #: soon as it is clean) or ``scheduled`` (the trainers send it in planned chunks inside the idle
     #: spans / bubbles of the training timeline; the ``schedule`` section says how)
-    transport: str = "agent"
+    transport: _choice(Transport) = "agent"
 
-    SCHEMES = ("none", "replica", "xor", "rs")
-    TRANSPORTS = ("agent", "scheduled")
+    SCHEMES: ClassVar[tuple[str, ...]] = SCHEMES
+    TRANSPORTS: ClassVar[tuple[str, ...]] = get_args(Transport)
 
-    def __post_init__(self) -> None:
-        if self.scheme not in self.SCHEMES:
-            _fail("redundancy.scheme", self.scheme, f"must be one of {', '.join(self.SCHEMES)}")
-        _check_int("redundancy.replicas", self.replicas, 2)
-        if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or self.group_size < 0 \
-                or self.group_size == 1:
+    @model_validator(mode="after")
+    def _check(self) -> "RedundancyConfig":
+        if self.group_size == 1:
             _fail("redundancy.group_size", self.group_size,
                   "must be 0 (a whole sharding group) or an integer >= 2 (nodes per parity group)")
-        _check_int("redundancy.k", self.k, 1)
-        _check_int("redundancy.m", self.m, 1)
-        if self.transport not in self.TRANSPORTS:
-            _fail("redundancy.transport", self.transport, f"must be one of {', '.join(self.TRANSPORTS)}")
         if self.transport == "scheduled" and self.scheme != "replica":
             _fail("redundancy.transport", self.transport,
                   f"the scheduled transport sends whole copies: it needs redundancy.scheme=replica, "
                   f"not {self.scheme!r} (use transport: agent)")
+        return self
 
     def check_cluster(self, nodes: int) -> None:
         """Cross-checks against ``cluster.nodes`` (called by :class:`FTConfig`)."""
@@ -362,8 +336,7 @@ class RedundancyConfig:
                                           f"{self.k + self.m}, but cluster.nodes={nodes}")
 
 
-@dataclass(frozen=True)
-class ScheduleConfig:
+class ScheduleConfig(_Section):
     """How the scheduled transport (``redundancy.transport: scheduled``) times checkpoint traffic
     (``docs/scheduling.md``).
 
@@ -383,74 +356,62 @@ class ScheduleConfig:
     ``device`` when the job trains on CPU, else ``network``.
     """
 
-    mode: str = "pipelined"
-    sub_buffers: int = 4  # p
-    reserved_mib: float = 64.0  # R: sender-side buffer memory for checkpoint traffic
-    mu: float = 0.9  # share of each profiled idle span the plan may use
-    profile_iterations: int = 20  # W (GEMINI: 20)
-    bandwidth_mib_s: float = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
-    alpha_s: float = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
-    idle: str = "network"  # network | device | auto: the spans the GEMINI modes fill (see above)
+    mode: _choice(Mode) = "pipelined"
+    sub_buffers: _int(1, 64) = 4  # p
+    reserved_mib: _num(0.0, strict=True) = 64.0  # R: sender-side buffer memory for checkpoint traffic
+    mu: _num(0.0, 1.0, strict=True) = 0.9  # share of each profiled idle span the plan may use
+    profile_iterations: _int(2) = 20  # W (GEMINI: 20)
+    bandwidth_mib_s: _num(0.0) = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
+    alpha_s: _num(0.0) = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B
+    idle: _choice(Idle) = "network"  # the spans the GEMINI modes fill (see above)
     #: a peer copy at most every this many iterations (N); a plan that would need n < N iterations is
     #: spread over about N, using n/N of every span per iteration (modes.plan_sends_every): GEMINI's
     #: "reduce the checkpoint frequency to amortize" when the traffic interferes anyway
-    min_interval: int = 1
+    min_interval: _int(1) = 1
     #: benchmarks (benchmarks/scheduling.py): rotate through these modes in one job, each for
     #: ``compare_iterations`` iterations ("local": no peer traffic), so every mode sees the same machine
-    compare_modes: tuple = ()
-    compare_iterations: int = 6
+    compare_modes: Annotated[tuple[Literal["pipelined", "one-buffer", "naive", "blocking", "bubble", "end",
+                                           "local", "off"], ...],
+                             Allowed("must list modes of pipelined, one-buffer, naive, blocking, bubble, end, "
+                                     "local, off")] = ()
+    compare_iterations: _int(2) = 6
 
-    MODES = ("pipelined", "one-buffer", "naive", "blocking", "bubble", "end")
-    IDLE = ("network", "device", "auto")
+    MODES: ClassVar[tuple[str, ...]] = get_args(Mode)
+    IDLE: ClassVar[tuple[str, ...]] = get_args(Idle)
     #: compare_modes only: "local" = snapshots, no peer traffic; "off" = no snapshots either
-    BASELINES = ("local", "off")
+    BASELINES: ClassVar[tuple[str, ...]] = ("local", "off")
 
-    def __post_init__(self) -> None:
-        if self.mode not in self.MODES:
-            _fail("schedule.mode", self.mode, f"must be one of {', '.join(self.MODES)}")
-        _check_int("schedule.sub_buffers", self.sub_buffers, 1, 64)
-        _check_num("schedule.reserved_mib", self.reserved_mib, 0.0, strict=True)
-        _check_num("schedule.mu", self.mu, 0.0, 1.0, strict=True)
-        _check_int("schedule.profile_iterations", self.profile_iterations, 2)
-        _check_num("schedule.bandwidth_mib_s", self.bandwidth_mib_s, 0.0)
-        _check_num("schedule.alpha_s", self.alpha_s, 0.0)
-        if self.idle not in self.IDLE:
-            _fail("schedule.idle", self.idle, f"must be one of {', '.join(self.IDLE)}")
-        if isinstance(self.compare_modes, (list, str)):
-            modes = self.compare_modes.split(",") if isinstance(self.compare_modes, str) else self.compare_modes
-            object.__setattr__(self, "compare_modes", tuple(m.strip() for m in modes if m.strip()))
-        bad = [m for m in self.compare_modes if m not in self.MODES + self.BASELINES]
-        if not isinstance(self.compare_modes, tuple) or bad:
-            _fail("schedule.compare_modes", list(self.compare_modes) if isinstance(self.compare_modes, tuple)
-                  else self.compare_modes, f"must list modes of {', '.join(self.MODES + self.BASELINES)}")
-        _check_int("schedule.compare_iterations", self.compare_iterations, 2)
-        _check_int("schedule.min_interval", self.min_interval, 1)
+    @field_validator("compare_modes", mode="before")
+    @classmethod
+    def _modes(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [m.strip() for m in v.split(",") if m.strip()]
+        return v
 
     @property
     def reserved_bytes(self) -> int:
         return int(self.reserved_mib * 2**20)
 
 
-@dataclass(frozen=True)
-class FTConfig:
+class FTConfig(_Section):
     """Everything megatron-ft needs to know about a job."""
 
-    run_id: str = "megatron-ft"
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
-    persist: PersistConfig = field(default_factory=PersistConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    launch: LaunchConfig = field(default_factory=LaunchConfig)
-    failure: FailureConfig = field(default_factory=FailureConfig)
-    simulate: SimulateConfig = field(default_factory=SimulateConfig)
-    redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    run_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"), Allowed(
+        "must be 1-64 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)")] = "megatron-ft"
+    cluster: ClusterConfig = ClusterConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    snapshot: SnapshotConfig = SnapshotConfig()
+    persist: PersistConfig = PersistConfig()
+    agent: AgentConfig = AgentConfig()
+    launch: LaunchConfig = LaunchConfig()
+    failure: FailureConfig = FailureConfig()
+    simulate: SimulateConfig = SimulateConfig()
+    redundancy: RedundancyConfig = RedundancyConfig()
+    health: HealthConfig = HealthConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
 
-    def __post_init__(self) -> None:
-        _check_str("run_id", self.run_id, r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
-                   "must be 1-64 characters of letters, digits, '_', '.', '-' (starting with a letter or digit)")
+    @model_validator(mode="after")
+    def _check(self) -> "FTConfig":
         mp = self.parallel.tensor * self.parallel.pipeline
         if self.cluster.world_size % mp:
             raise ConfigError(
@@ -461,58 +422,97 @@ class FTConfig:
         self.redundancy.check_cluster(self.cluster.nodes)
         if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
             _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")
+        return self
 
     @property
     def data_parallel(self) -> int:
         return self.cluster.world_size // (self.parallel.tensor * self.parallel.pipeline)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["simulate"]["nodes"] = list(d["simulate"]["nodes"])
-        d["health"]["hosts"] = list(d["health"]["hosts"])  # YAML-safe (safe_dump has no tuples)
-        d["schedule"]["compare_modes"] = list(d["schedule"]["compare_modes"])
-        return d
+        """Plain YAML-safe data (lists, not tuples) that :func:`from_dict` reads back."""
+        return self.model_dump(mode="json")
 
 
-_SECTIONS = {
-    "cluster": ClusterConfig,
-    "parallel": ParallelConfig,
-    "snapshot": SnapshotConfig,
-    "persist": PersistConfig,
-    "agent": AgentConfig,
-    "launch": LaunchConfig,
-    "failure": FailureConfig,
-    "simulate": SimulateConfig,
-    "redundancy": RedundancyConfig,
-    "health": HealthConfig,
-    "schedule": ScheduleConfig,
-}
+SECTIONS = tuple(n for n in FTConfig.model_fields if n != "run_id")
+
+
+def schema() -> dict:
+    """The JSON Schema of a cluster file (``megatron-ft config --schema``), for editors and checks."""
+    out = FTConfig.model_json_schema()
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out["title"] = "megatron-ft cluster file"
+    return out
+
+
+def _allowed(loc: tuple) -> Optional[str]:
+    """The ``Allowed`` text of the field (or list element) at ``loc``: section, field[, index]."""
+    model: Any = FTConfig
+    ann: Any = None
+    for part in loc:
+        if isinstance(part, int):  # an element: the list's element type
+            while get_origin(ann) is Annotated:
+                ann = get_args(ann)[0]
+            args = get_args(ann)
+            ann = args[0] if args else None
+            continue
+        if model is None:
+            return None
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        ann = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+        model = info.annotation if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel) \
+            else None
+    while get_origin(ann) is Annotated:
+        for meta in get_args(ann)[1:]:
+            if isinstance(meta, Allowed):
+                return str(meta)
+        ann = get_args(ann)[0]
+    return None
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _config_error(e: ValidationError, source: str, data: Mapping[str, Any]) -> ConfigError:
+    """The first problem of a validation, in the project's words: the field, the value, what is allowed."""
+    err = e.errors(include_url=False)[0]
+    loc = tuple(err["loc"])
+    if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), ConfigError):
+        return err["ctx"]["error"]
+    if err["type"] == "extra_forbidden":
+        section = loc[:-1]
+        model: Any = FTConfig if not section else FTConfig.model_fields[section[0]].annotation
+        allowed = sorted(_path(section + (n,)) for n in model.model_fields)
+        return ConfigError(f"{source}: unknown key(s) {[_path(loc)]}; allowed: {allowed}")
+    if len(loc) == 1 and loc[0] in SECTIONS and err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return ConfigError(f"{source}: {loc[0]}={err['input']!r} must be a mapping")
+    loc = tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)  # drop union/validator branches
+    value = err["input"]
+    allowed = _allowed(loc)
+    if allowed is None and loc and isinstance(loc[-1], int):  # an element with no words of its own: the list's
+        loc = tuple(p for p in loc if not isinstance(p, int))
+        allowed, value = _allowed(loc), data.get(loc[0], {}).get(loc[1], value) if len(loc) == 2 else value
+    return ConfigError(f"{_path(loc)}={value!r} is invalid: {allowed or err['msg']}")
+
 
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "local-cpu.yaml")
+_FIELD_NAMES = {n for m in (FTConfig, *(FTConfig.model_fields[s].annotation for s in SECTIONS)) for n in m.model_fields}
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> FTConfig:
     """Build a validated config from a mapping (as loaded from YAML). Unknown keys are errors."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
-    known = {"run_id", *(_SECTIONS)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    kwargs: dict[str, Any] = {}
-    if "run_id" in data:
-        kwargs["run_id"] = data["run_id"]
-    for name, cls in _SECTIONS.items():
-        section = data.get(name) or {}
-        if not isinstance(section, Mapping):
-            raise ConfigError(f"{source}: {name}={section!r} must be a mapping")
-        allowed = {f.name for f in fields(cls)}
-        bad = sorted(set(section) - allowed)
-        if bad:
-            raise ConfigError(f"{source}: unknown key(s) {[f'{name}.{b}' for b in bad]}; allowed: "
-                              f"{sorted(f'{name}.{a}' for a in allowed)}")
-        kwargs[name] = cls(**section)
-    return FTConfig(**kwargs)
+    data = {k: v for k, v in data.items() if not (k in SECTIONS and v is None)}  # "cluster:" with nothing under it
+    try:
+        return FTConfig.model_validate(data)
+    except ValidationError as e:
+        raise _config_error(e, source, data) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -548,15 +548,17 @@ def load(path: Optional[str] = None) -> FTConfig:
     return from_dict(data, source=path)
 
 
-def replace(cfg: FTConfig, **sections: Mapping[str, Any]) -> FTConfig:
+def replace(cfg: FTConfig, **sections: Any) -> FTConfig:
     """Return ``cfg`` with some fields of some sections replaced (validated again)."""
-    kwargs: dict[str, Any] = {}
+    data = cfg.to_dict()
     for name, changes in sections.items():
         if name == "run_id":
-            kwargs["run_id"] = changes
-            continue
-        kwargs[name] = dataclasses.replace(getattr(cfg, name), **changes)
-    return dataclasses.replace(cfg, **kwargs)
+            data["run_id"] = changes
+        elif name not in SECTIONS:
+            raise ConfigError(f"unknown section {name!r}; allowed: {list(SECTIONS)}")
+        else:
+            data[name] = {**data[name], **changes}
+    return from_dict(data, source="<replace>")
 
 
 # ---------------------------------------------------------------- Megatron-style flags

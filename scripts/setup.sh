@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install megatron-ft and everything it needs on a fresh machine (CPU, Python 3.11).
-# torch==2.13.0 is pinned: on these machines pip takes the CPU build already on disk.
+# Install megatron-ft with every extra on a fresh machine (CPU, Python 3.11): what the demo and the
+# tests need. torch==2.13.0 is pinned here (not in the package): on these machines pip takes the CPU
+# build already on disk.
 # GPU machines: install the CUDA build of torch 2.13.0 first (README, "GPU machines").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,11 +18,11 @@ apt_optional() {  # apt_optional PACKAGE "what is missing without it"
         echo "note: $1 is not installed and this is not root with apt; $2"
     fi
 }
-# ISA-L for the fast Reed-Solomon codec (issue 3); without it rs uses the slower numpy bit-matrix code
+# ISA-L for the fast Reed-Solomon codec; without it rs uses the slower numpy bit-matrix code
 apt_optional libisal2 "Reed-Solomon will use the slower numpy codec"
 # etcd 3.4 for `health.store: etcd://HOST:PORT` and the tests that start a real etcd server
 apt_optional etcd-server "health.store etcd:// tests will be skipped"
 
 # deepspeed (optional extra) is pure Python here: DS_BUILD_OPS=0 skips its CUDA/C++ op builds
-DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q -e ".[test,deepspeed,etcd,plot]"
+DS_BUILD_OPS=0 "$PY" -m pip install --disable-pip-version-check -q torch==2.13.0 -e ".[megatron,test,deepspeed,etcd,plot]"
 "$PY" -c "import megatron_ft.capture.checksum as c; print('megatron-ft installed; native copy+checksum:', c.HAVE_NATIVE)"

@@ -28,3 +28,30 @@ def test_shipped_config_plans(path):
         assert "survive" in out.stdout.lower() or "failures" in out.stdout.lower()
     if not cfg.health.one_machine:  # real clusters say where every node's agent listens
         assert cfg.health.host_of(cfg.cluster.nodes - 1) != "127.0.0.1"
+
+
+def cli_schema() -> dict:
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "config", "--schema"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_the_schema_validates_every_shipped_config_and_refuses_bad_ones():
+    """`megatron-ft config --schema` is what editors check a cluster file with: every shipped file
+    passes it, and a wrong type, an out-of-range value, a scheme that does not exist and an unknown
+    key each fail it."""
+    import jsonschema
+
+    schema = cli_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for path in CONFIGS:
+        errors = [e.message for e in validator.iter_errors(ftconfig.load_yaml(open(path)))]
+        assert errors == [], (path, errors)
+    for bad in ({"cluster": {"nodes": "two"}}, {"cluster": {"nodes": 0}}, {"redundancy": {"scheme": "raid6"}},
+                {"snapshot": {"intervall": 1}}, {"snapshot": {"interval": "sometimes"}}, {"clusters": {}}):
+        assert list(validator.iter_errors(bad)), bad
+    assert not list(validator.iter_errors({"snapshot": {"interval": "auto"}, "persist": {"interval": 10}}))

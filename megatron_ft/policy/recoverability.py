@@ -49,7 +49,10 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-SCHEMES = ("none", "replica", "ring", "xor", "rs")
+from ..config import SCHEMES as CONFIGURED
+
+#: the configured schemes, and GEMINI's ring placement as a model beside them
+SCHEMES = (*CONFIGURED, "ring")
 
 
 @dataclass(frozen=True)

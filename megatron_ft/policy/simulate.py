@@ -255,7 +255,7 @@ def simulate_run(s: Strategy, nodes: int, fm: FailureModel, duration_s: float, s
 
 # ------------------------------------------------------------------------------------ strategies
 
-SCHEMES = ("none", "replica", "xor", "rs")
+SCHEMES = ftconfig.SCHEMES
 
 
 def placement_for(scheme: str, nodes: int, sim: ftconfig.SimulateConfig) -> Placement:

@@ -41,12 +41,12 @@ from functools import cached_property
 from fractions import Fraction
 from typing import Iterable, Optional, Sequence, Union
 
+from ..config import SCHEMES  # the one definition of the schemes
 from .echeck import CodingGroup, rs_coding_groups
 from .gemini import ReplicaGroup, mixed_placement
 from .reft import ParityGroup, xor_parity_groups
 from .topology import Topology
 
-SCHEMES = ("none", "replica", "xor", "rs")
 PRIMARY, REPLICA, PARITY, DATA = "primary", "replica", "parity", "data"
 
 
