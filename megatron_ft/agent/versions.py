@@ -5,7 +5,7 @@ redundancy group's complete version).
 A pure state machine: no I/O, no locks, no clocks. The agent (:mod:`megatron_ft.agent.server`)
 holds its lock around every call and mirrors a slot's new state into the container header of
 its shared-memory segment afterwards; the rules below are proven in process by
-``tests/test_version_table.py`` against every order of events.
+``tests/unit/test_version_table.py`` against every order of events.
 
 States of one slot::
 

@@ -265,7 +265,7 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
 
     if not deepspeed.__version__.startswith(VERIFIED_DEEPSPEED):
         log.warning("megatron-ft's DeepSpeed tier was verified with DeepSpeed %sx, this is %s: run "
-                    "tests/test_deepspeed.py before relying on it", VERIFIED_DEEPSPEED, deepspeed.__version__)
+                    "tests/integration/test_deepspeed.py before relying on it", VERIFIED_DEEPSPEED, deepspeed.__version__)
     if cfg is None:
         cfg = ftconfig.load(os.environ.get("MFT_CONFIG"))
         if os.environ.get("MFT_RUN_ID"):

@@ -1,6 +1,6 @@
 """Where Megatron puts every rank: its node, its (tensor, data, pipeline) coordinates, its sharding group.
 
-Assumptions (checked by ``tests/test_placement.py`` against megatron-core's own ``RankGenerator``):
+Assumptions (checked by ``tests/unit/test_placement.py`` against megatron-core's own ``RankGenerator``):
 
 * ``megatron_ft launch`` gives node ``n`` the global ranks ``n * ranks_per_node ...
   (n + 1) * ranks_per_node - 1`` (``node_rank * nproc_per_node + local_rank``).

@@ -130,7 +130,7 @@ def free_share_of_waits(cores: int, ranks_on_host: int) -> float:
     the host's cores both train and move the bytes (CPU): while one of ``r`` ranks waits, the other
     ``r - 1`` keep up to ``r - 1`` cores busy. Two ranks on two cores: 1.0 (the waiting rank's core
     is free); four ranks on two cores: 0.0 (the other three take both). Hand-checked values are in
-    ``tests/test_schedule_modes.py``."""
+    ``tests/unit/test_schedule_modes.py``."""
     _check_int("cores", cores, 1)
     _check_int("ranks_on_host", ranks_on_host, 1)
     return float(max(0, min(1, cores - (ranks_on_host - 1))))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("bench_snapshot", os.path.join(HERE, "..", "benchmarks", "snapshot.py"))
+_spec = importlib.util.spec_from_file_location("bench_snapshot", os.path.join(HERE, "..", "..", "benchmarks", "snapshot.py"))
 bench = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = bench  # dataclasses look their module up
 _spec.loader.exec_module(bench)

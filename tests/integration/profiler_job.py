@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_profiler.py: the real megatron-core GPT of scripts/pretrain_gpt.py
+"""torchrun worker for tests/integration/test_profiler.py: the real megatron-core GPT of scripts/pretrain_gpt.py
 (PP = number of processes), trained through ``pretrain_gpt.train`` with :class:`ProfilingHooks`
 and, around it, schedule-point callbacks registered on :data:`megatron_ft.megatron.hooks.HOOKS`.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
 
 import pretrain_gpt as pg  # noqa: E402

@@ -15,7 +15,7 @@ def test_default_config_is_local_cpu():
 
 
 def test_shipped_config_file_matches_embedded_default():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert config.load(os.path.join(here, "configs", "local-cpu.yaml")) == config.load()
 
 

@@ -15,7 +15,7 @@ the reference bit for bit.
 
 The default suite runs the codec units and one in-process DeepSpeed engine (world size 1) against
 a real agent (~20 s together). The end-to-end scenarios took 90-250 s each on 2 shared, heavily
-loaded cores and are marked slow (``pytest -m slow tests/test_deepspeed.py``).
+loaded cores and are marked slow (``pytest -m slow tests/integration/test_deepspeed.py``).
 """
 import json
 import os
@@ -35,7 +35,7 @@ from megatron_ft.testing.helpers import free_port, read_jsonl
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_deepspeed.py")
 ITERS, KILL_AT, SLEEP = 12, 5, 0.25
 TIMEOUT = 600

@@ -1,4 +1,4 @@
-"""torchrun worker for tests/test_local_manager.py: Megatron-LM's local-tier calls, made by hand.
+"""torchrun worker for tests/integration/test_local_manager.py: Megatron-LM's local-tier calls, made by hand.
 
 Megatron-LM's ``megatron.training`` is not installed here (only megatron-core), so this script
 does what ``save_checkpoint`` / ``load_checkpoint`` (core_v0.16.1) do for the local tier, on a real
@@ -28,7 +28,7 @@ import sys
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
 
 import pretrain_gpt as pg  # noqa: E402

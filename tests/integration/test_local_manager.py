@@ -45,7 +45,7 @@ def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
     out.mkdir(exist_ok=True)
     env = dict(os.environ, MFT_CONFIG=cfg_path, MFT_AGENT_SOCKET=agent.sock, MFT_RUN_DIR=str(tmp_path / "run"),
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    job = [os.path.join(REPO, "tests", "local_manager_job.py"), "--phase", phase, "--out", str(out),
+    job = [os.path.join(REPO, "tests", "integration", "local_manager_job.py"), "--phase", phase, "--out", str(out),
            "--iters", str(ITERS)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + os.getpid() % 1000 + (7 if phase == "load" else 0)), *(faults.wrap(job, fault) if fault else job)]
@@ -75,7 +75,7 @@ def check_resume(out, found):
 def test_save_load_round_trip_bit_exact(tmp_path, two_rank_job):
     cfg, path, agent = two_rank_job
     out = run_phase(tmp_path, path, agent, "save")
-    # the load phase scrambles its fresh model and RNGs before restoring (tests/local_manager_job.py)
+    # the load phase scrambles its fresh model and RNGs before restoring (tests/integration/local_manager_job.py)
     assert digests(out, "save.it1") != digests(out, f"save.it{ITERS}")
     run_phase(tmp_path, path, agent, "load")
     check_resume(out, ITERS)

@@ -23,7 +23,7 @@ from megatron_ft.redundancy.gemini import ReplicaGroup, mixed_placement, placeme
 from megatron_ft.redundancy.reft import piece_in, raim5_layout, stripe_of, xor_parity_groups
 from megatron_ft.redundancy.report import fmt_ranges, parse_bytes
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = [os.path.join(REPO, "configs", f"{s}-16x8.yaml") for s in ("replica", "xor", "rs")]
 
 

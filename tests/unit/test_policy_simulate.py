@@ -13,7 +13,7 @@ from megatron_ft.policy.recoverability import none_placement, replica_placement,
 from megatron_ft.policy.simulate import (DAY, FailureModel, Strategy, closed_form, plot_available, simulate_run,
                                          strategies_for)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("nodes, mttf_h, soft, standby, n_iter, stall, latency", [

@@ -2,7 +2,7 @@
 profile files, their summary, and ``megatron-ft timeline``.
 
 * ``profiled_run`` (module scope, ~1 min): two real megatron-core ranks (PP=2, gloo) under torchrun,
-  tests/profiler_job.py: ``pretrain_gpt.train`` with ``ProfilingHooks`` and schedule-point callbacks.
+  tests/integration/profiler_job.py: ``pretrain_gpt.train`` with ``ProfilingHooks`` and schedule-point callbacks.
 * the summary of hand-made profiles (the worked example of spans.py / docs/scheduling.md).
 * slow: the whole path a user takes, ``megatron-ft launch ... --inmem-ckpt --inmem-ckpt-profile-iterations``.
 """
@@ -39,7 +39,7 @@ def run_env(run_dir):
 def profiled_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("profiled")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           os.path.join(REPO, "tests", "profiler_job.py"), "--out", str(out), "--iters", str(ITERS),
+           os.path.join(REPO, "tests", "integration", "profiler_job.py"), "--out", str(out), "--iters", str(ITERS),
            "--profile", str(PROFILED)]
     p = subprocess.run(cmd, env=run_env(out), capture_output=True, text=True, timeout=600)
     if p.returncode != 0:

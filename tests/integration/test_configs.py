@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ft import config as ftconfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")) + glob.glob(os.path.join(REPO, "configs", "cpu", "*.yaml")))
 
 

@@ -76,7 +76,7 @@ def test_flags_accept_auto(tmp_path, monkeypatch):
 
 
 def test_shipped_configs_load():
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = config.load(os.path.join(here, "configs", "local-cpu.yaml"))
     assert cfg.failure.node_mttf_hours == 1600
     fig = config.load(os.path.join(here, "configs", "gemini-fig15.yaml"))
