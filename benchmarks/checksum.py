@@ -74,7 +74,7 @@ def methods(lib, xx) -> dict:
 
     m = {
         "copy (np.copyto)": chunked(lambda d, s: (np.copyto(d, s), 0)[1]),
-        "fl64x4 fused (product)": chunked(lambda d, s: fl.copy_checksum(d, s)),
+        f"{fl.ALGORITHM} fused (product)": chunked(lambda d, s: fl.copy_checksum(d, s)),
         "CRC32C fused, 1 chain": chunked(lambda d, s: lib.crc32c_copy_1(ptr(d), ptr(s), s.size, 0)),
         "CRC32C fused, 3 chains": chunked(lambda d, s: lib.crc32c_copy_3(ptr(d), ptr(s), s.size, 0)),
     }
@@ -85,8 +85,8 @@ def methods(lib, xx) -> dict:
 
 def digests(lib, xx) -> dict:
     """name -> fn(bytes as uint8 array) -> digest (detection experiments)."""
-    out = {"fl64x4": lambda a: fl.checksum(a),
-           "CRC32C": lambda a: lib.crc32c_copy_3(None, a.ctypes.data, a.size, 0)}
+    out = {alg: (lambda a, alg=alg: fl.checksum(a, alg)) for alg in fl.READS}
+    out["CRC32C"] = lambda a: lib.crc32c_copy_3(None, a.ctypes.data, a.size, 0)
     if xx is not None:
         out["XXH3-64"] = lambda a: xx.xxh3_64_intdigest(a)
     return out

@@ -1,12 +1,16 @@
 /*
  * megatron-ft: fused copy + checksum, one pass over the bytes at memory speed.
  *
- * Checksum "fl64x4" (version 1): the buffer is read as little-endian uint64 words,
- * zero-padded to a multiple of 4 words (32 bytes). Word i goes to lane i % 4; every
- * lane keeps a Fletcher pair modulo 2^64:  a += w;  b += a.  The digest folds the eight
- * lane values and the byte length with an FNV-style multiply:
- *     h = 0xcbf29ce484222325;  for v in (a0..a3, b0..b3, nbytes): h = (h ^ v) * 0x100000001b3
- * The numpy reference in megatron_ft/capture/checksum.py computes the same value.
+ * Checksum "fl64x4": the buffer is read as little-endian uint64 words, zero-padded to a
+ * multiple of 4 words (32 bytes). Word i goes to lane i % 4; every lane keeps a Fletcher pair
+ * modulo 2^64:  a += w;  b += a.  The digest folds the eight lane values and the byte length:
+ *   v2 (written):  h = 0xcbf29ce484222325;  for v in (a0..a3, b0..b3, nbytes): h = fmix64(h ^ v)
+ *                  (MurmurHash3's 64-bit finalizer: every input bit reaches every output bit)
+ *   v1 (read):     the same with h = (h ^ v) * 0x100000001b3. A multiply moves a difference only
+ *                  towards the high bits, so a flip in the top bits of a lane value could cancel
+ *                  against the matching flip of the b lane: about 1 % of single-bit flips went
+ *                  unnoticed (benchmarks/checksum.py). v2 notices every single-bit flip.
+ * The numpy reference in megatron_ft/capture/checksum.py computes the same values.
  *
  * Loaded with ctypes (no Python API), so calls release the GIL.
  */
@@ -16,6 +20,20 @@
 
 #define FNV_OFFSET 0xcbf29ce484222325ULL
 #define FNV_PRIME 0x100000001b3ULL
+
+static uint64_t fmix64(uint64_t k) {
+    k ^= k >> 33; k *= 0xff51afd7ed558ccdULL;
+    k ^= k >> 33; k *= 0xc4ceb9fe1a85ec53ULL;
+    k ^= k >> 33;
+    return k;
+}
+
+static uint64_t fold2(const uint64_t a[4], const uint64_t b[4], uint64_t nbytes) {
+    uint64_t h = FNV_OFFSET;
+    for (int l = 0; l < 4; l++) h = fmix64(h ^ a[l]);
+    for (int l = 0; l < 4; l++) h = fmix64(h ^ b[l]);
+    return fmix64(h ^ nbytes);
+}
 
 static uint64_t fold(const uint64_t a[4], const uint64_t b[4], uint64_t nbytes) {
     uint64_t h = FNV_OFFSET;
@@ -116,15 +134,21 @@ void mft_fl_zeros(mft_fl_state *st, uint64_t groups) {
     for (int l = 0; l < 4; l++) st->b[l] += groups * st->a[l];
 }
 
+/* the v1 digest (read only) */
 uint64_t mft_fl_final(const mft_fl_state *st, uint64_t nbytes) {
     return fold(st->a, st->b, nbytes);
 }
 
-/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the checksum of src. */
+/* the v2 digest (written) */
+uint64_t mft_fl_final2(const mft_fl_state *st, uint64_t nbytes) {
+    return fold2(st->a, st->b, nbytes);
+}
+
+/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the v2 checksum of src. */
 uint64_t mft_copy_checksum(void *dst, const void *src, uint64_t nbytes) {
     mft_fl_state st;
     memset(&st, 0, sizeof st);
     mft_fl_update(&st, dst, src, nbytes);
-    return mft_fl_final(&st, nbytes);
+    return mft_fl_final2(&st, nbytes);
 }
 

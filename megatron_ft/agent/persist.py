@@ -81,7 +81,7 @@ def verify_container(buf) -> None:
     layout = snapfile.read_layout(buf, hdr)
     version = snapfile.read_version(buf, hdr)
     sums = version.get("chunks", [])
-    if version.get("checksum") != checksum.ALGORITHM or len(sums) != layout.num_chunks:
+    if version.get("checksum") not in checksum.READS or len(sums) != layout.num_chunks:
         raise snapfile.SnapshotFormatError(f"record has {len(sums)} {version.get('checksum')} checksums for "
                                            f"{layout.num_chunks} chunks")
     data_off = hdr.geometry.data_off
@@ -90,7 +90,7 @@ def verify_container(buf) -> None:
                                            f"{data_off + layout.data_nbytes})")
     for i in range(layout.num_chunks):
         lo, hi = layout.chunk_bounds(i)
-        got = checksum.checksum(np.frombuffer(buf, np.uint8, hi - lo, data_off + lo))
+        got = checksum.checksum(np.frombuffer(buf, np.uint8, hi - lo, data_off + lo), version["checksum"])
         if f"{got:016x}" != sums[i]:
             raise snapfile.SnapshotFormatError(f"chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})")
 

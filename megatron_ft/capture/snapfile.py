@@ -24,7 +24,9 @@ from typing import Any, Optional
 from .layout import Layout
 
 MAGIC = b"MFTSNAP1"
-FORMAT_VERSION = 1
+#: 2: chunk checksums fl64x4-v2 (the version record names the algorithm); 1 (fl64x4-v1) is still read
+FORMAT_VERSION = 2
+READS = (1, 2)
 HEADER_SIZE = 4096
 VERSION_FORMAT = "megatron-ft-version"
 
@@ -94,8 +96,8 @@ def read_header(buf: Any) -> Header:
     (magic, fmt, state, step, l_off, l_len, l_crc, v_off, v_cap, v_len, v_crc, d_off, d_len) = _HDR.unpack(raw)
     if magic != MAGIC:
         raise SnapshotFormatError(f"bad magic {magic!r}: not a megatron-ft snapshot")
-    if fmt != FORMAT_VERSION:
-        raise SnapshotFormatError(f"snapshot format version {fmt} is not supported (this is {FORMAT_VERSION})")
+    if fmt not in READS:
+        raise SnapshotFormatError(f"snapshot format version {fmt} is not supported (this build reads {READS})")
     if state not in STATE_NAMES:
         raise SnapshotFormatError(f"bad state {state}")
     return Header(state, step, Geometry(l_off, l_len, v_off, v_cap, d_off, d_len), l_crc, v_len, v_crc)

@@ -112,9 +112,9 @@ class Container:
             if saved.get(key) != want:
                 raise snapfile.SnapshotFormatError(
                     f"{self.path}: identity {key}={saved.get(key)!r} does not match this job's {want!r}")
-        if self.version.get("checksum") != checksum.ALGORITHM:
+        if self.version.get("checksum") not in checksum.READS:
             raise snapfile.SnapshotFormatError(f"{self.path}: checksum algorithm {self.version.get('checksum')!r} "
-                                               f"is not {checksum.ALGORITHM!r}")
+                                               f"is not one of {checksum.READS}")
         if len(self.version.get("chunks", [])) != self.layout.num_chunks:
             raise snapfile.SnapshotFormatError(f"{self.path}: {len(self.version.get('chunks', []))} checksums for "
                                                f"{self.layout.num_chunks} chunks")
@@ -148,7 +148,7 @@ class Container:
 
         def one_chunk(i: int) -> Optional[str]:
             lo, hi = self.layout.chunk_bounds(i)
-            chunk = checksum.ChunkSum(hi - lo)
+            chunk = checksum.ChunkSum(hi - lo, algorithm=self.version["checksum"])
             for p in all_pieces[i]:
                 dst = views[names[p.entry_index]]
                 at = base + p.dst_offset

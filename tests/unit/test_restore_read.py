@@ -31,7 +31,7 @@ def make_tensors(seed=0):
     }
 
 
-def write_container(path, tensors, chunk=8192):
+def write_container(path, tensors, chunk=8192, algorithm=checksum.ALGORITHM):
     specs = [StateTensor(n, t).spec() for n, t in tensors.items()]
     lay = plan_layout(specs, chunk, IDENTITY)
     g = snapfile.geometry_for(lay)
@@ -45,12 +45,12 @@ def write_container(path, tensors, chunk=8192):
     sums = []
     for i, pieces in enumerate(lay.all_pieces()):
         lo, hi = lay.chunk_bounds(i)
-        cs = checksum.ChunkSum(hi - lo, area[lo:hi])
+        cs = checksum.ChunkSum(hi - lo, area[lo:hi], algorithm=algorithm)
         for p in pieces:
             cs.write(p.dst_offset - lo, tensors[names[p.entry_index]].reshape(-1).view(torch.uint8)[p.src_start:p.src_end])
         sums.append(cs.finish())
     del area, cs
-    snapfile.write_version(mm, 1, {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
+    snapfile.write_version(mm, 1, {"chunks": [f"{s:016x}" for s in sums], "checksum": algorithm,
                                    "extra": {}, "identity": IDENTITY})
     snapfile.set_state(mm, snapfile.CLEAN)
     mm.close()
@@ -161,3 +161,27 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
 def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ranks, threads):
     """Every rank of a node restores at once: each takes its share of the cores (1..4 threads)."""
     assert recovery.restore_threads(cores, local_ranks) == threads
+
+
+@pytest.mark.parametrize("read_path", PATHS, indirect=True)
+def test_a_snapshot_of_the_previous_format_is_still_verified_and_restored(tmp_path, read_path, monkeypatch):
+    """Containers of format version 1 carry fl64x4-v1 chunk sums (the weaker fold): still read,
+    verified with their own algorithm, and refused when corrupted."""
+    src = make_tensors(5)
+    path = str(tmp_path / "v1.mft")
+    monkeypatch.setattr(snapfile, "FORMAT_VERSION", 1)
+    lay, g = write_container(path, src, algorithm="fl64x4-v1")
+    monkeypatch.undo()
+    assert snapfile.read_header(open(path, "rb").read(4096)).step == 1
+    with open(path, "rb") as f:
+        assert int.from_bytes(f.read(12)[8:12], "little") == 1  # the header says format 1
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    load(path, dst)
+    assert all(torch.equal(dst[n], src[n]) for n in src)
+    with open(path, "r+b") as f:  # one bit of the data area
+        f.seek(g.data_off + 100)
+        b = f.read(1)[0]
+        f.seek(g.data_off + 100)
+        f.write(bytes([b ^ 0x80]))
+    with pytest.raises(snapfile.SnapshotFormatError, match="checksum mismatch"):
+        load(path, {n: torch.zeros_like(t) for n, t in src.items()})
