@@ -32,8 +32,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import faultpoints
 from . import shm
+from .. import faultpoints
 from ..redundancy import exchange as xch
 from ..redundancy import rebuild
 from ..redundancy.codecs import get_codec

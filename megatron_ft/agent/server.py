@@ -26,13 +26,12 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from . import shm, persist
 from .. import config as ftconfig
-from . import shm
 from ..capture import snapfile
 from ..capture.layout import Layout
-from .protocol import socket_path
 from ..transport import wire
-from . import persist
+from .protocol import socket_path
 from .versions import TransitionError, VersionTable
 
 log = logging.getLogger("megatron_ft.agent")

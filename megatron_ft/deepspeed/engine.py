@@ -56,12 +56,12 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .. import config as ftconfig
-from ..trainer.checkpointer import InMemoryCheckpointer
-from ..capture.layout import Layout, dtype_from_name
-from ..trainer.recovery import RestoreFailed
 from ..capture import rng
-from ..capture.state import StateTensor
 from ..capture import tree as treecodec
+from ..capture.layout import Layout, dtype_from_name
+from ..capture.state import StateTensor
+from ..trainer.checkpointer import InMemoryCheckpointer
+from ..trainer.recovery import RestoreFailed
 
 log = logging.getLogger("megatron_ft.deepspeed")
 

@@ -56,11 +56,11 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 
 from .. import config as ftconfig
 from .. import fatal
-from ..trainer.checkpointer import InMemoryCheckpointer
-from ..capture.layout import Layout, dtype_from_name
-from ..trainer.recovery import RestoreFailed
-from ..capture.state import StateTensor
 from ..capture import tree as treecodec
+from ..capture.layout import Layout, dtype_from_name
+from ..capture.state import StateTensor
+from ..trainer.checkpointer import InMemoryCheckpointer
+from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
 
 log = logging.getLogger("megatron_ft")

@@ -18,8 +18,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..schedule.profiler import Profiler
 from . import hooks as mhooks
+from ..schedule.profiler import Profiler
 
 log = logging.getLogger("megatron_ft")
 

@@ -18,12 +18,12 @@ from typing import Any, Optional
 
 import torch
 
+from . import hooks as mhooks
 from ..config import ScheduleConfig
 from ..schedule.modes import SendSchedule, free_share_of_waits, idle_spans, plan_sends_every
 from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
-from . import hooks as mhooks
 from .profiling import end_profile
 
 log = logging.getLogger("megatron_ft.transport")

@@ -42,8 +42,8 @@ from typing import Optional
 
 import numpy as np
 
-from .. import config as ftconfig
 from . import intervals
+from .. import config as ftconfig
 from .recoverability import Placement, gemini_corollary1, make_placement, none_placement, recoverable_counts
 from .survival import Weibull
 

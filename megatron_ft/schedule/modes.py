@@ -37,8 +37,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..config import ScheduleConfig, _check_int, _fail
 from . import baft, gemini
+from ..config import ScheduleConfig, _check_int, _fail
 from .spans import _EPS, IdleSpan, LinkModel
 
 AT_END = math.inf  # Send.at: after the iteration's optimizer step

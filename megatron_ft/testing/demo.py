@@ -26,9 +26,9 @@ from typing import Optional
 
 import yaml
 
+from . import faults
 from .. import config as ftconfig
 from .. import tiers
-from . import faults
 from .helpers import free_port, free_port_range, read_jsonl
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")

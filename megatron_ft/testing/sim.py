@@ -18,13 +18,13 @@ from typing import Callable, Optional
 import torch
 import yaml
 
-from .. import config as ftconfig
 from . import faults
-from .helpers import WaitTimeout, free_port_range
+from .. import config as ftconfig
 from ..agent.protocol import AgentClient, socket_path
+from ..capture.state import TorchStateAdapter
 from ..trainer.recovery import Restorer, RestoreResult
 from ..trainer.snapshot import SnapshotEngine
-from ..capture.state import TorchStateAdapter
+from .helpers import WaitTimeout, free_port_range
 
 
 

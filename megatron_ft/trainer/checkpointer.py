@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from .. import config as ftconfig
 from .. import fatal, faultpoints
-from ..policy.runtime import AutoIntervals
 from ..agent.protocol import AgentClient, socket_path
+from ..policy.runtime import AutoIntervals
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
 

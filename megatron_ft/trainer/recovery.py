@@ -28,11 +28,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..capture import checksum, snapfile
-from ..agent import shm
-from ..agent import persist
-from ..capture.layout import Layout
+from ..agent import shm, persist
 from ..agent.protocol import AgentClient, AgentError
+from ..capture import checksum, snapfile
+from ..capture.layout import Layout
 from ..capture.state import StateAdapter
 
 log = logging.getLogger("megatron_ft.trainer.recovery")

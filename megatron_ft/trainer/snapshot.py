@@ -27,11 +27,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..capture import checksum, snapfile
 from .. import fatal, faultpoints
 from ..agent import shm
-from ..capture.layout import Layout, plan_layout
 from ..agent.protocol import AgentClient, AgentError
+from ..capture import checksum, snapfile
+from ..capture.layout import Layout, plan_layout
 from ..capture.state import StateTensor
 
 log = logging.getLogger("megatron_ft.trainer.snapshot")

@@ -19,9 +19,9 @@ decoder refuses a descriptor that is not its own (:class:`CodecMismatchError`).
 """
 from .base import (RS_MAX_K, RS_MAX_M, XOR_MAX_K, Codec, CodecBufferError, CodecDecodeError, CodecDescriptor,
                    CodecDescriptorError, CodecError, CodecMismatchError, CodecParameterError, CodecUnavailableError)
+from . import gf256
 from .bitmatrix import BitmatrixRSCodec
 from .factory import CODEC_NAMES, codec_status, get_codec
-from . import gf256
 from .isal import IsalLibrary, IsalRSCodec, isal_available, load_isal
 from .xor import XorCodec
 
