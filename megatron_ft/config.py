@@ -61,6 +61,9 @@ SCHEMES: tuple[str, ...] = get_args(Scheme)
 Transport = Literal["agent", "scheduled"]
 Mode = Literal["pipelined", "one-buffer", "naive", "blocking", "bubble", "end"]
 Idle = Literal["network", "device", "auto"]
+#: compare_modes only: "local" = snapshots, no peer traffic; "off" = no snapshots either
+Baseline = Literal["local", "off"]
+CompareMode = Literal[get_args(Mode) + get_args(Baseline)]  # type: ignore[valid-type]
 
 
 class Allowed(str):
@@ -370,16 +373,13 @@ class ScheduleConfig(_Section):
     min_interval: _int(1) = 1
     #: benchmarks (benchmarks/scheduling.py): rotate through these modes in one job, each for
     #: ``compare_iterations`` iterations ("local": no peer traffic), so every mode sees the same machine
-    compare_modes: Annotated[tuple[Literal["pipelined", "one-buffer", "naive", "blocking", "bubble", "end",
-                                           "local", "off"], ...],
-                             Allowed("must list modes of pipelined, one-buffer, naive, blocking, bubble, end, "
-                                     "local, off")] = ()
+    compare_modes: Annotated[tuple[CompareMode, ...],
+                             Allowed(f"must list modes of {', '.join(get_args(CompareMode))}")] = ()
     compare_iterations: _int(2) = 6
 
     MODES: ClassVar[tuple[str, ...]] = get_args(Mode)
     IDLE: ClassVar[tuple[str, ...]] = get_args(Idle)
-    #: compare_modes only: "local" = snapshots, no peer traffic; "off" = no snapshots either
-    BASELINES: ClassVar[tuple[str, ...]] = ("local", "off")
+    BASELINES: ClassVar[tuple[str, ...]] = get_args(Baseline)
 
     @field_validator("compare_modes", mode="before")
     @classmethod

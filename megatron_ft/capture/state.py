@@ -60,6 +60,19 @@ class StateAdapter(Protocol):
         """Apply the JSON record and anything that depends on restored tensors (RNG, schedulers)."""
 
 
+def fresh_targets(layout: Layout) -> dict[str, torch.Tensor]:
+    """A new CPU tensor for every entry of a saved layout (restore destinations for adapters whose
+    state is rebuilt from the snapshot rather than written into live tensors: Megatron-LM's
+    checkpoint tier, DeepSpeed). Entries sharded over data-parallel ranks are refused: those
+    adapters snapshot whole tensors."""
+    out = {}
+    for e in layout.entries:
+        if e.spec.shard is not None:
+            raise ValueError(f"{e.spec.name}: a data-parallel shard; this adapter restores whole tensors only")
+        out[e.spec.name] = torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
+    return out
+
+
 def json_safe(value: Any, where: str = "state") -> Any:
     """Check and convert non-tensor state to JSON values. Python's JSON round-trips floats
     exactly (repr), so numbers stay numbers; tuples become lists; tensors are refused (they

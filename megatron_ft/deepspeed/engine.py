@@ -58,8 +58,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from .. import config as ftconfig
 from ..capture import rng
 from ..capture import tree as treecodec
-from ..capture.layout import Layout, dtype_from_name
-from ..capture.state import StateTensor
+from ..capture.layout import Layout
+from ..capture.state import StateTensor, fresh_targets
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 
@@ -108,16 +108,8 @@ class DeepSpeedStateAdapter:
         return out, extra
 
     def targets(self, layout: Layout) -> dict[str, StateTensor]:
-        self._buffers = {}
-        out = {}
-        for e in layout.entries:
-            s = e.spec
-            if s.shard is not None:
-                raise ValueError(f"{s.name}: sharded entries are not used by DeepSpeed snapshots")
-            buf = torch.empty(s.shape, dtype=dtype_from_name(s.dtype))
-            self._buffers[s.name] = buf
-            out[s.name] = StateTensor(s.name, buf)
-        return out
+        self._buffers = fresh_targets(layout)
+        return {name: StateTensor(name, t) for name, t in self._buffers.items()}
 
     def finish_restore(self, extra: dict) -> None:
         if extra.get("format") != RECORD_FORMAT or extra.get("version") != RECORD_VERSION:

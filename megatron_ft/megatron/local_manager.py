@@ -57,8 +57,8 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 from .. import config as ftconfig
 from .. import fatal
 from ..capture import tree as treecodec
-from ..capture.layout import Layout, dtype_from_name
-from ..capture.state import StateTensor
+from ..capture.layout import Layout
+from ..capture.state import StateTensor, fresh_targets
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
@@ -116,8 +116,7 @@ class _StateDictAdapter:
         return out, {"state_dict": record, "iteration": self.iteration}
 
     def targets(self, layout: Layout) -> dict[str, StateTensor]:
-        self.loaded = {e.spec.name: torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
-                       for e in layout.entries}
+        self.loaded = fresh_targets(layout)
         return {name: StateTensor(name, t) for name, t in self.loaded.items()}
 
     def finish_restore(self, extra: dict) -> None:
