@@ -1,6 +1,6 @@
 /*
  * Candidate checksums fused into the snapshot copy, measured by benchmarks/checksum.py against the
- * product's fl64x4 (megatron_ft/_native/fastcopy.c). Compiled by the benchmark at run time
+ * product's fl32x8 (megatron_ft/_native/fastcopy.c). Compiled by the benchmark at run time
  * (cc -O3 -msse4.2 -shared); nothing here is part of the installed package.
  *
  * CRC32C (Castagnoli, the polynomial of iSCSI/ext4/RocksDB) with the SSE4.2 crc32 instruction:

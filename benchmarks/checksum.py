@@ -1,4 +1,4 @@
-"""The snapshot's chunk checksum: the product's fused copy + fl64x4 against CRC32C (SSE4.2, one
+"""The snapshot's chunk checksum: the product's fused copy + fl32x8 (and the fl64x4 it replaced) against CRC32C (SSE4.2, one
 chain and three interleaved chains) fused into the same copy, and XXH3 (the ``xxhash`` package:
 a copy, then the hash - two passes, no fused form exists in Python), each as throughput relative to
 a plain copy of the same bytes measured in the same repetitions, plus how often each misses the
@@ -75,6 +75,7 @@ def methods(lib, xx) -> dict:
     m = {
         "copy (np.copyto)": chunked(lambda d, s: (np.copyto(d, s), 0)[1]),
         f"{fl.ALGORITHM} fused (product)": chunked(lambda d, s: fl.copy_checksum(d, s)),
+        "fl64x4-v2 fused (format 2)": chunked(lambda d, s: fl.copy_checksum(d, s, "fl64x4-v2")),
         "CRC32C fused, 1 chain": chunked(lambda d, s: lib.crc32c_copy_1(ptr(d), ptr(s), s.size, 0)),
         "CRC32C fused, 3 chains": chunked(lambda d, s: lib.crc32c_copy_3(ptr(d), ptr(s), s.size, 0)),
     }

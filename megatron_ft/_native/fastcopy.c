@@ -1,10 +1,17 @@
 /*
  * megatron-ft: fused copy + checksum, one pass over the bytes at memory speed.
  *
+ * Checksum "fl32x8-v1" (written): the buffer is read as little-endian uint32 words, zero-padded
+ * to a multiple of 8 words (32 bytes). Word i goes to lane i % 8; every lane keeps a Fletcher pair
+ * of 64-bit sums:  a += w;  b += a.  A lane's a cannot wrap within a chunk (fewer than 2^32 rows),
+ * so no difference is lost mod 2^64: every 1- and 2-bit error and every swap of two different
+ * words changes (a, b). Digest: h = 0xcbf29ce484222325; for v in (a0..a7, b0..b7, nbytes):
+ * h = fmix64(h ^ v) (MurmurHash3's finalizer).
+ *
  * Checksum "fl64x4": the buffer is read as little-endian uint64 words, zero-padded to a
  * multiple of 4 words (32 bytes). Word i goes to lane i % 4; every lane keeps a Fletcher pair
  * modulo 2^64:  a += w;  b += a.  The digest folds the eight lane values and the byte length:
- *   v2 (written):  h = 0xcbf29ce484222325;  for v in (a0..a3, b0..b3, nbytes): h = fmix64(h ^ v)
+ *   v2 (format 2): h = 0xcbf29ce484222325;  for v in (a0..a3, b0..b3, nbytes): h = fmix64(h ^ v)
  *                  (MurmurHash3's 64-bit finalizer: every input bit reaches every output bit)
  *   v1 (read):     the same with h = (h ^ v) * 0x100000001b3. A multiply moves a difference only
  *                  towards the high bits, so a flip in the top bits of a lane value could cancel
@@ -134,17 +141,95 @@ void mft_fl_zeros(mft_fl_state *st, uint64_t groups) {
     for (int l = 0; l < 4; l++) st->b[l] += groups * st->a[l];
 }
 
+/* ---- fl32x8-v1 (written) ---- */
+typedef struct { uint64_t a[8], b[8]; } mft_f8_state;
+typedef uint32_t half_t __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline))
+void f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes, int stream) {
+    lanes_t a0, a1, b0, b1;
+    memcpy(&a0, st->a, 32); memcpy(&a1, st->a + 4, 32);
+    memcpy(&b0, st->b, 32); memcpy(&b1, st->b + 4, 32);
+    const unsigned char *s = (const unsigned char *)src;
+    unsigned char *d = (unsigned char *)dst;
+    uint64_t full = nbytes / 32;
+    for (uint64_t g = 0; g < full; g++) {
+        half_t lo, hi;
+        memcpy(&lo, s + 32 * g, 16);
+        memcpy(&hi, s + 32 * g + 16, 16);
+        if (d) {
+#if MFT_HAVE_STREAM
+            if (stream) {
+                __m128i l, h;
+                memcpy(&l, &lo, 16); memcpy(&h, &hi, 16);
+                _mm_stream_si128((__m128i *)(d + 32 * g), l);
+                _mm_stream_si128((__m128i *)(d + 32 * g + 16), h);
+            } else
+#endif
+            { memcpy(d + 32 * g, &lo, 16); memcpy(d + 32 * g + 16, &hi, 16); }
+        }
+        a0 += __builtin_convertvector(lo, lanes_t); a1 += __builtin_convertvector(hi, lanes_t);
+        b0 += a0; b1 += a1;
+    }
+#if MFT_HAVE_STREAM
+    if (d && stream) _mm_sfence();
+#endif
+    uint64_t rest = nbytes - full * 32;
+    if (rest) {
+        uint32_t tail[8] = {0};
+        memcpy(tail, s + 32 * full, rest);
+        if (d) memcpy(d + 32 * full, s + 32 * full, rest);
+        half_t lo, hi;
+        memcpy(&lo, tail, 16); memcpy(&hi, tail + 4, 16);
+        a0 += __builtin_convertvector(lo, lanes_t); a1 += __builtin_convertvector(hi, lanes_t);
+        b0 += a0; b1 += a1;
+    }
+    memcpy(st->a, &a0, 32); memcpy(st->a + 4, &a1, 32);
+    memcpy(st->b, &b0, 32); memcpy(st->b + 4, &b1, 32);
+}
+
+MFT_CLONES
+void mft_f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes) {
+    f8_update(st, dst, src, nbytes, 0);
+}
+
+/* non-temporal stores for the copy (a 16-byte aligned dst; else normal stores), as mft_fl_update_nt */
+MFT_CLONES
+void mft_f8_update_nt(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes) {
+    f8_update(st, dst, src, nbytes, MFT_HAVE_STREAM && dst && ((uintptr_t)dst & 15) == 0);
+}
+
+void mft_f8_zeros(mft_f8_state *st, uint64_t groups) {
+    for (int l = 0; l < 8; l++) st->b[l] += groups * st->a[l];
+}
+
+uint64_t mft_f8_final(const mft_f8_state *st, uint64_t nbytes) {
+    uint64_t h = FNV_OFFSET;
+    for (int l = 0; l < 8; l++) h = fmix64(h ^ st->a[l]);
+    for (int l = 0; l < 8; l++) h = fmix64(h ^ st->b[l]);
+    return fmix64(h ^ nbytes);
+}
+
+uint64_t mft_copy_checksum8(void *dst, const void *src, uint64_t nbytes) {
+    mft_f8_state st;
+    memset(&st, 0, sizeof st);
+    mft_f8_update(&st, dst, src, nbytes);
+    return mft_f8_final(&st, nbytes);
+}
+
+/* ---- fl64x4 (read: snapshots of container formats 1 and 2) ---- */
+
 /* the v1 digest (read only) */
 uint64_t mft_fl_final(const mft_fl_state *st, uint64_t nbytes) {
     return fold(st->a, st->b, nbytes);
 }
 
-/* the v2 digest (written) */
+/* the v2 digest (read only) */
 uint64_t mft_fl_final2(const mft_fl_state *st, uint64_t nbytes) {
     return fold2(st->a, st->b, nbytes);
 }
 
-/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the v2 checksum of src. */
+/* Copy nbytes from src to dst (dst may be NULL: checksum only) and return the fl64x4-v2 checksum of src. */
 uint64_t mft_copy_checksum(void *dst, const void *src, uint64_t nbytes) {
     mft_fl_state st;
     memset(&st, 0, sizeof st);

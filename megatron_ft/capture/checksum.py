@@ -1,10 +1,13 @@
 """Chunk checksums and the fused copy+checksum primitive.
 
 Every chunk of a snapshot carries a checksum so that a torn or corrupted snapshot is never
-restored. CRC32 runs at ~2 GB/s here, far below memcpy (~7-10 GB/s), which would make the
-checksum, not the copy, the cost of a snapshot. We therefore use ``fl64x4`` (see
-``_native/fastcopy.c``): four interleaved Fletcher-64 lanes, position-sensitive, computed in
-the same pass that copies the bytes, so a snapshot costs one read and one write per byte.
+restored. CRC32 in software runs far below memcpy, which would make the checksum, not the copy,
+the cost of a snapshot. The written checksum is ``fl32x8-v1`` (``_native/fastcopy.c``): 32-bit
+words summed in eight 64-bit Fletcher lanes, position-sensitive, computed in the same pass that
+copies the bytes, so a snapshot costs one read and one write per byte. No difference can wrap
+away inside a chunk, so every 1- and 2-bit error and every swap of two different words changes
+it; ``benchmarks/checksum.py`` measured it beside CRC32C and XXH3 (docs/benchmarks.md). The
+version record names the algorithm; a restore verifies with the one it names (:data:`READS`).
 
 The C library is loaded with ctypes (the call releases the GIL, so a background copy
 overlaps with training). ``checksum_numpy`` is the slow reference used when the library is
@@ -15,21 +18,26 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 #: written into every new snapshot's version record
-ALGORITHM = "fl64x4-v2"
-#: what a restore verifies with, the record's ``checksum`` naming it: v1 folds the lanes with an
-#: FNV multiply (snapshots written before v2; about 1 % of single-bit flips in the top bits of a
-#: word went unnoticed), v2 with MurmurHash3's finalizer (every single-bit flip noticed)
-READS = ("fl64x4-v2", "fl64x4-v1")
+ALGORITHM = "fl32x8-v1"
+#: what a restore verifies with, the record's ``checksum`` naming it. fl64x4 (container formats 1
+#: and 2): 64-bit words in four lanes, whose sums mod 2^64 lose a difference in the top bit
+#: multiplied by an even number (two sign flips of one lane an even number of rows apart went
+#: unnoticed); v1 also folded the lanes with an FNV multiply that let about 1 % of single-bit
+#: flips cancel, v2 with MurmurHash3's finalizer.
+READS = ("fl32x8-v1", "fl64x4-v2", "fl64x4-v1")
 
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
 _MASK = (1 << 64) - 1
+_SYMBOLS = ("mft_copy_checksum8", "mft_f8_update", "mft_f8_update_nt", "mft_f8_zeros", "mft_f8_final",
+            "mft_fl_update", "mft_fl_update_nt", "mft_fl_zeros", "mft_fl_final", "mft_fl_final2")
 
 
 def _load_native() -> Optional[ctypes.CDLL]:
@@ -37,8 +45,7 @@ def _load_native() -> Optional[ctypes.CDLL]:
     for path in sorted(glob.glob(os.path.join(here, "_fastcopy*.so"))):
         try:
             lib = ctypes.CDLL(path)
-            for sym in ("mft_copy_checksum", "mft_fl_update", "mft_fl_update_nt", "mft_fl_zeros", "mft_fl_final",
-                        "mft_fl_final2"):
+            for sym in _SYMBOLS:
                 getattr(lib, sym)
         except (OSError, AttributeError) as e:  # e.g. a build older than fastcopy.c
             import logging
@@ -47,18 +54,17 @@ def _load_native() -> Optional[ctypes.CDLL]:
                 "ignoring the native copy+checksum library %s (%s); the numpy fallback is slower. "
                 "Rebuild it with `pip install -e .` (or `python setup.py build_ext --inplace`)", path, e)
             continue
-        fn = lib.mft_copy_checksum
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
-        fn.restype = ctypes.c_uint64
-        lib.mft_fl_update.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
-        lib.mft_fl_update.restype = None
-        lib.mft_fl_update_nt.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
-        lib.mft_fl_update_nt.restype = None
-        lib.mft_fl_zeros.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-        lib.mft_fl_zeros.restype = None
-        for final in (lib.mft_fl_final, lib.mft_fl_final2):
-            final.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
-            final.restype = ctypes.c_uint64
+        lib.mft_copy_checksum8.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+        lib.mft_copy_checksum8.restype = ctypes.c_uint64
+        for name in ("mft_f8_update", "mft_f8_update_nt", "mft_fl_update", "mft_fl_update_nt"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+            getattr(lib, name).restype = None
+        for name in ("mft_f8_zeros", "mft_fl_zeros"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+            getattr(lib, name).restype = None
+        for name in ("mft_f8_final", "mft_fl_final", "mft_fl_final2"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+            getattr(lib, name).restype = ctypes.c_uint64
         return lib
     return None
 
@@ -75,39 +81,55 @@ def _fmix64(k: int) -> int:
     return k ^ (k >> 33)
 
 
-def _check_algorithm(algorithm: str) -> None:
-    if algorithm not in READS:
-        raise ValueError(f"checksum algorithm {algorithm!r} is not one this build reads: {READS}")
+@dataclass(frozen=True)
+class _Algorithm:
+    """One checksum: its word size and lanes, how its lanes are folded, and its native functions."""
+    word: str  # numpy dtype of a word
+    lanes: int
+    fmix: bool  # fold with MurmurHash3's finalizer (else the FNV multiply of fl64x4-v1)
+    update: str
+    update_nt: str
+    zeros: str
+    final: str
+
+    def fold(self, values: list[int]) -> int:
+        h = _FNV_OFFSET
+        for v in values:
+            h = _fmix64(h ^ int(v)) if self.fmix else ((h ^ int(v)) * _FNV_PRIME) & _MASK
+        return h
+
+    def native(self, name: str) -> Callable[..., Any]:
+        return getattr(_LIB, getattr(self, name))
 
 
-def _fold(a: np.ndarray, b: np.ndarray, nbytes: int, algorithm: str = ALGORITHM) -> int:
-    _check_algorithm(algorithm)
-    h = _FNV_OFFSET
-    for v in list(a) + list(b) + [nbytes]:
-        h = _fmix64(h ^ int(v)) if algorithm == "fl64x4-v2" else ((h ^ int(v)) * _FNV_PRIME) & _MASK
-    return h
+_ALGORITHMS = {
+    "fl32x8-v1": _Algorithm("<u4", 8, True, "mft_f8_update", "mft_f8_update_nt", "mft_f8_zeros", "mft_f8_final"),
+    "fl64x4-v2": _Algorithm("<u8", 4, True, "mft_fl_update", "mft_fl_update_nt", "mft_fl_zeros", "mft_fl_final2"),
+    "fl64x4-v1": _Algorithm("<u8", 4, False, "mft_fl_update", "mft_fl_update_nt", "mft_fl_zeros", "mft_fl_final"),
+}
 
 
-def _final(state: Any, nbytes: int, algorithm: str) -> int:
-    _check_algorithm(algorithm)
-    fn = _LIB.mft_fl_final2 if algorithm == "fl64x4-v2" else _LIB.mft_fl_final  # type: ignore[union-attr]
-    return int(fn(state, nbytes))
+def _algorithm(name: str) -> _Algorithm:
+    if name not in _ALGORITHMS:
+        raise ValueError(f"checksum algorithm {name!r} is not one this build reads: {READS}")
+    return _ALGORITHMS[name]
 
 
 def checksum_numpy(buf: np.ndarray, algorithm: str = ALGORITHM) -> int:
-    """Reference implementation of ``fl64x4`` (``algorithm``: v2 or v1) over the bytes of ``buf``."""
+    """Reference implementation over the bytes of ``buf`` (``algorithm``: one of :data:`READS`)."""
+    alg = _algorithm(algorithm)
     raw = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
     nbytes = raw.size
     pad = (-nbytes) % 32
     if pad:
         raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-    words = raw.view("<u8").reshape(-1, 4)
+    words = raw.view(alg.word).reshape(-1, alg.lanes).astype(np.uint64)
     rows = words.shape[0]
     with np.errstate(over="ignore"):
         a = words.sum(axis=0, dtype=np.uint64)
         weights = (np.uint64(rows) - np.arange(rows, dtype=np.uint64)).reshape(-1, 1)
         b = (words * weights).sum(axis=0, dtype=np.uint64)
-    return _fold(a, b, nbytes, algorithm)
+    return alg.fold([*a, *b, nbytes])
 
 
 def _address(t: torch.Tensor | np.ndarray) -> int:
@@ -132,15 +154,17 @@ def copy_checksum(dst: torch.Tensor | np.ndarray | None, src: torch.Tensor | np.
                   algorithm: str = ALGORITHM) -> int:
     """Copy the bytes of contiguous CPU ``src`` into ``dst`` (same byte size) and return the
     checksum of those bytes. ``dst=None`` only computes the checksum."""
+    alg = _algorithm(algorithm)
     n = _nbytes(src)
     if dst is not None and _nbytes(dst) != n:
         raise ValueError(f"copy_checksum: dst has {_nbytes(dst)} bytes, src has {n}")
     if _LIB is not None:
+        d = _address(dst) if dst is not None else None
         if algorithm == ALGORITHM:
-            return int(_LIB.mft_copy_checksum(_address(dst) if dst is not None else None, _address(src), n))
-        state = (ctypes.c_uint64 * 8)()
-        _LIB.mft_fl_update(state, _address(dst) if dst is not None else None, _address(src), n)
-        return _final(state, n, algorithm)
+            return int(_LIB.mft_copy_checksum8(d, _address(src), n))
+        state = (ctypes.c_uint64 * (2 * alg.lanes))()
+        alg.native("update")(state, d, _address(src), n)
+        return int(alg.native("final")(state, n))
     if dst is not None:
         np.copyto(_as_bytes(dst), _as_bytes(src))
     return checksum_numpy(_as_bytes(src), algorithm)
@@ -160,12 +184,12 @@ class ChunkSum:
     native library the pieces are assembled in a bounce buffer and summed with numpy."""
 
     def __init__(self, nbytes: int, dst_chunk: Optional[np.ndarray] = None, algorithm: str = ALGORITHM):
-        _check_algorithm(algorithm)
+        self._alg = _algorithm(algorithm)
         self.algorithm = algorithm
         self.nbytes = nbytes
         self.dst = dst_chunk
         self.pos = 0  # bytes accounted for (a multiple of 32 between pieces)
-        self._state = (ctypes.c_uint64 * 8)() if _LIB is not None else None
+        self._state = (ctypes.c_uint64 * (2 * self._alg.lanes))() if _LIB is not None else None
         self._bounce = np.zeros(nbytes, np.uint8) if _LIB is None and dst_chunk is None else None
 
     def _advance(self, offset: int, n: int) -> None:
@@ -173,7 +197,7 @@ class ChunkSum:
             raise ValueError(f"piece [{offset}, {offset + n}) of a {self.nbytes}-byte chunk is out of order, "
                              f"out of range or not 32-byte aligned")
         if self._state is not None:
-            _LIB.mft_fl_zeros(self._state, (offset - self.pos) // 32)
+            self._alg.native("zeros")(self._state, (offset - self.pos) // 32)
         self.pos = offset + -(-n // 32) * 32
 
     def write(self, offset: int, src: torch.Tensor | np.ndarray) -> None:
@@ -184,7 +208,7 @@ class ChunkSum:
         if self._state is None:
             np.copyto(dst, _as_bytes(src))
         else:
-            _LIB.mft_fl_update(self._state, dst.ctypes.data, _address(src), n)
+            self._alg.native("update")(self._state, dst.ctypes.data, _address(src), n)
 
     def copy_to(self, offset: int, dst: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
         """Copy the piece ``src`` (at ``offset`` of the chunk) into ``dst`` (any CPU buffer of the same
@@ -199,7 +223,7 @@ class ChunkSum:
             self.add(offset, src)
             return
         self._advance(offset, n)
-        _LIB.mft_fl_update_nt(self._state, _address(dst), _address(src), n)
+        self._alg.native("update_nt")(self._state, _address(dst), _address(src), n)
 
     def add(self, offset: int, buf: torch.Tensor | np.ndarray) -> None:
         n = _nbytes(buf)
@@ -209,10 +233,10 @@ class ChunkSum:
             if self.dst is None:
                 np.copyto(target[offset: offset + n], _as_bytes(buf))
         else:
-            _LIB.mft_fl_update(self._state, None, _address(buf), n)
+            self._alg.native("update")(self._state, None, _address(buf), n)
 
     def finish(self) -> int:
         if self._state is None:
             return checksum_numpy(self.dst if self.dst is not None else self._bounce, self.algorithm)
-        _LIB.mft_fl_zeros(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
-        return _final(self._state, self.nbytes, self.algorithm)
+        self._alg.native("zeros")(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
+        return int(self._alg.native("final")(self._state, self.nbytes))

@@ -24,9 +24,10 @@ from typing import Any, Optional
 from .layout import Layout
 
 MAGIC = b"MFTSNAP1"
-#: 2: chunk checksums fl64x4-v2 (the version record names the algorithm); 1 (fl64x4-v1) is still read
-FORMAT_VERSION = 2
-READS = (1, 2)
+#: the version record names the chunk checksum (capture/checksum.py READS): format 3 writes fl32x8-v1;
+#: formats 2 (fl64x4-v2) and 1 (fl64x4-v1) are still read
+FORMAT_VERSION = 3
+READS = (1, 2, 3)
 HEADER_SIZE = 4096
 VERSION_FORMAT = "megatron-ft-version"
 
