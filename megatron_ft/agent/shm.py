@@ -13,7 +13,7 @@ import mmap
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -198,23 +198,30 @@ def block_segment_name(run_id: str, node: int, key: str, serial: int) -> str:
     return f"mft.{run_id}.n{node}.{os.getpid()}.blk.{key}.{serial}"
 
 
-def remove_block_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
-    """Unlink the peer block versions an earlier agent of ``node`` left (it died without shutdown);
-    returns the removed paths. Slots are re-adopted; blocks are received again with the next version."""
-    prefix = f"mft.{run_id}.n{node}."
+def remove_segments(shm_dir: str, which: Callable[[str], bool]) -> list[str]:
+    """Unlink every file of ``shm_dir`` whose name ``which`` selects (one already gone is skipped);
+    returns the removed names."""
     removed = []
     try:
         names = os.listdir(shm_dir)
     except FileNotFoundError:
         return removed
     for name in names:
-        if name.startswith(prefix) and ".blk." in name and parse_segment_name(name) is None:
+        if which(name):
             try:
                 os.unlink(os.path.join(shm_dir, name))
                 removed.append(name)
             except FileNotFoundError:
                 pass
     return removed
+
+
+def remove_block_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
+    """Unlink the peer block versions an earlier agent of ``node`` left (it died without shutdown);
+    returns the removed paths. Slots are re-adopted; blocks are received again with the next version."""
+    prefix = f"mft.{run_id}.n{node}."
+    return remove_segments(shm_dir, lambda name: name.startswith(prefix) and ".blk." in name
+                           and parse_segment_name(name) is None)
 
 
 def intact(seg: Segment) -> bool:

@@ -186,6 +186,9 @@ class ChunkSum:
     def __init__(self, nbytes: int, dst_chunk: Optional[np.ndarray] = None, algorithm: str = ALGORITHM):
         self._alg = _algorithm(algorithm)
         self.algorithm = algorithm
+        if _LIB is not None:  # resolved once: write/add run once per piece of every chunk
+            self._update, self._update_nt, self._zeros, self._final = (
+                self._alg.native(n) for n in ("update", "update_nt", "zeros", "final"))
         self.nbytes = nbytes
         self.dst = dst_chunk
         self.pos = 0  # bytes accounted for (a multiple of 32 between pieces)
@@ -197,7 +200,7 @@ class ChunkSum:
             raise ValueError(f"piece [{offset}, {offset + n}) of a {self.nbytes}-byte chunk is out of order, "
                              f"out of range or not 32-byte aligned")
         if self._state is not None:
-            self._alg.native("zeros")(self._state, (offset - self.pos) // 32)
+            self._zeros(self._state, (offset - self.pos) // 32)
         self.pos = offset + -(-n // 32) * 32
 
     def write(self, offset: int, src: torch.Tensor | np.ndarray) -> None:
@@ -208,7 +211,7 @@ class ChunkSum:
         if self._state is None:
             np.copyto(dst, _as_bytes(src))
         else:
-            self._alg.native("update")(self._state, dst.ctypes.data, _address(src), n)
+            self._update(self._state, dst.ctypes.data, _address(src), n)
 
     def copy_to(self, offset: int, dst: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
         """Copy the piece ``src`` (at ``offset`` of the chunk) into ``dst`` (any CPU buffer of the same
@@ -223,7 +226,7 @@ class ChunkSum:
             self.add(offset, src)
             return
         self._advance(offset, n)
-        self._alg.native("update_nt")(self._state, _address(dst), _address(src), n)
+        self._update_nt(self._state, _address(dst), _address(src), n)
 
     def add(self, offset: int, buf: torch.Tensor | np.ndarray) -> None:
         n = _nbytes(buf)
@@ -233,10 +236,10 @@ class ChunkSum:
             if self.dst is None:
                 np.copyto(target[offset: offset + n], _as_bytes(buf))
         else:
-            self._alg.native("update")(self._state, None, _address(buf), n)
+            self._update(self._state, None, _address(buf), n)
 
     def finish(self) -> int:
         if self._state is None:
             return checksum_numpy(self.dst if self.dst is not None else self._bounce, self.algorithm)
-        self._alg.native("zeros")(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
-        return int(self._alg.native("final")(self._state, self.nbytes))
+        self._zeros(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
+        return int(self._final(self._state, self.nbytes))

@@ -85,11 +85,14 @@ class CodecError(ValueError):
     """A value this encoding cannot represent, or a record it cannot (or may not) read."""
 
 
+_TAG_OF_CLASS = {(module, name): tag for tag, (module, name, _) in ALLOWED.items()}
+
+
 def _tag_of(value: Any) -> Optional[str]:
     cls = type(value)
-    for tag, (module, name, _) in ALLOWED.items():
-        if cls.__name__ == name and cls.__module__ == module:
-            return tag
+    tag = _TAG_OF_CLASS.get((cls.__module__, cls.__name__))
+    if tag is not None:
+        return tag
     if isinstance(value, enum.Enum) and cls.__module__.startswith(ALLOWED_ENUM_PACKAGES):
         return f"{cls.__module__}:{cls.__qualname__}"
     return None
@@ -160,7 +163,7 @@ class Encoder:
             return {"$size": [int(x) for x in v]}
         tag = _tag_of(v)  # before int/str: IntEnum members are ints
         if tag is not None:
-            how = _resolve(tag)[1] if tag in ALLOWED else "enum"
+            how = ALLOWED[tag][2] if tag in ALLOWED else "enum"
             if how == "enum":
                 return {"$obj": tag, "state": self.encode(v.value, f"{path}.value")}
             state = ({f.name: getattr(v, f.name) for f in dataclasses.fields(v)} if how == "fields" else vars(v))

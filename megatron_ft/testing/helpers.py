@@ -4,10 +4,11 @@ tests and benchmarks; never by the runtime."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from typing import Any, Callable
+
+from ..agent import shm
 
 
 class WaitTimeout(RuntimeError):
@@ -72,16 +73,4 @@ def read_jsonl(path: str) -> list[dict]:
 def remove_run_segments(shm_dir: str, run_id: str) -> list[str]:
     """Remove every shared-memory segment of ``run_id`` in ``shm_dir`` (slots and peer blocks of all
     nodes); returns their names."""
-    gone = []
-    try:
-        names = os.listdir(shm_dir)
-    except FileNotFoundError:
-        return gone
-    for name in names:
-        if name.startswith(f"mft.{run_id}."):
-            try:
-                os.unlink(os.path.join(shm_dir, name))
-                gone.append(name)
-            except FileNotFoundError:
-                pass
-    return gone
+    return shm.remove_segments(shm_dir, lambda name: name.startswith(f"mft.{run_id}."))
