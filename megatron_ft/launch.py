@@ -255,6 +255,14 @@ class RdzvGeneration:
                            "port": self.port})
 
 
+@dataclass(frozen=True)
+class NodeOwners:
+    """The processes that make a node what it was when a rendezvous generation began: its agent
+    (its memory) and the launcher owning it (its torchrun; 0 while the agent has none)."""
+    agent: int
+    launcher: int
+
+
 RUNNING_HEARTBEATS = 20  # another agent past this many heartbeats: the job was already running
 
 
@@ -264,9 +272,10 @@ class Rendezvous:
     Generation 0 is hosted by node 0 at ``launch.master_addr:launch.rdzv_port``; the hosting node's
     launcher publishes the generation under ``rdzv`` in the agents' store. When a torchrun ends in
     failure, the launcher asks whether the host node was lost: the root agent's ``failed/<host>``
-    verdict on the host's agent, or a different agent pid in ``hb/<host>`` (a replacement). If so,
-    generation g+1 is hosted by the lowest-numbered *survivor* (a node whose agent has the pid it had
-    when generation g began) at ``health.host_of(node):rdzv_port + g + 1``: that launcher publishes it
+    verdict on the host's agent, or another agent or launcher in ``hb/<host>`` (a replacement, a
+    restarted launcher, or none while the host's agent waits for a new launcher). If so, generation
+    g+1 is hosted by the lowest-numbered *survivor* (a node whose agent and launcher are the ones it
+    had when generation g began) at ``health.host_of(node):rdzv_port + g + 1``: that launcher publishes it
     (compare-and-set), the others wait for it (``launch.start_timeout_s``). A launcher starting on the
     node that hosts the published generation is a replacement of the lost host: it waits for the
     survivors' next generation instead of hosting the old one. Without a store
@@ -275,7 +284,7 @@ class Rendezvous:
     def __init__(self, cfg: ftconfig.FTConfig, node: int):
         self.cfg, self.node = cfg, node
         self.store = None
-        self.pids: dict[int, Optional[int]] = {}  # every node's agent pid when the generation began
+        self.owners: dict[int, Optional[NodeOwners]] = {}  # every node's agent and launcher when the generation began
         if cfg.redundancy.scheme != "none":
             from .health.store import StoreClient
 
@@ -303,10 +312,12 @@ class Rendezvous:
         except (ValueError, KeyError, TypeError):
             return raw, None
 
-    def _agent_pid(self, node: int) -> Optional[int]:
+    def _owners(self, node: int) -> Optional[NodeOwners]:
+        """Node ``node``'s agent and launcher pids from its heartbeat (None: no heartbeat yet)."""
         try:
-            return int(json.loads(self.store.get(f"hb/{node}") or "{}").get("pid"))
-        except (ValueError, TypeError):
+            hb = json.loads(self.store.get(f"hb/{node}") or "{}")
+            return NodeOwners(int(hb["pid"]), int(hb.get("launcher", 0)))
+        except (ValueError, TypeError, KeyError):
             return None
 
     def _job_running(self) -> bool:
@@ -371,17 +382,19 @@ class Rendezvous:
             pass
 
     def begin(self, cur: RdzvGeneration) -> None:
-        """Before torchrun runs generation ``cur``: remember every node's agent pid; the host
-        publishes the generation (so a replacement of this node knows it hosted it)."""
+        """Before torchrun runs generation ``cur``: remember every node's agent and launcher; the
+        host publishes the generation (so a replacement of this node knows it hosted it)."""
         if self.store is None:
             return
         from .health.store import StoreUnavailable
 
         try:
-            deadline = time.time() + 15.0  # every node's agent heartbeats within moments of its start
+            # every node's agent heartbeats within moments of its start, naming its launcher within a
+            # heartbeat of an adoption
+            deadline = time.time() + 15.0
             while True:
-                self.pids = {n: self._agent_pid(n) for n in range(self.cfg.cluster.nodes)}
-                if all(p is not None for p in self.pids.values()) or time.time() > deadline:
+                self.owners = {n: self._owners(n) for n in range(self.cfg.cluster.nodes)}
+                if all(o is not None and o.launcher for o in self.owners.values()) or time.time() > deadline:
                     break
                 time.sleep(0.2)
             if cur.node == self.node:
@@ -392,18 +405,20 @@ class Rendezvous:
             pass
 
     def _host_lost(self, cur: RdzvGeneration) -> bool:
-        """Whether the node hosting ``cur`` was lost: the root's verdict on its agent, or another
-        agent pid there. Waits up to three health timeouts for the verdict (failure path only)."""
+        """Whether the node hosting ``cur`` was lost as a host: the root's verdict on its agent,
+        another agent there, or another launcher (none while its agent waits for one: the launcher,
+        and with it the torchrun hosting the rendezvous, died). Waits up to three health timeouts
+        for the evidence (failure path only)."""
         from .health.store import StoreUnavailable
 
-        was = self.pids.get(cur.node)
+        was = self.owners.get(cur.node)
         deadline = time.time() + 3 * self.cfg.health.timeout_s + 5
         while time.time() < deadline:
             try:
                 verdict = json.loads(self.store.get(f"failed/{cur.node}") or "{}")
-                if verdict and (was is None or verdict.get("pid") == was):
+                if verdict and (was is None or verdict.get("pid") == was.agent):
                     return True
-                now = self._agent_pid(cur.node)
+                now = self._owners(cur.node)
                 if now is not None and was is not None and now != was:
                     return True
             except (StoreUnavailable, ValueError):
@@ -425,7 +440,7 @@ class Rendezvous:
                 if pub is not None and pub.gen > cur.gen:
                     return pub
                 survivors = [n for n in range(self.cfg.cluster.nodes)
-                             if n != cur.node and self.pids.get(n) is not None and self._agent_pid(n) == self.pids[n]]
+                             if n != cur.node and self.owners.get(n) is not None and self._owners(n) == self.owners[n]]
                 if survivors and survivors[0] == self.node:  # this node hosts the next generation
                     nxt = self._hosted_here(max(cur.gen, pub.gen if pub else 0) + 1)
                     if self.store.compare_set("rdzv", raw, nxt.to_json()) == nxt.to_json():

@@ -83,6 +83,7 @@ class Agent:
         self.store = None
         self.monitor = None
         self._launcher = 0  # the launcher pid watch_launcher follows (0: none)
+        self._orphan = False  # that launcher is gone and no new one adopted this agent yet
 
     def start_peers(self) -> None:
         """Join the group's coordination store and peer transport."""
@@ -97,7 +98,8 @@ class Agent:
         self.store.connect(self.cfg.agent.connect_timeout_s)
         host = h.host_of(self.node)
         self.redundancy = Redundancy(self, self.store, host)
-        self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s).start()
+        self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
+                               launcher_pid=self.launcher_pid).start()
         for rank, size in self.slot_sizes().items():
             self.redundancy.publish_size(rank, size)
 
@@ -657,6 +659,11 @@ class Agent:
         raise ValueError(f"unknown op {op!r}")
 
     # ------------------------------------------------------------------ the launcher
+    def launcher_pid(self) -> int:
+        """The launcher that owns this agent now; 0 while orphaned (or never watched). Lock-free:
+        two attribute reads, called by the heartbeat thread."""
+        return 0 if self._orphan else self._launcher
+
     def watch_launcher(self, pid: int, poll_s: float = 0.5) -> None:
         """Follow the node's launcher (a thread): when it dies, the agent is an orphan; a restarted
         launcher adopts it (``adopt`` op) within ``launch.start_timeout_s``, else the agent shuts
@@ -679,10 +686,11 @@ class Agent:
                 with self.lock:
                     pid_now = self._launcher
                 if alive(pid_now) and not (pid_now == pid and os.getppid() != pid):
-                    orphan_since = None
+                    orphan_since, self._orphan = None, False
                     continue
                 if orphan_since is None:
                     orphan_since = time.time()
+                    self._orphan = True
                     log.warning("agent node %d: launcher pid %d is gone; waiting %.0f s for a new launcher to "
                                 "adopt this agent", self.node, pid_now, self.cfg.launch.start_timeout_s)
                 elif time.time() - orphan_since > self.cfg.launch.start_timeout_s:
@@ -697,6 +705,7 @@ class Agent:
         """A (restarted) launcher of this node takes this agent over."""
         with self.lock:
             old, self._launcher = self._launcher, pid
+            self._orphan = False
         log.info("agent node %d: adopted by launcher pid %d (was %s)", self.node, pid, old)
         return {"node": self.node, "agent_pid": os.getpid()}
 

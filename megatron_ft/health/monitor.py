@@ -1,6 +1,6 @@
 """Heartbeats and failure classification (GEMINI section 6: the root agent and the health store).
 
-Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time"}`` every ``health.heartbeat_s`` (which
+Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time", "launcher"}`` every ``health.heartbeat_s`` (which
 also re-publishes its keys on a new root after a failover, see :mod:`.store`). The root agent
 watches all of them: a heartbeat that has not changed for ``health.timeout_s`` (measured on the
 root's own monotonic clock, so clocks of different machines never matter) is a *hardware*
@@ -8,7 +8,10 @@ failure - the node's agent, and with it its memory, is gone - written to ``faile
 standby launchers and operators; a new heartbeat pid for that node clears it. The other agents
 follow the root's heartbeat; on a store that elects its root by heartbeats (etcd), they follow
 everyone's, and the lowest-numbered live one takes ``root`` over by compare-and-swap when the
-root's heartbeat goes stale (docs/health.md). A trainer that died
+root's heartbeat goes stale (docs/health.md). ``launcher`` is the pid of the launcher that owns the
+agent now, 0 while it has none (its launcher died and no new one adopted it yet): the launchers
+read it to tell that the node hosting torchrun's rendezvous lost its launcher although its agent
+lives (``megatron_ft.launch.Rendezvous``). A trainer that died
 while its agent lives is a *software* failure: the agent reports it (``report_software``) and
 recovery stays local.
 
@@ -22,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("megatron_ft.health")
 
@@ -35,8 +38,12 @@ def classify(agent_alive: bool, trainer_lost: bool) -> Optional[str]:
 
 
 class Monitor:
-    def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float):
+    """``launcher_pid``: called (no lock held) at every beat for the ``launcher`` field."""
+
+    def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
+                 launcher_pid: Callable[[], int] = lambda: 0):
         self.store, self.node, self.nodes = store, node, nodes
+        self.launcher_pid = launcher_pid
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.seq = 0
         self.failed: dict[int, dict] = {}  # root's verdicts
@@ -59,7 +66,8 @@ class Monitor:
     def beat(self) -> None:
         """One heartbeat: write ours; the root watches everyone's, the others the root's."""
         self.seq += 1
-        self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time()}))
+        self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time(),
+                                                         "launcher": self.launcher_pid()}))
         if self.store.is_root:
             self._watch()
         else:

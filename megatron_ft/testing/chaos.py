@@ -39,6 +39,8 @@ KINDS: dict[str, dict] = {
     "all-trainers": {"fail": "all-trainers"},
     "agent-then-trainer": {"fail": "trainer", "kill_agent": True},
     "launcher": {"fail": "launcher"},
+    # node 0's torchrun hosts the rendezvous: the survivors agree on a new host through the store
+    "launcher0": {"fail": "launcher", "redundancy": "replica", "victim_node": 0},
     "node-replica": {"fail": "node", "redundancy": "replica"},
     "node0-replica": {"fail": "node", "redundancy": "replica", "victim_node": 0},  # hosts the rendezvous
     "node-xor": {"fail": "node", "redundancy": "xor"},

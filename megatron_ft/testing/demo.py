@@ -341,7 +341,10 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
         return ranks(check(args.victim_node if args.victim_node is not None else
                            (0 if args.fail == "all-trainers" else nodes - 1), 0)), []
     if args.fail == "launcher":
-        return ranks(check(args.victim_node or nodes - 1, 1, " (node 0's launcher hosts the rendezvous)")), []
+        # without redundancy there is no store in which the survivors agree on a new rendezvous host
+        lo = 1 if cfg.redundancy.scheme == "none" else 0
+        why = " (with redundancy none, node 0's launcher hosts the only rendezvous)" if lo else ""
+        return ranks(check(args.victim_node if args.victim_node is not None else nodes - 1, lo, why)), []
     if args.fail == "node":
         node = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
         return ranks(node), [node]
@@ -388,6 +391,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         program = PROJECT_SCRIPT
         targs = training_args(cfg, args.iters, args.train_arg or [])
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
+    victims, lost_nodes = choose_victims(args, cfg)  # refused before anything runs
 
     # 1. reference (or an earlier one with the same arguments)
     ref_dir = os.path.abspath(args.reference_dir) if args.reference_dir else os.path.join(workdir, "reference")
@@ -413,7 +417,6 @@ def run_demo(args: argparse.Namespace) -> dict:
     log_path = os.path.join(workdir, "run.log")
     say(f"[demo] megatron-ft run, failure: {args.fail}" + (f" after iteration {args.kill_at}" if args.fail != "none" else ""))
     t0 = time.time()
-    victims, lost_nodes = choose_victims(args, cfg)
     rpn = cfg.cluster.ranks_per_node
     fault = None
     if victims and args.kill_point != "after-iteration":

@@ -66,11 +66,13 @@ def test_report_tallies_kinds_and_load():
     assert "max 2.00" in text
 
 
-@pytest.mark.parametrize("kind", ["node0-replica", "launcher"])
+@pytest.mark.parametrize("kind", ["node0-replica", "launcher0"])
 def test_one_real_trial(tmp_path, kind):
     """A real trial (demo run, SIGKILL at a wall-clock moment inside an iteration): right, at the
     promised tier. node0-replica loses the node hosting torchrun's rendezvous: the survivors move it
-    to the next generation; launcher kills one launcher, whose agent a new launcher adopts."""
+    to the next generation; launcher0 kills only that node's launcher (its torchrun, the rendezvous
+    host, dies with it; its agent lives and reports no launcher): the survivors move the rendezvous
+    too, and the restarted launcher adopts the agent and joins them."""
     t = chaos.Trial(0, 1, kind, 5, 0.05, 10)
     o = chaos.run_trial(t, str(tmp_path), timeout=300)
     assert (o.verdict, o.why) == ("right", ""), (o, open(tmp_path / "trial0000" / "demo.out").read()[-3000:])
@@ -92,6 +94,8 @@ def _demo_args(*argv):
     (["--fail=agent"], None, ([2, 3], [])),  # the last node's trainers, no node lost
     (["--fail=all-trainers"], None, ([0, 1], [])),
     (["--fail=node", "--victim-node=0"], None, ([0, 1], [0])),
+    (["--fail=launcher", "--victim-node=0"], "replica", ([0, 1], [])),  # the rendezvous host's launcher
+    (["--fail=launcher"], None, ([2, 3], [])),
     (["--fail=two-nodes", "--redundancy=rs"], "rs", ([2, 3], [2, 3])),  # 4 nodes x 1: the default victim and the highest other
     (["--fail=two-nodes", "--redundancy=xor"], "xor", ([4, 5, 2, 3], [1, 2])),
 ])
@@ -113,6 +117,8 @@ def test_demo_refuses_bad_failure_arguments():
         demo.choose_victims(_demo_args("--fail=two-nodes"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--victim-node=5 is invalid for --fail agent"):
         demo.choose_victims(_demo_args("--fail=agent", "--victim-node=5"), ftconfig.load())
+    with pytest.raises(ftconfig.ConfigError, match="must be in \\[1, 1\\] \\(with redundancy none"):
+        demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
     with pytest.raises(ftconfig.ConfigError, match="--transport scheduled is invalid with --megatron-lm"):
