@@ -60,7 +60,15 @@ KINDS: dict[str, dict] = {
     "two-nodes-rs": {"fail": "two-nodes", "redundancy": "rs"},
     "two-nodes-xor": {"fail": "two-nodes", "redundancy": "xor",
                       "train_args": ["--inmem-ckpt-persist-interval=3"], "shape": "xor-persist3"},
+    # with the cluster file's own scheme (``--config``): a node, node 0, two nodes of one group
+    "node": {"fail": "node", "config_only": True},
+    "node0": {"fail": "node", "victim_node": 0, "config_only": True},
+    "two-nodes": {"fail": "two-nodes", "config_only": True},
 }
+#: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
+#: restart limit of their own, so the file's hold
+CONFIG_KINDS = ("trainer", "all-trainers", "agent-then-trainer", "launcher", "launcher0", "node", "node0",
+                "two-nodes", "corrupt", "truncated", "mid-copy", "second-failure")
 
 
 @dataclass(frozen=True)
@@ -72,11 +80,14 @@ class Trial:
     kill_delay: float  # seconds after the victims logged kill_at (after-iteration kinds)
     iters: int
     second_delay: float = 0.0  # seconds after the restarted trainer appeared (second-failure kinds)
+    config: Optional[str] = None  # a cluster file (its shape and scheme) instead of the demo's shapes
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
         out = [f"--fail={k['fail']}", f"--kill-at={self.kill_at}", f"--iters={self.iters}"]
-        if k.get("redundancy"):
+        if self.config:
+            out.append(f"--config={self.config}")
+        elif k.get("redundancy"):
             out.append(f"--redundancy={k['redundancy']}")
         if k.get("second_failure"):
             out += ["--second-failure", f"--second-delay={self.second_delay:.4f}"]
@@ -94,10 +105,27 @@ class Trial:
     @property
     def shape(self) -> str:
         """Trials of one shape share a reference run."""
+        if self.config:
+            return _file_shape(self.config)
         return KINDS[self.kind].get("shape") or KINDS[self.kind].get("redundancy") or "default"
 
+    @property
+    def label(self) -> str:
+        """The kind, and the cluster file's name when there is one (a row of the report)."""
+        return _label({"trial": {"kind": self.kind, "config": self.config}})
 
-def draw(seed: int, index: int, kinds: list[str], iters: int = 12) -> Trial:
+
+def _file_shape(config: str) -> str:
+    return os.path.splitext(os.path.basename(config))[0]
+
+
+def _label(outcome: dict) -> str:
+    """The report row of a recorded trial (records written before cluster files had none)."""
+    t = outcome["trial"]
+    return f"{t['kind']} @ {_file_shape(t['config'])}" if t.get("config") else t["kind"]
+
+
+def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optional[str] = None) -> Trial:
     """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
     share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
     iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run.
@@ -111,7 +139,7 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12) -> Trial:
     iters = KINDS[kind].get("iters", iters)
     kill_at = rng.randint(3, min(iters - 3, KINDS[kind].get("kill_at_max", iters)))
     second = round(rng.uniform(0.0, 4.0), 4) if KINDS[kind].get("second_failure") else 0.0
-    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second)
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config)
 
 
 @dataclass
@@ -212,7 +240,7 @@ def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/s
 def tally(outcomes: list[dict]) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
     for o in outcomes:
-        row = out.setdefault(o["trial"]["kind"], {"right": 0, "wrong": 0})
+        row = out.setdefault(_label(o), {"right": 0, "wrong": 0})
         row[o["verdict"]] += 1
     return out
 
@@ -228,7 +256,7 @@ def report(outcomes: list[dict], command: str) -> str:
              "| kind | trials | right | wrong | tiers reached | resumed steps |", "|---|---|---|---|---|---|"]
     for kind in sorted(t):
         r = t[kind]
-        mine = [o for o in outcomes if o["trial"]["kind"] == kind]
+        mine = [o for o in outcomes if _label(o) == kind]
         reached = sorted({str(o["recovered_from"] or "none (clean exit)") for o in mine})
         steps = sorted({o["resumed_step"] for o in mine if o["resumed_step"] is not None})
         lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} | {', '.join(reached)} "
@@ -243,7 +271,7 @@ def report(outcomes: list[dict], command: str) -> str:
     wrong = [o for o in outcomes if o["verdict"] == "wrong"]
     if wrong:
         lines += ["", "## Wrong trials", ""]
-        lines += [f"- trial {o['trial']['index']} ({o['trial']['kind']}, kill at {o['trial']['kill_at']} "
+        lines += [f"- trial {o['trial']['index']} ({_label(o)}, kill at {o['trial']['kill_at']} "
                   f"+{o['trial']['kill_delay']} s): {o['why']}" for o in wrong]
     return "\n".join(lines) + "\n"
 
@@ -257,21 +285,26 @@ def read_results(path: str) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
-    bad = [k for k in kinds if k not in KINDS]
+    config = os.path.abspath(args.config) if args.config else None
+    allowed = list(CONFIG_KINDS) if config else [k for k, v in KINDS.items() if not v.get("config_only")]
+    kinds = args.kinds.split(",") if args.kinds else allowed
+    bad = [k for k in kinds if k not in allowed]
     if bad:
-        raise ftconfig.ConfigError(f"--kinds: {bad} not among {list(KINDS)}")
+        raise ftconfig.ConfigError(f"--kinds: {bad} not among {allowed}" + (" (with --config)" if config else ""))
+    if config:
+        ftconfig.load(config)  # a bad file is refused here, not in every trial
     results = os.path.abspath(args.results)
     os.makedirs(os.path.dirname(results), exist_ok=True)
-    done = {o["trial"]["index"] for o in read_results(results) if o["trial"]["seed"] == args.seed}
+    done = {o["trial"]["index"] for o in read_results(results)
+            if o["trial"]["seed"] == args.seed and o["trial"].get("config") == config}
     for i in range(args.start, args.start + args.trials):
         if i in done:
             continue
-        trial = draw(args.seed, i, kinds)
+        trial = draw(args.seed, i, kinds, config=config)
         o = run_trial(trial, os.path.abspath(args.workdir), args.trial_timeout)
         with open(results, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(o)) + "\n")
-        print(f"[chaos] trial {i} {trial.kind} kill_at={trial.kill_at} +{trial.kill_delay}s: {o.verdict}"
+        print(f"[chaos] trial {i} {trial.label} kill_at={trial.kill_at} +{trial.kill_delay}s: {o.verdict}"
               f"{' (' + o.why + ')' if o.why else ''} [{o.recovered_from} step {o.resumed_step}, "
               f"{o.seconds} s, load {o.load_before}]", flush=True)
     outcomes = [o for o in read_results(results) if o["trial"]["seed"] == args.seed]
@@ -289,6 +322,9 @@ def add_parser(sub) -> None:
     p.add_argument("--trials", type=int, default=10, help="trials in this batch")
     p.add_argument("--start", type=int, default=0, help="first trial index of this batch")
     p.add_argument("--kinds", default=None, help=f"comma-separated subset of {list(KINDS)}")
+    p.add_argument("--config", default=None,
+                   help=f"run every trial on this cluster file (its shape and scheme), e.g. configs/cpu/*.yaml; "
+                        f"kinds among {list(CONFIG_KINDS)}")
     p.add_argument("--workdir", default="/tmp/megatron-ft/chaos")
     p.add_argument("--results", default="/tmp/megatron-ft/chaos/results.jsonl",
                    help="JSON lines, appended; trials already there are skipped (resume)")

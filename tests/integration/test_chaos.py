@@ -34,6 +34,28 @@ def test_kinds_cover_the_promise_table():
     assert chaos.Trial(0, 1, "two-nodes-xor", 4, 0, 12).shape != chaos.Trial(0, 1, "node-xor", 4, 0, 12).shape
 
 
+def test_a_campaign_on_a_cluster_file_keeps_its_scheme_and_reports_per_file(tmp_path):
+    """--config: every trial runs the file's shape and scheme (no --redundancy of the kind's own),
+    shares a reference per file, and is reported as 'kind @ file'; kinds that bring their own scheme,
+    step count or restart limit are refused with the allowed list."""
+    import argparse
+
+    cfg = "/x/configs/cpu/rs-k3-m2-5x1.yaml"
+    t = chaos.draw(3, 5, list(chaos.CONFIG_KINDS), config=cfg)
+    assert t.config == cfg and f"--config={cfg}" in t.demo_args()
+    assert not any(a.startswith("--redundancy") for a in chaos.Trial(0, 1, "launcher0", 4, 0, 12, config=cfg).demo_args())
+    assert t.shape == "rs-k3-m2-5x1" and t.label == f"{t.kind} @ rs-k3-m2-5x1"
+    outs = [{"trial": {**chaos.Trial(0, 1, "node", 4, 0, 12, config=cfg).__dict__}, "verdict": "right", "why": "",
+             "load_before": 1.0, "when": "2026-11-25T17:00:00Z", "recovered_from": "decoded", "resumed_step": 3},
+            {"trial": {**chaos.Trial(1, 1, "node", 4, 0, 12).__dict__}, "verdict": "right", "why": "",
+             "load_before": 1.0, "when": "2026-11-25T17:00:00Z", "recovered_from": "disk", "resumed_step": 2}]
+    text = chaos.report(outs, "megatron-ft chaos")
+    assert "| node @ rs-k3-m2-5x1 | 1 | 1 | 0 | decoded | 3 |" in text and "| node | 1 | 1 | 0 | disk | 2 |" in text
+    args = argparse.Namespace(config=cfg, kinds="node-rs", seed=1, results=str(tmp_path / "r.jsonl"))
+    with pytest.raises(chaos.ftconfig.ConfigError, match=r"--kinds: \['node-rs'\] not among .* \(with --config\)"):
+        chaos.main(args)
+
+
 def trial(kind):
     return chaos.Trial(0, 1, kind, 5, 0.01, 12)
 
