@@ -1,7 +1,9 @@
 """Control messages between trainers and their node's agent.
 
 Frames, versions, errors, timeouts and retries are the wire layer's
-(:mod:`megatron_ft.transport.wire`); this module names the operations. Only small control data
+(:mod:`megatron_ft.transport.wire`); this module names the operations and types their requests
+(:data:`MESSAGES`, validated by the agent before it acts: a malformed request is refused naming
+the operation, the field and the value). Only small control data
 travels here; snapshot bytes go through shared memory.
 
 Operations (request fields -> reply fields):
@@ -31,7 +33,79 @@ shutdown        -                                           - (agent removes its
 """
 from __future__ import annotations
 
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field, StrictInt, StrictStr
+
+from ..transport.messages import Bytes, Messages, Rank, Request, Step
 from ..transport.wire import Client, RemoteError
+
+AnyRank = Annotated[StrictInt, Field(ge=-1)]  # -1: a launcher or the command line, no trainer
+
+
+class Hello(Request):
+    rank: AnyRank
+    local_rank: AnyRank
+    pid: StrictInt
+    role: Optional[Literal["transport"]] = None  # a trainer's scheduled-transport connection
+
+
+class Register(Request):
+    rank: Rank
+    layout: StrictStr  # the layout record (JSON, megatron_ft.capture.layout)
+
+
+class RankOnly(Request):  # list, peer_list, sched_unpin
+    rank: Rank
+
+
+class RankStep(Request):  # begin, global, rewind, invalidate, recover, sched_pin
+    rank: Rank
+    step: Step
+
+
+class Commit(Request):
+    rank: Rank
+    slot: Annotated[StrictInt, Field(ge=0)]
+    step: Step
+
+
+class Abort(Request):
+    rank: Rank
+    slot: Annotated[StrictInt, Field(ge=0)]
+
+
+class SchedRecvBegin(Request):
+    src_rank: Rank
+    step: Step
+    length: Bytes
+
+
+class SchedRecvDone(Request):
+    src_rank: Rank
+    step: Step
+
+
+class Adopt(Request):
+    launcher_pid: Annotated[StrictInt, Field(gt=0)]
+
+
+class Persist(Request):
+    rank: Optional[Rank] = None
+    step: Optional[Step] = None  # None: the newest consistent step
+
+
+class NoFields(Request):  # status, wait_persisted, bye, shutdown
+    pass
+
+
+MESSAGES = Messages("agent", {
+    "hello": Hello, "register": Register, "begin": RankStep, "commit": Commit, "abort": Abort,
+    "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "list": RankOnly, "peer_list": RankOnly,
+    "recover": RankStep, "sched_pin": RankStep, "sched_unpin": RankOnly, "sched_recv_begin": SchedRecvBegin,
+    "sched_recv_done": SchedRecvDone, "status": NoFields, "adopt": Adopt, "persist": Persist,
+    "wait_persisted": NoFields, "bye": NoFields, "shutdown": NoFields,
+})
 
 
 class AgentError(RemoteError):

@@ -31,7 +31,8 @@ from .. import config as ftconfig
 from ..capture import snapfile
 from ..capture.layout import Layout
 from ..transport import wire
-from .protocol import socket_path
+from ..transport.messages import Request
+from .protocol import MESSAGES, Hello, socket_path
 from .versions import TransitionError, VersionTable
 
 log = logging.getLogger("megatron_ft.agent")
@@ -571,10 +572,11 @@ class Agent:
 
     # wire.Handler: one connection per trainer (and per scheduled-transport thread, launcher, CLI)
     def handle(self, conn: wire.Connection, msg: dict) -> "wire.Reply | dict":
-        op = msg.get("op")
-        reply = self._dispatch(op, msg)
-        if op == "hello" and msg.get("role") != "transport" and int(msg["rank"]) >= 0:
-            rank = conn.state["rank"] = int(msg["rank"])  # a trainer (not its transport's threads)
+        req = MESSAGES.parse(msg)  # a malformed request is refused here, naming the field
+        op = req.op
+        reply = self._dispatch(req)
+        if isinstance(req, Hello) and req.role != "transport" and req.rank >= 0:
+            rank = conn.state["rank"] = req.rank  # a trainer (not its transport's threads)
             with self.lock:
                 if not self.connected.get(rank):  # a restarted trainer: no transfer of the old one
                     self.unpin_rank(rank)
@@ -594,69 +596,68 @@ class Agent:
         if not conn.orderly and not self._stop.is_set():
             self.trainer_lost(rank)
 
-    def _dispatch(self, op: Optional[str], msg: dict) -> dict:
+    def _dispatch(self, req: Request) -> dict:
+        op, r = req.op, req  # r: the operation's typed request (megatron_ft.agent.protocol.MESSAGES)
         if op == "hello":
-            if msg.get("run_id") != self.run_id:
-                raise ValueError(f"run_id {msg.get('run_id')!r} does not match this agent's {self.run_id!r}")
+            if r.run_id != self.run_id:
+                raise ValueError(f"run_id {r.run_id!r} does not match this agent's {self.run_id!r}")
             return {"node": self.node, "agent_pid": os.getpid(), "settings": ftconfig.shared_settings(self.cfg)}
         if op == "register":
-            return self.register(int(msg["rank"]), msg["layout"])
+            return self.register(r.rank, r.layout)
         if op == "begin":
-            return {"slot": self.begin(int(msg["rank"]), int(msg["step"]))}
+            return {"slot": self.begin(r.rank, r.step)}
         if op == "commit":
-            self.commit(int(msg["rank"]), int(msg["slot"]), int(msg["step"]))
+            self.commit(r.rank, r.slot, r.step)
             return {}
         if op == "abort":
-            self.abort(int(msg["rank"]), int(msg["slot"]))
+            self.abort(r.rank, r.slot)
             return {}
         if op == "invalidate":
-            return {"invalidated": self.invalidate(int(msg["rank"]), int(msg["step"]))}
+            return {"invalidated": self.invalidate(r.rank, r.step)}
         if op == "global":
-            self.mark_global(int(msg["rank"]), int(msg["step"]))
+            self.mark_global(r.rank, r.step)
             return {}
         if op == "rewind":
-            return self.rewind(int(msg["rank"]), int(msg["step"]))
+            return self.rewind(r.rank, r.step)
         if op == "list":
-            return {"versions": self.list_versions(int(msg["rank"]))}
+            return {"versions": self.list_versions(r.rank)}
         if op == "peer_list":
             if self.redundancy is None:
                 return {"versions": []}
-            return {"versions": self.redundancy.candidates(int(msg["rank"]))}
+            return {"versions": self.redundancy.candidates(r.rank)}
         if op == "recover":
             if self.redundancy is None:
                 raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
-            return self.redundancy.recover(int(msg["rank"]), int(msg["step"]))
-        if op and op.startswith("sched_"):  # the scheduled transport's trainers
+            return self.redundancy.recover(r.rank, r.step)
+        if op.startswith("sched_"):  # the scheduled transport's trainers
             if self.redundancy is None or not self.redundancy.scheduled:
                 raise RuntimeError(f"{op}: redundancy.transport is not 'scheduled' on node {self.node}")
             red = self.redundancy
             if op == "sched_pin":
-                return red.sched_pin(int(msg["rank"]), int(msg["step"]))
+                return red.sched_pin(r.rank, r.step)
             if op == "sched_unpin":
-                self.unpin_rank(int(msg["rank"]))
+                self.unpin_rank(r.rank)
                 return {}
             if op == "sched_recv_begin":
-                return red.sched_recv_begin(int(msg["src_rank"]), int(msg["step"]), int(msg["length"]))
-            if op == "sched_recv_done":
-                return red.sched_recv_done(int(msg["src_rank"]), int(msg["step"]))
+                return red.sched_recv_begin(r.src_rank, r.step, r.length)
+            return red.sched_recv_done(r.src_rank, r.step)
         if op == "status":
             return {"status": self.status()}
         if op == "adopt":
-            return self.adopt(int(msg["launcher_pid"]))
+            return self.adopt(r.launcher_pid)
         if op == "persist":
-            step = int(msg.get("step", self.newest_consistent_step()))
+            step = r.step if r.step is not None else self.newest_consistent_step()
             return {"queued": self.request_persist(step, "requested"), "step": step}
         if op == "wait_persisted":
-            deadline = time.time() + float(msg.get("wait_s", 60))
+            wait_s = 60.0 if r.wait_s is None else r.wait_s
+            deadline = time.time() + wait_s
             while time.time() < deadline:
                 with self.lock:
                     if not self._queued_steps and self._persist_q.empty():
                         return {"persisted": list(self.persisted)}
                 time.sleep(0.05)
-            raise TimeoutError(f"persists still pending after {float(msg.get('wait_s', 60)):g} s")
-        if op in ("bye", "shutdown"):
-            return {}
-        raise ValueError(f"unknown op {op!r}")
+            raise TimeoutError(f"persists still pending after {wait_s:g} s")
+        return {}  # bye, shutdown: answered by handle
 
     # ------------------------------------------------------------------ the launcher
     def launcher_pid(self) -> int:

@@ -1,6 +1,6 @@
 """What a lost rank can be rebuilt from, and at which step: pure planning over the survivors'
 holdings (plan), apart from the agent code that fetches and decodes the bytes (execute,
-:meth:`megatron_ft.agent.redundancy.Redundancy.recover`).
+:meth:`megatron_ft.agent.peer_rebuild.PeerRebuild.recover`).
 
 *Holdings* are what each surviving group member's agent answers to ``holds``: the steps it holds
 clean in its own slots (``primary``, by rank) and the complete steps of each peer block it holds

@@ -71,6 +71,24 @@ def test_double_buffer_never_hands_out_the_clean_slot(agent):
         c.request("commit", rank=0, slot=1 - clean[0], step=9)
 
 
+def test_a_malformed_request_is_refused_naming_the_field_and_the_agent_serves_on(agent):
+    """Requests are typed (megatron_ft.agent.protocol.MESSAGES): a wrong type, a missing or an
+    unknown field, an unknown operation are refused before the agent acts, with the field and the
+    value; the connection and the agent go on serving."""
+    c = agent.client()
+    with pytest.raises(AgentError, match=r"agent op 'begin': step='3' is invalid: Input should be a valid integer"):
+        c.request("begin", rank=0, step="3")
+    with pytest.raises(AgentError, match=r"agent op 'commit': field 'slot' is missing"):
+        c.request("commit", rank=0, step=1)
+    with pytest.raises(AgentError, match=r"agent op 'list': field 'stpe' is not one of"):
+        c.request("list", rank=0, stpe=1)
+    with pytest.raises(AgentError, match=r"agent op 'rewind': rank=-2 is invalid"):
+        c.request("rewind", rank=-2, step=1)
+    with pytest.raises(AgentError, match=r"agent op 'drop_all' is unknown; allowed: \['abort', 'adopt'"):
+        c.request("drop_all")
+    assert c.request("status")["status"]["node"] == 0
+
+
 def test_restore_is_bit_exact_and_newest(agent):
     c = agent.client()
     m, opt, eng = train_and_snapshot(c, agent.cfg, 5)

@@ -180,12 +180,12 @@ def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
 
     assert len(cluster.status(0)["ranks"]["0"]["slots"]) == 4  # complete, sending, newest, writing
     transport = AgentClient(cluster.agents[0].sock, 30)  # a trainer's transport connection (role: transport)
-    transport.connect({"rank": 0, "run_id": cluster.run_id, "role": "transport"})
+    transport.connect({"rank": 0, "local_rank": 0, "pid": os.getpid(), "run_id": cluster.run_id, "role": "transport"})
     for _ in range(2):
         assert transport.request("sched_pin", rank=0, step=2)["size"] > 0
     assert pins()[2] == 1
     trainer = AgentClient(cluster.agents[0].sock, 30)
-    trainer.connect({"rank": 0, "run_id": cluster.run_id})
+    trainer.connect({"rank": 0, "local_rank": 0, "pid": os.getpid(), "run_id": cluster.run_id})
     trainer.close(orderly=False)  # the trainer process dies
     wait_for("the lost trainer's pin to be released", lambda: pins()[2] == 0, 10.0, cluster.agents[0].log)
     assert pins()[2] == 0

@@ -1,0 +1,125 @@
+"""Rebuilding a lost rank's container from the group: the executor of the plans in
+:mod:`megatron_ft.redundancy.rebuild`.
+
+A replacement node's agent asks the group which versions every survivor holds (``holds``);
+:func:`~megatron_ft.redundancy.rebuild.rebuildable` lists the steps a rank can be rebuilt at, and
+:func:`~megatron_ft.redundancy.rebuild.plan_rebuild` the recipe for one: a whole copy
+(``peer_memory``), or XOR / Reed-Solomon decoding from the survivors' primaries and parity blocks
+(``decoded``). This module only moves bytes as the recipe says - ranged ``get`` requests to the
+holders, one connection per request (bounded by ``agent.request_timeout_s``) - and installs the
+result in a local slot, where the trainer restores it with every checksum verified, as from
+local memory. No lock is held while it runs.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..redundancy import exchange as xch
+from ..redundancy import rebuild
+from ..redundancy.codecs import get_codec
+from ..transport import wire
+from .peer_protocol import Get
+
+log = logging.getLogger("megatron_ft.agent")
+
+RECOVERY_WAIT_S = 15.0  # for the group's holdings after a failover; within a trainer's request timeout (30 s)
+
+
+class PeerError(wire.RemoteError):
+    """A peer agent refused a request (the message says why), or could not be found."""
+
+
+class RebuildOwner(Protocol):
+    """What the rebuild needs from its owner (:class:`.redundancy.Redundancy`)."""
+    node: int
+    plan: Any  # RedundancyPlan
+    agent: Any  # install_recovered(rank, step, buf)
+    codec: Any
+
+    def wait_sizes(self, timeout: float, ask_group: bool) -> tuple[dict, dict[int, int]]: ...
+    def client(self, node: int) -> wire.Client: ...
+
+
+class PeerRebuild:
+    def __init__(self, owner: RebuildOwner):
+        self.owner = owner
+
+    def candidates(self, rank: int) -> list[dict]:
+        """Steps of ``rank`` this node can rebuild from its group, newest first."""
+        holds, sizes = self.owner.wait_sizes(RECOVERY_WAIT_S, ask_group=True)
+        return rebuild.rebuildable(self.owner.plan, holds, rank, sizes)
+
+    def recover(self, rank: int, step: int) -> dict:
+        """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
+        owner = self.owner
+        t0 = time.perf_counter()
+        holds, sizes = owner.wait_sizes(RECOVERY_WAIT_S, ask_group=True)
+        how = rebuild.plan_rebuild(owner.plan, holds, rank, step, sizes)
+        if how is None:
+            raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members")
+        source, rec = how
+        buf = np.zeros(sizes[rank], np.uint8)
+        mv = memoryview(buf)
+        if isinstance(rec, xch.CopyRecipe):
+            self._fetch(rec.block.holder, "block", rec.block.key, step, 0, sizes[rank], mv)
+        elif isinstance(rec, xch.XorRecipe):
+            for x in rec.pieces:
+                acc = np.zeros(x.parity.length, np.uint8)
+                self._fetch(x.parity.holder, "block", x.parity.key, step, 0, x.parity.length, memoryview(acc))
+                for _, p in x.others:
+                    part = np.empty(p.hi - p.lo, np.uint8)
+                    self._fetch_whole(holds, p.rank, step, p.lo, p.hi, memoryview(part))
+                    np.bitwise_xor(acc[: len(part)], part, out=acc[: len(part)])
+                buf[x.lo:x.hi] = acc[: x.hi - x.lo]
+        else:
+            self._decode_rs(holds, rec, step, buf)
+        owner.agent.install_recovered(rank, step, buf)
+        dt = time.perf_counter() - t0
+        log.warning("agent node %d: rebuilt rank %d step %d from the group (%s) in %.3f s", owner.node, rank, step,
+                    source, dt)
+        return {"source": source, "seconds": dt}
+
+    def _fetch(self, node: int, what: str, ident: Any, step: int, lo: int, hi: int, dst: memoryview) -> None:
+        cl = self.owner.client(node)
+        try:
+            get = Get(op="get", what=what, step=step, lo=lo, hi=hi, **{"rank" if what == "primary" else "key": ident})
+            cl.request(**get.fields(), into=dst)
+        finally:
+            cl.close()
+
+    def _fetch_whole(self, holds: dict, rank: int, step: int, lo: int, hi: int, dst: memoryview) -> None:
+        where = rebuild.whole_at(holds, rank, step)
+        if where is None:
+            raise PeerError(f"no survivor holds rank {rank} step {step}")
+        node, what, key = where
+        self._fetch(node, what, rank if what == "primary" else key, step, lo, hi, dst)
+
+    def _decode_rs(self, holds: dict, rec: xch.RsRecipe, step: int, buf: np.ndarray) -> None:
+        desc = None
+        avail: dict[int, np.ndarray] = {}
+        for j, d in enumerate(rec.data):
+            if j == rec.index or len(avail) >= rec.k:
+                continue
+            if d is None:
+                avail[j] = np.zeros(rec.length, np.uint8)
+            elif rebuild.whole_at(holds, d[0], step):
+                a = np.zeros(rec.length, np.uint8)
+                self._fetch_whole(holds, d[0], step, 0, d[1], memoryview(a)[: d[1]])
+                avail[j] = a
+        for i, b in enumerate(rec.parity):
+            if len(avail) >= rec.k:
+                break
+            if b.holder in holds and rebuild.has_block(holds[b.holder], b.key, step):
+                a = np.zeros(rec.length, np.uint8)
+                self._fetch(b.holder, "block", b.key, step, 0, rec.length, memoryview(a))
+                avail[rec.k + i] = a
+                desc = holds[b.holder].get("codecs", {}).get(b.key) or desc
+        # the codec recorded with the parity decodes it (a mismatching build refuses, by name)
+        codec = get_codec(desc) if desc else self.owner.codec or get_codec("rs", rec.k, rec.m)
+        out = np.zeros(rec.length, np.uint8)
+        codec.decode(avail, [rec.index], {rec.index: out})
+        buf[:] = out[: rec.size]

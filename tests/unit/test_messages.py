@@ -1,0 +1,62 @@
+"""Typed requests (megatron_ft.transport.messages): the agent's and the peers' operations as the
+project's senders build them validate; malformed ones are refused naming the operation, the field,
+the value and what is allowed."""
+import pytest
+
+from megatron_ft.agent.peer_protocol import PEER_MESSAGES, Get, Put
+from megatron_ft.agent.protocol import MESSAGES
+
+SENT = [  # every agent operation, with the fields its senders use (trainer, launcher, CLI, transport)
+    {"op": "hello", "rank": 3, "local_rank": 1, "pid": 99, "run_id": "r"},
+    {"op": "hello", "rank": -1, "local_rank": -1, "pid": 0, "run_id": "r"},
+    {"op": "hello", "rank": 3, "local_rank": 1, "pid": 99, "run_id": "r", "role": "transport"},
+    {"op": "register", "rank": 0, "layout": "{}"},
+    {"op": "begin", "rank": 0, "step": 4}, {"op": "commit", "rank": 0, "slot": 1, "step": 4},
+    {"op": "abort", "rank": 0, "slot": 1}, {"op": "global", "rank": 0, "step": 4},
+    {"op": "rewind", "rank": 0, "step": -1}, {"op": "invalidate", "rank": 0, "step": 4},
+    {"op": "list", "rank": 0}, {"op": "peer_list", "rank": 0}, {"op": "recover", "rank": 0, "step": 4},
+    {"op": "sched_pin", "rank": 0, "step": 4}, {"op": "sched_unpin", "rank": 0},
+    {"op": "sched_recv_begin", "src_rank": 1, "step": 4, "length": 4096},
+    {"op": "sched_recv_done", "src_rank": 1, "step": 4}, {"op": "status"}, {"op": "adopt", "launcher_pid": 7},
+    {"op": "persist", "rank": 0, "step": 4}, {"op": "persist"}, {"op": "wait_persisted", "wait_s": 30},
+    {"op": "bye"}, {"op": "shutdown"},
+]
+
+
+@pytest.mark.parametrize("msg", SENT, ids=lambda m: m["op"])
+def test_every_agent_operation_as_sent_validates(msg):
+    req = MESSAGES.parse({"v": 1, **msg})
+    assert req.op == msg["op"] and {k: getattr(req, k) for k in msg} == msg
+
+
+def test_every_agent_operation_has_a_type():
+    assert {m["op"] for m in SENT} == set(MESSAGES.ops)
+
+
+@pytest.mark.parametrize("msg,error", [
+    ({"op": "begin", "rank": 0, "step": 2.0}, "agent op 'begin': step=2.0 is invalid: Input should be a valid integer"),
+    ({"op": "begin", "rank": True, "step": 2}, "agent op 'begin': rank=True is invalid"),
+    ({"op": "hello", "rank": 0, "local_rank": 0, "pid": 1, "run_id": "r", "role": "spy"},
+     "agent op 'hello': role='spy' is invalid: Input should be 'transport'"),
+    ({"op": "adopt", "launcher_pid": 0}, "agent op 'adopt': launcher_pid=0 is invalid: Input should be greater than 0"),
+    ({"op": "abort", "rank": 0}, "agent op 'abort': field 'slot' is missing"),
+    ({"op": None}, "agent op None is unknown; allowed: ['abort', "),
+])
+def test_malformed_agent_requests_are_refused_with_the_field(msg, error):
+    with pytest.raises(ValueError) as e:
+        MESSAGES.parse({"v": 1, **msg})
+    assert str(e.value).startswith(error)
+
+
+def test_peer_requests_round_trip_and_refuse_what_they_do_not_allow():
+    put = Put(op="put", key="copy.r1", kind="copy", step=3, length=64, src=1, expect=1, meta={"sizes": {"1": 64}})
+    assert PEER_MESSAGES.parse({"v": 1, **put.fields(), "nbytes": 64}) == put.model_copy(update={"nbytes": 64})
+    get = Get(op="get", what="block", step=3, lo=0, hi=64, key="copy.r1")
+    assert PEER_MESSAGES.parse({"v": 1, **get.fields()}) == get
+    assert PEER_MESSAGES.parse({"v": 1, "op": "holds"}).op == "holds"
+    with pytest.raises(ValueError, match=r"peer op 'put': kind='parity' is invalid: Input should be 'copy', 'xor' or 'rs'"):
+        PEER_MESSAGES.parse({"v": 1, **put.fields(), "kind": "parity"})
+    with pytest.raises(ValueError, match=r"peer op 'get': lo=-1 is invalid"):
+        PEER_MESSAGES.parse({"v": 1, **get.fields(), "lo": -1})
+    with pytest.raises(ValueError, match=r"peer op 'announce': field 'node' is missing"):
+        PEER_MESSAGES.parse({"v": 1, "op": "announce", "step": 3})
