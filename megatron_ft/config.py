@@ -193,6 +193,9 @@ class LaunchConfig(_Section):
     max_restarts: _int(0) = 3
     #: a node whose agent does not start within this many seconds ends the job, naming the node
     start_timeout_s: _num(1.0) = 120.0
+    #: keep a pool of warm spare trainers on every node (torch and megatron-core already imported):
+    #: torchrun's restarted workers start from it in a fraction of a second (megatron_ft/spares)
+    warm_spares: Flag = True
 
 
 class HealthConfig(_Section):

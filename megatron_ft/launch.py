@@ -69,6 +69,39 @@ class NodeLauncher:
         self.log = log
         self.rendezvous = Rendezvous(cfg, node)
         self.rdzv = self.rendezvous.initial()
+        self.pool: Optional[subprocess.Popen] = None  # warm spare trainers (launch.warm_spares)
+        self.pool_socket: Optional[str] = None
+
+    # ------------------------------------------------------------------ warm spares
+    def start_pool(self) -> None:
+        """The node's warm spare trainers, warm before torchrun starts (bounded by
+        ``launch.start_timeout_s``); without them the trainers start cold, as they would anyway."""
+        from .spares import pool
+
+        if self.pool is not None:  # a standby's, started while it waited
+            why = pool.wait_warm(self.pool, self.pool_socket or "", self.cfg.launch.start_timeout_s)
+            if why:
+                self.log(f"[launch n{self.node}] {why}; trainers start cold")
+                self.pool = None
+            return
+        if not self.cfg.launch.warm_spares:
+            return
+        self.pool_socket = pool.socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.node)
+        self.pool = pool.start(self.pool_socket, os.path.join(self.node_dir, "spares.log"),
+                               pool.imports_for(self.script))
+        with open(os.path.join(self.node_dir, "spares.pid"), "w") as f:
+            f.write(str(self.pool.pid))
+        why = pool.wait_warm(self.pool, self.pool_socket, self.cfg.launch.start_timeout_s)
+        if why:
+            self.log(f"[launch n{self.node}] {why}; trainers start cold")
+            self.pool = None
+
+    def stop_pool(self) -> None:
+        if self.pool is not None:
+            from .spares import pool
+
+            pool.stop(self.pool, self.pool_socket or "")
+            self.pool = None
 
     # ------------------------------------------------------------------ agent
     def adopt_agent(self) -> bool:
@@ -149,11 +182,19 @@ class NodeLauncher:
             # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
             f"--rdzv-conf=is_host={'true' if self.node == self.rdzv.node else 'false'},"
             f"join_timeout={max(1, int(lc.start_timeout_s))}",
-            f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.5",
+            f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.1",
+            # with warm spares torchrun's workers are stand-ins for trainers forked from the pool
+            *(["-m", "megatron_ft.spares.worker"] if self.pool is not None else []),
             *self.script,
         ]
 
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            self.stop_pool()
+
+    def _run(self) -> int:
         with open(os.path.join(self.node_dir, "launcher.pid"), "w") as f:
             f.write(str(os.getpid()))
         try:  # a record of an earlier run in this directory
@@ -167,11 +208,14 @@ class NodeLauncher:
             self.start_agent()
         except AgentStartError as e:
             return self._end_job(str(e))
+        self.start_pool()
         env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
+        if self.pool is not None:
+            env["MFT_SPARES_SOCKET"] = self.pool_socket or ""
         self.rdzv = self.rendezvous.current(self.log)
         while True:
             self.rendezvous.begin(self.rdzv)
@@ -575,9 +619,26 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
 
 def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]) -> int:
     """``--standby``: wait for the root's failure verdict on some node, claim it, become it."""
+    who = f"{socket.gethostname()}:{os.getpid()}"
+    pool, pool_socket = None, None
+    if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
+        from .spares import pool as spares
+
+        pool_socket = spares.socket_path(cfg.agent.socket_dir, f"{cfg.run_id}.standby{os.getpid()}", 0)
+        os.makedirs(args.run_dir, exist_ok=True)
+        pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
+                            spares.imports_for(script))
+    try:
+        return _standby(args, cfg, script, who, pool, pool_socket)
+    finally:
+        if pool is not None:
+            spares.stop(pool, pool_socket or "")
+
+
+def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str], who: str,
+             pool: Optional[subprocess.Popen], pool_socket: Optional[str]) -> int:
     from .health.store import StoreClient
 
-    who = f"{socket.gethostname()}:{os.getpid()}"
     client = StoreClient(cfg)
     print(f"[standby {who}] waiting for a failed node of run {cfg.run_id} ({client.where})", flush=True)
     node, verdict = claim_failed_node(client, args.nodes, who, timeout_s=args.standby_timeout,
@@ -585,7 +646,10 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
     print(f"[standby {who}] node {node} failed ({verdict.get('kind')}, agent pid {verdict['pid']}, detected by "
           f"node {verdict.get('detected_by')}); claimed it, starting as node {node}", flush=True)
     cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{node}", "config.yaml"))
-    return NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir).run()
+    launcher = NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir)
+    if pool is not None:
+        launcher.pool, launcher.pool_socket = pool, pool_socket  # started before the failure
+    return launcher.run()
 
 
 def add_parser(sub) -> None:

@@ -58,4 +58,9 @@ def run_demo(cmd: list, timeout: float = 1200) -> dict:
     assert summary["bitwise_identical"], summary["problems"]
     assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
     assert out.returncode == 0, out.stderr[-3000:]
+    if summary.get("recovery_seconds") is not None:  # the breakdown accounts for the recovery, phase by phase
+        phases = summary["recovery_breakdown"]
+        assert phases and all(v is None or v >= -0.02 for v in phases.values()), phases
+        assert abs(sum(v for v in phases.values() if v is not None) - summary["recovery_seconds"]) < 0.05, phases
+        assert summary["cold_start_seconds"] is None or summary["cold_start_seconds"] > 0
     return summary

@@ -176,7 +176,7 @@ def _store_for_init_process_group() -> None:
                 kwargs["store"] = ftdist.rendezvous_store(timeout)
                 kwargs.setdefault("rank", ftdist.stable_rank())
                 kwargs.setdefault("world_size", int(os.environ["WORLD_SIZE"]))
-            return orig(*args, **kwargs)
+            return ftdist.timed_rendezvous(lambda: orig(*args, **kwargs))
 
         return init_process_group
 

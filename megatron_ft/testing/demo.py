@@ -252,7 +252,37 @@ def reference_matches(ref_dir: str, targs: list[str], world: int) -> bool:
         final_states(ref_dir, world)
     except (OSError, ValueError):
         return False
-    return rec == {"train_args": targs, "world": world}
+    return {k: rec.get(k) for k in ("train_args", "world")} == {"train_args": targs, "world": world}
+
+
+BREAKDOWN_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rendezvous": "rendezvous",
+                   "build": "build", "restore": "restore", "first_iteration": "first iteration"}
+
+
+def recovery_breakdown(restores: list[dict], progress: list[dict], kill_time: float) -> Optional[dict]:
+    """The phases of the recovery of the restarted rank that completed an iteration first (an
+    iteration needs every rank, so then the job trains again), from its restore event's timeline
+    and its progress; they add up to kill -> that iteration. None without a restarted rank."""
+    best = None
+    for e in restores:
+        tl = e.get("timeline")
+        first = min((r["time"] for r in progress if r["pid"] == e["pid"] and r["time"] > kill_time), default=None)
+        if tl is None or first is None or e["time"] < kill_time:
+            continue
+        if best is None or first < best[1]:
+            best = (e, first)
+    if best is None:
+        return None
+    e, first = best
+    tl = e["timeline"]
+    rdzv = tl.get("rendezvous_start") is not None and tl.get("rendezvous_end") is not None
+    out = {"detect_respawn": tl["process_start"] - kill_time,
+           "imports": (tl["rendezvous_start"] if rdzv else tl["ready"]) - tl["process_start"],
+           "rendezvous": tl["rendezvous_end"] - tl["rendezvous_start"] if rdzv else None,
+           "build": tl["ready"] - tl["rendezvous_end"] if rdzv else None,
+           "restore": e["time"] - tl["ready"],
+           "first_iteration": first - e["time"]}
+    return {k: (round(v, 3) if v is not None else None) for k, v in out.items()}
 
 
 def _progress(run_dir: str, rank: int) -> list[dict]:
@@ -398,17 +428,22 @@ def run_demo(args: argparse.Namespace) -> dict:
     ref_seconds = 0.0
     if reference_matches(ref_dir, targs, world):
         say(f"[demo] reusing the reference run in {ref_dir}")
+        with open(os.path.join(ref_dir, "args.json")) as f:
+            cold_start_seconds = json.load(f).get("cold_start_seconds")
     else:
         say(f"[demo] reference run: {world} ranks (TP{cfg.parallel.tensor} PP{cfg.parallel.pipeline} "
             f"DP{cfg.data_parallel}), {args.iters} iterations, no megatron-ft ...")
         shutil.rmtree(ref_dir, ignore_errors=True)
         t0 = time.time()
-        ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port()})
+        # the same job started cold (no warm spares): the yardstick of a recovery's time
+        ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port(), "warm_spares": False})
         ref_log = ref_dir + ".log"
         p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log, program=program)
         wait_job(p, args.timeout, "reference run", ref_log)
+        first = min((r["time"] for r in _all_records(ref_dir, "progress")), default=None)
+        cold_start_seconds = round(first - t0, 3) if first is not None else None
         with open(os.path.join(ref_dir, "args.json"), "w") as f:
-            json.dump({"train_args": targs, "world": world}, f)
+            json.dump({"train_args": targs, "world": world, "cold_start_seconds": cold_start_seconds}, f)
         ref_seconds = time.time() - t0
         say(f"[demo] reference done in {ref_seconds:.1f} s")
 
@@ -576,6 +611,9 @@ def run_demo(args: argparse.Namespace) -> dict:
                  and r["time"] > kill_time]
     if restarted:
         recovery_seconds = round(min(restarted) - kill_time, 3)
+    breakdown = recovery_breakdown(after, progress, kill_time) if kill_time is not None else None
+    first_gen = [r["time"] for r in progress if kill_time is None or r["pid"] in first_pids]
+    start_seconds = round(min(first_gen) - t0, 3) if first_gen else None
     identical, problems = compare(ref_dir, run_dir, world)
     promise = None
     if kill_time is not None:
@@ -620,6 +658,12 @@ def run_demo(args: argparse.Namespace) -> dict:
         (last_before_kill if kill_time is not None else 0),
         "recovery_seconds": recovery_seconds,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
+        "recovery_breakdown": breakdown,
+        "cold_start_seconds": cold_start_seconds,
+        "start_seconds": start_seconds,
+        "warm_spares": cfg.launch.warm_spares,
+        "recovery_vs_cold_start": round(recovery_seconds / cold_start_seconds, 3)
+        if recovery_seconds and cold_start_seconds else None,
         "bitwise_identical": identical,
         "kill_point": args.kill_point if kill_time is not None else None,
         "agent_killed": agent_killed is not None,
@@ -646,7 +690,11 @@ def run_demo(args: argparse.Namespace) -> dict:
             f"{summary['lost_iterations']} iteration(s) lost); promised: {promise} or better -> "
             f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
-            f"(restore itself {summary['restore_seconds']} s)")
+            f"(restore itself {summary['restore_seconds']} s); the job's cold start (reference run, no warm "
+            f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")
+        if breakdown:
+            say("   where it went      : " + ", ".join(f"{BREAKDOWN_NAMES[k]} {v:.2f} s" for k, v in breakdown.items()
+                                                   if v is not None))
     say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
         f"every iteration's loss)")
     for pr in problems[:10]:

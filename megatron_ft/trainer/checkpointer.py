@@ -28,6 +28,7 @@ from .. import config as ftconfig
 from .. import fatal, faultpoints
 from ..agent.protocol import AgentClient, socket_path
 from ..policy.runtime import AutoIntervals
+from . import distributed as ftdist
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
 
@@ -66,12 +67,14 @@ class InMemoryCheckpointer:
                                       required=cfg.agent.required)
                        if self.client is not None and cfg.snapshot.enabled else None)
         self._events = _EventLog(rank)
+        self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, _max_over_ranks(self.coord_group))
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
     def restore(self) -> RestoreResult:
+        started = time.time()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
                             self.client, self.coord_group)
         res = restorer.restore(self.adapter)
@@ -85,7 +88,7 @@ class InMemoryCheckpointer:
         if self.rank == 0:
             print(f"[megatron-ft] {msg}", flush=True)
         self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
-                            "rejected": res.rejected})
+                            "rejected": res.rejected, "timeline": _start_timeline(self._ready_at, started)})
         if res.source != "none" and self.engine is not None:
             # every rank holds this step: tell the agent so it protects it until a newer one is agreed
             self.engine.last_committed = self.engine.last_agreed = res.step
@@ -161,6 +164,16 @@ def _max_over_ranks(group: Any):
         return t.tolist()
 
     return reduce
+
+
+def _start_timeline(ready: float, restore_start: float) -> dict:
+    """When this trainer process started, joined the rendezvous, was ready (model, groups, agent)
+    and began restoring (wall-clock seconds): the phases of a recovery (``benchmarks/recovery.py``)."""
+    import psutil
+
+    rdzv = ftdist.RENDEZVOUS_SPAN
+    return {"process_start": psutil.Process().create_time(), "rendezvous_start": rdzv[0] if rdzv else None,
+            "rendezvous_end": rdzv[1] if rdzv else None, "ready": ready, "restore_start": restore_start}
 
 
 class _EventLog:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,10 +49,25 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
     return dist.TCPStore(addr, port, world, is_master=torchrun_rank() == 0, timeout=timeout)
 
 
+#: wall-clock (start, end) of this process's ``init_process_group``: its rendezvous with the other
+#: ranks (the recovery breakdown reports it; None until it ran)
+RENDEZVOUS_SPAN: Optional[tuple[float, float]] = None
+
+
+def timed_rendezvous(init: Callable[[], Any]) -> Any:
+    """Run ``init`` (the process group's creation) and remember when it started and ended."""
+    global RENDEZVOUS_SPAN
+    t0 = time.time()
+    out = init()
+    RENDEZVOUS_SPAN = (t0, time.time())
+    return out
+
+
 def init_process_group(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """Initialise the default group from torchrun's environment; returns (rank, world_size)."""
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = stable_rank(), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, store=rendezvous_store(timeout), rank=rank, world_size=world, timeout=timeout)
+    timed_rendezvous(lambda: dist.init_process_group(backend, store=rendezvous_store(timeout), rank=rank,
+                                                     world_size=world, timeout=timeout))
     return rank, world

@@ -1,0 +1,314 @@
+"""A node's warm spare trainers: one process that has already imported torch and megatron-core
+(the *zygote*) and forks a ready trainer for each worker torchrun starts.
+
+A restarted trainer spends most of its recovery importing Python packages (on the demo, ~80 % of
+kill -> first iteration). The launcher starts this pool before torchrun, next to the agent, and
+keeps it for the whole job (a standby launcher starts its own, so a node that takes over is warm
+too). torchrun stays in charge of the workers: what it starts is :mod:`.worker`, a small process
+that asks the pool for a trainer, hands it its environment, arguments, working directory and
+standard streams, and mirrors it (its exit status; the signals torchrun sends). torchrun's
+monitoring, restarts and rendezvous are unchanged; only the imports are already done.
+
+Processes (all on one node)::
+
+    launcher ── pool (zygote: imports done, single-threaded, accepts requests)
+                  └─ keeper (one per trainer: forked per request, reports the trainer's exit)
+                       └─ trainer (forked from the keeper: runs the training script as __main__)
+    torchrun ── worker (spares.worker: waits for its trainer, forwards signals, exits as it did)
+
+Contracts:
+
+* one request per connection on a ``SOCK_SEQPACKET`` Unix socket (message boundaries kept, file
+  descriptors passed with ``SCM_RIGHTS``): ``{"format": "megatron-ft-spare/1", "argv", "env", "cwd"}``
+  with the worker's stdin, stdout and stderr; replies ``{"pid"}`` (the trainer is running), then
+  ``{"exit": code}`` (a signal as ``-N``). JSON only; nothing is pickled.
+* the keeper kills its trainer (SIGKILL) when the worker's connection closes without an answer
+  (the worker was killed), so no trainer outlives the worker torchrun watches; keepers and
+  trainers die with the pool (``PR_SET_PDEATHSIG``), and the pool with its launcher.
+* the zygote stays single-threaded (a fork copies only the calling thread) and never initialises
+  CUDA (a forked child could not use it); a trainer re-reads the thread settings of its environment.
+* a worker that finds no pool (none started, or it died) runs the script itself, cold, as before.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Optional
+
+log = logging.getLogger("megatron_ft.spares")
+
+FORMAT = "megatron-ft-spare/1"
+MAX_REQUEST = 1 << 20  # the request (argv, environment) in one datagram
+#: imported before any fork, for every job; a module missing here is skipped
+BASE_IMPORTS = ("numpy", "yaml", "pydantic", "psutil", "torch", "torch.distributed", "megatron_ft.config",
+                "megatron_ft.trainer.checkpointer")
+#: more, when the training script imports the package (its top-level imports are read, not run)
+PACKAGE_IMPORTS = {
+    "megatron": ("megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+                 "megatron.core.pipeline_parallel", "megatron.core.distributed", "megatron.core.transformer",
+                 "megatron.core.tensor_parallel", "megatron_ft.megatron.state", "megatron_ft.megatron.hooks",
+                 "megatron_ft.megatron.cpu_compat"),
+    "deepspeed": ("deepspeed", "megatron_ft.deepspeed.engine"),
+}
+DEFAULT_IMPORTS = BASE_IMPORTS + PACKAGE_IMPORTS["megatron"]
+
+
+def imports_for(script: list[str]) -> tuple[str, ...]:
+    """What to import for the training command ``script`` (a path and its arguments, or ``-m
+    MODULE ...``): the base set, plus megatron-core's or DeepSpeed's modules when the top-level
+    imports of the script - or of any ``.py`` file among its arguments, as when a wrapper runs the
+    real script - name them. Nothing of the script runs (megatron.training, for one, needs the
+    job's own set-up first, so it is left to the trainer)."""
+    import ast
+    import importlib.util
+
+    paths = [a for a in script if a.endswith(".py") and os.path.isfile(a)]
+    if script and script[0] in ("-m", "--module") and len(script) > 1:
+        try:
+            spec = importlib.util.find_spec(script[1])
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            paths.append(spec.origin)
+    top: set[str] = set()
+    for path in paths:
+        try:
+            tree = ast.parse(open(path).read(), path)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                top |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                top.add(node.module.split(".")[0])
+    if not paths:
+        return DEFAULT_IMPORTS
+    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
+
+
+def socket_path(socket_dir: str, run_id: str, node: int) -> str:
+    return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent exits (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def warm_up(modules: tuple[str, ...]) -> list[str]:
+    """Import ``modules`` (the expensive part of a trainer's start); returns those imported."""
+    done = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as e:  # not installed here, or fails without the job's setup: the trainer imports it
+            log.info("spares: not pre-importing %s (%s)", name, e)
+    return done
+
+
+def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
+    req = json.loads(msg)
+    if not isinstance(req, dict) or req.get("format") != FORMAT:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"not a {FORMAT} request: {str(req)[:200]}")
+    return req, fds
+
+
+def _send(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.send(json.dumps(obj).encode())
+    except OSError:
+        pass
+
+
+def _run_trainer(req: dict, fds: list[int]) -> None:
+    """In the trainer process: become the worker torchrun started, then run its script."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    argv = list(req["argv"])
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = 0
+    try:
+        if argv and argv[0] in ("-m", "--module"):
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
+    """In the keeper process: fork the trainer, tell the worker its pid, report its exit; kill it
+    if the worker goes away first."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent()
+        conn.close()
+        _run_trainer(req, fds)
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pid": pid})
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            return
+        ready, _, _ = select.select([conn], [], [], 0.1)
+        if ready:
+            try:
+                data = conn.recv(4096)
+            except OSError:
+                data = b""
+            if not data:  # the worker was killed: so is its trainer
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                os.waitpid(pid, 0)
+                return
+            try:  # a signal the worker forwards (torchrun stopping its workers)
+                sig = int(json.loads(data).get("signal", 0))
+                if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL, signal.SIGUSR1,
+                           signal.SIGUSR2):
+                    os.kill(pid, sig)
+            except (ValueError, ProcessLookupError, AttributeError):
+                pass
+
+
+def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
+    """The zygote: warm up, then fork a keeper (and through it a trainer) per request. Never
+    returns; ends with its launcher (PR_SET_PDEATHSIG) or a signal."""
+    t0 = time.time()
+    done = warm_up(imports)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path + ".tmp")
+    srv.listen(64)
+    os.replace(path + ".tmp", path)  # a worker connects only to a pool that is warm
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    log.warning("spares: warm in %.1f s (%s); serving on %s", time.time() - t0, ", ".join(done), path)
+    while True:
+        conn, _ = srv.accept()
+        try:
+            req, fds = recv_request(conn)
+        except (OSError, ValueError) as e:
+            log.error("spares: bad request: %s", e)
+            conn.close()
+            continue
+        if os.fork() == 0:
+            srv.close()
+            _die_with_parent()
+            try:
+                _keep(conn, req, fds)
+            finally:
+                os._exit(0)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------- the launcher's side
+def start(path: str, log_path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> "subprocess.Popen":
+    """Start a pool serving on ``path`` (it dies with the calling launcher); see :func:`wait_warm`."""
+    import subprocess
+
+    logf = open(log_path, "ab")
+    try:
+        return subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.pool", "--socket", path,
+                                 "--imports", ",".join(imports)], stdout=logf, stderr=subprocess.STDOUT)
+    finally:
+        logf.close()
+
+
+def wait_warm(proc: "subprocess.Popen", path: str, timeout_s: float) -> Optional[str]:
+    """Wait until the pool listens (its imports done); None when warm, else why not (it exited,
+    or ``timeout_s`` passed: then it is stopped and the job starts its trainers cold)."""
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            return f"the spare pool exited with {proc.returncode} while warming up"
+        if time.time() > deadline:
+            stop(proc, path)
+            return f"the spare pool was not warm within {timeout_s:g} s"
+        time.sleep(0.05)
+    return None
+
+
+def stop(proc: "subprocess.Popen", path: str) -> None:
+    """Stop the pool (its keepers and idle trainers die with it) and remove its socket."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except Exception:
+            proc.kill()
+            proc.wait()
+    for p in (path, path + ".tmp"):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="a node's warm spare trainers (started by megatron-ft launch)")
+    p.add_argument("--socket", required=True)
+    p.add_argument("--imports", default=",".join(DEFAULT_IMPORTS))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _die_with_parent()
+    serve(args.socket, tuple(m for m in args.imports.split(",") if m))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

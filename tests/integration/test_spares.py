@@ -1,0 +1,114 @@
+"""Warm spare trainers (megatron_ft.spares): a real pool process forks trainers for real worker
+processes, which stand in for them - environment, arguments, working directory and standard
+streams handed over, exit status and signals mirrored, nothing left behind."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from megatron_ft.spares import pool
+from megatron_ft.testing.helpers import wait_for
+
+SCRIPT = """
+import os, sys, time
+import json as already_imported  # the pool imported it
+print("trainer", os.getpid(), os.environ.get("SPARE_TEST"), sys.argv[1:], os.getcwd(), flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "sleep":
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(60)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def warm_pool(tmp_path):
+    sock = str(tmp_path / "spares.sock")
+    proc = pool.start(sock, str(tmp_path / "spares.log"), ("json",))
+    assert pool.wait_warm(proc, sock, 60) is None, open(tmp_path / "spares.log").read()
+    yield sock, proc
+    pool.stop(proc, sock)
+    assert not os.path.exists(sock)
+
+
+def worker(tmp_path, sock, *args, **kw):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, SPARE_TEST="handed-over")
+    if sock:
+        env["MFT_SPARES_SOCKET"] = sock
+    return subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.worker", str(script), *args], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_trainer_from_the_pool_is_the_worker_in_everything_but_its_pid(tmp_path, warm_pool):
+    sock, proc = warm_pool
+    w = worker(tmp_path, sock, "3")
+    out, err = w.communicate(timeout=60)
+    assert w.returncode == 3, err
+    _, pid, env, argv, cwd = out.split(maxsplit=4)
+    assert (env, argv.strip(), cwd.strip()) == ("handed-over", "['3']", str(tmp_path)), out
+    assert int(pid) != w.pid and "to stderr" in err
+    assert int(pid) in {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} or not psutil.pid_exists(int(pid))
+
+
+def test_a_killed_trainer_ends_its_worker_by_the_same_signal(tmp_path, warm_pool):
+    sock, _ = warm_pool
+    pid_file = tmp_path / "pid"
+    w = worker(tmp_path, sock, "sleep", str(pid_file))
+    wait_for("the trainer to start", lambda: pid_file.exists() and pid_file.read_text(), 60)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    w.communicate(timeout=30)
+    assert w.returncode == -signal.SIGKILL
+
+
+def test_signals_reach_the_trainer_and_a_killed_worker_takes_its_trainer_along(tmp_path, warm_pool):
+    sock, _ = warm_pool
+    pid_file = tmp_path / "pid"
+    w = worker(tmp_path, sock, "sleep", str(pid_file))
+    wait_for("the trainer to start", lambda: pid_file.exists() and pid_file.read_text(), 60)
+    w.send_signal(signal.SIGTERM)  # torchrun stopping its workers
+    w.communicate(timeout=30)
+    assert w.returncode == -signal.SIGTERM
+    pid_file.unlink()
+    w = worker(tmp_path, sock, "sleep", str(pid_file))
+    wait_for("the trainer to start", lambda: pid_file.exists() and pid_file.read_text(), 60)
+    trainer = int(pid_file.read_text())
+    w.kill()  # SIGKILL: nothing can be forwarded; the keeper sees the worker's connection close
+    w.communicate(timeout=30)
+    wait_for("the orphaned trainer to be killed", lambda: not psutil.pid_exists(trainer)
+             or psutil.Process(trainer).status() == psutil.STATUS_ZOMBIE, 10)
+
+
+def test_without_a_pool_the_worker_runs_the_script_itself(tmp_path):
+    w = worker(tmp_path, str(tmp_path / "no-such.sock"), "4")
+    out, _ = w.communicate(timeout=120)
+    assert w.returncode == 4 and int(out.split()[1]) == w.pid  # exec: the worker became the trainer
+
+
+def test_a_stopped_pool_takes_its_trainers_along(tmp_path):
+    sock = str(tmp_path / "spares.sock")
+    proc = pool.start(sock, str(tmp_path / "spares.log"), ("json",))
+    assert pool.wait_warm(proc, sock, 60) is None
+    pid_file = tmp_path / "pid"
+    w = worker(tmp_path, sock, "sleep", str(pid_file))
+    wait_for("the trainer to start", lambda: pid_file.exists() and pid_file.read_text(), 60)
+    trainer = int(pid_file.read_text())
+    t0 = time.time()
+    pool.stop(proc, sock)
+    w.communicate(timeout=30)
+    assert w.returncode != 0 and time.time() - t0 < 30
+    wait_for("the trainer to die with its pool", lambda: not psutil.pid_exists(trainer)
+             or psutil.Process(trainer).status() == psutil.STATUS_ZOMBIE, 10)
+
+
+def test_the_pool_imports_what_the_training_script_imports(tmp_path):
+    s = tmp_path / "ds.py"
+    s.write_text("import deepspeed\nimport torch\n")
+    assert "deepspeed" in pool.imports_for([str(s)]) and "megatron.core" not in pool.imports_for([str(s)])
+    assert "megatron.core" in pool.imports_for([os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
+                                                             "pretrain_gpt.py")])
