@@ -11,9 +11,11 @@ Events, for one group member (``node``) and the versions ``S`` its ranks agreed 
 * ``sent(S)``: its contributions have been read from the primary slots (those may move on).
 * ``failed(S)``: the exchange of ``S`` failed here; it is no longer in flight.
 * ``announce(member, S, now)``: ``member`` holds every block the plan gives it for ``S``. Once every
-  member announced ``S`` itself, ``S`` is *complete*: returned as a :class:`Completion`. A member's
-  newer announcement says nothing about ``S``: senders skip versions when they fall behind, and a
-  block store may refuse one, so members hold different sets of steps.
+  member announced ``S`` or a newer step, ``S`` is *complete*: returned as a :class:`Completion`.
+  Members may hold different steps (a sender skips versions when it falls behind; with the
+  scheduled transport each sender picks its own): the complete step is the group's lower bound,
+  every member keeping the blocks of the newest step it announced (:meth:`kept_blocks`), and the
+  rebuild plans from what the survivors actually hold.
 * ``claim(S)``: this node is about to announce ``S``; from now on its blocks of ``S`` are kept
   (:meth:`kept_blocks`) until ``S`` or a newer version is complete, or a rewind drops ``S``.
 * ``scheduled(S, now)``: the trainers started sending ``S`` themselves (scheduled transport).
@@ -25,9 +27,9 @@ What it answers:
   group's recovery point), the one in flight (given up after ``exchange_timeout_s``), and those the
   trainers are still sending (``scheduled_timeout_s``).
 * :meth:`kept_blocks` - the steps whose *block versions* must not be reused: the complete one, and
-  every newer one this node announced (the others count on them: once the last member announces
-  one, it is complete, and a block dropped here after the announcement would be missing from the
-  group's recovery point). A block store that finds every version of a block kept takes no newer
+  every newer one this node announced (the others count on them: an announcement is a promise to
+  hold that version until the group's complete step passes it; a block dropped after it would
+  leave the group's recovery point without this node's part). A block store that finds every version of a block kept takes no newer
   contribution for it (:data:`.block_store.MAX_VERSIONS`); the newer step then never completes,
   which is safe - the group recovers from the complete one.
 
@@ -48,7 +50,6 @@ from typing import Optional
 
 EXCHANGE_TIMEOUT_S = 60.0
 SCHEDULED_TIMEOUT_S = 3600.0  # a scheduled transfer spreads over iterations: protect its step longer
-ANNOUNCED_KEPT = 64  # announced steps remembered per member while none completes
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class GroupCompletion:
     inflight_since: float = 0.0
     sending_step: int = -1  # its contributions are still being read from the primary slots
     claimed: set[int] = field(default_factory=set)  # steps newer than complete this node announced
-    announced: dict[int, set[int]] = field(default_factory=dict)  # member -> steps newer than complete it announced
+    announced: dict[int, int] = field(default_factory=dict)  # member -> the newest step it announced
     scheduled_since: dict[int, float] = field(default_factory=dict)  # step -> trainers began sending it
     started: dict[int, float] = field(default_factory=dict)  # step -> this node began exchanging it
 
@@ -104,18 +105,11 @@ class GroupCompletion:
         return True
 
     def announce(self, member: int, step: int, now: float) -> Optional[Completion]:
-        if step <= self.complete_step:
+        self.announced[member] = max(self.announced.get(member, -1), step)
+        low = min(self.announced.get(n, -1) for n in self.members)
+        if low <= self.complete_step:
             return None
-        mine = self.announced.setdefault(member, set())
-        mine.add(step)
-        while len(mine) > ANNOUNCED_KEPT:  # a group that stopped completing: forget the oldest
-            mine.remove(min(mine))
-        common = set.intersection(*(self.announced.get(n, set()) for n in self.members))
-        if not common:
-            return None
-        low = max(common)
         self.complete_step = low
-        self.announced = {n: {s for s in ss if s > low} for n, ss in self.announced.items()}
         self.claimed = {s for s in self.claimed if s > low}
         t0 = self.started.pop(low, None)
         for old in [s for s in self.started if s < low]:
@@ -137,7 +131,7 @@ class GroupCompletion:
 
     def newest_announced(self) -> dict[int, int]:
         """member -> the newest step it announced (the complete step when nothing newer)."""
-        return {n: max(self.announced.get(n, set()), default=self.complete_step) for n in self.members}
+        return {n: self.announced.get(n, -1) for n in self.members}
 
     def sending(self) -> set[int]:
         return {self.sending_step} if self.sending_step >= 0 else set()
@@ -148,7 +142,7 @@ class GroupCompletion:
     def rewind(self, step: int) -> None:
         self.complete_step = min(self.complete_step, step)
         self.claimed = {s for s in self.claimed if s <= step and s > self.complete_step}
-        self.announced = {n: {s for s in ss if s <= step} for n, ss in self.announced.items()}
+        self.announced = {n: min(s, step) for n, s in self.announced.items()}
         if self.inflight_step > step:
             self.inflight_step = -1
         for st in [st for st in self.scheduled_since if st > step]:

@@ -93,7 +93,12 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
                 top.add(node.module.split(".")[0])
     if not paths:
         return DEFAULT_IMPORTS
-    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
+    # a package the script's own tree provides (upstream Megatron-LM's megatron/) is imported from
+    # there by the trainer; a copy imported here first would shadow it
+    own = {pkg for pkg in PACKAGE_IMPORTS for path in paths
+           if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(path)), pkg))}
+    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top and pkg not in own
+                                for m in mods)
 
 
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:
@@ -147,6 +152,11 @@ def _run_trainer(req: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    # what a fresh interpreter seeds from the OS at import is seeded again, so trainers do not share it
+    if "random" in sys.modules:
+        sys.modules["random"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit() and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))

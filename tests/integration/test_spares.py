@@ -110,5 +110,10 @@ def test_the_pool_imports_what_the_training_script_imports(tmp_path):
     s = tmp_path / "ds.py"
     s.write_text("import deepspeed\nimport torch\n")
     assert "deepspeed" in pool.imports_for([str(s)]) and "megatron.core" not in pool.imports_for([str(s)])
+    tree = tmp_path / "megatron-lm"  # upstream's tree brings its own megatron/: never shadowed by the pool's
+    (tree / "megatron" / "core").mkdir(parents=True)
+    (tree / "pretrain_gpt.py").write_text("from megatron.core import parallel_state\nimport torch\n")
+    wrapped = ["-m", "megatron_ft.testing.faults", "--fault", "x", "--", str(tree / "pretrain_gpt.py")]
+    assert not any(m.startswith(("megatron.", "megatron_ft.megatron")) for m in pool.imports_for(wrapped))
     assert "megatron.core" in pool.imports_for([os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
                                                              "pretrain_gpt.py")])
