@@ -217,6 +217,8 @@ class NodeLauncher:
         if self.pool is not None:
             env["MFT_SPARES_SOCKET"] = self.pool_socket or ""
         self.rdzv = self.rendezvous.current(self.log)
+        self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
+                 f"{self.rdzv.addr}:{self.rdzv.port}")
         while True:
             self.rendezvous.begin(self.rdzv)
             rc = self._run_torchrun(env)
