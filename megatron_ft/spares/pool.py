@@ -169,6 +169,7 @@ def _run_trainer(req: dict, fds: list[int]) -> None:
     try:
         if argv and argv[0] in ("-m", "--module"):
             sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()  # as `python -m` has it
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = argv

@@ -39,7 +39,7 @@ def main() -> None:
         req = {"format": FORMAT, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
         socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
         first = json.loads(conn.recv(MAX_REQUEST) or b"{}")
-        pid = int(first["pid"])
+        int(first["pid"])  # the trainer runs
     except (OSError, ValueError, KeyError):  # the pool is gone or refused: start cold
         conn.close()
         cold(argv)
@@ -53,7 +53,6 @@ def main() -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    os.environ["MFT_TRAINER_PID"] = str(pid)
     code = 1
     while True:
         try:

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -98,10 +97,9 @@ def test_a_stopped_pool_takes_its_trainers_along(tmp_path):
     w = worker(tmp_path, sock, "sleep", str(pid_file))
     wait_for("the trainer to start", lambda: pid_file.exists() and pid_file.read_text(), 60)
     trainer = int(pid_file.read_text())
-    t0 = time.time()
     pool.stop(proc, sock)
-    w.communicate(timeout=30)
-    assert w.returncode != 0 and time.time() - t0 < 30
+    w.communicate(timeout=30)  # a bound on the wait, not a performance check
+    assert w.returncode != 0
     wait_for("the trainer to die with its pool", lambda: not psutil.pid_exists(trainer)
              or psutil.Process(trainer).status() == psutil.STATUS_ZOMBIE, 10)
 
