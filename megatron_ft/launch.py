@@ -45,6 +45,7 @@ from . import config as ftconfig
 from . import fatal
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
+from .spares.pool import die_with_parent
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
@@ -78,20 +79,15 @@ class NodeLauncher:
         ``launch.start_timeout_s``); without them the trainers start cold, as they would anyway."""
         from .spares import pool
 
-        if self.pool is not None:  # a standby's, started while it waited
-            why = pool.wait_warm(self.pool, self.pool_socket or "", self.cfg.launch.start_timeout_s)
-            if why:
-                self.log(f"[launch n{self.node}] {why}; trainers start cold")
-                self.pool = None
-            return
-        if not self.cfg.launch.warm_spares:
-            return
-        self.pool_socket = pool.socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.node)
-        self.pool = pool.start(self.pool_socket, os.path.join(self.node_dir, "spares.log"),
-                               pool.imports_for(self.script))
-        with open(os.path.join(self.node_dir, "spares.pid"), "w") as f:
-            f.write(str(self.pool.pid))
-        why = pool.wait_warm(self.pool, self.pool_socket, self.cfg.launch.start_timeout_s)
+        if self.pool is None:  # else a standby's, started while it waited
+            if not self.cfg.launch.warm_spares:
+                return
+            self.pool_socket = pool.socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.node)
+            self.pool = pool.start(self.pool_socket, os.path.join(self.node_dir, "spares.log"),
+                                   pool.imports_for(self.script))
+            with open(os.path.join(self.node_dir, "spares.pid"), "w") as f:
+                f.write(str(self.pool.pid))
+        why = pool.wait_warm(self.pool, self.pool_socket or "", self.cfg.launch.start_timeout_s)
         if why:
             self.log(f"[launch n{self.node}] {why}; trainers start cold")
             self.pool = None
@@ -241,7 +237,8 @@ class NodeLauncher:
         """One torchrun for the current rendezvous generation; its exit code, or None when the job
         ended (a fatal record, an interrupt) and the agent was stopped."""
         # torchrun (and so its workers) ends with this launcher; the agent waits for a new launcher
-        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env, preexec_fn=_die_with_parent)
+        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env,
+                                         preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))
         next_publish = time.time() + 2.0
@@ -358,10 +355,18 @@ class Rendezvous:
         except (ValueError, KeyError, TypeError):
             return raw, None
 
+    def _heartbeat(self, node: int) -> dict:
+        """Node ``node``'s last heartbeat record ({} when none or unreadable)."""
+        try:
+            hb = json.loads(self.store.get(f"hb/{node}") or "{}")
+        except ValueError:
+            return {}
+        return hb if isinstance(hb, dict) else {}
+
     def _owners(self, node: int) -> Optional[NodeOwners]:
         """Node ``node``'s agent and launcher pids from its heartbeat (None: no heartbeat yet)."""
         try:
-            hb = json.loads(self.store.get(f"hb/{node}") or "{}")
+            hb = self._heartbeat(node)
             return NodeOwners(int(hb["pid"]), int(hb.get("launcher", 0)))
         except (ValueError, TypeError, KeyError):
             return None
@@ -373,7 +378,7 @@ class Rendezvous:
             if n == self.node:
                 continue
             try:
-                if int(json.loads(self.store.get(f"hb/{n}") or "{}").get("seq", 0)) >= RUNNING_HEARTBEATS:
+                if int(self._heartbeat(n).get("seq", 0)) >= RUNNING_HEARTBEATS:
                     return True
             except (ValueError, TypeError):
                 continue
@@ -531,16 +536,6 @@ class _AdoptedProcess:
             self.proc.kill()
         except psutil.NoSuchProcess:
             pass
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
 
 
 class AgentStartError(RuntimeError):

@@ -61,6 +61,6 @@ def run_demo(cmd: list, timeout: float = 1200) -> dict:
     if summary.get("recovery_seconds") is not None:  # the breakdown accounts for the recovery, phase by phase
         phases = summary["recovery_breakdown"]
         assert phases and all(v is None or v >= -0.02 for v in phases.values()), phases
-        assert abs(sum(v for v in phases.values() if v is not None) - summary["recovery_seconds"]) < 0.05, phases
+        assert round(sum(v for v in phases.values() if v is not None), 3) == summary["recovery_seconds"], phases
         assert summary["cold_start_seconds"] is None or summary["cold_start_seconds"] > 0
     return summary

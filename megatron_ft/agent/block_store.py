@@ -146,9 +146,11 @@ class BlockStore:
                 v.got.add(src)
 
     # ------------------------------------------------------------------ reading
-    def complete_version(self, key: str, step: int) -> Optional[BlockVersion]:
+    def version(self, key: str, step: int, complete: bool = True) -> Optional[BlockVersion]:
+        """The version of ``key`` holding ``step`` (only a complete one unless ``complete`` is False)."""
         with self.lock:
-            return next((v for v in self.blocks.get(key, []) if v.step == step and v.complete), None)
+            return next((v for v in self.blocks.get(key, []) if v.step == step and (v.complete or not complete)),
+                        None)
 
     def all_complete(self, keys: list[str], step: int) -> bool:
         with self.lock:

@@ -94,8 +94,8 @@ class GroupCompletion:
             self.inflight_step = -1
 
     def scheduled(self, step: int, now: float) -> None:
+        """The trainers began sending ``step`` at ``now`` (the protection clock, as ``begin``'s)."""
         self.scheduled_since.setdefault(step, now)
-        self.exchange_started(step, now)
 
     def claim(self, step: int) -> bool:
         """This node announces ``step`` (False: it already announced it or newer)."""

@@ -298,8 +298,7 @@ class Redundancy:
 
     def sched_recv_done(self, src_rank: int, step: int) -> dict:
         key = f"{xch.COPY}.r{src_rank}"
-        with self.blocks.lock:
-            v = next((v for v in self.blocks.blocks.get(key, []) if v.step == step), None)
+        v = self.blocks.version(key, step, complete=False)
         if v is None:
             return {"ignored": True}
         self.blocks.received(v, step, self.plan.topology.node_of(src_rank))
@@ -337,7 +336,7 @@ class Redundancy:
                 raise ValueError("peer op 'get' of a primary names its rank")
             mm = self.agent.clean_segment(req.rank, step).mm  # KeyError if gone
         else:
-            v = self.blocks.complete_version(req.key or "", step)
+            v = self.blocks.version(req.key or "", step)
             if v is None:
                 raise KeyError(f"block {req.key} step {step} is not held here")
             mm = v.segment.mm

@@ -596,8 +596,9 @@ class Agent:
         if not conn.orderly and not self._stop.is_set():
             self.trainer_lost(rank)
 
-    def _dispatch(self, req: Request) -> dict:
-        op, r = req.op, req  # r: the operation's typed request (megatron_ft.agent.protocol.MESSAGES)
+    def _dispatch(self, r: Request) -> dict:
+        """``r``: the operation's typed request (megatron_ft.agent.protocol.MESSAGES)."""
+        op = r.op
         if op == "hello":
             if r.run_id != self.run_id:
                 raise ValueError(f"run_id {r.run_id!r} does not match this agent's {self.run_id!r}")

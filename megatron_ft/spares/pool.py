@@ -105,10 +105,12 @@ def socket_path(socket_dir: str, run_id: str, node: int) -> str:
     return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent exits (Linux)."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent exits (Linux prctl
+    PR_SET_PDEATHSIG; a no-op elsewhere). The launcher's torchrun, the pool, its keepers and
+    trainers all use it, so nothing outlives the process that started it."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
 
@@ -199,7 +201,7 @@ def _keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     pid = os.fork()
     if pid == 0:
-        _die_with_parent()
+        die_with_parent()
         conn.close()
         _run_trainer(req, fds)
     for fd in fds:
@@ -257,7 +259,7 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
             continue
         if os.fork() == 0:
             srv.close()
-            _die_with_parent()
+            die_with_parent()
             try:
                 _keep(conn, req, fds)
             finally:
@@ -316,7 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--imports", default=",".join(DEFAULT_IMPORTS))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    _die_with_parent()
+    die_with_parent()
     serve(args.socket, tuple(m for m in args.imports.split(",") if m))
     return 0
 

@@ -280,9 +280,11 @@ def recovery_breakdown(restores: list[dict], progress: list[dict], kill_time: fl
            "imports": (tl["rendezvous_start"] if rdzv else tl["ready"]) - tl["process_start"],
            "rendezvous": tl["rendezvous_end"] - tl["rendezvous_start"] if rdzv else None,
            "build": tl["ready"] - tl["rendezvous_end"] if rdzv else None,
-           "restore": e["time"] - tl["ready"],
-           "first_iteration": first - e["time"]}
-    return {k: (round(v, 3) if v is not None else None) for k, v in out.items()}
+           "restore": e["time"] - tl["ready"]}
+    phases = {k: (round(v, 3) if v is not None else None) for k, v in out.items()}
+    # the last phase is what remains of the (rounded) recovery, so the phases add up to it exactly
+    phases["first_iteration"] = round(round(first - kill_time, 3) - sum(v for v in phases.values() if v), 3)
+    return phases
 
 
 def _progress(run_dir: str, rank: int) -> list[dict]:
