@@ -579,11 +579,23 @@ def add_inmem_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="iterations between snapshots persisted to disk by the agents (0: only on failure; auto)")
     g.add_argument("--inmem-ckpt-persist-dir", metavar="DIR", default=None,
                    help="directory for persisted snapshots")
+    g.add_argument("--inmem-ckpt-profile-iterations", type=_non_negative_int, metavar="W", default=0,
+                   help="record each rank's timeline (compute, P2P, collectives, optimizer) for the first W "
+                        "iterations into --inmem-ckpt-profile-dir (0: off; GEMINI uses 20)")
+    g.add_argument("--inmem-ckpt-profile-dir", metavar="DIR", default=None,
+                   help="where rank{R}.json goes (default: $MFT_RUN_DIR/profile)")
     return parser
 
 
 def _int_or_auto(text: str) -> Any:
     return AUTO if text == AUTO else int(text)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: must be >= 0 (0: off)")
+    return value
 
 
 def from_args(args: argparse.Namespace) -> FTConfig:

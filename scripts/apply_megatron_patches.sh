@@ -42,7 +42,8 @@ if [ $is_git = 1 ]; then
     GIT_INDEX_FILE="$tmp_index" git apply --cached "$SERIES_DIR/$p"
   done
 else
-  # not a git tree: the patches touch different files, so each is checked against the tree as is
+  # not a git tree: each patch is checked against the tree as is (two patches of one file touch
+  # different places of it, so the later one still applies, at an offset)
   for p in "${PATCHES[@]}"; do
     if ! out=$(git apply --check "$SERIES_DIR/$p" 2>&1); then
       echo "error: patch $p does not apply to $MLM (is it Megatron-LM $TAG?):" >&2

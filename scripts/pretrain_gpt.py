@@ -74,7 +74,6 @@ from megatron_ft.testing.data import (  # noqa: E402
     build_data_iterator,
 )
 from megatron_ft.config import add_inmem_ckpt_args  # noqa: E402
-from megatron_ft.megatron.profiling import add_inmem_ckpt_profile_args  # noqa: E402
 from megatron_ft.trainer.distributed import init_process_group  # noqa: E402
 from megatron_ft.megatron.cpu_compat import cpu_config_overrides, install_cpu_compat  # noqa: E402
 
@@ -133,7 +132,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--dump-final-state", metavar="PATH_PREFIX", default=None,
                    help="write PATH_PREFIX.rank{R}.json with digests of the final state")
     add_inmem_ckpt_args(p)
-    add_inmem_ckpt_profile_args(p)
     args = p.parse_args(argv)
 
     if args.max_position_embeddings is None:
@@ -147,8 +145,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             f"need 0 <= --lr-warmup-iters ({args.lr_warmup_iters}) < --lr-decay-iters "
             f"({args.lr_decay_iters}, default: --train-iters)"
         )
-    if args.inmem_ckpt_profile_iterations < 0:
-        p.error(f"--inmem-ckpt-profile-iterations {args.inmem_ckpt_profile_iterations}: must be >= 0 (0: off)")
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp is not None:
         pp = args.pipeline_model_parallel_size

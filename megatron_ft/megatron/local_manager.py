@@ -18,6 +18,9 @@ Megatron-LM (``core_v0.16.1``) drives its local tier through ``checkpointing_con
   args from the result. It calls ``load()`` twice (``rank0=True`` for the common part, then for
   everything).
 * ``local_ckpt_dir``: only printed (and joined into names); here it is the agents' persist dir.
+* ``training_loop(model, optimizer, scheduler, config)`` (megatron-ft's patch ``0005``, not Megatron's
+  contract): once before the first iteration; the returned :class:`TrainingLoop` is called at each
+  iteration's start and end, for the scheduled transport and the profiler.
 
 The mapping onto megatron-ft: ``save`` encodes the state dict with :mod:`megatron_ft.capture.tree` (tensors by
 reference, the rest as a versioned JSON record - no pickle) and hands it to the trainer's
@@ -47,6 +50,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -62,6 +66,7 @@ from ..capture.state import StateTensor, fresh_targets
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
+from .profiling import LoopProfiler, profile_dir
 
 log = logging.getLogger("megatron_ft")
 
@@ -138,14 +143,62 @@ class _Loaded:
     tensors: Optional[list] = None
 
 
+class TrainingLoop:
+    """What the patched ``train()`` calls around every iteration (patch ``0005``), from
+    :meth:`InMemoryLocalCheckpointManager.training_loop`: ``before_iteration(i)`` before
+    ``train_step`` of iteration ``i`` (0-based), ``after_iteration(n)`` once ``n`` iterations are
+    complete, before Megatron checkpoints iteration ``n``. There the scheduled transport
+    (``redundancy.transport: scheduled``: the trainers send the peer copies in the planned idle spans)
+    and the profiler of ``--inmem-ckpt-profile-iterations`` act. Built collectively (the scheduled
+    transport creates its process groups); the calls are not collective unless the transport plans."""
+
+    def __init__(self, cfg: ftconfig.FTConfig, ckpt: InMemoryCheckpointer, objs: Any,
+                 profiler: Optional[LoopProfiler]) -> None:
+        self.sched = None
+        if cfg.redundancy.scheme != "none" and cfg.redundancy.transport == "scheduled" and ckpt.engine is not None:
+            from .scheduled import ScheduledHooks
+
+            self.sched = ScheduledHooks(cfg, ckpt, objs)
+        self.profiler = profiler
+        if profiler is not None:
+            profiler.start(objs)
+
+    @property
+    def snapshots_off(self) -> bool:
+        """A ``schedule.compare_modes`` segment of ``off`` (benchmarks): no snapshot this iteration."""
+        return self.sched is not None and self.sched.snapshots_off
+
+    def before_iteration(self, iteration: int) -> None:
+        if self.sched is not None:
+            self.sched.before_iteration(iteration)
+        if self.profiler is not None:
+            self.profiler.begin(iteration)
+
+    def after_iteration(self, iteration: int) -> None:
+        if self.sched is not None:  # before the snapshot of this step starts: the engine is idle
+            self.sched.after_iteration(iteration)
+        if self.profiler is not None:
+            self.profiler.end()
+
+    def close(self) -> None:
+        try:
+            if self.sched is not None:
+                self.sched.close()
+        finally:
+            if self.profiler is not None:
+                self.profiler.finish()
+
+
 class InMemoryLocalCheckpointManager:
     """Megatron-LM's ``local_checkpoint_manager`` contract on top of megatron-ft's agent (see module doc)."""
 
     tensor_aware_state_dict_cls = InMemoryTensorAwareStateDict
 
     def __init__(self, cfg: ftconfig.FTConfig, rank: int, world_size: int, topology: dict,
-                 agent_socket: Optional[str] = None):
+                 agent_socket: Optional[str] = None, profiler: Optional[LoopProfiler] = None):
         self.cfg = cfg
+        self._profiler = profiler
+        self._loop: Optional[TrainingLoop] = None
         self.rank = rank
         self.local_ckpt_dir = cfg.persist.dir
         self._adapter = _StateDictAdapter()
@@ -162,7 +215,31 @@ class InMemoryLocalCheckpointManager:
     def from_args(cls, args: argparse.Namespace) -> "InMemoryLocalCheckpointManager":
         """Collective: every rank, after Megatron's process groups exist."""
         cfg = ftconfig.from_args(args)
-        return cls(cfg, dist.get_rank(), dist.get_world_size(), checked_topology(cfg))
+        profile = getattr(args, "inmem_ckpt_profile_iterations", 0)
+        profiler = LoopProfiler(profile, profile_dir(args)) if profile else None
+        return cls(cfg, dist.get_rank(), dist.get_world_size(), checked_topology(cfg), profiler=profiler)
+
+    def training_loop(self, model: list, optimizer: Any, scheduler: Any, config: Any) -> TrainingLoop:
+        """The hooks the patched ``train()`` calls around every iteration. Collective: every rank,
+        once, before the first iteration (after ``find_latest``/``load``)."""
+        if self._loop is None:
+            objs = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
+            self._loop = TrainingLoop(self.cfg, self._ckpt, objs, self._profiler)
+        return self._loop
+
+    def _check_loop_hooks(self) -> None:
+        """The scheduled transport and the profiler need the training-loop hooks (patch 0005); a tree
+        patched without it would train unprotected or unprofiled without a word: end the job."""
+        wants = []
+        if self.cfg.redundancy.scheme != "none" and self.cfg.redundancy.transport == "scheduled":
+            wants.append("redundancy.transport: scheduled")
+        if self._profiler is not None:
+            wants.append("--inmem-ckpt-profile-iterations")
+        if wants and self._loop is None:
+            _refuse(ftconfig.ConfigError(
+                f"{' and '.join(wants)} need megatron-ft's training-loop hooks, but this Megatron-LM's train() "
+                f"never called local_checkpoint_manager.training_loop(): apply the whole patch series "
+                f"(patches/megatron-lm/*/0005-training-call-megatron-ft-s-training-loop-hooks-at-e.patch)"))
 
     # ------------------------------------------------------------------ save
     def save(self, state_dict: MCoreTensorAwareStateDict, iteration: int, is_async: bool = False) -> Any:
@@ -173,10 +250,12 @@ class InMemoryLocalCheckpointManager:
             raise TypeError(f"save() takes the MCoreTensorAwareStateDict (with tensors) that "
                             f"tensor_aware_state_dict_cls.from_state_dict built, got {type(state_dict).__name__}"
                             f"{' (hollow)' if isinstance(state_dict, MCoreTensorAwareStateDict) else ''}")
+        self._check_loop_hooks()
         self._loaded = None  # a restored copy is no longer needed once training saves again
         self._adapter.state_dict, self._adapter.iteration = state_dict, iteration
         try:
-            self._ckpt.after_iteration(iteration, 0)
+            if not (self._loop is not None and self._loop.snapshots_off):
+                self._ckpt.after_iteration(iteration, 0)
         except Exception as e:  # a failed checkpoint never kills training
             log.warning("rank %d: in-memory checkpoint of iteration %d failed: %s", self.rank, iteration, e)
         finally:
@@ -234,6 +313,11 @@ class InMemoryLocalCheckpointManager:
         if self._hook is not None:
             self._hook.remove()
         try:
+            if self._loop is not None:
+                self._loop.close()
+        except Exception as e:
+            log.warning("rank %d: closing the training-loop hooks: %s", self.rank, e)
+        try:
             self._ckpt.close()
         except Exception as e:
             log.warning("rank %d: closing the in-memory checkpointer: %s", self.rank, e)
@@ -250,9 +334,14 @@ def validate_args(args: argparse.Namespace) -> None:
     try:
         _validate_args(args)
     except ftconfig.ConfigError as e:
-        if os.environ.get("MFT_RUN_DIR") and os.environ.get("MFT_NODE_RANK") is not None:
-            fatal.end_job(f"rank {os.environ.get('RANK', '?')}: {e}")
-        raise
+        _refuse(e)
+
+
+def _refuse(e: ftconfig.ConfigError) -> None:
+    """Raise ``e``; under ``megatron-ft launch`` end the whole job with it instead (exit 2)."""
+    if os.environ.get("MFT_RUN_DIR") and os.environ.get("MFT_NODE_RANK") is not None:
+        fatal.end_job(f"rank {os.environ.get('RANK', '?')}: {e}")
+    raise e
 
 
 def _validate_args(args: argparse.Namespace) -> None:
@@ -274,13 +363,11 @@ def _validate_args(args: argparse.Namespace) -> None:
                                        f"with --save and restores them only with --load; pass both (the same "
                                        f"directory is fine, nothing is written there unless --save-interval says so)")
     cfg = ftconfig.from_args(args)  # validates the megatron-ft config and flags
-    if cfg.redundancy.scheme != "none" and cfg.redundancy.transport == "scheduled":
-        # the trainers send the peer copies only from the training-loop hooks of scripts/pretrain_gpt.py;
-        # here nobody would, and a lost node would find no copy (a silent fresh start)
-        raise ftconfig.ConfigError(
-            "redundancy.transport=scheduled is not available with upstream Megatron-LM's training loop (the "
-            "trainers send the scheduled copies only from scripts/pretrain_gpt.py's hooks); allowed here: "
-            "redundancy.transport: agent (the agents send the copies)")
+    if getattr(args, "inmem_ckpt_profile_iterations", 0):
+        try:
+            profile_dir(args)
+        except ValueError as e:
+            raise ftconfig.ConfigError(str(e)) from None
     every = 1 if cfg.snapshot.auto else cfg.snapshot.interval
     given = getattr(args, "non_persistent_save_interval", None)
     if given is None:

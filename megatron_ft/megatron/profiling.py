@@ -1,7 +1,9 @@
 """``--inmem-ckpt-profile-iterations W``: profile the first W iterations of a megatron-core job.
 
-:class:`ProfilingHooks` wraps the training loop's hooks (``scripts/pretrain_gpt.py``'s
-``TrainingHooks`` or :class:`~megatron_ft.megatron.checkpointing.MegatronCheckpointHooks`): after
+:class:`LoopProfiler` does it for any loop; :class:`ProfilingHooks` wraps ``scripts/pretrain_gpt.py``'s
+hooks (``TrainingHooks`` or :class:`~megatron_ft.megatron.checkpointing.MegatronCheckpointHooks`) with
+it, and upstream Megatron-LM's loop reaches it through
+:meth:`~megatron_ft.megatron.local_manager.InMemoryLocalCheckpointManager.training_loop`: after
 ``restore`` it installs :mod:`.hooks` on the model config and the optimizer with a
 :class:`~megatron_ft.schedule.profiler.Profiler` as sink; ``before_iteration`` /
 ``after_iteration`` delimit iterations (the wrapped ``after_iteration`` runs inside the iteration,
@@ -22,18 +24,6 @@ from . import hooks as mhooks
 from ..schedule.profiler import Profiler
 
 log = logging.getLogger("megatron_ft")
-
-
-def add_inmem_ckpt_profile_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The profiler's flags. Separate from :func:`megatron_ft.config.add_inmem_ckpt_args` because
-    only loops that call :class:`ProfilingHooks` honour them (not yet the Megatron-LM patch set)."""
-    g = parser.add_argument_group("megatron-ft timeline profiler")
-    g.add_argument("--inmem-ckpt-profile-iterations", type=int, metavar="W", default=0,
-                   help="record each rank's timeline (compute, P2P, collectives, optimizer) for the first W "
-                        "iterations into --inmem-ckpt-profile-dir (0: off; GEMINI uses 20)")
-    g.add_argument("--inmem-ckpt-profile-dir", metavar="DIR", default=None,
-                   help="where rank{R}.json goes (default: $MFT_RUN_DIR/profile)")
-    return parser
 
 
 def profile_dir(args: argparse.Namespace) -> str:
@@ -83,15 +73,54 @@ def end_profile(prof: Profiler, directory: Optional[str], nbytes: Optional[int] 
     return path
 
 
-class ProfilingHooks:
-    """Training-loop hooks that profile the first ``iterations`` iterations around ``inner``."""
+class LoopProfiler:
+    """Profiles the first ``iterations`` iterations of a megatron-core training loop into
+    ``directory``: :meth:`start` (after the model and optimizer exist) installs :mod:`.hooks` with a
+    :class:`~megatron_ft.schedule.profiler.Profiler` as sink; :meth:`begin` / :meth:`end` delimit
+    each iteration; after the last one (or at :meth:`finish`) the profile is written and the
+    wrappers come off. Not collective; owns nothing but its profiler."""
 
-    def __init__(self, inner: Any, iterations: int, directory: str) -> None:
-        self.inner, self.directory = inner, directory
-        self.iterations = iterations
+    def __init__(self, iterations: int, directory: str) -> None:
+        self.iterations, self.directory = iterations, directory
         self.profiler: Optional[Profiler] = None
         self.path: Optional[str] = None
         self._objs: Any = None
+
+    def start(self, objs: Any) -> None:
+        """``objs``: ``model`` (chunks), ``optimizer``, ``scheduler`` and ``config`` (the model config)."""
+        self._objs = objs
+        self.profiler = Profiler(dist.get_rank(), self.iterations, _topology())
+        mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
+
+    def begin(self, iteration: int) -> None:
+        if self.profiler is not None:
+            self.profiler.begin_iteration(iteration)
+        mhooks.HOOKS.begin_iteration(iteration)
+
+    def end(self) -> None:
+        mhooks.HOOKS.end_iteration()
+        if self.profiler is not None and self.profiler.end_iteration():
+            self.finish()
+
+    def finish(self) -> None:
+        """Write what was recorded (``complete: false`` before W iterations); idempotent."""
+        prof, self.profiler = self.profiler, None
+        if prof is not None:
+            self.path = end_profile(prof, self.directory, snapshot_bytes(self._objs))
+
+
+class ProfilingHooks:
+    """Training-loop hooks that profile the first ``iterations`` iterations around ``inner``
+    (``scripts/pretrain_gpt.py``'s hooks; the inner ``after_iteration`` runs inside the profiled
+    iteration, so a snapshot's start shows in the timeline)."""
+
+    def __init__(self, inner: Any, iterations: int, directory: str) -> None:
+        self.inner = inner
+        self.loop = LoopProfiler(iterations, directory)
+
+    @property
+    def path(self) -> Optional[str]:
+        return self.loop.path
 
     @classmethod
     def from_args(cls, inner: Any, args: argparse.Namespace) -> "ProfilingHooks":
@@ -99,36 +128,24 @@ class ProfilingHooks:
 
     def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
         out = self.inner.restore(objs, iteration, consumed_samples)
-        self._objs = objs
-        self.profiler = Profiler(dist.get_rank(), self.iterations, _topology())
-        mhooks.install(objs.config, objs.optimizer).add_sink(self.profiler.record)
+        self.loop.start(objs)
         return out
 
     def before_iteration(self, objs: Any, iteration: int) -> None:
         if hasattr(self.inner, "before_iteration"):
             self.inner.before_iteration(objs, iteration)
-        if self.profiler is not None:
-            self.profiler.begin_iteration(iteration)
-        mhooks.HOOKS.begin_iteration(iteration)
+        self.loop.begin(iteration)
 
     def before_optimizer_step(self, objs: Any, iteration: int) -> None:
         self.inner.before_optimizer_step(objs, iteration)
 
     def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
         self.inner.after_iteration(objs, iteration, consumed_samples)
-        mhooks.HOOKS.end_iteration()
-        if self.profiler is not None and self.profiler.end_iteration():
-            self._finish()
-
-    def _finish(self) -> None:
-        prof, self.profiler = self.profiler, None
-        if prof is not None:
-            self.path = end_profile(prof, self.directory, snapshot_bytes(self._objs))
+        self.loop.end()
 
     def close(self) -> None:
-        """Write what was recorded if the run ended before W iterations (``complete: false``)."""
         try:
-            self._finish()
+            self.loop.finish()
         finally:
             if hasattr(self.inner, "close"):
                 self.inner.close()

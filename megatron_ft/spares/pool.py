@@ -32,6 +32,7 @@ Contracts:
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import importlib
 import json
@@ -42,6 +43,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -187,12 +189,24 @@ def _run_trainer(req: dict, fds: list[int]) -> None:
         traceback.print_exc()
         code = 1
     finally:
+        _interpreter_exit()
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         except Exception:
             pass
-    os._exit(code)
+    os._exit(code)  # not a return: the keeper's stack, forked with us, must not unwind here
+
+
+def _interpreter_exit() -> None:
+    """What a cold interpreter runs at exit before it ends: non-daemon threads joined, then the
+    ``atexit`` handlers (a script's own, e.g. upstream Megatron-LM's local checkpoint manager saying
+    goodbye to its agent, registered only in this forked trainer)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx: wait for non-daemon threads
+    except Exception as e:
+        print(f"megatron-ft spare: waiting for the script's threads at exit failed: {e}", file=sys.stderr)
+    atexit._run_exitfuncs()
 
 
 def _keep(conn: socket.socket, req: dict, fds: list[int]) -> None:

@@ -765,10 +765,6 @@ def main(args: argparse.Namespace) -> int:
     if args.fail != "none" and not 1 <= args.kill_at <= last:
         raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid with --kill-point {args.kill_point}: must be "
                                    f"in [1, {last}]")
-    if args.megatron_lm and args.transport == "scheduled":
-        raise ftconfig.ConfigError("--transport scheduled is invalid with --megatron-lm: upstream Megatron-LM's "
-                                   "training loop has no hooks for the trainers to send the copies; use "
-                                   "--transport agent (the default)")
     if args.second_failure and args.fail == "none":
         raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
     if args.second_delay < 0:

@@ -143,5 +143,3 @@ def test_demo_refuses_bad_failure_arguments():
         demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
-    with pytest.raises(ftconfig.ConfigError, match="--transport scheduled is invalid with --megatron-lm"):
-        demo.main(_demo_args("--megatron-lm=/nowhere", "--transport=scheduled"))

@@ -113,7 +113,8 @@ def test_nothing_to_find_returns_minus_one(tmp_path, two_rank_job):
 def _args(**kw):
     base = dict(inmem_ckpt=False, non_persistent_ckpt_type=None, ckpt_format="torch_dist", save="/s", load="/s",
                 non_persistent_save_interval=None, inmem_ckpt_config=None, inmem_ckpt_interval=None,
-                inmem_ckpt_persist_interval=None, inmem_ckpt_persist_dir=None)
+                inmem_ckpt_persist_interval=None, inmem_ckpt_persist_dir=None, inmem_ckpt_profile_iterations=0,
+                inmem_ckpt_profile_dir=None)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -146,11 +147,29 @@ def _scheduled_config(tmp_path):
     return str(path)
 
 
-def test_scheduled_transport_is_refused_with_upstream_training(tmp_path):
-    """Upstream's loop has no hooks for the trainers to send the copies: protection would be off."""
-    with pytest.raises(ftconfig.ConfigError, match="redundancy.transport=scheduled is not available.*allowed here: "
-                                                   "redundancy.transport: agent"):
-        local_manager.validate_args(_args(inmem_ckpt=True, inmem_ckpt_config=_scheduled_config(tmp_path)))
+def test_scheduled_transport_and_profiler_need_the_training_loop_hooks(tmp_path, monkeypatch):
+    """redundancy.transport: scheduled and the profiler act through the patched train()'s loop hooks
+    (patch 0005). Accepted at argument validation; a tree patched without that patch is refused at the
+    first save, naming the patch, instead of training unprotected."""
+    for var in ("MFT_RUN_DIR", "MFT_NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    local_manager.validate_args(_args(inmem_ckpt=True, inmem_ckpt_config=_scheduled_config(tmp_path)))
+    with pytest.raises(ftconfig.ConfigError, match="--inmem-ckpt-profile-iterations needs --inmem-ckpt-profile-dir"):
+        local_manager.validate_args(_args(inmem_ckpt=True, inmem_ckpt_profile_iterations=3))
+    local_manager.validate_args(_args(inmem_ckpt=True, inmem_ckpt_profile_iterations=3,
+                                      inmem_ckpt_profile_dir=str(tmp_path)))
+
+    m = object.__new__(local_manager.InMemoryLocalCheckpointManager)  # the check alone: no agent needed
+    m.cfg, m._profiler, m._loop = ftconfig.load(_scheduled_config(tmp_path)), None, None
+    with pytest.raises(ftconfig.ConfigError, match="redundancy.transport: scheduled need.*0005-training-call"):
+        m._check_loop_hooks()
+    m.cfg = ftconfig.replace(m.cfg, redundancy={"transport": "agent"})
+    m._check_loop_hooks()  # nothing needs the hooks
+    m._profiler = object()
+    with pytest.raises(ftconfig.ConfigError, match="^--inmem-ckpt-profile-iterations need"):
+        m._check_loop_hooks()
+    m._loop = object()
+    m._check_loop_hooks()
 
 
 def test_a_configuration_error_under_the_launcher_ends_the_job_once(tmp_path):

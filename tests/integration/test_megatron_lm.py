@@ -6,6 +6,8 @@ failure and once with one, and every rank's parameter digest and loss at every i
 for bit, with the tier reached and the step resumed from asserted (bit-exact alone cannot tell a
 recovery from a fresh start). Dropout is upstream's default, 0.1.
 """
+import glob
+import json
 import os
 import subprocess
 import sys
@@ -117,3 +119,33 @@ def test_upstream_distributed_optimizer_resumes_bit_exact(tmp_path):
     the checkpoint's step (not the fresh optimizer's 0), or the bias correction restarts."""
     s = demo(tmp_path, "--fail=trainer", "--kill-at=4", "--train-arg=--use-distributed-optimizer")
     assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
+
+
+@needs_upstream
+@pytest.mark.slow
+def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path):
+    """``redundancy.transport: scheduled`` with upstream's loop (its training-loop hooks come from the
+    patch series): the trainers profile, plan and send the peer copies themselves - the agents send
+    none - so recovering the lost node from peer memory proves the copies arrived."""
+    s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=10)
+    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory") and 4 <= s["resumed_step"] <= 6, s
+    files = sorted(glob.glob(str(tmp_path / "demo" / "run" / "transport" / "rank*.json")))
+    assert len(files) == 4, files  # written at each trainer's exit (atexit, also from a warm spare)
+    for path in files:
+        rec = json.load(open(path))
+        assert rec["dsts"] and rec["transfers"], (path, rec.get("plan"))
+
+
+@needs_upstream
+@pytest.mark.slow
+def test_upstream_profiler_records_the_first_iterations(tmp_path):
+    """``--inmem-ckpt-profile-iterations`` on upstream's command: every rank writes its timeline of
+    the first W iterations (after a trainer kill, of the restarted generation's first W)."""
+    s = demo(tmp_path, "--fail=trainer", "--kill-at=4", "--train-arg=--inmem-ckpt-profile-iterations=3")
+    assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
+    profiles = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "demo" / "run" / "profile" / "rank*.json")))]
+    assert [p["rank"] for p in profiles] == [0, 1, 2, 3]
+    for p in profiles:
+        assert p["complete"] and len(p["iterations"]) == 3, {k: p[k] for k in ("rank", "complete")}
+        kinds = {e["kind"] for it in p["iterations"] for e in it["events"]}
+        assert {"compute", "optimizer"} <= kinds and ({"send", "recv"} & kinds), kinds

@@ -13,9 +13,11 @@ from megatron_ft.spares import pool
 from megatron_ft.testing.helpers import wait_for
 
 SCRIPT = """
-import os, sys, time
+import atexit, os, sys, threading, time
 import json as already_imported  # the pool imported it
 print("trainer", os.getpid(), os.environ.get("SPARE_TEST"), sys.argv[1:], os.getcwd(), flush=True)
+atexit.register(lambda: print("atexit handler ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("non-daemon thread done", flush=True))).start()
 print("to stderr", file=sys.stderr, flush=True)
 if sys.argv[1] == "sleep":
     open(sys.argv[2], "w").write(str(os.getpid()))
@@ -49,8 +51,11 @@ def test_a_trainer_from_the_pool_is_the_worker_in_everything_but_its_pid(tmp_pat
     w = worker(tmp_path, sock, "3")
     out, err = w.communicate(timeout=60)
     assert w.returncode == 3, err
-    _, pid, env, argv, cwd = out.split(maxsplit=4)
+    first, *rest = out.splitlines()
+    _, pid, env, argv, cwd = first.split(maxsplit=4)
     assert (env, argv.strip(), cwd.strip()) == ("handed-over", "['3']", str(tmp_path)), out
+    # it ends as a cold interpreter would: non-daemon threads joined, then the atexit handlers
+    assert rest == ["non-daemon thread done", "atexit handler ran"], out
     assert int(pid) != w.pid and "to stderr" in err
     assert int(pid) in {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} or not psutil.pid_exists(int(pid))
 
