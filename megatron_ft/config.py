@@ -193,6 +193,12 @@ class LaunchConfig(_Section):
     max_restarts: _int(0) = 3
     #: a node whose agent does not start within this many seconds ends the job, naming the node
     start_timeout_s: _num(1.0) = 120.0
+    #: torchrun's rendezvous drops a node whose torchrun sent no keep-alive for
+    #: ``rdzv_keep_alive_s x rdzv_keep_alive_attempts`` seconds (its wall clock against the others':
+    #: keep the hosts' clocks in sync); a lost node's place opens for its replacement only then
+    #: (torch's defaults, 5 s x 3, made every node loss wait 10-15 s)
+    rdzv_keep_alive_s: _int(1) = 1
+    rdzv_keep_alive_attempts: _int(1) = 3
     #: keep a pool of warm spare trainers on every node (torch and megatron-core already imported):
     #: torchrun's restarted workers start from it in a fraction of a second (megatron_ft/spares)
     warm_spares: Flag = True
@@ -209,7 +215,7 @@ class HealthConfig(_Section):
     store: Annotated[StrictStr, Field(pattern=r"^(embedded|etcd://[A-Za-z0-9_.-]+:\d{1,5})$"),
                      Allowed("must be 'embedded' or 'etcd://HOST:PORT'")] = "embedded"
     store_port: _int(1024, 65535) = 29500
-    heartbeat_s: _num(0.01) = 0.5
+    heartbeat_s: _num(0.01) = 0.25
     timeout_s: _num(0.1) = 5.0
     hosts: Annotated[tuple[Annotated[StrictStr, Field(min_length=1)], ...],
                      Allowed("must be a list of host names, one per node (or empty: one machine)")] = ()

@@ -177,7 +177,8 @@ class NodeLauncher:
             f"--rdzv-id={self.cfg.run_id}-g{self.rdzv.gen}",
             # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
             f"--rdzv-conf=is_host={'true' if self.node == self.rdzv.node else 'false'},"
-            f"join_timeout={max(1, int(lc.start_timeout_s))}",
+            f"join_timeout={max(1, int(lc.start_timeout_s))},"
+            f"keep_alive_interval={lc.rdzv_keep_alive_s},keep_alive_max_attempt={lc.rdzv_keep_alive_attempts}",
             f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.1",
             # with warm spares torchrun's workers are stand-ins for trainers forked from the pool
             *(["-m", "megatron_ft.spares.worker"] if self.pool is not None else []),

@@ -100,7 +100,7 @@ class Agent:
         host = h.host_of(self.node)
         self.redundancy = Redundancy(self, self.store, host)
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
-                               launcher_pid=self.launcher_pid).start()
+                               launcher_pid=self.launcher_pid, address=self.redundancy.address).start()
         for rank, size in self.slot_sizes().items():
             self.redundancy.publish_size(rank, size)
 

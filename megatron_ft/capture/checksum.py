@@ -18,11 +18,14 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 #: written into every new snapshot's version record
 ALGORITHM = "fl32x8-v1"
@@ -132,21 +135,28 @@ def checksum_numpy(buf: np.ndarray, algorithm: str = ALGORITHM) -> int:
     return alg.fold([*a, *b, nbytes])
 
 
+def _is_tensor(t: Any) -> bool:
+    """A torch tensor? Without importing torch: the agent, which handles only numpy views of its
+    shared memory, starts without it (a restarted or standby agent is up in well under a second)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
 def _address(t: torch.Tensor | np.ndarray) -> int:
-    if isinstance(t, torch.Tensor):
+    if _is_tensor(t):
         return t.data_ptr()
     return t.ctypes.data
 
 
 def _nbytes(t: torch.Tensor | np.ndarray) -> int:
-    if isinstance(t, torch.Tensor):
+    if _is_tensor(t):
         return t.numel() * t.element_size()
     return t.nbytes
 
 
 def _as_bytes(t: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(t, torch.Tensor):
-        return t.detach().reshape(-1).view(torch.uint8).numpy()
+    if _is_tensor(t):
+        return t.detach().reshape(-1).view(sys.modules["torch"].uint8).numpy()
     return t.reshape(-1).view(np.uint8)
 
 

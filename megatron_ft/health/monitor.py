@@ -1,11 +1,17 @@
 """Heartbeats and failure classification (GEMINI section 6: the root agent and the health store).
 
-Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time", "launcher"}`` every ``health.heartbeat_s`` (which
-also re-publishes its keys on a new root after a failover, see :mod:`.store`). The root agent
-watches all of them: a heartbeat that has not changed for ``health.timeout_s`` (measured on the
-root's own monotonic clock, so clocks of different machines never matter) is a *hardware*
-failure - the node's agent, and with it its memory, is gone - written to ``failed/<node>`` for
-standby launchers and operators; a new heartbeat pid for that node clears it. The other agents
+Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time", "launcher", "addr"}`` every
+``health.heartbeat_s`` (which also re-publishes its keys on a new root after a failover, see
+:mod:`.store`). The root agent watches all of them: a heartbeat that has not changed for
+``health.timeout_s`` (measured on the root's own monotonic clock, so clocks of different machines
+never matter) is a *hardware* failure - the node's agent, and with it its memory, is gone - written
+to ``failed/<node>`` for standby launchers and operators; a new heartbeat pid for that node clears it.
+Sooner: once two heartbeats are missed, the root probes the agent's peer port (``addr``) with a TCP
+connect, at most once per heartbeat period; *connection refused* means no process listens there any
+more (the host answers, the agent is gone), which is the same verdict within a second. An accepted
+connection (an agent alive but slow: the kernel accepts for a starved process too) or no answer (a
+host that is down or unreachable sends nothing back) proves nothing, and ``timeout_s`` decides, so a
+loaded machine gets no false verdict from the probe. The other agents
 follow the root's heartbeat; on a store that elects its root by heartbeats (etcd), they follow
 everyone's, and the lowest-numbered live one takes ``root`` over by compare-and-swap when the
 root's heartbeat goes stale (docs/health.md). ``launcher`` is the pid of the launcher that owns the
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -37,14 +44,30 @@ def classify(agent_alive: bool, trainer_lost: bool) -> Optional[str]:
     return "software" if trainer_lost else None
 
 
+def refuses_connections(address: str, timeout_s: float) -> bool:
+    """True only when ``host:port`` answers a TCP connect with *refused* (nothing listens there);
+    False when it accepts, times out or cannot be reached. Bounded by ``timeout_s``."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 class Monitor:
-    """``launcher_pid``: called (no lock held) at every beat for the ``launcher`` field."""
+    """``launcher_pid``: called (no lock held) at every beat for the ``launcher`` field;
+    ``address``: this agent's peer port (``host:port``), which the root probes when its heartbeats stop."""
 
     def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
-                 launcher_pid: Callable[[], int] = lambda: 0):
+                 launcher_pid: Callable[[], int] = lambda: 0, address: str = ""):
         self.store, self.node, self.nodes = store, node, nodes
-        self.launcher_pid = launcher_pid
+        self.launcher_pid, self.address = launcher_pid, address
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
+        self.probe_after_s = min(2 * heartbeat_s, timeout_s)  # two heartbeats missed
+        self._probed: dict[int, float] = {}  # node -> our time of its last probe (root)
         self.seq = 0
         self.failed: dict[int, dict] = {}  # root's verdicts
         self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (last heartbeat value, our time seen)
@@ -67,7 +90,7 @@ class Monitor:
         """One heartbeat: write ours; the root watches everyone's, the others the root's."""
         self.seq += 1
         self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time(),
-                                                         "launcher": self.launcher_pid()}))
+                                                         "launcher": self.launcher_pid(), "addr": self.address}))
         if self.store.is_root:
             self._watch()
         else:
@@ -111,17 +134,31 @@ class Monitor:
             v, age, changed = self._observe(n, now)
             if v is None:
                 continue
-            pid = json.loads(v)["pid"]
+            beat = json.loads(v)
+            pid = beat["pid"]
             if changed:
                 self._clear_verdict(n, pid)
                 continue
-            if n not in self.failed and age > self.timeout_s:
+            if n in self.failed or age <= self.probe_after_s:
+                continue
+            why = ""
+            if age > self.timeout_s:
+                why = f"missed heartbeats for {age:.1f} s"
+            elif self._refused(n, beat.get("addr", ""), now):
+                why = f"missed heartbeats for {age:.1f} s and its agent's port {beat['addr']} refuses connections"
+            if why:
                 verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
-                           "pid": pid, "detected_by": self.node, "time": time.time()}
+                           "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
                 self.failed[n] = verdict
                 self.store.set(f"failed/{n}", json.dumps(verdict))
-                log.error("root: node %d missed heartbeats for %.1f s: hardware failure (agent and memory lost)",
-                          n, age)
+                log.error("root: node %d %s: hardware failure (agent and memory lost)", n, why)
+
+    def _refused(self, n: int, address: str, now: float) -> bool:
+        """Probe node ``n``'s agent (at most once per heartbeat period): nothing listens any more?"""
+        if not address or now - self._probed.get(n, float("-inf")) < self.heartbeat_s:
+            return False
+        self._probed[n] = now
+        return refuses_connections(address, min(self.heartbeat_s, 0.5))
 
     def _clear_verdict(self, n: int, pid: int) -> None:
         """A heartbeat from a new agent pid of a node judged failed (by us or an earlier root)."""

@@ -219,6 +219,57 @@ def test_lost_node_gets_a_verdict_root_moves_and_node_is_rebuilt_from_peers(tmp_
         c.close()
 
 
+def test_refused_connection_is_the_only_probe_answer_that_means_gone():
+    import socket
+
+    from megatron_ft.health.monitor import refuses_connections
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    assert not refuses_connections(f"127.0.0.1:{port}", 0.5)  # something listens: alive (or at least there)
+    srv.close()
+    assert refuses_connections(f"127.0.0.1:{port}", 0.5)  # nothing listens any more
+    assert not refuses_connections("not-an-address", 0.2)
+
+
+def test_a_dead_agent_is_judged_by_the_probe_and_a_stalled_one_only_after_the_timeout(tmp_path):
+    """The root probes a node whose heartbeats stopped: a refused connection (the agent process is
+    gone, its host answers) is a verdict long before ``timeout_s``; an agent that is alive but stalls
+    (SIGSTOP: the kernel still accepts its connections) gets none from the probe, only after
+    ``timeout_s``, as before."""
+    import signal
+
+    c = LocalCluster(str(tmp_path), 3, make_model, chunk_bytes=1 << 14, scheme="replica", replicas=2,
+                     config={"health": {"heartbeat_s": 0.1, "timeout_s": 4.0}})
+    stopped = None
+    try:
+        client = StoreClient(c.cfg).connect(10)
+        c.train(1)
+        stopped = c.agents[1].proc.pid
+        os.kill(stopped, signal.SIGSTOP)
+        time.sleep(1.5)  # 15 heartbeat periods, probed every one of them: accepted, so no verdict yet
+        assert verdict(client, 1) is None
+        v = wait_for("failed/1 after the timeout", lambda: verdict(client, 1), cluster=c)
+        assert "refuses" not in v["why"] and v["why"].startswith("missed heartbeats for"), v
+        os.kill(stopped, signal.SIGCONT)
+
+        pid = c.agents[2].proc.pid
+        c.lose_node(2)
+        v = wait_for("failed/2", lambda: verdict(client, 2), cluster=c)
+        assert (v["pid"], v["detected_by"]) == (pid, 0) and v["why"].endswith("refuses connections"), v
+        age = float(v["why"].split("for ")[1].split(" s")[0])
+        assert age < 4.0, v  # judged by the probe, before timeout_s
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        c.close()
+
+
 def test_standby_flag_rejects_node_rank(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "launch", "--standby", "--node-rank=1", "--nodes=2",
                         f"--run-dir={tmp_path}", "--", "x.py"], capture_output=True, text=True, timeout=120,
