@@ -172,6 +172,8 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
         return "wrong", f"crash: no summary (exit {rc})"
     if not summary.get("bitwise_identical"):
         return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
+    if summary.get("false_verdicts"):
+        return "wrong", f"false verdict: {summary['false_verdicts'][:2]}"
     promised = summary.get("promised_tier")
     reached = summary.get("recovered_from") or "none"
     if promised is None or reached == "none" or not tiers.meets(reached, promised):

@@ -14,8 +14,10 @@ lost_iterations, recovery_seconds, bitwise_identical, and details.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -617,6 +619,9 @@ def run_demo(args: argparse.Namespace) -> dict:
     first_gen = [r["time"] for r in progress if kill_time is None or r["pid"] in first_pids]
     start_seconds = round(min(first_gen) - t0, 3) if first_gen else None
     identical, problems = compare(ref_dir, run_dir, world)
+    expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
+    false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
+    problems += [f"false failure verdict: {v}" for v in false_verdicts]
     promise = None
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
@@ -667,6 +672,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         "recovery_vs_cold_start": round(recovery_seconds / cold_start_seconds, 3)
         if recovery_seconds and cold_start_seconds else None,
         "bitwise_identical": identical,
+        "false_verdicts": false_verdicts,
         "kill_point": args.kill_point if kill_time is not None else None,
         "agent_killed": agent_killed is not None,
         "lost_nodes": lost_nodes,
@@ -703,6 +709,22 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f"   ! {pr}")
     say("=" * 72)
     return summary
+
+
+VERDICT_LINE = re.compile(r"root: node (\d+) (.*): hardware failure")
+
+
+def unexpected_verdicts(run_dir: str, expected: set[int]) -> list[str]:
+    """The root agents' failure verdicts (their logs) on nodes this run did not take down: a live node
+    judged failed, e.g. a heartbeat late under load."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "node*", "agent.log"))):
+        with open(path, errors="replace") as f:
+            for line in f:
+                m = VERDICT_LINE.search(line)
+                if m and int(m.group(1)) not in expected:
+                    out.append(f"node {m.group(1)} ({m.group(2)}; {os.path.basename(os.path.dirname(path))}'s log)")
+    return out
 
 
 def add_parser(sub) -> None:
@@ -779,6 +801,10 @@ def main(args: argparse.Namespace) -> int:
     summary = run_demo(args)
     print(json.dumps(summary), flush=True)
     if not summary["bitwise_identical"]:
+        return 1
+    if summary["false_verdicts"]:
+        print(f"[demo] FAILED: the root agent judged a live node failed: {summary['false_verdicts'][:3]}",
+              file=sys.stderr, flush=True)
         return 1
     if summary.get("promised_tier") and not summary["tier_ok"]:
         print(f"[demo] FAILED: recovered from {summary['recovered_from']}, but this failure must resume from "

@@ -71,11 +71,14 @@ GOOD = {"bitwise_identical": True, "recovered_from": "decoded", "promised_tier":
     ("node-rs", 1, {**GOOD, "bitwise_identical": False, "problems": ["loss differs"]}, [], "",
      ("wrong", "mismatch: ['loss differs']")),
     ("node-rs", 0, GOOD, ["mft.demo-node-1.n1.r1.s0"], "", ("wrong", "leak: ['mft.demo-node-1.n1.r1.s0']")),
+    ("trainer", 1, {**GOOD, "false_verdicts": ["node 1 (missed heartbeats for 5.2 s)"]}, [], "",
+     ("wrong", "false verdict: ['node 1 (missed heartbeats for 5.2 s)']")),
     ("trainer", 1, None, [], "Traceback", ("wrong", "crash: no summary (exit 1)")),
     ("max-restarts-0", 1, None, [], "megatron-ft run failed with exit code 1", ("right", "the job ended non-zero, cleanly")),
     ("max-restarts-0", 0, GOOD, [], "", ("wrong", "max_restarts 0 should end the job non-zero (exit 0)")),
 ])
 def test_classification(kind, rc, summary, left, out, want):
+    """Pure rules: a hang, a leak, a mismatch, a false failure verdict, a lower tier are wrong."""
     assert chaos.classify(trial(kind), rc, summary, left, out) == want
 
 
@@ -143,3 +146,16 @@ def test_demo_refuses_bad_failure_arguments():
         demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
+
+
+def test_a_verdict_on_a_node_the_run_did_not_take_down_is_found(tmp_path):
+    from megatron_ft.testing import demo
+
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "agent.log").write_text(
+        "[agent n0 2026-11-26 02:16:03,449] ERROR root: node 1 missed heartbeats for 0.5 s and its agent's port "
+        "127.0.0.1:46841 refuses connections: hardware failure (agent and memory lost)\n"
+        "[agent n0 2026-11-26 02:17:03,449] ERROR root: node 2 missed heartbeats for 5.1 s: hardware failure "
+        "(agent and memory lost)\n")
+    assert demo.unexpected_verdicts(str(tmp_path), {1, 2}) == []
+    assert demo.unexpected_verdicts(str(tmp_path), {1}) == ["node 2 (missed heartbeats for 5.1 s; node0's log)"]
