@@ -198,6 +198,10 @@ class LaunchConfig(_Section):
     #: keep the hosts' clocks in sync); a lost node's place opens for its replacement only then
     #: (torch's defaults, 5 s x 3, made every node loss wait 10-15 s)
     rdzv_keep_alive_s: _int(1) = 1
+    #: a failed trainer restarts the job beneath torchrun, from the warm spares, up to this many times
+    #: per torchrun attempt (megatron_ft/spares/fast_restart.py); 0: torchrun restarts every time.
+    #: Needs warm_spares; none with max_restarts 0
+    fast_restarts: _int(0) = 3
     rdzv_keep_alive_attempts: _int(1) = 3
     #: keep a pool of warm spare trainers on every node (torch and megatron-core already imported):
     #: torchrun's restarted workers start from it in a fraction of a second (megatron_ft/spares)

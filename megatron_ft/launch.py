@@ -213,6 +213,7 @@ class NodeLauncher:
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         if self.pool is not None:
             env["MFT_SPARES_SOCKET"] = self.pool_socket or ""
+            env["MFT_FAST_RESTARTS"] = str(self.cfg.launch.fast_restarts if self.cfg.launch.max_restarts else 0)
         self.rdzv = self.rendezvous.current(self.log)
         self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
                  f"{self.rdzv.addr}:{self.rdzv.port}")

@@ -151,6 +151,8 @@ class Monitor:
                            "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
                 self.failed[n] = verdict
                 self.store.set(f"failed/{n}", json.dumps(verdict))
+                # changed by every verdict: a warm spare's keeper watches this one key (spares.fast_restart)
+                self.store.set("last_verdict", f"{n}/{pid}/{verdict['time']}")
                 log.error("root: node %d %s: hardware failure (agent and memory lost)", n, why)
 
     def _refused(self, n: int, address: str, now: float) -> bool:

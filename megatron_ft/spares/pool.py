@@ -12,8 +12,10 @@ monitoring, restarts and rendezvous are unchanged; only the imports are already 
 Processes (all on one node)::
 
     launcher ── pool (zygote: imports done, single-threaded, accepts requests)
-                  └─ keeper (one per trainer: forked per request, reports the trainer's exit)
-                       └─ trainer (forked from the keeper: runs the training script as __main__)
+                  └─ keeper (one per worker, :mod:`.keeper`: forks its trainer, reports its exit,
+                     │       runs the fast restart rounds of :mod:`.fast_restart`)
+                     ├─ trainer (forked from the keeper: runs the training script as __main__)
+                     └─ round store (torchrun's rank 0 only, during a fast restart round)
     torchrun ── worker (spares.worker: waits for its trainer, forwards signals, exits as it did)
 
 Contracts:
@@ -32,18 +34,14 @@ Contracts:
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
 import importlib
 import json
 import logging
 import os
-import runpy
-import select
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Optional
 
@@ -139,115 +137,6 @@ def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return req, fds
 
 
-def _send(conn: socket.socket, obj: dict) -> None:
-    try:
-        conn.send(json.dumps(obj).encode())
-    except OSError:
-        pass
-
-
-def _run_trainer(req: dict, fds: list[int]) -> None:
-    """In the trainer process: become the worker torchrun started, then run its script."""
-    for target, fd in zip((0, 1, 2), fds):
-        os.dup2(fd, target)
-    for fd in fds:
-        if fd > 2:
-            os.close(fd)
-    os.environ.clear()
-    os.environ.update(req["env"])
-    os.chdir(req["cwd"])
-    # what a fresh interpreter seeds from the OS at import is seeded again, so trainers do not share it
-    if "random" in sys.modules:
-        sys.modules["random"].seed()
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(int(threads))
-    argv = list(req["argv"])
-    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    code = 0
-    try:
-        if argv and argv[0] in ("-m", "--module"):
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = os.getcwd()  # as `python -m` has it
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = argv
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        _interpreter_exit()
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except Exception:
-            pass
-    os._exit(code)  # not a return: the keeper's stack, forked with us, must not unwind here
-
-
-def _interpreter_exit() -> None:
-    """What a cold interpreter runs at exit before it ends: non-daemon threads joined, then the
-    ``atexit`` handlers (a script's own, e.g. upstream Megatron-LM's local checkpoint manager saying
-    goodbye to its agent, registered only in this forked trainer)."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx: wait for non-daemon threads
-    except Exception as e:
-        print(f"megatron-ft spare: waiting for the script's threads at exit failed: {e}", file=sys.stderr)
-    atexit._run_exitfuncs()
-
-
-def _keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
-    """In the keeper process: fork the trainer, tell the worker its pid, report its exit; kill it
-    if the worker goes away first."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    pid = os.fork()
-    if pid == 0:
-        die_with_parent()
-        conn.close()
-        _run_trainer(req, fds)
-    for fd in fds:
-        os.close(fd)
-    _send(conn, {"pid": pid})
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
-            return
-        ready, _, _ = select.select([conn], [], [], 0.1)
-        if ready:
-            try:
-                data = conn.recv(4096)
-            except OSError:
-                data = b""
-            if not data:  # the worker was killed: so is its trainer
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(pid, 0)
-                return
-            try:  # a signal the worker forwards (torchrun stopping its workers)
-                sig = int(json.loads(data).get("signal", 0))
-                if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL, signal.SIGUSR1,
-                           signal.SIGUSR2):
-                    os.kill(pid, sig)
-            except (ValueError, ProcessLookupError, AttributeError):
-                pass
-
-
 def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
     """The zygote: warm up, then fork a keeper (and through it a trainer) per request. Never
     returns; ends with its launcher (PR_SET_PDEATHSIG) or a signal."""
@@ -275,7 +164,13 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
             srv.close()
             die_with_parent()
             try:
-                _keep(conn, req, fds)
+                from .keeper import keep
+
+                keep(conn, req, fds)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()  # into the pool's log
             finally:
                 os._exit(0)
         conn.close()

@@ -289,6 +289,15 @@ def recovery_breakdown(restores: list[dict], progress: list[dict], kill_time: fl
     return phases
 
 
+def restarted_by(restores: list[dict]) -> Optional[str]:
+    """``'fast round N'`` or ``'torchrun restart N'`` (or both, e.g. a round then a node's loss):
+    the newest of each among the restores after the kill."""
+    rounds = max((e.get("fast_round", 0) for e in restores), default=0)
+    restarts = max((e.get("restart_count", 0) for e in restores), default=0)
+    parts = ([f"fast round {rounds}"] if rounds else []) + ([f"torchrun restart {restarts}"] if restarts else [])
+    return " + ".join(parts) or None
+
+
 def _progress(run_dir: str, rank: int) -> list[dict]:
     return read_jsonl(os.path.join(run_dir, "progress", f"rank{rank}.jsonl"))
 
@@ -308,17 +317,26 @@ def node_pid(run_dir: str, node: int, name: str) -> Optional[int]:
 
 
 def node_workers(run_dir: str, node: int) -> list[int]:
-    """Process ids of node ``node``'s trainers now: the children of its launcher's torchrun."""
+    """Process ids of node ``node``'s trainers now: the children of its launcher's torchrun, or with
+    warm spares the trainers its pool's keepers forked for them (a fast restart round forks new
+    ones under the same workers)."""
     import psutil
 
+    from ..spares.fast_restart import STORE_PROCESS_NAME
+
+    out = []
     try:
         launcher = psutil.Process(node_pid(run_dir, node, "launcher") or -1)
         for child in launcher.children():
             if "torch.distributed.run" in " ".join(child.cmdline()):
-                return [w.pid for w in child.children()]
+                out = [w.pid for w in child.children() if "megatron_ft.spares.worker" not in " ".join(w.cmdline())]
+        pool = node_pid(run_dir, node, "spares")
+        if pool is not None:
+            out += [t.pid for keeper in psutil.Process(pool).children() for t in keeper.children()
+                    if t.name() != STORE_PROCESS_NAME]
     except (OSError, ValueError, psutil.Error):
         pass
-    return []
+    return out
 
 
 def kill_during_recovery(run_dir: str, nodes: int, known: set[int], prefer_not: set[int], delay: float,
@@ -666,6 +684,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         "recovery_seconds": recovery_seconds,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         "recovery_breakdown": breakdown,
+        # how the restarted trainers came: a fast restart round beneath torchrun (warm spares), or
+        # torchrun's own restart of its workers (its restart count)
+        "restarted_by": restarted_by(after) if kill_time is not None else None,
         "cold_start_seconds": cold_start_seconds,
         "start_seconds": start_seconds,
         "warm_spares": cfg.launch.warm_spares,
@@ -700,6 +721,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
             f"(restore itself {summary['restore_seconds']} s); the job's cold start (reference run, no warm "
             f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")
+        say(f"   restarted by       : {summary['restarted_by']}")
         if breakdown:
             say("   where it went      : " + ", ".join(f"{BREAKDOWN_NAMES[k]} {v:.2f} s" for k, v in breakdown.items()
                                                    if v is not None))

@@ -38,13 +38,18 @@ def torchrun_rank() -> int:
 
 
 def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
-    """The store for this restart round's process group: hosted by torchrun's rank 0 at
-    ``MASTER_ADDR:MASTER_PORT`` (a client of torchrun's own store, key-prefixed by the restart
-    count, when torchrun shares it)."""
+    """The store for this restart round's process group at ``MASTER_ADDR:MASTER_PORT``: hosted by
+    torchrun's rank 0, or by the keeper of that rank (warm spares with fast restarts:
+    ``MFT_FRESH_STORE``), or torchrun's own store shared across its restarts
+    (``TORCHELASTIC_USE_AGENT_STORE`` alone: key-prefixed by the restart count). The first two are
+    fresh per attempt and unprefixed, so a replacement node, whose torchrun counts its restarts from
+    0, meets the others under the same keys."""
     world = int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         base = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        if os.environ.get("MFT_FRESH_STORE") == "1":
+            return base
         return dist.PrefixStore(f"mft/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
     return dist.TCPStore(addr, port, world, is_master=torchrun_rank() == 0, timeout=timeout)
 

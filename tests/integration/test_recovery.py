@@ -36,6 +36,8 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}")
     assert s["recovered_from"] == "local_memory"
     assert s["resumed_step"] >= KILL_AT - 1
+    # beneath torchrun: every rank's trainer replaced from the warm spares, torchrun never restarted
+    assert s["restarted_by"] == "fast round 1", s["restarted_by"]
     assert s["lost_iterations"] == s["last_iteration_before_kill"] - s["resumed_step"]
 
 

@@ -120,3 +120,45 @@ def test_the_pool_imports_what_the_training_script_imports(tmp_path):
     assert not any(m.startswith(("megatron.", "megatron_ft.megatron")) for m in pool.imports_for(wrapped))
     assert "megatron.core" in pool.imports_for([os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
                                                              "pretrain_gpt.py")])
+
+
+ROUNDS_SCRIPT = """
+import os, sys, datetime
+from torch.distributed import TCPStore
+rnd = int(os.environ.get("MFT_FAST_ROUND", "0"))
+store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                 timeout=datetime.timedelta(seconds=20))  # hosted by the keeper, never by this trainer
+store.set(f"trainer/{rnd}", str(os.getpid()))
+print("round", rnd, os.environ["TORCHELASTIC_USE_AGENT_STORE"], os.environ.get("MFT_FRESH_STORE"), flush=True)
+sys.exit(int(sys.argv[1]) if rnd < int(sys.argv[2]) else 0)
+"""
+
+
+def rounds_worker(tmp_path, sock, code, fail_rounds, budget):
+    from megatron_ft.testing.helpers import free_port
+
+    script = tmp_path / "rounds.py"
+    script.write_text(ROUNDS_SCRIPT)
+    env = dict(os.environ, MFT_SPARES_SOCKET=sock, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), TORCHELASTIC_USE_AGENT_STORE="False", MFT_FAST_RESTARTS=str(budget))
+    env.pop("MFT_CONFIG", None)
+    w = subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.worker", str(script), str(code), str(fail_rounds)],
+                         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = w.communicate(timeout=120)
+    return w.returncode, [ln.split() for ln in out.splitlines() if ln.startswith("round")], err
+
+
+def test_a_failed_trainer_is_replaced_in_a_fast_round_beneath_its_worker(tmp_path, warm_pool):
+    """Real keeper, real stores: the trainer of round 0 crashes twice over; the keeper of (torchrun's)
+    rank 0 hosts the job store, opens rounds 1 and 2, hosts their stores, forks new trainers, and the
+    worker - what torchrun watches - sees only the final success."""
+    rc, rounds, err = rounds_worker(tmp_path, warm_pool[0], code=7, fail_rounds=2, budget=3)
+    assert rc == 0, err
+    assert rounds == [["round", "0", "True", "1"], ["round", "1", "True", "1"], ["round", "2", "True", "1"]], rounds
+
+
+def test_fast_rounds_end_at_the_budget_and_never_retry_an_end_of_the_job(tmp_path, warm_pool):
+    rc, rounds, err = rounds_worker(tmp_path, warm_pool[0], code=7, fail_rounds=9, budget=2)
+    assert rc == 7 and [r[1] for r in rounds] == ["0", "1", "2"], (rc, rounds, err)  # then torchrun's turn
+    rc, rounds, err = rounds_worker(tmp_path, warm_pool[0], code=2, fail_rounds=9, budget=2)
+    assert rc == 2 and [r[1] for r in rounds] == ["0"], (rc, rounds, err)  # megatron_ft.fatal's code: no retry

@@ -1,0 +1,197 @@
+"""Fast restart rounds: a failed trainer's job restarts beneath torchrun, from warm spares.
+
+torchrun restarts a job by tearing down every worker of every node and running its rendezvous
+round again (~1.7 s on the demo: its monitor, the teardown, a rendezvous that polls once a second).
+With warm spares (:mod:`.pool`) the process torchrun watches is a stand-in (:mod:`.worker`) and the
+trainer is forked by a *keeper* (:mod:`.keeper`); so a trainer's failure need not reach torchrun at
+all. When a trainer fails, its keeper opens round ``n + 1`` in torchrun's own store; every keeper
+of the job (each polls the store) kills its trainer of round ``n`` (those still alive: blocked on
+the failed peer, or fine) and forks a fresh one from its warm zygote; the new trainers form their
+process group in a store of round ``n + 1`` hosted by the keeper of torchrun's rank 0, and restore
+from their node agents' memory like any restarted trainer. torchrun sees nothing; it stays the outer
+layer for everything a round cannot handle:
+
+* a clean exit (0), the end-the-job code of :mod:`megatron_ft.fatal` (2), or a stop torchrun asked for
+  (a forwarded SIGTERM/SIGINT/SIGHUP) are reported to the stand-in as always;
+* the budget: at most ``launch.fast_restarts`` rounds per torchrun attempt (none with
+  ``launch.max_restarts: 0``), then the failure is reported and torchrun restarts as before;
+* a lost node: its ranks cannot join a round. Its replacement (or standby) joins torchrun's
+  rendezvous, which makes every surviving torchrun stop its workers (the stop above). Without one, the
+  keepers see the root agent's failure verdict (``last_verdict`` in the agents' health store) within
+  ``health.timeout_s`` of a round's start and hand the failure to torchrun.
+
+The job's store: ``MASTER_ADDR:MASTER_PORT`` of torchrun's attempt. ``megatron-ft launch`` has torchrun
+pick a fresh port per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), where its rank-0 trainer would
+host the store and take it along when it dies; with fast restarts the keeper of torchrun's rank 0 hosts
+it instead (a forked process, :func:`host_round_store`) and every trainer is its client
+(``TORCHELASTIC_USE_AGENT_STORE=True``, ``MFT_FRESH_STORE=1``: no per-restart key prefix, since a
+replacement node's torchrun counts its restarts from 0). Keys, under ``mft/fast/``:
+``round/<n>`` (created by whoever opens round ``n``; a counter, so two keepers opening the same round
+agree) and ``port/<n>`` (the port of round ``n``'s own store at ``MASTER_ADDR``). A round's trainers
+get ``MASTER_PORT`` = that port and ``MFT_FAST_ROUND`` = ``n``; nothing else of their environment
+changes.
+
+The decisions are pure (:func:`after_exit`, :func:`joins`); :class:`RoundStore` does the store I/O;
+:func:`host_round_store` forks the process that hosts a round's store.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from ..fatal import EXIT_CODE as END_JOB
+
+REPORT, OPEN_NEXT = "report", "open-next"
+POLL_S = 0.05  # how often a keeper looks for a newer round
+STORE_PROCESS_NAME = "mft-store"  # the process name of a store host (psutil's name(), /proc/PID/comm)
+STORE_TIMEOUT_S = 10.0  # every request to torchrun's store
+
+
+@dataclass(frozen=True)
+class Round:
+    """One keeper's view: the round its trainer belongs to, how many rounds this torchrun attempt
+    allows, and whether torchrun asked the worker to stop."""
+
+    number: int = 0
+    budget: int = 0
+    stopping: bool = False
+
+    def stop(self) -> "Round":
+        return replace(self, stopping=True)
+
+
+def after_exit(r: Round, code: int, node_lost: bool = False) -> str:
+    """What a keeper does when its trainer of round ``r`` exited with ``code`` (``-N``: signal N).
+
+    >>> after_exit(Round(0, budget=3), -9), after_exit(Round(0, budget=3), 1)
+    ('open-next', 'open-next')
+    >>> after_exit(Round(0, budget=3), 0), after_exit(Round(0, budget=3), 2), after_exit(Round(3, budget=3), 1)
+    ('report', 'report', 'report')
+    >>> after_exit(Round(0, budget=3).stop(), -15), after_exit(Round(1, budget=3), 1, node_lost=True)
+    ('report', 'report')
+    """
+    if code == 0 or code == END_JOB or r.stopping or node_lost or r.number >= r.budget:
+        return REPORT
+    return OPEN_NEXT
+
+
+def joins(r: Round, newest: int) -> Optional[int]:
+    """The round a keeper moves to when ``newest`` is the newest round opened: a newer one than
+    its trainer's (its trainer, alive or not, is replaced), else None.
+
+    >>> joins(Round(1, budget=3), 2), joins(Round(2, budget=3), 2), joins(Round(2, budget=3).stop(), 3)
+    (2, None, None)
+    """
+    return newest if newest > r.number and not r.stopping else None
+
+
+def budget(env: dict) -> int:
+    """Fast rounds allowed for a worker with environment ``env`` (``MFT_FAST_RESTARTS``, set by
+    ``megatron-ft launch``; 0 without torchrun's ``MASTER_ADDR``/``MASTER_PORT``)."""
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return 0
+    try:
+        return max(0, int(env.get("MFT_FAST_RESTARTS", "0")))
+    except ValueError:
+        return 0
+
+
+class RoundStore:
+    """The rounds of one torchrun attempt, in torchrun's store (a client; one per keeper)."""
+
+    def __init__(self, env: dict):
+        from torch.distributed import PrefixStore, TCPStore
+
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        base = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout,
+                        wait_for_workers=False)
+        self.store = PrefixStore("mft/fast", base)  # a fresh store per torchrun attempt
+
+    def open(self, n: int) -> None:
+        self.store.add(f"round/{n}", 1)
+
+    def newest(self, after: int, limit: int) -> int:
+        """The newest round opened (``after`` when none is newer; never beyond ``limit``)."""
+        n = after
+        while n < limit and self.store.check([f"round/{n + 1}"]):
+            n += 1
+        return n
+
+    def publish_port(self, n: int, port: int) -> None:
+        self.store.set(f"port/{n}", str(port))
+
+    def port(self, n: int) -> Optional[int]:
+        if not self.store.check([f"port/{n}"]):
+            return None
+        return int(self.store.get(f"port/{n}"))
+
+
+def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
+    """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, 0: a free one, reached
+    at ``addr``): (its pid, the port). It dies with its keeper; the keeper kills it when it is no
+    longer needed. The server's threads run in that process, so the keeper stays single-threaded."""
+    from .pool import die_with_parent
+
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(rd)
+            die_with_parent()
+            import ctypes
+
+            ctypes.CDLL(None).prctl(15, STORE_PROCESS_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+            from torch.distributed import TCPStore
+
+            store = TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            os.write(wr, str(store.port).encode())
+            os.close(wr)
+            while True:
+                signal.pause()
+        finally:
+            os._exit(0)
+    os.close(wr)
+    try:
+        data = os.read(rd, 32)
+    finally:
+        os.close(rd)
+    if not data:
+        os.waitpid(pid, 0)
+        raise RuntimeError(f"the round store at {addr} did not start")
+    return pid, int(data)
+
+
+class VerdictWatch:
+    """Has the root agent judged a node failed since this watch began? (``last_verdict`` in the
+    agents' health store, changed by every verdict; only with a health store, i.e. peer redundancy.)
+    Best effort: a store that does not answer is no news (each read bounded by 0.5 s, 5 s while
+    the root moves)."""
+
+    def __init__(self, env: dict):
+        self.client = None
+        self.start: Optional[str] = None
+        try:
+            from .. import config as ftconfig
+
+            cfg = ftconfig.load(env.get("MFT_CONFIG"))
+            if cfg.redundancy.scheme == "none":
+                return
+            from ..health.store import StoreClient
+
+            self.client = StoreClient(cfg, timeout_s=0.5)
+            self.start = self._seq()
+        except Exception:
+            self.client = None
+
+    def _seq(self) -> Optional[str]:
+        try:
+            return self.client.get("last_verdict") if self.client is not None else None
+        except Exception:
+            return self.start
+
+    def node_lost(self) -> bool:
+        return self.client is not None and self._seq() != self.start

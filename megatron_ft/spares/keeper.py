@@ -1,0 +1,313 @@
+"""The keeper: forked by the pool (:mod:`.pool`) for one worker, it forks that worker's trainer,
+reports the trainer's pid and exit to the worker (:mod:`.worker`), forwards torchrun's signals, and
+runs the fast restart rounds of :mod:`.fast_restart` (a failed trainer replaced from the warm
+zygote's memory without torchrun noticing).
+
+Contracts: single-threaded (it forks trainers); owns its trainer (SIGKILLed when the worker goes
+away, so no trainer outlives the worker torchrun watches) and, on torchrun's rank 0, the store of
+the current round; both die with it (``PR_SET_PDEATHSIG``). The worker's standard streams stay open
+here for the trainers of later rounds. Every store request is bounded
+(:data:`~megatron_ft.spares.fast_restart.STORE_TIMEOUT_S`); a store that fails ends the rounds and
+reports the trainer's failure to torchrun instead.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from . import fast_restart as fr
+
+log = logging.getLogger("megatron_ft.spares")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL, signal.SIGUSR1, signal.SIGUSR2)
+STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL)  # torchrun ending its workers
+
+
+def send(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.send(json.dumps(obj).encode())
+    except OSError:
+        pass
+
+
+class Keeper:
+    def __init__(self, conn: socket.socket, req: dict, fds: list[int]):
+        self.conn, self.req, self.fds = conn, req, fds
+        self.env = dict(req["env"])
+        self.round = fr.Round(0, fr.budget(self.env))
+        self.trainer: Optional[int] = None
+        self.joining: Optional[int] = None  # a round opened, its trainer not forked yet
+        self.rounds: Optional[fr.RoundStore] = None
+        self.host: Optional[tuple[int, int, int]] = None  # (round, pid, port) of the round store we host
+        self.job_host: Optional[int] = None  # pid of the job's store we host (torchrun's rank 0)
+        self.verdicts: Optional[fr.VerdictWatch] = None
+        self.round_started = 0.0
+        self.settle_s = 0.0
+        self.next_poll = 0.0
+
+    # ------------------------------------------------------------------ trainers
+    def fork_trainer(self, env: dict) -> int:
+        pid = os.fork()
+        if pid == 0:
+            from .pool import die_with_parent
+
+            die_with_parent()
+            self.conn.close()
+            run_trainer(dict(self.req, env=env), self.fds)
+        return pid
+
+    def kill_trainer(self) -> None:
+        if self.trainer is None:
+            return
+        try:
+            os.kill(self.trainer, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(self.trainer, 0)
+        self.trainer = None
+
+    # ------------------------------------------------------------------ rounds
+    def job_store(self) -> dict:
+        """The environment of this worker's trainers, whose store (``MASTER_PORT``, fresh per torchrun
+        attempt) outlives them: the keeper of torchrun's rank 0 hosts it where its rank-0 trainer
+        would (see :mod:`.fast_restart`). A torchrun that shares its own store gets no fast restarts."""
+        env = self.env
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # shared across torchrun's attempts: no
+            self.round = fr.Round(0, 0)  # fresh keys per attempt to hold the rounds in
+            return env
+        if env.get("RANK") == "0":
+            try:
+                self.job_host, _ = fr.host_round_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            except (RuntimeError, OSError, ValueError) as e:  # the port is taken: rank 0's trainer hosts
+                log.error("spares: no job store at %s:%s (%s): no fast restarts", env["MASTER_ADDR"],
+                          env["MASTER_PORT"], e)
+                self.round = fr.Round(0, 0)
+                return env
+        return dict(env, TORCHELASTIC_USE_AGENT_STORE="True", MFT_FRESH_STORE="1")
+
+    def _store(self) -> fr.RoundStore:
+        if self.rounds is None:
+            self.rounds = fr.RoundStore(self.env)
+        return self.rounds
+
+    def open_next(self) -> None:
+        self._store().open(self.round.number + 1)
+        self.joining = self.round.number + 1
+
+    def poll_rounds(self) -> None:
+        """Join a newer round; start the one we join once its store's port is known."""
+        if self.round.budget == 0 or time.monotonic() < self.next_poll:
+            return
+        self.next_poll = time.monotonic() + fr.POLL_S
+        store = self._store()
+        target = fr.joins(self.round, store.newest(max(self.round.number, self.joining or 0), self.round.budget))
+        if target is not None and target != self.joining:
+            self.kill_trainer()  # alive in an older round: blocked on a failed peer, or fine
+            self.joining = target
+        if self.joining is None:
+            return
+        if self.env.get("RANK") == "0" and (self.host is None or self.host[0] != self.joining):
+            self.stop_host()
+            pid, port = fr.host_round_store(self.env["MASTER_ADDR"])
+            self.host = (self.joining, pid, port)
+            store.publish_port(self.joining, port)
+        port = store.port(self.joining)
+        if port is None:
+            return
+        n, self.joining = self.joining, None
+        self.round = fr.Round(n, self.round.budget, self.round.stopping)
+        self.trainer = self.fork_trainer(dict(self.env, MASTER_PORT=str(port), MFT_FAST_ROUND=str(n)))
+        if self.verdicts is None:
+            self.verdicts = fr.VerdictWatch(self.env)
+            self.settle_s = _health_timeout(self.env) + 1.0
+        self.round_started = time.monotonic()
+        log.warning("spares: rank %s: round %d, trainer pid %d", self.env.get("RANK"), n, self.trainer)
+
+    def node_lost(self) -> bool:
+        """A node verdict since the rounds began, while this round's trainers may still wait for a
+        rank of that node (within ``health.timeout_s`` + 1 s of the round's start)."""
+        if self.verdicts is None or time.monotonic() - self.round_started > self.settle_s:
+            return False
+        return self.verdicts.node_lost()
+
+    def stop_host(self) -> None:
+        if self.host is not None:
+            _end(self.host[1])
+            self.host = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        if self.round.budget:
+            self.env = self.job_store()
+        self.trainer = self.fork_trainer(self.env)
+        send(self.conn, {"pid": self.trainer})
+        try:
+            code = self._loop()
+            if code is not None:
+                send(self.conn, {"exit": code})
+        finally:
+            self.kill_trainer()
+            self.stop_host()
+            if self.job_host is not None:
+                _end(self.job_host)
+            for fd in self.fds:
+                os.close(fd)
+
+    def _loop(self) -> Optional[int]:
+        """Returns the exit status to report, or None when the worker went away."""
+        last_poll_check = 0.0
+        while True:
+            if self.trainer is not None:
+                done, status = os.waitpid(self.trainer, os.WNOHANG)
+                if done:
+                    self.trainer = None
+                    code = os.waitstatus_to_exitcode(status)
+                    lost = self.round.number > 0 and self.node_lost()
+                    if fr.after_exit(self.round, code, lost) == fr.REPORT:
+                        return code
+                    try:
+                        self.open_next()
+                    except Exception as e:  # the store is gone: torchrun's restart does it
+                        log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
+                        return code
+                    log.warning("spares: rank %s: trainer exited with %d; round %d opened", self.env.get("RANK"),
+                                code, self.joining)
+            if self.round.budget and not self.round.stopping:
+                try:
+                    self.poll_rounds()
+                    if self.trainer is not None and self.round.number > 0 and \
+                            time.monotonic() - last_poll_check > 0.25:
+                        last_poll_check = time.monotonic()
+                        if self.node_lost():
+                            log.error("spares: rank %s: a node was lost during round %d: torchrun restarts",
+                                      self.env.get("RANK"), self.round.number)
+                            self.kill_trainer()
+                            return 1
+                except Exception as e:  # the job's store is gone (its host ended: the job is ending, or
+                    # torchrun's rank 0 failed): no more rounds; a trainer still running goes on
+                    log.warning("spares: rank %s: no fast restarts any more (%s)", self.env.get("RANK"),
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.round = fr.Round(self.round.number, 0, self.round.stopping)
+                    if self.trainer is None:
+                        return 1  # between rounds: torchrun restarts the job
+            if self.trainer is None and self.joining is None:
+                return 1  # cannot happen: an exit is reported or a round is being joined
+            ready, _, _ = select.select([self.conn], [], [], fr.POLL_S)
+            if not ready:
+                continue
+            try:
+                data = self.conn.recv(4096)
+            except OSError:
+                data = b""
+            if not data:  # the worker was killed: so is its trainer
+                return None
+            try:  # a signal the worker forwards (torchrun stopping its workers)
+                sig = int(json.loads(data).get("signal", 0))
+            except (ValueError, AttributeError):
+                continue
+            if sig in STOPS:
+                self.round = self.round.stop()
+                if self.trainer is None:  # between rounds: nothing to stop
+                    return -sig
+            if sig in FORWARDED and self.trainer is not None:
+                try:
+                    os.kill(self.trainer, sig)
+                except ProcessLookupError:
+                    pass
+
+
+def _end(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _health_timeout(env: dict) -> float:
+    try:
+        from .. import config as ftconfig
+
+        return ftconfig.load(env.get("MFT_CONFIG")).health.timeout_s
+    except Exception:
+        return 5.0
+
+
+def keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
+    """In the keeper process (forked by the pool): serve one worker until its trainer ends."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    Keeper(conn, req, fds).run()
+
+
+# ---------------------------------------------------------------------- the trainer's side
+def run_trainer(req: dict, fds: list[int]) -> None:
+    """In the trainer process: become the worker torchrun started, then run its script."""
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    # what a fresh interpreter seeds from the OS at import is seeded again, so trainers do not share it
+    if "random" in sys.modules:
+        sys.modules["random"].seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    argv = list(req["argv"])
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    code = 0
+    try:
+        if argv and argv[0] in ("-m", "--module"):
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()  # as `python -m` has it
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        _interpreter_exit()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+    os._exit(code)  # not a return: the keeper's stack, forked with us, must not unwind here
+
+
+def _interpreter_exit() -> None:
+    """What a cold interpreter runs at exit before it ends: non-daemon threads joined, then the
+    ``atexit`` handlers (a script's own, e.g. upstream Megatron-LM's local checkpoint manager saying
+    goodbye to its agent, registered only in this forked trainer)."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # as Py_FinalizeEx: wait for non-daemon threads
+    except Exception as e:
+        print(f"megatron-ft spare: waiting for the script's threads at exit failed: {e}", file=sys.stderr)
+    atexit._run_exitfuncs()
