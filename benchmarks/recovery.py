@@ -21,6 +21,8 @@ reported and left out of the medians. Ratios are taken per run (recovery / that 
 then their median. Nothing here is a timed assertion; the targets are printed beside the figures.
 
     python benchmarks/recovery.py --runs 5          # ~15 minutes on 2 cores; writes docs/benchmarks.md
+    python benchmarks/recovery.py --runs 3 --scenarios "upstream trainer;upstream node-standby" \
+        --section "## Recovery time: upstream Megatron-LM"                  # ~20 minutes
 """
 from __future__ import annotations
 
@@ -35,13 +37,22 @@ import time
 
 SCENARIOS = {
     "trainer": ["--fail=trainer"],
+    # the same crash restarted by torchrun (warm spares, no fast restart round), side by side
+    "trainer, torchrun restart": ["--fail=trainer", "--config={torchrun_config}"],
     # the same crash with warm spares off: the recovery as it was before them, side by side
     "trainer, no spares": ["--fail=trainer", "--config={cold_config}"],
     "all-trainers": ["--fail=all-trainers"],
     "node-standby": ["--fail=node", "--redundancy=replica", "--standby"],
+    # upstream Megatron-LM's pretrain_gpt.py with the patch set (--megatron-lm, or the shared archive)
+    "upstream trainer": ["--fail=trainer", "--megatron-lm={upstream}"],
+    "upstream node-standby": ["--fail=node", "--redundancy=replica", "--standby", "--megatron-lm={upstream}"],
 }
+DEFAULT = ("trainer", "trainer, torchrun restart", "trainer, no spares", "all-trainers", "node-standby")
 #: the targets of the recovery-in-seconds work: (ratio to the cold start, seconds on 2 cores)
-TARGETS = {"trainer": (0.15, 1.5), "trainer, no spares": None, "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0)}
+TARGETS = {"trainer": (0.15, 1.5), "trainer, torchrun restart": None, "trainer, no spares": None,
+           "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0), "upstream trainer": (0.15, 1.5),
+           "upstream node-standby": (0.4, 6.0)}
+BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)"}
 PHASES = ("detect_respawn", "imports", "rendezvous", "build", "restore", "first_iteration")
 PHASE_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rendezvous": "rendezvous",
                "build": "build", "restore": "restore", "first_iteration": "first iteration"}
@@ -49,11 +60,13 @@ PHASE_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rend
 
 def run_demo(scenario: str, index: int, args: argparse.Namespace) -> dict:
     wd = os.path.join(args.workdir, f"{scenario.replace(', ', '-').replace(' ', '-')}-{index}")
-    ref = os.path.join(args.workdir, "reference-" + ("replica" if "--redundancy=replica" in SCENARIOS[scenario]
-                                                     else "default"))
+    shape = ("upstream-" if scenario.startswith("upstream") else "") + (
+        "replica" if "--redundancy=replica" in SCENARIOS[scenario] else "default")
+    ref = os.path.join(args.workdir, "reference-" + shape)
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--workdir={wd}", f"--reference-dir={ref}",
            f"--iters={args.iters}", f"--kill-at={args.kill_at}",
-           *(a.format(cold_config=args.cold_config) for a in SCENARIOS[scenario])]
+           *(a.format(cold_config=args.cold_config, torchrun_config=args.torchrun_config, upstream=args.upstream)
+             for a in SCENARIOS[scenario])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if not lines:
@@ -89,7 +102,7 @@ def table(rows: list[dict]) -> str:
     lines = [head, "|" + "---|" * (7 + len(PHASES))]
     for r in rows:
         target = TARGETS[r["scenario"]]
-        goal = "(before warm spares)" if target is None else f"<= {target[0]}x, <= {target[1]:g} s"
+        goal = BASELINES.get(r["scenario"], "") if target is None else f"<= {target[0]}x, <= {target[1]:g} s"
         if "cold" not in r:
             lines.append(f"| {r['scenario']} | 0 of {r['runs']} | - | - | - | - | {goal} |" + " - |" * len(PHASES))
             continue
@@ -104,7 +117,11 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--scenarios", default=";".join(SCENARIOS), help=f"';'-separated subset of {list(SCENARIOS)}")
+    p.add_argument("--scenarios", default=";".join(DEFAULT), help=f"';'-separated subset of {list(SCENARIOS)}")
+    p.add_argument("--megatron-lm", dest="upstream", default=None,
+                   help="the upstream scenarios' Megatron-LM (a tree or archive; default: MEGATRON_LM_DIR or the "
+                        "shared core_v0.16.1 archive)")
+    p.add_argument("--section", default="## Recovery time", help="the docs/benchmarks.md section to (re)write")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--kill-at", type=int, default=6)
     p.add_argument("--timeout", type=float, default=900.0, help="one demo run past this is a failure")
@@ -123,6 +140,15 @@ def main() -> int:
 
     with open(args.cold_config, "w") as f:  # the demo's embedded job, warm spares off
         yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"warm_spares": False}).to_dict(), f)
+    args.torchrun_config = os.path.join(args.workdir, "torchrun-restart.yaml")
+    with open(args.torchrun_config, "w") as f:  # warm spares, no fast restart rounds
+        yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"fast_restarts": 0}).to_dict(), f)
+    if any(s.startswith("upstream") for s in scenarios) and not args.upstream:
+        from megatron_ft.testing import megatron_lm
+
+        args.upstream = megatron_lm.source()
+        if not args.upstream:
+            p.error("the upstream scenarios need --megatron-lm (or MEGATRON_LM_DIR, or the shared archive)")
     t0, load0 = time.time(), os.getloadavg()[0]
     results: dict[str, list[dict]] = {s: [] for s in scenarios}
     for i in range(args.runs):  # scenarios interleaved, so a slow spell of the machine hits them alike
@@ -143,8 +169,12 @@ def main() -> int:
         f"the first completed iteration after it (the earliest restarted rank); *cold start* = the same job's "
         f"launch -> first completed iteration, started cold (the demo's reference run: no warm spares, no "
         f"snapshots; one per cluster shape in this benchmark run); the phases are the earliest restarted rank's "
-        f"and add up to its recovery (see `benchmarks/recovery.py`). *trainer, no spares* is the same crash "
-        f"with `launch.warm_spares: false`: the recovery before warm spares, measured beside it.", "",
+        f"and add up to its recovery (see `benchmarks/recovery.py`). *trainer, torchrun restart* is the same "
+        f"crash with `launch.fast_restarts: 0` (torchrun restarts every worker, from the warm spares); *trainer, "
+        f"no spares* the same with `launch.warm_spares: false`: the recoveries before fast restart rounds and "
+        f"before warm spares, measured beside it."
+        + (" The upstream scenarios run Megatron-LM's own `pretrain_gpt.py` with the patch set "
+           f"(`{os.path.basename(args.upstream)}`)." if args.upstream else ""), "",
         table(rows)])
     print(body)
     for r in rows:
@@ -155,7 +185,7 @@ def main() -> int:
         from _docs import write_section
 
         write_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks.md"),
-                      "## Recovery time", body)
+                      args.section, body)
     return 0 if all(r["good"] == r["runs"] for r in rows) else 1
 
 

@@ -45,7 +45,7 @@ from . import config as ftconfig
 from . import fatal
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
-from .spares.pool import die_with_parent
+from .spares.lifetime import die_with_parent
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:

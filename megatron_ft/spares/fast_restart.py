@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..fatal import EXIT_CODE as END_JOB
+from .lifetime import die_with_parent, set_process_name
 
 REPORT, OPEN_NEXT = "report", "open-next"
 POLL_S = 0.05  # how often a keeper looks for a newer round
@@ -133,17 +134,13 @@ def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
     """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, 0: a free one, reached
     at ``addr``): (its pid, the port). It dies with its keeper; the keeper kills it when it is no
     longer needed. The server's threads run in that process, so the keeper stays single-threaded."""
-    from .pool import die_with_parent
-
     rd, wr = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(rd)
             die_with_parent()
-            import ctypes
-
-            ctypes.CDLL(None).prctl(15, STORE_PROCESS_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+            set_process_name(STORE_PROCESS_NAME)
             from torch.distributed import TCPStore
 
             store = TCPStore(addr, port, is_master=True, wait_for_workers=False,

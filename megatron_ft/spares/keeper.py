@@ -26,11 +26,13 @@ import time
 from typing import Optional
 
 from . import fast_restart as fr
+from .lifetime import die_with_parent
 
 log = logging.getLogger("megatron_ft.spares")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL, signal.SIGUSR1, signal.SIGUSR2)
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL)  # torchrun ending its workers
+VERDICT_POLL_S = 0.25  # how often a keeper reads the root's newest verdict while its round settles
 
 
 def send(conn: socket.socket, obj: dict) -> None:
@@ -59,8 +61,6 @@ class Keeper:
     def fork_trainer(self, env: dict) -> int:
         pid = os.fork()
         if pid == 0:
-            from .pool import die_with_parent
-
             die_with_parent()
             self.conn.close()
             run_trainer(dict(self.req, env=env), self.fds)
@@ -165,7 +165,7 @@ class Keeper:
 
     def _loop(self) -> Optional[int]:
         """Returns the exit status to report, or None when the worker went away."""
-        last_poll_check = 0.0
+        next_verdict_check = 0.0
         while True:
             if self.trainer is not None:
                 done, status = os.waitpid(self.trainer, os.WNOHANG)
@@ -185,9 +185,8 @@ class Keeper:
             if self.round.budget and not self.round.stopping:
                 try:
                     self.poll_rounds()
-                    if self.trainer is not None and self.round.number > 0 and \
-                            time.monotonic() - last_poll_check > 0.25:
-                        last_poll_check = time.monotonic()
+                    if self.trainer is not None and self.round.number > 0 and time.monotonic() > next_verdict_check:
+                        next_verdict_check = time.monotonic() + VERDICT_POLL_S
                         if self.node_lost():
                             log.error("spares: rank %s: a node was lost during round %d: torchrun restarts",
                                       self.env.get("RANK"), self.round.number)

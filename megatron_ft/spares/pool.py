@@ -34,7 +34,6 @@ Contracts:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import json
 import logging
@@ -44,6 +43,8 @@ import socket
 import sys
 import time
 from typing import Optional
+
+from .lifetime import die_with_parent
 
 log = logging.getLogger("megatron_ft.spares")
 
@@ -103,16 +104,6 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
 
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:
     return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when its parent exits (Linux prctl
-    PR_SET_PDEATHSIG; a no-op elsewhere). The launcher's torchrun, the pool, its keepers and
-    trainers all use it, so nothing outlives the process that started it."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def warm_up(modules: tuple[str, ...]) -> list[str]:
