@@ -79,6 +79,7 @@ def test_upstream_trainer_kill_resumes_from_local_memory_bit_exact(tmp_path):
     s = demo(tmp_path, "--fail=trainer", "--kill-at=4")
     assert s["recovered_from"] == "local_memory"
     assert 3 <= s["resumed_step"] <= 4
+    assert s["restarted_by"] == "fast round 1", s["restarted_by"]  # upstream's trainers re-forked beneath torchrun
 
 
 @needs_upstream
