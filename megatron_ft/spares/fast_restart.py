@@ -163,14 +163,15 @@ def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
 
 
 class VerdictWatch:
-    """Has the root agent judged a node failed since this watch began? (``last_verdict`` in the
-    agents' health store, changed by every verdict; only with a health store, i.e. peer redundancy.)
-    Best effort: a store that does not answer is no news (each read bounded by 0.5 s, 5 s while
-    the root moves)."""
+    """Has the root agent judged a node failed since ``since`` (wall clock: this torchrun attempt's
+    start)? ``last_verdict`` in the agents' health store, ``<node>/<pid>/<time>``, changed by every
+    verdict; only with a health store, i.e. peer redundancy. A node lost during an attempt ends it
+    (its replacement joins torchrun's rendezvous), so a round cannot heal it. Best effort: a store
+    that does not answer is no news (each read bounded by 0.5 s, 5 s while the root moves)."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, since: float):
         self.client = None
-        self.start: Optional[str] = None
+        self.since = since
         try:
             from .. import config as ftconfig
 
@@ -180,15 +181,25 @@ class VerdictWatch:
             from ..health.store import StoreClient
 
             self.client = StoreClient(cfg, timeout_s=0.5)
-            self.start = self._seq()
         except Exception:
             self.client = None
 
-    def _seq(self) -> Optional[str]:
-        try:
-            return self.client.get("last_verdict") if self.client is not None else None
-        except Exception:
-            return self.start
-
     def node_lost(self) -> bool:
-        return self.client is not None and self._seq() != self.start
+        if self.client is None:
+            return False
+        try:
+            return verdict_time(self.client.get("last_verdict")) >= self.since
+        except Exception:
+            return False
+
+
+def verdict_time(value: Optional[str]) -> float:
+    """The time of a ``last_verdict`` value (``-inf`` for none or a malformed one).
+
+    >>> verdict_time("1/4242/1764126123.5"), verdict_time(None)
+    (1764126123.5, -inf)
+    """
+    try:
+        return float(str(value).rsplit("/", 1)[1])
+    except (IndexError, ValueError):
+        return float("-inf")

@@ -54,6 +54,7 @@ class Keeper:
         self.job_host: Optional[int] = None  # pid of the job's store we host (torchrun's rank 0)
         self.verdicts: Optional[fr.VerdictWatch] = None
         self.round_started = 0.0
+        self.started = time.time()  # this torchrun attempt's start, as far as this worker knows
         self.settle_s = 0.0
         self.next_poll = 0.0
 
@@ -128,7 +129,7 @@ class Keeper:
         self.round = fr.Round(n, self.round.budget, self.round.stopping)
         self.trainer = self.fork_trainer(dict(self.env, MASTER_PORT=str(port), MFT_FAST_ROUND=str(n)))
         if self.verdicts is None:
-            self.verdicts = fr.VerdictWatch(self.env)
+            self.verdicts = fr.VerdictWatch(self.env, since=self.started)
             self.settle_s = _health_timeout(self.env) + 1.0
         self.round_started = time.monotonic()
         log.warning("spares: rank %s: round %d, trainer pid %d", self.env.get("RANK"), n, self.trainer)

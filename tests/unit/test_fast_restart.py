@@ -33,3 +33,10 @@ def test_budget_comes_from_the_launcher_and_needs_the_job_store():
     assert fr.budget({**env, "MFT_FAST_RESTARTS": "x"}) == 0
     assert fr.budget({k: v for k, v in env.items() if k != "MASTER_PORT"}) == 0
     assert fr.budget({k: v for k, v in env.items() if k != "MFT_FAST_RESTARTS"}) == 0
+
+
+def test_a_verdict_counts_only_when_it_came_during_this_attempt():
+    w = fr.VerdictWatch({}, since=100.0)  # no config with a health store: no client, never lost
+    assert not w.node_lost()
+    assert fr.verdict_time("2/77/150.25") == 150.25 >= 100.0
+    assert fr.verdict_time("garbage") == float("-inf")
