@@ -4,6 +4,7 @@ tests and benchmarks; never by the runtime."""
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from typing import Any, Callable
@@ -15,11 +16,24 @@ class WaitTimeout(RuntimeError):
     pass
 
 
+#: ports are drawn from here up to the kernel's ephemeral range
+PORTS_FROM = 10000
+_random = random.SystemRandom()  # not the global generator a test or trainer may have seeded
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral range starts (outgoing connections take their ports from it)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range, so no outgoing connection takes
+    it before whoever it is for binds it."""
+    return free_port_range(1)
 
 
 def _port_free(port: int) -> bool:
@@ -32,9 +46,16 @@ def _port_free(port: int) -> bool:
 
 
 def free_port_range(n: int) -> int:
-    """A base port with ``n`` free ports above it (the agents' stores on one machine)."""
-    for _ in range(50):
-        base = free_port()
+    """A base port with ``n`` free ports from it (the agents' stores on one machine), below the
+    ephemeral range (or, where that range leaves no room, any the kernel offers)."""
+    hi = _ephemeral_low() - n
+    for _ in range(200):
+        if hi > PORTS_FROM:
+            base = _random.randrange(PORTS_FROM, hi)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
         if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
