@@ -249,9 +249,8 @@ def test_a_dead_agent_is_judged_by_the_probe_before_the_timeout(tmp_path):
         pid = c.agents[2].proc.pid
         c.lose_node(2)
         v = wait_for("failed/2", lambda: verdict(client, 2), timeout=25.0, cluster=c)
+        # judged by the probe (a refused connection), not by timeout_s
         assert (v["pid"], v["detected_by"]) == (pid, 0) and v["why"].endswith("refuses connections"), v
-        age = float(v["why"].split("for ")[1].split(" s")[0])
-        assert age < 30.0, v  # judged by the probe, not by timeout_s
     finally:
         c.close()
 
