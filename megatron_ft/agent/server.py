@@ -16,6 +16,7 @@ a child of any of them. It
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import queue
@@ -752,6 +753,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[agent n{args.node} %(asctime)s] %(levelname)s %(message)s")
+    # `kill -USR1 <agent pid>`: every thread's stack into the agent's log (a stuck agent, diagnosed live)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = ftconfig.load(args.config)
     changes: dict = {}
     if args.run_id:

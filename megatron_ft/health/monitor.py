@@ -81,10 +81,14 @@ class Monitor:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
+            t0 = time.monotonic()
             try:
                 self.beat()
             except Exception as e:  # the store may be failing over; try again next beat
                 log.warning("node %d: heartbeat failed: %s", self.node, e)
+            took = time.monotonic() - t0
+            if took > max(1.0, 5 * self.heartbeat_s):  # a slow store (or probe) delays every verdict
+                log.warning("node %d: one heartbeat took %.1f s (heartbeat_s %g)", self.node, took, self.heartbeat_s)
 
     def beat(self) -> None:
         """One heartbeat: write ours; the root watches everyone's, the others the root's."""

@@ -81,6 +81,11 @@ class AgentProc:
             self.proc.terminate()
             self.proc.wait(timeout=60)
 
+    def dump_threads(self) -> None:
+        """A live agent writes every thread's stack into its log (SIGUSR1, faulthandler)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+
     def log(self) -> str:
         try:
             with open(self.log_path, errors="replace") as f:
@@ -168,9 +173,16 @@ class LocalCluster:
             if all(g >= step for g in got):
                 return
             if time.time() > deadline:
-                raise WaitTimeout(f"step {step} not complete on every node: {got}; "
-                                  + "\n".join(self.agents[n].log()[-3000:] for n in nodes))
+                raise WaitTimeout(f"step {step} not complete on every node: {got}; " + self.logs(nodes))
             time.sleep(0.02)
+
+    def logs(self, nodes=None, tail: int = 3000) -> str:
+        """For a failed wait: the live agents dump their threads' stacks, then each log's tail."""
+        nodes = range(self.nodes) if nodes is None else nodes
+        for n in nodes:
+            self.agents[n].dump_threads()
+        time.sleep(0.5)
+        return "\n".join(self.agents[n].log()[-tail:] for n in nodes)
 
     def lose_node(self, n: int) -> None:
         """The node's memory goes with it: kill its agent, drop its shared memory."""

@@ -143,7 +143,7 @@ FAST_HEALTH = {"heartbeat_s": 0.1, "timeout_s": 1.0}
 
 
 def wait_for(what, fn, timeout=30.0, cluster=None):
-    logs = (lambda: "\n".join(a.log()[-2000:] for a in cluster.agents)) if cluster else (lambda: "")
+    logs = (lambda: cluster.logs(tail=6000)) if cluster else (lambda: "")
     return helpers.wait_for(what, fn, timeout, logs)
 
 
@@ -251,6 +251,21 @@ def test_a_dead_agent_is_judged_by_the_probe_before_the_timeout(tmp_path):
         v = wait_for("failed/2", lambda: verdict(client, 2), timeout=25.0, cluster=c)
         # judged by the probe (a refused connection), not by timeout_s
         assert (v["pid"], v["detected_by"]) == (pid, 0) and v["why"].endswith("refuses connections"), v
+    finally:
+        c.close()
+
+
+def test_an_agent_writes_every_threads_stack_into_its_log_on_sigusr1(tmp_path):
+    """Diagnosing a stuck agent live: ``kill -USR1 <agent pid>`` (faulthandler); the agent goes on."""
+    c = _probe_cluster(tmp_path, 30.0)
+    try:
+        c.train(1)
+        c.agents[0].dump_threads()
+        log = wait_for("a stack dump", lambda: (lambda t: t if "most recent call first" in t else "")(
+            c.agents[0].log()), timeout=10.0)
+        assert "health/monitor.py" in log, log[-3000:]  # the heartbeat thread is among them
+        c.train(1, start=2)  # still serving
+        assert c.status(0)["redundancy"]["complete_step"] == 2
     finally:
         c.close()
 
