@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .. import config as ftconfig
 from ..trainer.checkpointer import InMemoryCheckpointer
+from .loop import TrainingLoop
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("megatron_ft")
@@ -46,40 +47,37 @@ class MegatronCheckpointHooks:
     def __init__(self, args: argparse.Namespace):
         self.cfg = ftconfig.from_args(args)
         self.ckpt: Optional[InMemoryCheckpointer] = None
-        self.sched = None  # megatron_ft.megatron.scheduled.ScheduledHooks (redundancy.transport: scheduled)
+        self.loop: Optional[TrainingLoop] = None  # the scheduled transport, when configured (no profiler here)
 
     def restore(self, objs: Any, iteration: int, consumed_samples: int) -> tuple[int, int]:
         topo = checked_topology(self.cfg)
         adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
         self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
         res = self.ckpt.restore()
-        if self.cfg.redundancy.transport == "scheduled" and self.ckpt.engine is not None:
-            from .scheduled import ScheduledHooks
-
-            self.sched = ScheduledHooks(self.cfg, self.ckpt, objs)
+        self.loop = TrainingLoop(self.cfg, self.ckpt, objs, profiler=None)
         if res.source == "none":
             return iteration, consumed_samples
         progress = adapter.restored_progress or {}
         return int(progress["iteration"]), int(progress["consumed_samples"])
 
     def before_iteration(self, objs: Any, iteration: int) -> None:
-        if self.sched is not None:
-            self.sched.before_iteration(iteration)
+        if self.loop is not None:
+            self.loop.before_iteration(iteration)
 
     def before_optimizer_step(self, objs: Any, iteration: int) -> None:
         if self.ckpt is not None:
             self.ckpt.before_optimizer_step()
 
     def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
-        if self.sched is not None:  # before the snapshot of this step starts: the engine is idle
-            self.sched.after_iteration(iteration)
-        if self.ckpt is not None and not (self.sched is not None and self.sched.snapshots_off):
+        if self.loop is not None:  # before the snapshot of this step starts: the engine is idle
+            self.loop.after_iteration(iteration)
+        if self.ckpt is not None and not (self.loop is not None and self.loop.snapshots_off):
             self.ckpt.after_iteration(iteration, consumed_samples)
 
     def close(self) -> None:
         try:
-            if self.sched is not None:
-                self.sched.close()
+            if self.loop is not None:
+                self.loop.close()
         finally:
             if self.ckpt is not None:
                 self.ckpt.close()

@@ -155,6 +155,7 @@ class Outcome:
     load_after: float = 0.0
     leftovers: list = field(default_factory=list)
     when: str = ""
+    restarted_by: Optional[str] = None  # "fast round N", "torchrun restart N" (the demo's summary)
 
 
 def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers: list[str], output: str) -> tuple[str, str]:
@@ -236,7 +237,12 @@ def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/s
     return Outcome(asdict(trial), verdict, why, (summary or {}).get("recovered_from"),
                    (summary or {}).get("promised_tier"), (summary or {}).get("resumed_step"),
                    round(time.time() - t0, 1), round(load0, 2), round(os.getloadavg()[0], 2), left,
-                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), (summary or {}).get("restarted_by"))
+
+
+def _restart_kind(restarted_by: str) -> str:
+    """``"fast round 2"`` -> ``'fast round'``; ``"torchrun restart 1"`` -> ``'torchrun restart'``."""
+    return restarted_by.rstrip("0123456789 ")
 
 
 def tally(outcomes: list[dict]) -> dict[str, dict[str, int]]:
@@ -255,17 +261,19 @@ def report(outcomes: list[dict], command: str) -> str:
              "classified against the promised tiers (`megatron_ft/tiers.py`, `docs/architecture.md`): right means",
              "bit-exact at the promised tier or better with nothing left in /dev/shm or running.", "",
              f"Command: `{command}`", "",
-             "| kind | trials | right | wrong | tiers reached | resumed steps |", "|---|---|---|---|---|---|"]
+             "| kind | trials | right | wrong | tiers reached | resumed steps | restarted by |",
+             "|---|---|---|---|---|---|---|"]
     for kind in sorted(t):
         r = t[kind]
         mine = [o for o in outcomes if _label(o) == kind]
         reached = sorted({str(o["recovered_from"] or "none (clean exit)") for o in mine})
         steps = sorted({o["resumed_step"] for o in mine if o["resumed_step"] is not None})
+        how = sorted({_restart_kind(o.get("restarted_by")) for o in mine if o.get("restarted_by")})
         lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} | {', '.join(reached)} "
-                     f"| {', '.join(map(str, steps)) or '-'} |")
+                     f"| {', '.join(map(str, steps)) or '-'} | {', '.join(how) or '-'} |")
     total_r = sum(r["right"] for r in t.values())
     total_w = sum(r["wrong"] for r in t.values())
-    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} | | |")
+    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} | | | |")
     if loads:
         lines += ["", f"Load average (1 min) before each trial: min {min(loads):.2f}, median "
                       f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}; "

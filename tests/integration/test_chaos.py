@@ -50,7 +50,7 @@ def test_a_campaign_on_a_cluster_file_keeps_its_scheme_and_reports_per_file(tmp_
             {"trial": {**chaos.Trial(1, 1, "node", 4, 0, 12).__dict__}, "verdict": "right", "why": "",
              "load_before": 1.0, "when": "2026-11-25T17:00:00Z", "recovered_from": "disk", "resumed_step": 2}]
     text = chaos.report(outs, "megatron-ft chaos")
-    assert "| node @ rs-k3-m2-5x1 | 1 | 1 | 0 | decoded | 3 |" in text and "| node | 1 | 1 | 0 | disk | 2 |" in text
+    assert "| node @ rs-k3-m2-5x1 | 1 | 1 | 0 | decoded | 3 | - |" in text and "| node | 1 | 1 | 0 | disk | 2 | - |" in text
     args = argparse.Namespace(config=cfg, kinds="node-rs", seed=1, results=str(tmp_path / "r.jsonl"))
     with pytest.raises(chaos.ftconfig.ConfigError, match=r"--kinds: \['node-rs'\] not among .* \(with --config\)"):
         chaos.main(args)
@@ -86,8 +86,10 @@ def test_report_tallies_kinds_and_load():
     outs = [{"trial": {"kind": "trainer", "index": i, "kill_at": 4, "kill_delay": 0.1}, "verdict": v, "why": w,
              "load_before": 1.0 + i, "when": "2026-11-24T19:00:00Z", "recovered_from": r, "resumed_step": s}
             for i, (v, w, r, s) in enumerate([("right", "", "local_memory", 3), ("wrong", "hang", None, None)])]
+    outs[0]["restarted_by"] = "fast round 2"  # how it came back: a fast round or torchrun (older records: none)
+    outs.append({**outs[0], "restarted_by": "torchrun restart 1"})
     text = chaos.report(outs, "megatron-ft chaos --seed 1")
-    assert "| trainer | 2 | 1 | 1 | local_memory, none (clean exit) | 3 |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
+    assert "| trainer | 3 | 2 | 1 | local_memory, none (clean exit) | 3 | fast round, torchrun restart |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
     assert "max 2.00" in text
 
 
