@@ -1,4 +1,4 @@
-"""DeepSpeed through megatron-ft's in-memory tier: real agents, real torchrun restarts, real SIGKILL.
+"""DeepSpeed through megatron-ft's in-memory tier: real agents, real fast restart rounds, real SIGKILL.
 
 Each scenario runs ``scripts/pretrain_deepspeed.py`` on 2 gloo ranks (1 simulated node) twice:
 
@@ -6,7 +6,8 @@ Each scenario runs ``scripts/pretrain_deepspeed.py`` on 2 gloo ranks (1 simulate
 2. under ``megatron-ft launch`` (agent + torchrun with restarts) with ``--inmem-ckpt`` (a
    DeepSpeed ``save_checkpoint`` into the agent's shared memory after every iteration). Rank 1 is
    SIGKILLed from outside once it has logged iteration ``KILL_AT`` (or kills itself at a fault
-   point); torchrun restarts both ranks, ``engine.load_checkpoint`` restores the newest step both
+   point); the keepers of the warm spares fork both ranks again in fast round 1 (torchrun restarts
+   nothing), ``engine.load_checkpoint`` restores the newest step both
    ranks hold, verified, and training runs to the end.
 
 Then every rank's final digests (parameters / ZeRO partitions, the optimizer's state dict, LR
@@ -216,10 +217,12 @@ def check_recovery(tmp_path, shm_cleanup, stage, pipeline=False, fault=None):
     ref_dir = reference(tmp_path, stage, pipeline)
     run_dir, killed = recovered_run(tmp_path, stage, pipeline, shm_cleanup, fault=fault)
     events = restores(run_dir)
-    # first start: nothing to restore; after the kill both ranks restore the same step from memory
-    assert [e["source"] for e in events if e["restart_count"] == 0] == ["none", "none"], events
-    after = [e for e in events if e["restart_count"] > 0]
+    # first start: nothing to restore; after the kill both ranks restore the same step from memory,
+    # forked again by their keepers in fast round 1 (warm spares, the default): torchrun restarted nothing
+    assert [e["source"] for e in events if (e["restart_count"], e.get("fast_round", 0)) == (0, 0)] == ["none", "none"], events
+    after = [e for e in events if (e["restart_count"], e.get("fast_round", 0)) != (0, 0)]
     assert len(after) == 2 and {e["source"] for e in after} == {"local_memory"}, events
+    assert {(e["restart_count"], e["fast_round"]) for e in after} == {(0, 1)}, events
     assert len({e["step"] for e in after}) == 1, events
     step = after[0]["step"]
     if killed is not None:  # rank 1 had saved KILL_AT before logging it: nothing older than that is needed
