@@ -308,7 +308,6 @@ class NodeOwners:
     launcher: int
 
 
-RUNNING_HEARTBEATS = 20  # another agent past this many heartbeats: the job was already running
 
 
 class Rendezvous:
@@ -374,17 +373,11 @@ class Rendezvous:
             return None
 
     def _job_running(self) -> bool:
-        """Whether another node's agent has been heartbeating for a while: this launcher joins a
-        running job (a replacement), not one that is starting (every agent's count is small then)."""
-        for n in range(self.cfg.cluster.nodes):
-            if n == self.node:
-                continue
-            try:
-                if int(self._heartbeat(n).get("seq", 0)) >= RUNNING_HEARTBEATS:
-                    return True
-            except (ValueError, TypeError):
-                continue
-        return False
+        """Whether another node's agent has had a trainer (its heartbeat's ``trained``): this launcher
+        joins a running job (a replacement). While a job starts no agent has one - trainers start only
+        once every node's torchrun joined the rendezvous, i.e. after every launcher asked this - however
+        long the agents have been up (warming spare pools, slow imports)."""
+        return any(self._heartbeat(n).get("trained") is True for n in range(self.cfg.cluster.nodes) if n != self.node)
 
     def current(self, log) -> RdzvGeneration:
         """The generation to join at start: the published one, or 0 when the job is starting. A
@@ -399,6 +392,9 @@ class Rendezvous:
         try:
             self.store.connect(3.0)
             raw, pub = self._published()
+            if pub is None and self._job_running():
+                log(f"[launch n{self.node}] joining a running job: waiting up to "
+                    f"{self.cfg.launch.start_timeout_s:g} s for its rendezvous record")
             while pub is None and self._job_running() and time.time() < deadline:
                 time.sleep(0.5)
                 raw, pub = self._published()

@@ -86,6 +86,7 @@ class Agent:
         self.monitor = None
         self._launcher = 0  # the launcher pid watch_launcher follows (0: none)
         self._orphan = False  # that launcher is gone and no new one adopted this agent yet
+        self._trained = False  # a trainer registered (or slots were adopted): the job is past its start
 
     def start_peers(self) -> None:
         """Join the group's coordination store and peer transport."""
@@ -101,7 +102,8 @@ class Agent:
         host = h.host_of(self.node)
         self.redundancy = Redundancy(self, self.store, host)
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
-                               launcher_pid=self.launcher_pid, address=self.redundancy.address).start()
+                               launcher_pid=self.launcher_pid, address=self.redundancy.address,
+                               trained=self.trained).start()
         for rank, size in self.slot_sizes().items():
             self.redundancy.publish_size(rank, size)
 
@@ -153,6 +155,7 @@ class Agent:
                             [s.index for s in rv.slots])
                 self._drop_rank(rank)
         if n:
+            self._trained = True
             log.info("agent node %d: adopted %d existing slots: %s", self.node, n, self.describe())
         return n
 
@@ -180,6 +183,7 @@ class Agent:
                 used = sum(g.size for gs in self.segments.values() for g in gs) + sum(self._reserved.values())
                 budget = max(0, limit - used) if limit else None
                 self._reserved[rank] = geom.total * nslots
+        self._trained = True
         if adopted:
             self._publish_size(rank, segs[0].size)
             return {"slots": [g.path for g in segs], "adopted": True}
@@ -660,6 +664,11 @@ class Agent:
                 time.sleep(0.05)
             raise TimeoutError(f"persists still pending after {wait_s:g} s")
         return {}  # bye, shutdown: answered by handle
+
+    def trained(self) -> bool:
+        """Whether a trainer registered with this agent (or with the agent whose slots it adopted):
+        the job is past its start. Lock-free (one attribute read), called by the heartbeat thread."""
+        return self._trained
 
     # ------------------------------------------------------------------ the launcher
     def launcher_pid(self) -> int:

@@ -1,6 +1,6 @@
 """Heartbeats and failure classification (GEMINI section 6: the root agent and the health store).
 
-Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time", "launcher", "addr"}`` every
+Every agent writes ``hb/<node>`` = ``{"pid", "seq", "time", "launcher", "addr", "trained"}`` every
 ``health.heartbeat_s`` (which also re-publishes its keys on a new root after a failover, see
 :mod:`.store`). The root agent watches all of them: a heartbeat that has not changed for
 ``health.timeout_s`` (measured on the root's own monotonic clock, so clocks of different machines
@@ -59,12 +59,15 @@ def refuses_connections(address: str, timeout_s: float) -> bool:
 
 class Monitor:
     """``launcher_pid``: called (no lock held) at every beat for the ``launcher`` field;
-    ``address``: this agent's peer port (``host:port``), which the root probes when its heartbeats stop."""
+    ``address``: this agent's peer port (``host:port``), which the root probes when its heartbeats stop;
+    ``trained``: called (no lock held) at every beat for the ``trained`` field - whether a trainer ever
+    registered with this agent (a launcher tells a running job from one that is starting by it)."""
 
     def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
-                 launcher_pid: Callable[[], int] = lambda: 0, address: str = ""):
+                 launcher_pid: Callable[[], int] = lambda: 0, address: str = "",
+                 trained: Callable[[], bool] = lambda: False):
         self.store, self.node, self.nodes = store, node, nodes
-        self.launcher_pid, self.address = launcher_pid, address
+        self.launcher_pid, self.address, self.trained = launcher_pid, address, trained
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.probe_after_s = min(2 * heartbeat_s, timeout_s)  # two heartbeats missed
         self._probed: dict[int, float] = {}  # node -> our time of its last probe (root)
@@ -94,7 +97,8 @@ class Monitor:
         """One heartbeat: write ours; the root watches everyone's, the others the root's."""
         self.seq += 1
         self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time(),
-                                                         "launcher": self.launcher_pid(), "addr": self.address}))
+                                                         "launcher": self.launcher_pid(), "addr": self.address,
+                                                         "trained": self.trained()}))
         if self.store.is_root:
             self._watch()
         else:

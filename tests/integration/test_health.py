@@ -255,6 +255,26 @@ def test_a_dead_agent_is_judged_by_the_probe_before_the_timeout(tmp_path):
         c.close()
 
 
+def test_a_starting_job_is_told_from_a_running_one_by_trainers_not_by_heartbeat_counts(tmp_path):
+    """A launcher that finds no rendezvous record waits for one only when the job was already
+    running (a replacement). Agents that heartbeat for long before their trainers come (spare pools
+    warming up, slow imports) are still a starting job; one whose trainers registered is running."""
+    from megatron_ft.launch import Rendezvous
+
+    c = _probe_cluster(tmp_path, 30.0)  # heartbeats every 0.1 s
+    try:
+        rdzv = Rendezvous(c.cfg, 2)
+        rdzv.store.connect(10)
+        wait_for("30 heartbeats of node 0", lambda: json.loads(rdzv.store.get("hb/0"))["seq"] >= 30, cluster=c)
+        assert not rdzv._job_running()  # long-lived agents, no trainer yet: starting
+        c.train(1)
+        wait_for("node 0's heartbeat after its trainer registered",
+                 lambda: json.loads(rdzv.store.get("hb/0")).get("trained"), cluster=c)
+        assert rdzv._job_running()
+    finally:
+        c.close()
+
+
 def test_an_agent_writes_every_threads_stack_into_its_log_on_sigusr1(tmp_path):
     """Diagnosing a stuck agent live: ``kill -USR1 <agent pid>`` (faulthandler); the agent goes on."""
     c = _probe_cluster(tmp_path, 30.0)
