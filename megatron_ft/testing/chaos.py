@@ -177,6 +177,9 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
         return "wrong", f"false verdict: {summary['false_verdicts'][:2]}"
     promised = summary.get("promised_tier")
     reached = summary.get("recovered_from") or "none"
+    if promised == "none" and summary.get("newest_persisted_before_failure") is None and rc == 0:
+        # beyond the redundancy's tolerance before any step was persisted whole: a fresh start is the promise
+        return "right", "nothing persisted whole before the loss: a fresh start"
     if promised is None or reached == "none" or not tiers.meets(reached, promised):
         return "wrong", f"lower-tier: {reached} < {promised}"
     if rc != 0:

@@ -74,6 +74,11 @@ GOOD = {"bitwise_identical": True, "recovered_from": "decoded", "promised_tier":
     ("trainer", 1, {**GOOD, "false_verdicts": ["node 1 (missed heartbeats for 5.2 s)"]}, [], "",
      ("wrong", "false verdict: ['node 1 (missed heartbeats for 5.2 s)']")),
     ("trainer", 1, None, [], "Traceback", ("wrong", "crash: no summary (exit 1)")),
+    # two nodes of an xor group lost before the first persist completed: nothing else to promise
+    ("two-nodes-xor", 0, {**GOOD, "promised_tier": "none", "recovered_from": "none", "newest_persisted_before_failure": None},
+     [], "", ("right", "nothing persisted whole before the loss: a fresh start")),
+    ("two-nodes-xor", 0, {**GOOD, "promised_tier": None, "recovered_from": "none", "newest_persisted_before_failure": None},
+     [], "", ("wrong", "lower-tier: none < None")),  # no failure recorded at all: never right
     ("max-restarts-0", 1, None, [], "megatron-ft run failed with exit code 1", ("right", "the job ended non-zero, cleanly")),
     ("max-restarts-0", 0, GOOD, [], "", ("wrong", "max_restarts 0 should end the job non-zero (exit 0)")),
 ])
