@@ -84,7 +84,7 @@ class NodeLauncher:
                 return
             self.pool_socket = pool.socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.node)
             self.pool = pool.start(self.pool_socket, os.path.join(self.node_dir, "spares.log"),
-                                   pool.imports_for(self.script))
+                                   pool.imports_for(self.script), pool.own_trees(self.script))
             with open(os.path.join(self.node_dir, "spares.pid"), "w") as f:
                 f.write(str(self.pool.pid))
         why = pool.wait_warm(self.pool, self.pool_socket or "", self.cfg.launch.start_timeout_s)
@@ -622,7 +622,7 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
         pool_socket = spares.socket_path(cfg.agent.socket_dir, f"{cfg.run_id}.standby{os.getpid()}", 0)
         os.makedirs(args.run_dir, exist_ok=True)
         pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
-                            spares.imports_for(script))
+                            spares.imports_for(script), spares.own_trees(script))
     try:
         return _standby(args, cfg, script, who, pool, pool_socket)
     finally:

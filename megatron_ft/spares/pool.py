@@ -68,19 +68,13 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
     """What to import for the training command ``script`` (a path and its arguments, or ``-m
     MODULE ...``): the base set, plus megatron-core's or DeepSpeed's modules when the top-level
     imports of the script - or of any ``.py`` file among its arguments, as when a wrapper runs the
-    real script - name them. Nothing of the script runs (megatron.training, for one, needs the
-    job's own set-up first, so it is left to the trainer)."""
+    real script - name them; a package the script's own tree provides (upstream Megatron-LM's
+    ``megatron/``) is imported from that tree (:func:`own_trees`, put on the pool's ``sys.path``).
+    Nothing of the script runs (megatron.training, for one, needs the job's own set-up first, so it
+    is left to the trainer)."""
     import ast
-    import importlib.util
 
-    paths = [a for a in script if a.endswith(".py") and os.path.isfile(a)]
-    if script and script[0] in ("-m", "--module") and len(script) > 1:
-        try:
-            spec = importlib.util.find_spec(script[1])
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None and spec.origin:
-            paths.append(spec.origin)
+    paths = _script_paths(script)
     top: set[str] = set()
     for path in paths:
         try:
@@ -94,12 +88,35 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
                 top.add(node.module.split(".")[0])
     if not paths:
         return DEFAULT_IMPORTS
-    # a package the script's own tree provides (upstream Megatron-LM's megatron/) is imported from
-    # there by the trainer; a copy imported here first would shadow it
-    own = {pkg for pkg in PACKAGE_IMPORTS for path in paths
-           if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(path)), pkg))}
-    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top and pkg not in own
-                                for m in mods)
+    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
+
+
+def own_trees(script: list[str]) -> tuple[str, ...]:
+    """The directories of the training command's scripts that provide a package of
+    :data:`PACKAGE_IMPORTS` themselves (upstream Megatron-LM's tree, with its ``megatron/``): the
+    pool imports from there, as the trainer would (the script's directory comes first on its
+    ``sys.path``), so no installed copy shadows the tree."""
+    out: list[str] = []
+    for path in _script_paths(script):
+        d = os.path.dirname(os.path.abspath(path))
+        if d not in out and any(os.path.isdir(os.path.join(d, pkg)) for pkg in PACKAGE_IMPORTS):
+            out.append(d)
+    return tuple(out)
+
+
+def _script_paths(script: list[str]) -> list[str]:
+    """The ``.py`` files of a training command (a path and its arguments, or ``-m MODULE ...``)."""
+    import importlib.util
+
+    paths = [a for a in script if a.endswith(".py") and os.path.isfile(a)]
+    if script and script[0] in ("-m", "--module") and len(script) > 1:
+        try:
+            spec = importlib.util.find_spec(script[1])
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin:
+            paths.append(spec.origin)
+    return paths
 
 
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:
@@ -128,10 +145,12 @@ def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return req, fds
 
 
-def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
-    """The zygote: warm up, then fork a keeper (and through it a trainer) per request. Never
-    returns; ends with its launcher (PR_SET_PDEATHSIG) or a signal."""
+def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[str, ...] = ()) -> None:
+    """The zygote: warm up (``trees`` before the installed packages on ``sys.path``), then fork a
+    keeper (and through it a trainer) per request. Never returns; ends with its launcher
+    (PR_SET_PDEATHSIG) or a signal."""
     t0 = time.time()
+    sys.path[1:1] = list(trees)  # after [0], which a trainer sets to its script's directory
     done = warm_up(imports)
     try:
         os.unlink(path)
@@ -170,14 +189,17 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> None:
 
 
 # ---------------------------------------------------------------------- the launcher's side
-def start(path: str, log_path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS) -> "subprocess.Popen":
-    """Start a pool serving on ``path`` (it dies with the calling launcher); see :func:`wait_warm`."""
+def start(path: str, log_path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS,
+          trees: tuple[str, ...] = ()) -> "subprocess.Popen":
+    """Start a pool serving on ``path`` (it dies with the calling launcher); see :func:`wait_warm`.
+    ``trees``: directories imported from before the installed packages (:func:`own_trees`)."""
     import subprocess
 
     logf = open(log_path, "ab")
     try:
         return subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.pool", "--socket", path,
-                                 "--imports", ",".join(imports)], stdout=logf, stderr=subprocess.STDOUT)
+                                 "--imports", ",".join(imports), *(f"--tree={t}" for t in trees)],
+                                stdout=logf, stderr=subprocess.STDOUT)
     finally:
         logf.close()
 
@@ -216,10 +238,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="a node's warm spare trainers (started by megatron-ft launch)")
     p.add_argument("--socket", required=True)
     p.add_argument("--imports", default=",".join(DEFAULT_IMPORTS))
+    p.add_argument("--tree", action="append", default=[], help="import from this directory first (repeatable)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     die_with_parent()
-    serve(args.socket, tuple(m for m in args.imports.split(",") if m))
+    serve(args.socket, tuple(m for m in args.imports.split(",") if m), tuple(args.tree))
     return 0
 
 

@@ -113,13 +113,36 @@ def test_the_pool_imports_what_the_training_script_imports(tmp_path):
     s = tmp_path / "ds.py"
     s.write_text("import deepspeed\nimport torch\n")
     assert "deepspeed" in pool.imports_for([str(s)]) and "megatron.core" not in pool.imports_for([str(s)])
-    tree = tmp_path / "megatron-lm"  # upstream's tree brings its own megatron/: never shadowed by the pool's
+    tree = tmp_path / "megatron-lm"  # upstream's tree brings its own megatron/: imported from there
     (tree / "megatron" / "core").mkdir(parents=True)
     (tree / "pretrain_gpt.py").write_text("from megatron.core import parallel_state\nimport torch\n")
     wrapped = ["-m", "megatron_ft.testing.faults", "--fault", "x", "--", str(tree / "pretrain_gpt.py")]
-    assert not any(m.startswith(("megatron.", "megatron_ft.megatron")) for m in pool.imports_for(wrapped))
+    assert "megatron.core" in pool.imports_for(wrapped) and pool.own_trees(wrapped) == (str(tree),)
+    assert pool.own_trees([str(s)]) == ()
     assert "megatron.core" in pool.imports_for([os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
                                                              "pretrain_gpt.py")])
+
+
+def test_the_pool_imports_from_the_scripts_own_tree_before_the_installed_packages(tmp_path):
+    """A package the script's tree provides is warmed from that tree (as the trainer would import
+    it), and the trainer finds it already imported, from there."""
+    tree = tmp_path / "tree"
+    (tree / "mftprobe").mkdir(parents=True)
+    (tree / "mftprobe" / "__init__.py").write_text("import os\nPID = os.getpid()\n")
+    (tree / "train.py").write_text("import os, sys\nm = sys.modules.get('mftprobe')\n"
+                                   "print(m and m.__file__, m and m.PID != os.getpid())\n")
+    sock = str(tmp_path / "spares.sock")
+    proc = pool.start(sock, str(tmp_path / "spares.log"), ("mftprobe",), (str(tree),))
+    try:
+        assert pool.wait_warm(proc, sock, 60) is None, open(tmp_path / "spares.log").read()
+        w = subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.worker", str(tree / "train.py")], cwd=tmp_path,
+                             env=dict(os.environ, MFT_SPARES_SOCKET=sock), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        out, err = w.communicate(timeout=60)
+        assert w.returncode == 0, err
+        assert out.split() == [str(tree / "mftprobe" / "__init__.py"), "True"], (out, err)  # imported in the pool
+    finally:
+        pool.stop(proc, sock)
 
 
 ROUNDS_SCRIPT = """
