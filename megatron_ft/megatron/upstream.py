@@ -14,7 +14,8 @@ imports ``megatron.training`` gets the same set-up without a hand edit:
 * **CPU layer** (only when ``torch.cuda.is_available()`` is false; never installed with CUDA):
   :mod:`megatron_ft.megatron.cpu_compat` plus what ``megatron.training`` needs beyond megatron-core:
   a stand-in for the Triton kernel modules it imports (no Triton without CUDA), ``initialize_megatron``
-  without its CUDA assertion, one "device" for the model-parallel set-up, no fused-kernel build, the
+  without its CUDA assertion, one "device" for the model-parallel set-up, no fused-kernel build, no
+  compile warm-up of the fusions the CPU flags turn off, the
   dataset helpers' compiled module taken from the installed megatron-core wheel when its source is
   byte-identical to the tree's (no pybind11 build), the gloo backend, and the CPU flags appended to
   ``sys.argv`` when absent (:data:`CPU_FLAGS`). One log line says what was done.
@@ -239,6 +240,29 @@ def _distributed_optimizer_state_before_first_step() -> None:
     _wrap(distrib_optimizer.DistributedOptimizer, "load_state_dict", make_load)
 
 
+def _no_warm_up_of_disabled_fusions() -> None:
+    """Upstream's ``set_jit_fusion_options`` compiles (``torch.compile``) the fused bias+GeLU/SwiGLU
+    and bias+dropout+add functions on sample tensors, so that the first step need not, whatever the
+    fusion flags say. The CPU layer turns those fusions off (:data:`CPU_FLAGS`): the model never calls
+    them, and compiling them cost about 4 s of every trainer's start on 2 cores, a restarted one's as
+    a cold one's. The warm-up is skipped while all three fusions are off (it still runs when a user
+    turned one on)."""
+    import megatron.training.initialize as initialize
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _warmup_jit_function() -> Any:
+            from megatron.training.global_vars import get_args
+
+            args = get_args()
+            if args.bias_gelu_fusion or args.bias_swiglu_fusion or args.bias_dropout_fusion:
+                return orig()
+            return None
+
+        return _warmup_jit_function
+
+    _wrap(initialize, "_warmup_jit_function", make)
+
+
 def before_training_import() -> None:
     """First statement of the patched ``megatron/training/__init__.py``."""
     if "before" in _done:
@@ -288,5 +312,6 @@ def after_training_import() -> None:
 
     _wrap(initialize, "initialize_megatron", make)
     _distributed_optimizer_state_before_first_step()
+    _no_warm_up_of_disabled_fusions()
     training.initialize_megatron = initialize.initialize_megatron
     sys.modules["megatron.training"].initialize_megatron = initialize.initialize_megatron  # type: ignore[attr-defined]

@@ -66,6 +66,45 @@ def test_triton_stand_in_answers_module_protocol_like_a_module():
     assert "RAISED" in out.stdout and "needs Triton" in out.stdout
 
 
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    if not SOURCE:
+        pytest.skip("no upstream Megatron-LM")
+    return megatron_lm.patched_tree(SOURCE, str(tmp_path_factory.mktemp("upstream") / "megatron-lm"))
+
+
+WARM_UP = """
+import sys, types
+sys.path.insert(0, sys.argv[1])
+sys.argv[1:] = []
+import megatron.training.initialize as initialize
+from megatron.training.global_vars import set_args
+from torch._dynamo.utils import counters
+args = types.SimpleNamespace(bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
+                             bf16=False, fp16=False, ffn_hidden_size=16, hidden_size=8, tensor_model_parallel_size=1,
+                             seq_length=4, context_parallel_size=1, micro_batch_size=1, swiglu=False,
+                             sequence_parallel=False)
+set_args(args)
+initialize.set_jit_fusion_options()
+print("off", counters["stats"]["unique_graphs"])
+args.bias_dropout_fusion = True
+initialize.set_jit_fusion_options()
+print("on", counters["stats"]["unique_graphs"])
+"""
+
+
+@needs_upstream
+def test_the_cpu_layer_skips_the_warm_up_of_fusions_it_turned_off(tree):
+    """Upstream compiles its fused bias+activation and bias+dropout+add functions at start whatever
+    the fusion flags say; on CPU (fusions off) that compile is skipped, and it runs again when a
+    fusion is turned on."""
+    out = subprocess.run([sys.executable, "-c", WARM_UP, tree], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("off ", "on ")))
+    assert lines["off"] == "0", out.stdout
+    assert int(lines["on"]) > 0, out.stdout
+
+
 def demo(tmp_path, *args, iters=8):
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--megatron-lm={SOURCE}", f"--iters={iters}",
            f"--workdir={tmp_path / 'demo'}", *args]
