@@ -21,6 +21,12 @@ imports ``megatron.training`` gets the same set-up without a hand edit:
   ``sys.argv`` when absent (:data:`CPU_FLAGS`). One log line says what was done.
 
 Both functions are idempotent and cheap; neither does I/O beyond reading files and the environment.
+
+**In a warm spare pool** (:mod:`megatron_ft.spares.pool` imports ``megatron.training`` from the
+script's tree before any trainer exists): the process-wide part runs there once (the pool has no
+``LOCAL_RANK``, so no rank is pinned, and no CUDA is touched: see the pool's contracts), and the
+per-process part (:func:`for_this_process`: the pinned rank, the CPU flags in ``sys.argv``) runs in
+each trainer the pool forks, before its script.
 """
 from __future__ import annotations
 
@@ -263,40 +269,98 @@ def _no_warm_up_of_disabled_fusions() -> None:
     _wrap(initialize, "_warmup_jit_function", make)
 
 
-def before_training_import() -> None:
-    """First statement of the patched ``megatron/training/__init__.py``."""
-    if "before" in _done:
-        return
-    _done.add("before")
+def for_this_process() -> list[str]:
+    """What the bootstrap does per process, idempotent: the node-pinned rank (and the process-group
+    store of torchrun's rank 0), and with the CPU layer the CPU flags appended to ``sys.argv``.
+    Returns what it did, for the log line."""
     said = []
     if pin_rank() is not None:
         _store_for_init_process_group()
         said.append(f"rank {os.environ['RANK']} pinned to node {os.environ['MFT_NODE_RANK']}")
-    if torch.cuda.is_available():
-        if said:
-            print(f"[megatron-ft] {'; '.join(said)}", flush=True)
-        return
-    from .cpu_compat import install_upstream_cpu
+    if "cpu" in _done:
+        added = cpu_argv(sys.argv)[len(sys.argv):]
+        sys.argv[:] = cpu_argv(sys.argv)
+        if added:
+            said.append(f"CPU flags added: {' '.join(added)}")
+    return said
 
-    install_upstream_cpu()
-    stood_in = _stand_in_triton_modules()
-    added = cpu_argv(sys.argv)[len(sys.argv):]
-    sys.argv[:] = cpu_argv(sys.argv)
-    helpers = _dataset_helpers()
-    said.append("no CUDA: megatron-ft CPU layer installed"
-                + (f", Triton modules stood in ({', '.join(stood_in)})" if stood_in else "")
-                + (f", {helpers}" if helpers else "")
-                + (f", CPU flags added: {' '.join(added)}" if added else ""))
-    if int(os.environ.get("RANK", "0")) == 0:
+
+def _say(said: list[str]) -> None:
+    if said and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-ft] {'; '.join(said)}", flush=True)
 
 
+def _in_a_forked_trainer() -> None:
+    """A trainer forked from a warm spare pool that imported ``megatron.training`` (whose import
+    therefore does not run again): the per-process part, with its log line."""
+    _say(["megatron.training from the spare pool", *for_this_process()])
+
+
+def before_training_import() -> None:
+    """First statement of the patched ``megatron/training/__init__.py``. Process-wide set-up (the CPU
+    layer) once, then :func:`for_this_process`; the latter again in every trainer a warm spare pool
+    forks after importing ``megatron.training`` (:func:`megatron_ft.spares.for_each_trainer`)."""
+    if "before" in _done:
+        return
+    _done.add("before")
+    said = []
+    if not torch.cuda.is_available():
+        from .cpu_compat import install_upstream_cpu
+
+        install_upstream_cpu()
+        _done.add("cpu")
+        stood_in = _stand_in_triton_modules()
+        helpers = _dataset_helpers()
+        said.append("no CUDA: megatron-ft CPU layer installed"
+                    + (f", Triton modules stood in ({', '.join(stood_in)})" if stood_in else "")
+                    + (f", {helpers}" if helpers else ""))
+    said += for_this_process()
+    _say(said)
+    from ..spares import for_each_trainer
+
+    for_each_trainer(_in_a_forked_trainer)
+
+
+def _field_docstrings_once() -> None:
+    """Upstream's ``ArgumentGroupFactory`` reads every config dataclass's field docstrings from its
+    source at every ``parse_args`` (``inspect.getsource`` parses the class's whole module): about
+    0.5 s per call on 2 cores, twice per start (``pretrain_gpt.py``'s in-process-restart check, then
+    ``initialize_megatron``). The source does not change while the process runs: memoised per class
+    and filled once here, so a trainer forked from a warm spare pool inherits it. Any machine."""
+    try:
+        import argparse
+
+        from megatron.training import argument_utils, arguments
+    except ImportError:  # a tree without the factory: nothing to do
+        return
+    factory = argument_utils.ArgumentGroupFactory
+    cache: dict[type, dict[str, str]] = {}
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _get_field_docstrings(self: Any, src_cfg_class: type) -> dict[str, str]:
+            if src_cfg_class not in cache:
+                cache[src_cfg_class] = orig(self, src_cfg_class)
+            return dict(cache[src_cfg_class])  # a copy: the caller updates it with its bases'
+
+        return _get_field_docstrings
+
+    _wrap(factory, "_get_field_docstrings", make)
+    try:
+        arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    except Exception as e:  # the parse itself will say what is wrong
+        log.info("megatron-ft: argument docstrings not read ahead (%s)", e)
+
+
 def after_training_import() -> None:
-    """Last statement of the patched ``megatron/training/__init__.py``: on CPU, ``initialize_megatron``
-    without its CUDA assertion and no fused-kernel build."""
-    if "after" in _done or torch.cuda.is_available():
+    """Last statement of the patched ``megatron/training/__init__.py``: the argument docstrings read
+    once (:func:`_field_docstrings_once`); on CPU, ``initialize_megatron`` without its CUDA assertion
+    and no fused-kernel build."""
+    if "after" in _done:
         return
     _done.add("after")
+    _field_docstrings_once()
+    if torch.cuda.is_available():
+        return
     import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.initialize as initialize
     import megatron.training.training as training

@@ -274,14 +274,20 @@ def run_trainer(req: dict, fds: list[int]) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     code = 0
+    module = argv[1] if argv and argv[0] in ("-m", "--module") else None
+    if module is not None:
+        sys.argv = [module, *argv[2:]]
+        sys.path[0] = os.getcwd()  # as `python -m` has it
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     try:
-        if argv and argv[0] in ("-m", "--module"):
-            sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = os.getcwd()  # as `python -m` has it
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        from . import run_per_trainer
+
+        run_per_trainer()  # what the zygote's imports did per process, done for this one
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = argv
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

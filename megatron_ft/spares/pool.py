@@ -69,18 +69,21 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
     MODULE ...``): the base set, plus megatron-core's or DeepSpeed's modules when the top-level
     imports of the script - or of any ``.py`` file among its arguments, as when a wrapper runs the
     real script - name them; a package the script's own tree provides (upstream Megatron-LM's
-    ``megatron/``) is imported from that tree (:func:`own_trees`, put on the pool's ``sys.path``).
-    Nothing of the script runs (megatron.training, for one, needs the job's own set-up first, so it
-    is left to the trainer)."""
+    ``megatron/``) is imported from that tree (:func:`own_trees`, put on the pool's ``sys.path``),
+    and so is every module of ``megatron`` the script names at its top level (upstream's
+    ``megatron.training`` among them: its per-process set-up runs again in each trainer, see
+    :func:`megatron_ft.spares.for_each_trainer`). Nothing of the script itself runs."""
     import ast
 
     paths = _script_paths(script)
     top: set[str] = set()
+    named: list[str] = []
     for path in paths:
         try:
             tree = ast.parse(open(path).read(), path)
         except (OSError, SyntaxError, ValueError):
             continue
+        named += _named_modules(tree, "megatron")
         for node in tree.body:
             if isinstance(node, ast.Import):
                 top |= {a.name.split(".")[0] for a in node.names}
@@ -88,7 +91,21 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
                 top.add(node.module.split(".")[0])
     if not paths:
         return DEFAULT_IMPORTS
-    return BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
+    out = BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
+    return out + tuple(m for m in dict.fromkeys(named) if m not in out)
+
+
+def _named_modules(tree: "ast.Module", package: str) -> list[str]:
+    """The modules of ``package`` a script names at its top level (``import a.b``, ``from a.b import
+    c``: ``a.b``), in order."""
+    import ast
+
+    out = []
+    for node in tree.body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        out += [n for n in names if n == package or n.startswith(package + ".")]
+    return out
 
 
 def own_trees(script: list[str]) -> tuple[str, ...]:
@@ -151,7 +168,14 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
     (PR_SET_PDEATHSIG) or a signal."""
     t0 = time.time()
     sys.path[1:1] = list(trees)  # after [0], which a trainer sets to its script's directory
+    # an import that asks torch.cuda.is_available() must not initialise the driver here (a forked
+    # trainer could not use CUDA then): NVML answers instead (GPU path; not run on this project's CI)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     done = warm_up(imports)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise SystemExit("spares: an import initialised CUDA in the pool; its forks could not use it: "
+                         "the job's trainers start cold")
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -105,6 +105,41 @@ def test_the_cpu_layer_skips_the_warm_up_of_fusions_it_turned_off(tree):
     assert int(lines["on"]) > 0, out.stdout
 
 
+HELP = """
+import argparse, inspect, sys
+sys.path.insert(0, sys.argv[1])
+if sys.argv[2] == "upstream's own":
+    from megatron_ft.megatron import upstream
+    upstream._done.add("after")  # no bootstrap after the import: upstream's own behaviour
+import megatron.training
+from megatron.training import arguments
+def help_text():
+    return arguments.add_megatron_arguments(argparse.ArgumentParser(prog="p", allow_abbrev=False)).format_help()
+first = help_text()
+reads = []
+orig = inspect.getsource
+inspect.getsource = lambda obj: reads.append(obj) or orig(obj)
+again = help_text()
+print("READS", len(reads), first == again)
+print(first)
+"""
+
+
+@needs_upstream
+def test_argument_docstrings_are_read_once_per_process_and_say_the_same(tree):
+    """Upstream reads its config dataclasses' field docstrings from their source at every parse (twice
+    per start); with the bootstrap they are read once, at import, and the help says the same."""
+    outs = {}
+    for mode in ("upstream's own", "bootstrapped"):
+        out = subprocess.run([sys.executable, "-c", HELP, tree, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        head, _, help_text = out.stdout.partition("READS ")[2].partition("\n")
+        outs[mode] = (head, help_text)
+    assert outs["upstream's own"][0].split()[1] == "True" and int(outs["upstream's own"][0].split()[0]) > 0
+    assert outs["bootstrapped"][0] == "0 True", outs["bootstrapped"][0]  # no source read for the second parser
+    assert outs["bootstrapped"][1] == outs["upstream's own"][1] and "--hidden-size" in outs["bootstrapped"][1]
+
+
 def demo(tmp_path, *args, iters=8):
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--megatron-lm={SOURCE}", f"--iters={iters}",
            f"--workdir={tmp_path / 'demo'}", *args]
@@ -119,6 +154,9 @@ def test_upstream_trainer_kill_resumes_from_local_memory_bit_exact(tmp_path):
     assert s["recovered_from"] == "local_memory"
     assert 3 <= s["resumed_step"] <= 4
     assert s["restarted_by"] == "fast round 1", s["restarted_by"]  # upstream's trainers re-forked beneath torchrun
+    # forked from a pool that had imported megatron.training; ranks pinned and CPU flags added per trainer
+    log = open(tmp_path / "demo" / "run.log").read()
+    assert "megatron.training from the spare pool; rank 0 pinned to node 0; CPU flags added" in log
 
 
 @needs_upstream

@@ -115,9 +115,14 @@ def test_the_pool_imports_what_the_training_script_imports(tmp_path):
     assert "deepspeed" in pool.imports_for([str(s)]) and "megatron.core" not in pool.imports_for([str(s)])
     tree = tmp_path / "megatron-lm"  # upstream's tree brings its own megatron/: imported from there
     (tree / "megatron" / "core").mkdir(parents=True)
-    (tree / "pretrain_gpt.py").write_text("from megatron.core import parallel_state\nimport torch\n")
+    (tree / "pretrain_gpt.py").write_text("from megatron.core import parallel_state\nimport torch\n"
+                                          "from megatron.training import pretrain\nimport megatron.core.enums\n"
+                                          "def f():\n    import megatron.legacy\n")
     wrapped = ["-m", "megatron_ft.testing.faults", "--fault", "x", "--", str(tree / "pretrain_gpt.py")]
     assert "megatron.core" in pool.imports_for(wrapped) and pool.own_trees(wrapped) == (str(tree),)
+    # and every module of megatron the script names at its top level (not inside a function)
+    named = pool.imports_for(wrapped)[-2:]
+    assert named == ("megatron.training", "megatron.core.enums") and "megatron.legacy" not in pool.imports_for(wrapped)
     assert pool.own_trees([str(s)]) == ()
     assert "megatron.core" in pool.imports_for([os.path.join(os.path.dirname(__file__), "..", "..", "scripts",
                                                              "pretrain_gpt.py")])
@@ -141,6 +146,32 @@ def test_the_pool_imports_from_the_scripts_own_tree_before_the_installed_package
         out, err = w.communicate(timeout=60)
         assert w.returncode == 0, err
         assert out.split() == [str(tree / "mftprobe" / "__init__.py"), "True"], (out, err)  # imported in the pool
+    finally:
+        pool.stop(proc, sock)
+
+
+def test_what_the_pools_imports_did_per_process_runs_again_in_each_trainer(tmp_path):
+    """A module imported in the pool registers what its import did per process; each trainer forked
+    from the pool runs it with the worker's environment and arguments, before its script."""
+    tree = tmp_path / "tree"
+    (tree / "mftprobe").mkdir(parents=True)
+    (tree / "mftprobe" / "__init__.py").write_text(
+        "import os, sys\nfrom megatron_ft.spares import for_each_trainer\n"
+        "def per_process():\n    os.environ['PROBE'] = f\"{os.getpid()} {os.environ.get('SPARE_TEST')} {sys.argv[1:]}\"\n"
+        "per_process()\nfor_each_trainer(per_process)\n")
+    (tree / "train.py").write_text("import os\nprint(os.getpid(), os.environ['PROBE'])\n")
+    sock = str(tmp_path / "spares.sock")
+    proc = pool.start(sock, str(tmp_path / "spares.log"), ("mftprobe",), (str(tree),))
+    try:
+        assert pool.wait_warm(proc, sock, 60) is None, open(tmp_path / "spares.log").read()
+        for arg in ("first", "second"):
+            w = subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.worker", str(tree / "train.py"), arg],
+                                 cwd=tmp_path, env=dict(os.environ, MFT_SPARES_SOCKET=sock, SPARE_TEST=arg),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = w.communicate(timeout=60)
+            assert w.returncode == 0, err
+            pid, hook_pid, env, argv = out.split(maxsplit=3)
+            assert (hook_pid, env, argv.strip()) == (pid, arg, f"['{arg}']"), out
     finally:
         pool.stop(proc, sock)
 
