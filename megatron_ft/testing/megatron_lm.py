@@ -84,7 +84,10 @@ def patched_tree(src: str, dst: str) -> str:
 
 def demo_args(tensor: int, pipeline: int, data: int, iters: int, run_dir: str) -> list[str]:
     """Upstream ``pretrain_gpt.py`` arguments: the demo's tiny GPT, mock data, 2 micro-batches per
-    data-parallel rank, dropout 0.1 (upstream's default), ``--save``/``--load`` in ``run_dir``."""
+    data-parallel rank, dropout 0.1 (upstream's default), ``--save``/``--load`` in ``run_dir``, and the
+    dataset's index cache there too (a real dataset caches its indices beside its files by default;
+    mock data only with ``--data-cache-path``: without it every trainer, restarted ones included,
+    would shuffle its whole index again)."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32",
@@ -95,7 +98,7 @@ def demo_args(tensor: int, pipeline: int, data: int, iters: int, run_dir: str) -
         "--seed", "1234", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000000",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
         "--save", os.path.join(run_dir, "megatron-save"), "--load", os.path.join(run_dir, "megatron-save"),
-        "--save-interval", "1000000",
+        "--save-interval", "1000000", "--data-cache-path", os.path.join(run_dir, "data-cache"),
     ]
 
 
