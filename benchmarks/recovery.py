@@ -21,7 +21,7 @@ reported and left out of the medians. Ratios are taken per run (recovery / that 
 then their median. Nothing here is a timed assertion; the targets are printed beside the figures.
 
     python benchmarks/recovery.py --runs 5          # ~15 minutes on 2 cores; writes docs/benchmarks.md
-    python benchmarks/recovery.py --runs 3 --scenarios "upstream trainer;upstream node-standby" \
+    python benchmarks/recovery.py --runs 5 --scenarios "upstream trainer;upstream all-trainers;upstream node-standby" \
         --section "## Recovery time: upstream Megatron-LM"                  # ~20 minutes
 """
 from __future__ import annotations
@@ -45,13 +45,14 @@ SCENARIOS = {
     "node-standby": ["--fail=node", "--redundancy=replica", "--standby"],
     # upstream Megatron-LM's pretrain_gpt.py with the patch set (--megatron-lm, or the shared archive)
     "upstream trainer": ["--fail=trainer", "--megatron-lm={upstream}"],
+    "upstream all-trainers": ["--fail=all-trainers", "--megatron-lm={upstream}"],
     "upstream node-standby": ["--fail=node", "--redundancy=replica", "--standby", "--megatron-lm={upstream}"],
 }
 DEFAULT = ("trainer", "trainer, torchrun restart", "trainer, no spares", "all-trainers", "node-standby")
 #: the targets of the recovery-in-seconds work: (ratio to the cold start, seconds on 2 cores)
 TARGETS = {"trainer": (0.15, 1.5), "trainer, torchrun restart": None, "trainer, no spares": None,
            "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0), "upstream trainer": (0.15, 1.5),
-           "upstream node-standby": (0.4, 6.0)}
+           "upstream all-trainers": (0.25, 3.0), "upstream node-standby": (0.4, 6.0)}
 BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)"}
 PHASES = ("detect_respawn", "imports", "rendezvous", "build", "restore", "first_iteration")
 PHASE_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rendezvous": "rendezvous",
