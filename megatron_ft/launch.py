@@ -72,6 +72,7 @@ class NodeLauncher:
         self.rdzv = self.rendezvous.initial()
         self.pool: Optional[subprocess.Popen] = None  # warm spare trainers (launch.warm_spares)
         self.pool_socket: Optional[str] = None
+        self.waiting_agent: Optional[subprocess.Popen] = None  # a standby's, pre-started (start_waiting_agent)
 
     # ------------------------------------------------------------------ warm spares
     def start_pool(self) -> None:
@@ -129,11 +130,17 @@ class NodeLauncher:
             os.unlink(self.sock)
         except FileNotFoundError:
             pass
-        logf = open(os.path.join(self.node_dir, "agent.log"), "ab")
-        self.agent = subprocess.Popen(
-            [sys.executable, "-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node),
-             "--launcher-pid", str(os.getpid())],
-            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        args = ["--config", self.cfg_path, "--node", str(self.node), "--launcher-pid", str(os.getpid())]
+        log_path = os.path.join(self.node_dir, "agent.log")
+        waiting, self.waiting_agent = self.waiting_agent, None
+        if waiting is not None and not self._hand_node_to(waiting, args, log_path):
+            waiting = None
+        if waiting is not None:
+            self.agent = waiting
+        else:
+            with open(log_path, "ab") as logf:
+                self.agent = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", *args],
+                                              stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
             f.write(str(self.agent.pid))
         limit = self.cfg.launch.start_timeout_s
@@ -150,6 +157,23 @@ class NodeLauncher:
                 self.agent.kill()
                 raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
             time.sleep(0.05)
+
+    @staticmethod
+    def _hand_node_to(waiting: subprocess.Popen, args: list[str], log_path: str) -> bool:
+        """A standby's pre-started agent (its imports done while it waited) becomes this node's:
+        it gets the arguments it would have been started with. False when it is gone."""
+        from .agent.server import START_FORMAT
+
+        if waiting.poll() is not None or waiting.stdin is None:
+            return False
+        try:
+            waiting.stdin.write((json.dumps({"format": START_FORMAT, "argv": args, "log": log_path}) + "\n").encode())
+            waiting.stdin.close()
+            return True
+        except OSError:
+            waiting.kill()
+            waiting.wait()
+            return False
 
     def stop_agent(self) -> None:
         if self.agent is None or self.agent.poll() is not None:
@@ -616,6 +640,7 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
     """``--standby``: wait for the root's failure verdict on some node, claim it, become it."""
     who = f"{socket.gethostname()}:{os.getpid()}"
     pool, pool_socket = None, None
+    agent = start_waiting_agent(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"))
     if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
         from .spares import pool as spares
 
@@ -624,14 +649,30 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
         pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
                             spares.imports_for(script), spares.own_trees(script))
     try:
-        return _standby(args, cfg, script, who, pool, pool_socket)
+        return _standby(args, cfg, script, who, pool, pool_socket, agent)
     finally:
         if pool is not None:
             spares.stop(pool, pool_socket or "")
+        if agent.poll() is None and agent.stdin is not None and not agent.stdin.closed:
+            agent.kill()  # never handed a node
+            agent.wait()
+
+
+def start_waiting_agent(log_path: str) -> subprocess.Popen:
+    """A standby's agent, started while the standby waits: it imports what an agent needs, then
+    waits for its node (``python -m megatron_ft.agent --await-start``; the launcher that claims a
+    node hands it its arguments, :meth:`NodeLauncher.start_agent`). It ends at the end of its input
+    (this launcher gone without a claim)."""
+    from .agent.server import AWAIT_START
+
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", AWAIT_START], stdin=subprocess.PIPE,
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str], who: str,
-             pool: Optional[subprocess.Popen], pool_socket: Optional[str]) -> int:
+             pool: Optional[subprocess.Popen], pool_socket: Optional[str], agent: subprocess.Popen) -> int:
     from .health.store import StoreClient
 
     client = StoreClient(cfg)
@@ -644,6 +685,7 @@ def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]
     launcher = NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir)
     if pool is not None:
         launcher.pool, launcher.pool_socket = pool, pool_socket  # started before the failure
+    launcher.waiting_agent = agent  # likewise
     return launcher.run()
 
 
