@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 import yaml
@@ -72,7 +72,9 @@ class NodeLauncher:
         self.rdzv = self.rendezvous.initial()
         self.pool: Optional[subprocess.Popen] = None  # warm spare trainers (launch.warm_spares)
         self.pool_socket: Optional[str] = None
-        self.waiting_agent: Optional[subprocess.Popen] = None  # a standby's, pre-started (start_waiting_agent)
+        # a standby's agent and torchrun, started while it waited (spares.prestart; see run_standby)
+        self.waiting_agent: Optional[subprocess.Popen] = None
+        self.waiting_torchrun: Optional[subprocess.Popen] = None
 
     # ------------------------------------------------------------------ warm spares
     def start_pool(self) -> None:
@@ -133,9 +135,7 @@ class NodeLauncher:
         args = ["--config", self.cfg_path, "--node", str(self.node), "--launcher-pid", str(os.getpid())]
         log_path = os.path.join(self.node_dir, "agent.log")
         waiting, self.waiting_agent = self.waiting_agent, None
-        if waiting is not None and not self._hand_node_to(waiting, args, log_path):
-            waiting = None
-        if waiting is not None:
+        if waiting is not None and hand_over(waiting, args, log=log_path):
             self.agent = waiting
         else:
             with open(log_path, "ab") as logf:
@@ -157,23 +157,6 @@ class NodeLauncher:
                 self.agent.kill()
                 raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
             time.sleep(0.05)
-
-    @staticmethod
-    def _hand_node_to(waiting: subprocess.Popen, args: list[str], log_path: str) -> bool:
-        """A standby's pre-started agent (its imports done while it waited) becomes this node's:
-        it gets the arguments it would have been started with. False when it is gone."""
-        from .agent.server import START_FORMAT
-
-        if waiting.poll() is not None or waiting.stdin is None:
-            return False
-        try:
-            waiting.stdin.write((json.dumps({"format": START_FORMAT, "argv": args, "log": log_path}) + "\n").encode())
-            waiting.stdin.close()
-            return True
-        except OSError:
-            waiting.kill()
-            waiting.wait()
-            return False
 
     def stop_agent(self) -> None:
         if self.agent is None or self.agent.poll() is not None:
@@ -263,8 +246,12 @@ class NodeLauncher:
         """One torchrun for the current rendezvous generation; its exit code, or None when the job
         ended (a fatal record, an interrupt) and the agent was stopped."""
         # torchrun (and so its workers) ends with this launcher; the agent waits for a new launcher
-        self.torchrun = subprocess.Popen(self.torchrun_cmd(), env=env,
-                                         preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        cmd = self.torchrun_cmd()
+        waiting, self.waiting_torchrun = self.waiting_torchrun, None
+        if waiting is not None and hand_over(waiting, cmd[3:], env=env):
+            self.torchrun = waiting
+        else:
+            self.torchrun = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))
         next_publish = time.time() + 2.0
@@ -640,7 +627,11 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
     """``--standby``: wait for the root's failure verdict on some node, claim it, become it."""
     who = f"{socket.gethostname()}:{os.getpid()}"
     pool, pool_socket = None, None
-    agent = start_waiting_agent(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"))
+    # the agent and torchrun of the node it will become, their imports done while it waits
+    os.makedirs(args.run_dir, exist_ok=True)
+    with open(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"), "ab") as logf:
+        agent = prestart(AGENT_MODULE, AGENT_PRELOAD, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    torchrun = prestart(TORCHRUN_MODULE, (TORCHRUN_MODULE,), preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
         from .spares import pool as spares
 
@@ -649,30 +640,51 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
         pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
                             spares.imports_for(script), spares.own_trees(script))
     try:
-        return _standby(args, cfg, script, who, pool, pool_socket, agent)
+        return _standby(args, cfg, script, who, pool, pool_socket, agent, torchrun)
     finally:
         if pool is not None:
             spares.stop(pool, pool_socket or "")
-        if agent.poll() is None and agent.stdin is not None and not agent.stdin.closed:
-            agent.kill()  # never handed a node
-            agent.wait()
+        for proc in (agent, torchrun):
+            if proc.poll() is None and proc.stdin is not None and not proc.stdin.closed:
+                proc.kill()  # never handed a node
+                proc.wait()
 
 
-def start_waiting_agent(log_path: str) -> subprocess.Popen:
-    """A standby's agent, started while the standby waits: it imports what an agent needs, then
-    waits for its node (``python -m megatron_ft.agent --await-start``; the launcher that claims a
-    node hands it its arguments, :meth:`NodeLauncher.start_agent`). It ends at the end of its input
-    (this launcher gone without a claim)."""
-    from .agent.server import AWAIT_START
+#: what a standby pre-starts (``spares.prestart``): its node's agent and torchrun, imports done
+AGENT_MODULE, AGENT_PRELOAD = "megatron_ft.agent", ("megatron_ft.agent.server", "torch.distributed")
+TORCHRUN_MODULE = "torch.distributed.run"
 
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "ab") as logf:
-        return subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", AWAIT_START], stdin=subprocess.PIPE,
-                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+
+def prestart(module: str, preload: tuple[str, ...], **popen: Any) -> subprocess.Popen:
+    """``module`` started ahead (:mod:`megatron_ft.spares.prestart`): it imports ``preload`` and waits
+    for :func:`hand_over`; the end of its input (this process gone, or :func:`hand_over` never
+    called) ends it."""
+    from .spares import prestart as ps
+
+    return subprocess.Popen(ps.command(module, preload), stdin=subprocess.PIPE, **popen)
+
+
+def hand_over(waiting: subprocess.Popen, argv: list[str], env: Optional[dict] = None,
+              log: Optional[str] = None) -> bool:
+    """Make a pre-started process run with ``argv`` (and ``env``, ``log``); False when it is gone
+    (the caller starts the module itself, cold)."""
+    from .spares import prestart as ps
+
+    if waiting.poll() is not None or waiting.stdin is None or waiting.stdin.closed:
+        return False
+    try:
+        waiting.stdin.write(ps.start_line(argv, env, log))
+        waiting.stdin.close()
+        return True
+    except OSError:
+        waiting.kill()
+        waiting.wait()
+        return False
 
 
 def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str], who: str,
-             pool: Optional[subprocess.Popen], pool_socket: Optional[str], agent: subprocess.Popen) -> int:
+             pool: Optional[subprocess.Popen], pool_socket: Optional[str], agent: subprocess.Popen,
+             torchrun: subprocess.Popen) -> int:
     from .health.store import StoreClient
 
     client = StoreClient(cfg)
@@ -685,7 +697,7 @@ def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]
     launcher = NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir)
     if pool is not None:
         launcher.pool, launcher.pool_socket = pool, pool_socket  # started before the failure
-    launcher.waiting_agent = agent  # likewise
+    launcher.waiting_agent, launcher.waiting_torchrun = agent, torchrun  # likewise
     return launcher.run()
 
 

@@ -749,47 +749,7 @@ class Agent:
         self._done.set()
 
 
-#: the one line a standby's pre-started agent reads on its standard input (:func:`await_start`)
-START_FORMAT = "megatron-ft-agent-start/1"
-AWAIT_START = "--await-start"
-
-
-def await_start(stream=None) -> Optional[list[str]]:
-    """A standby's agent, started before the standby knows which node it becomes: import what the
-    agent would import after the claim (torch's TCPStore, for the embedded health store), then wait
-    on ``stream`` (standard input) for one JSON line ``{"format": START_FORMAT, "argv": [...], "log":
-    path}``. Returns those arguments, with standard output and error moved to ``log``; None on end
-    of input (the standby's launcher ended without a claim: nothing to do)."""
-    import json
-
-    import torch.distributed  # noqa: F401  the health store's TCPStore
-
-    line = (stream or sys.stdin).readline()
-    if not line:
-        return None
-    msg = json.loads(line)
-    if not isinstance(msg, dict) or msg.get("format") != START_FORMAT or not isinstance(msg.get("argv"), list):
-        raise SystemExit(f"agent {AWAIT_START}: not a {START_FORMAT} line: {line[:200]!r}")
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the launcher's pipe is done with
-    os.close(null)
-    if msg.get("log"):
-        fd = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    return [str(a) for a in msg["argv"]]
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    waited_s = None
-    if argv == [AWAIT_START]:
-        t0 = time.time()
-        argv = await_start()
-        if argv is None:
-            return 0
-        waited_s = time.time() - t0
     p = argparse.ArgumentParser(prog="python -m megatron_ft.agent", description="megatron-ft per-node snapshot agent")
     p.add_argument("--config", default=None, help="job YAML (default: embedded local-cpu.yaml)")
     p.add_argument("--node", type=int, required=True, help="node index")
@@ -804,9 +764,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                         format=f"[agent n{args.node} %(asctime)s] %(levelname)s %(message)s")
     # `kill -USR1 <agent pid>`: every thread's stack into the agent's log (a stuck agent, diagnosed live)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if waited_s is not None:
-        logging.getLogger("megatron_ft.agent").info(
-            "agent node %d: pre-started by a standby, imports done, waited %.1f s for its node", args.node, waited_s)
     cfg = ftconfig.load(args.config)
     changes: dict = {}
     if args.run_id:

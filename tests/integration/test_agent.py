@@ -347,43 +347,33 @@ def test_truncated_slot_found_by_a_restarted_agent_is_dropped_not_adopted(agent)
     assert (res.source, res.step) == ("local_memory", 1)
 
 
-def test_a_standbys_pre_started_agent_waits_for_its_node_then_serves_it(job_config, tmp_path):
-    """A standby starts its agent before it knows its node (imports done while it waits); the line
-    its launcher writes after the claim makes it that node's agent, logging where it is told; the
-    end of its input without a line ends it, having created nothing."""
-    import json
-    import subprocess
-    import sys
 
-    from megatron_ft.agent.server import AWAIT_START, START_FORMAT
+def test_a_standbys_pre_started_agent_waits_for_its_node_then_serves_it(job_config, tmp_path):
+    """A standby starts its node's agent before it knows the node (imports done while it waits);
+    the arguments its launcher hands over after the claim make it that node's agent, logging where
+    it is told."""
+    import subprocess
+
+    from megatron_ft.launch import AGENT_MODULE, AGENT_PRELOAD, hand_over, prestart
     from megatron_ft.testing.sim import AgentProc
 
     cfg, path = job_config
-    cmd = [sys.executable, "-m", "megatron_ft.agent", AWAIT_START]
-    unused = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    unused.stdin.close()  # its launcher gone without a claim
-    assert unused.wait(timeout=60) == 0, unused.stdout.read()
-
-    bad = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = bad.communicate('{"format": "something-else"}\n', timeout=60)
-    assert bad.returncode != 0 and START_FORMAT in out, out
-
     proc = AgentProc(cfg, path)
-    waiting = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    waiting = prestart(AGENT_MODULE, AGENT_PRELOAD, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                       start_new_session=True)
     try:
         time.sleep(0.5)
         assert not os.path.exists(proc.sock) and waiting.poll() is None  # no node yet: nothing served
         log = tmp_path / "node0-agent.log"
-        waiting.stdin.write((json.dumps({"format": START_FORMAT, "argv": ["--config", path, "--node", "0"],
-                                         "log": str(log)}) + "\n").encode())
-        waiting.stdin.close()
+        assert hand_over(waiting, ["--config", path, "--node", "0"], log=str(log))
+        assert not hand_over(waiting, ["--node", "1"])  # once
         proc.proc = waiting
         proc.wait_ready(60)
         c = proc.client()
         assert a_status(c)["node"] == 0
         c.close()
-        assert "pre-started by a standby" in log.read_text()
+        text = log.read_text()
+        assert "megatron_ft.agent: pre-started" in text and "agent node 0" in text, text
     finally:
         waiting.terminate()
         waiting.wait(timeout=60)

@@ -176,6 +176,33 @@ def test_what_the_pools_imports_did_per_process_runs_again_in_each_trainer(tmp_p
         pool.stop(proc, sock)
 
 
+def test_a_prestarted_process_runs_its_module_as_handed_over_or_ends_with_its_input(tmp_path):
+    """``spares.prestart``: imports done ahead; the hand-over line gives the arguments, the whole
+    environment and the log; the end of input without one ends it, having run nothing."""
+    from megatron_ft.launch import hand_over, prestart
+    from megatron_ft.spares import prestart as ps
+
+    (tmp_path / "probe_mod.py").write_text("import os, sys\nprint('ran', sys.argv[1:], os.environ.get('PROBE'), "
+                                           "os.environ.get('ONLY_BEFORE'))\nsys.exit(int(sys.argv[1]))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+               ONLY_BEFORE="x")
+    unused = prestart("probe_mod", ("json",), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    unused.stdin.close()
+    assert unused.wait(timeout=60) == 0 and b"ran" not in unused.stdout.read()
+
+    bad = prestart("probe_mod", (), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    bad.stdin.write(b'{"format": "something-else"}\n')
+    bad.stdin.close()
+    assert bad.wait(timeout=60) != 0 and ps.FORMAT.encode() in bad.stdout.read()
+
+    log = tmp_path / "probe.log"
+    good = prestart("probe_mod", ("json",), env=env)
+    assert hand_over(good, ["3", "b"], env={"PROBE": "handed", "PYTHONPATH": str(tmp_path)}, log=str(log))
+    assert good.wait(timeout=60) == 3
+    text = log.read_text()
+    assert "ran ['3', 'b'] handed None" in text and "probe_mod: pre-started" in text, text
+
+
 ROUNDS_SCRIPT = """
 import os, sys, datetime
 from torch.distributed import TCPStore
