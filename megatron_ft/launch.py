@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import psutil
 import yaml
@@ -45,6 +45,7 @@ from . import config as ftconfig
 from . import fatal
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
+from .spares import prestart
 from .spares.lifetime import die_with_parent
 
 
@@ -135,7 +136,7 @@ class NodeLauncher:
         args = ["--config", self.cfg_path, "--node", str(self.node), "--launcher-pid", str(os.getpid())]
         log_path = os.path.join(self.node_dir, "agent.log")
         waiting, self.waiting_agent = self.waiting_agent, None
-        if waiting is not None and hand_over(waiting, args, log=log_path):
+        if waiting is not None and prestart.hand_over(waiting, args, log=log_path):
             self.agent = waiting
         else:
             with open(log_path, "ab") as logf:
@@ -248,7 +249,7 @@ class NodeLauncher:
         # torchrun (and so its workers) ends with this launcher; the agent waits for a new launcher
         cmd = self.torchrun_cmd()
         waiting, self.waiting_torchrun = self.waiting_torchrun, None
-        if waiting is not None and hand_over(waiting, cmd[3:], env=env):
+        if waiting is not None and prestart.hand_over(waiting, cmd[3:], env=env):
             self.torchrun = waiting
         else:
             self.torchrun = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
@@ -630,13 +631,13 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
     # the agent and torchrun of the node it will become, their imports done while it waits
     os.makedirs(args.run_dir, exist_ok=True)
     with open(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"), "ab") as logf:
-        agent = prestart(AGENT_MODULE, AGENT_PRELOAD, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-    torchrun = prestart(TORCHRUN_MODULE, (TORCHRUN_MODULE,), preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+        agent = prestart.start(AGENT_MODULE, AGENT_PRELOAD, stdout=logf, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    torchrun = prestart.start(TORCHRUN_MODULE, (TORCHRUN_MODULE,), preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
         from .spares import pool as spares
 
         pool_socket = spares.socket_path(cfg.agent.socket_dir, f"{cfg.run_id}.standby{os.getpid()}", 0)
-        os.makedirs(args.run_dir, exist_ok=True)
         pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
                             spares.imports_for(script), spares.own_trees(script))
     try:
@@ -653,33 +654,6 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
 #: what a standby pre-starts (``spares.prestart``): its node's agent and torchrun, imports done
 AGENT_MODULE, AGENT_PRELOAD = "megatron_ft.agent", ("megatron_ft.agent.server", "torch.distributed")
 TORCHRUN_MODULE = "torch.distributed.run"
-
-
-def prestart(module: str, preload: tuple[str, ...], **popen: Any) -> subprocess.Popen:
-    """``module`` started ahead (:mod:`megatron_ft.spares.prestart`): it imports ``preload`` and waits
-    for :func:`hand_over`; the end of its input (this process gone, or :func:`hand_over` never
-    called) ends it."""
-    from .spares import prestart as ps
-
-    return subprocess.Popen(ps.command(module, preload), stdin=subprocess.PIPE, **popen)
-
-
-def hand_over(waiting: subprocess.Popen, argv: list[str], env: Optional[dict] = None,
-              log: Optional[str] = None) -> bool:
-    """Make a pre-started process run with ``argv`` (and ``env``, ``log``); False when it is gone
-    (the caller starts the module itself, cold)."""
-    from .spares import prestart as ps
-
-    if waiting.poll() is not None or waiting.stdin is None or waiting.stdin.closed:
-        return False
-    try:
-        waiting.stdin.write(ps.start_line(argv, env, log))
-        waiting.stdin.close()
-        return True
-    except OSError:
-        waiting.kill()
-        waiting.wait()
-        return False
 
 
 def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str], who: str,

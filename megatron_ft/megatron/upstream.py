@@ -278,8 +278,9 @@ def for_this_process() -> list[str]:
         _store_for_init_process_group()
         said.append(f"rank {os.environ['RANK']} pinned to node {os.environ['MFT_NODE_RANK']}")
     if "cpu" in _done:
-        added = cpu_argv(sys.argv)[len(sys.argv):]
-        sys.argv[:] = cpu_argv(sys.argv)
+        full = cpu_argv(sys.argv)
+        added = full[len(sys.argv):]
+        sys.argv[:] = full
         if added:
             said.append(f"CPU flags added: {' '.join(added)}")
     return said

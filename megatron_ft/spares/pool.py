@@ -73,38 +73,30 @@ def imports_for(script: list[str]) -> tuple[str, ...]:
     and so is every module of ``megatron`` the script names at its top level (upstream's
     ``megatron.training`` among them: its per-process set-up runs again in each trainer, see
     :func:`megatron_ft.spares.for_each_trainer`). Nothing of the script itself runs."""
-    import ast
-
     paths = _script_paths(script)
-    top: set[str] = set()
-    named: list[str] = []
-    for path in paths:
-        try:
-            tree = ast.parse(open(path).read(), path)
-        except (OSError, SyntaxError, ValueError):
-            continue
-        named += _named_modules(tree, "megatron")
-        for node in tree.body:
-            if isinstance(node, ast.Import):
-                top |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                top.add(node.module.split(".")[0])
     if not paths:
         return DEFAULT_IMPORTS
+    named = [m for path in paths for m in _top_level_imports(path)]
+    top = {m.split(".")[0] for m in named}
     out = BASE_IMPORTS + tuple(m for pkg, mods in PACKAGE_IMPORTS.items() if pkg in top for m in mods)
-    return out + tuple(m for m in dict.fromkeys(named) if m not in out)
+    return out + tuple(m for m in dict.fromkeys(named) if m.split(".")[0] == "megatron" and m not in out)
 
 
-def _named_modules(tree: "ast.Module", package: str) -> list[str]:
-    """The modules of ``package`` a script names at its top level (``import a.b``, ``from a.b import
-    c``: ``a.b``), in order."""
+def _top_level_imports(path: str) -> list[str]:
+    """The modules a script names at its top level (``import a.b``, ``from a.b import c``: ``a.b``;
+    relative imports left out), in order; none when it cannot be read or parsed."""
     import ast
 
-    out = []
+    try:
+        tree = ast.parse(open(path).read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    out: list[str] = []
     for node in tree.body:
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
-        out += [n for n in names if n == package or n.startswith(package + ".")]
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append(node.module)
     return out
 
 

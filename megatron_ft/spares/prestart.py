@@ -25,24 +25,9 @@ import os
 import runpy
 import sys
 import time
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 FORMAT = "megatron-ft-prestart/1"
-
-
-def command(module: str, preload: tuple[str, ...] = ()) -> list[str]:
-    """The command line of a pre-started ``module``."""
-    return [sys.executable, "-m", "megatron_ft.spares.prestart", module, *preload]
-
-
-def start_line(argv: list[str], env: Optional[dict] = None, log: Optional[str] = None) -> bytes:
-    """The line that makes a pre-started process run (see the module's docstring)."""
-    msg: dict = {"format": FORMAT, "argv": [str(a) for a in argv]}
-    if env is not None:
-        msg["env"] = {str(k): str(v) for k, v in env.items()}
-    if log is not None:
-        msg["log"] = log
-    return (json.dumps(msg) + "\n").encode()
 
 
 def read_start(stream: IO[str]) -> Optional[dict]:
@@ -85,6 +70,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.argv = [module, *msg["argv"]]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
+
+
+# ---------------------------------------------------------------------- the launcher's side
+def start(module: str, preload: tuple[str, ...] = (), **popen: Any) -> "subprocess.Popen":
+    """``module`` started ahead: it imports ``preload`` and waits for :func:`hand_over`; the end of
+    its input (the caller gone, or :func:`hand_over` never called) ends it. ``popen``: the rest of
+    ``subprocess.Popen``'s arguments (its streams, session, ``preexec_fn``)."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-m", "megatron_ft.spares.prestart", module, *preload],
+                            stdin=subprocess.PIPE, **popen)
+
+
+def hand_over(waiting: "subprocess.Popen", argv: list[str], env: Optional[dict] = None,
+              log: Optional[str] = None) -> bool:
+    """Make a pre-started process run with ``argv`` (and ``env``, ``log``; see the module's
+    docstring); False when it is gone (the caller starts the module itself, cold)."""
+    if waiting.poll() is not None or waiting.stdin is None or waiting.stdin.closed:
+        return False
+    msg: dict = {"format": FORMAT, "argv": [str(a) for a in argv]}
+    if env is not None:
+        msg["env"] = {str(k): str(v) for k, v in env.items()}
+    if log is not None:
+        msg["log"] = log
+    try:
+        waiting.stdin.write((json.dumps(msg) + "\n").encode())
+        waiting.stdin.close()
+        return True
+    except OSError:
+        waiting.kill()
+        waiting.wait()
+        return False
 
 
 if __name__ == "__main__":

@@ -354,7 +354,9 @@ def test_a_standbys_pre_started_agent_waits_for_its_node_then_serves_it(job_conf
     it is told."""
     import subprocess
 
-    from megatron_ft.launch import AGENT_MODULE, AGENT_PRELOAD, hand_over, prestart
+    from megatron_ft.launch import AGENT_MODULE, AGENT_PRELOAD
+    from megatron_ft.spares.prestart import hand_over
+    from megatron_ft.spares.prestart import start as prestart
     from megatron_ft.testing.sim import AgentProc
 
     cfg, path = job_config

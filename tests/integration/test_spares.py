@@ -179,8 +179,9 @@ def test_what_the_pools_imports_did_per_process_runs_again_in_each_trainer(tmp_p
 def test_a_prestarted_process_runs_its_module_as_handed_over_or_ends_with_its_input(tmp_path):
     """``spares.prestart``: imports done ahead; the hand-over line gives the arguments, the whole
     environment and the log; the end of input without one ends it, having run nothing."""
-    from megatron_ft.launch import hand_over, prestart
     from megatron_ft.spares import prestart as ps
+    from megatron_ft.spares.prestart import hand_over
+    from megatron_ft.spares.prestart import start as prestart
 
     (tmp_path / "probe_mod.py").write_text("import os, sys\nprint('ran', sys.argv[1:], os.environ.get('PROBE'), "
                                            "os.environ.get('ONLY_BEFORE'))\nsys.exit(int(sys.argv[1]))\n")
