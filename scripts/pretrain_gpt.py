@@ -636,6 +636,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     install_cpu_compat()  # CPU only; a no-op with CUDA
     torch.set_num_threads(1)  # determinism (and 2-core machines)
+    if torch.cuda.is_available():  # GPU path: a bit-exact resume needs deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS is first used
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns; the demo compares bytes
     init_distributed(args)
     objs = build_training_objects(args)
     hooks: TrainingHooks = TrainingHooks()

@@ -154,7 +154,9 @@ class TorchStateAdapter:
                 p = params[int(pi)][1]
                 st = self.optimizer.state.setdefault(p, {})
                 if key not in st or tuple(st[key].shape) != spec.shape:
-                    st[key] = torch.zeros(spec.shape, dtype=dtype_from_name(spec.dtype))
+                    # beside its parameter, as torch.optim creates it (a scalar such as Adam's step on the host)
+                    device = p.device if spec.shape else torch.device("cpu")
+                    st[key] = torch.zeros(spec.shape, dtype=dtype_from_name(spec.dtype), device=device)
                 out[name] = StateTensor(name, st[key])
             elif name in rng.TENSORS:
                 self._rng[name] = torch.empty(spec.shape, dtype=torch.uint8)

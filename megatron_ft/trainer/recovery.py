@@ -33,28 +33,33 @@ from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout
 from ..capture.state import StateAdapter
+from . import device_staging
 
 log = logging.getLogger("megatron_ft.trainer.recovery")
 MAX_CANDIDATES = 4
 MAX_RESTORE_THREADS = 4
+#: GPU path: host threads that read and sum blocks while the copy engine moves earlier ones (the
+#: link, not memory, is the limit; a GPU node's host cores are otherwise idle)
+MAX_GPU_HOST_THREADS = 8
 
 
-def restore_threads(cores: int, local_ranks: int) -> int:
+def restore_threads(cores: int, local_ranks: int, cap: int = MAX_RESTORE_THREADS) -> int:
     """Threads one rank reads its snapshot back with (read + checksum release the GIL; restore runs
     before training): its share of the cores, since every rank on the node restores at once, at
-    least 1 and at most :data:`MAX_RESTORE_THREADS`. One rank on 2 cores: 2; four ranks on 2 cores:
+    least 1 and at most ``cap``. One rank on 2 cores: 2; four ranks on 2 cores:
     1 (with 2 each, 8 threads contended for 2 cores: the 256 MiB x 4 restore took 100-102 ms
     against 74-91 ms with 1, in alternating runs of ``benchmarks/snapshot.py --huge-shm``)."""
-    return max(1, min(MAX_RESTORE_THREADS, cores // max(1, local_ranks)))
+    return max(1, min(cap, cores // max(1, local_ranks)))
 
 
-def _restore_threads_here() -> int:
-    """:func:`restore_threads` for this process: its CPU affinity and torchrun's ``LOCAL_WORLD_SIZE``."""
+def threads_here(cap: int = MAX_RESTORE_THREADS) -> int:
+    """:func:`restore_threads` for this process: its CPU affinity and torchrun's ``LOCAL_WORLD_SIZE``.
+    Also the GPU snapshot's checksum threads (``cap`` :data:`MAX_GPU_HOST_THREADS`)."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     except ValueError:
         local = 1
-    return restore_threads(len(os.sched_getaffinity(0)), local)
+    return restore_threads(len(os.sched_getaffinity(0)), local, cap)
 
 
 # restore reads pieces in blocks of this size into a per-thread buffer that stays in cache,
@@ -144,6 +149,7 @@ class Container:
             except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
                 log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
         src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
+        stagings = device_staging.RestoreStagings(READ_BLOCK)  # GPU path; nothing is allocated for CPU targets
 
         def one_chunk(i: int) -> Optional[str]:
             lo, hi = self.layout.chunk_bounds(i)
@@ -166,18 +172,27 @@ class Container:
                     part = _byte_view(dst)[p.src_start:p.src_end]
                     _pread_into(self.fd, part, at)
                     chunk.add(p.dst_offset - lo, part)
-                else:  # GPU path: through a host buffer, verified there, then copied to the device
-                    part = torch.empty(p.src_end - p.src_start, dtype=torch.uint8)
-                    _pread_into(self.fd, part, at)
-                    chunk.add(p.dst_offset - lo, part)
-                    _byte_view_gpu(dst)[p.src_start:p.src_end].copy_(part)
+                else:  # GPU path: through pinned blocks, verified there, copied to the device asynchronously
+                    stage = stagings.here(dst.device)
+                    part = _byte_view(dst)[p.src_start:p.src_end]
+                    for off in range(0, part.numel(), READ_BLOCK):
+                        k, block = stage.block()
+                        n = min(READ_BLOCK, part.numel() - off)
+                        if src is not None:
+                            chunk.copy_to(p.dst_offset - lo + off, block[:n], src[at + off: at + off + n])
+                        else:
+                            _pread_into(self.fd, block[:n], at + off)
+                            chunk.add(p.dst_offset - lo + off, block[:n])
+                        stage.upload(k, part[off: off + n])
             got = chunk.finish()
             if f"{got:016x}" != sums[i]:
                 return f"{self.path}: chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})"
             return None
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
-        workers = max(1, min(_restore_threads_here(), self.layout.num_chunks))
+        on_gpu = any(v.device.type == "cuda" for v in views.values())
+        workers = max(1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS),
+                             self.layout.num_chunks))
         try:
             if workers == 1:
                 errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
@@ -185,6 +200,7 @@ class Container:
                 with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
                     errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
         finally:
+            stagings.finish()  # every device copy done before the blocks or the mapping go
             if mapping is not None:
                 del src
                 mapping.close()
@@ -209,10 +225,6 @@ class Container:
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _byte_view_gpu(t: torch.Tensor) -> torch.Tensor:  # GPU path
-    return t.view(torch.uint8)
 
 
 _PREAD_BLOCK = 1 << 30

@@ -6,6 +6,9 @@ Timeline of one snapshot at step s (REFT's clean/dirty double buffer)::
     worker:                            begin -> copy chunk 0..n (fused copy+checksum) -> version record
                                        -> commit (agent flips the slot CLEAN) -> agree on s with all ranks
 
+On a GPU the copies run on a dedicated CUDA stream straight into the page-locked slot, ordered after
+the optimizer step by an event (:mod:`.device_staging`); the training stream goes on meanwhile.
+
 ``snapshot()`` only captures references (parameters and optimizer state do not change until the
 next optimizer step) and tiny owned copies (RNG states), then returns. The copy runs on a
 worker thread whose copy loop releases the GIL. ``wait()`` blocks only if the copy is not done
@@ -33,6 +36,8 @@ from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout, plan_layout
 from ..capture.state import StateTensor
+from . import device_staging
+from .recovery import MAX_GPU_HOST_THREADS, threads_here
 
 log = logging.getLogger("megatron_ft.trainer.snapshot")
 
@@ -61,6 +66,7 @@ class _Job:
     slot: Optional[int]
     started: float
     stats: SnapshotStats
+    ready: Any = None  # GPU path: event after the optimizer step, which the device-to-host copies wait for
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -79,6 +85,7 @@ class SnapshotEngine:
         self.layout: Optional[Layout] = None
         self._pieces: list = []  # layout.all_pieces(), computed once per registration
         self._slots: list[shm.Segment] = []
+        self._staging: Optional[device_staging.SnapshotStaging] = None  # GPU path: state on a CUDA device
         self._q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._pending: Optional[_Job] = None
         self.history: list[SnapshotStats] = []
@@ -112,6 +119,8 @@ class SnapshotEngine:
             if not str(e).startswith("registration failed earlier"):
                 log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
         job = _Job(step, tensors, extra, slot, time.time(), stats)
+        if slot is not None and self._staging is not None:
+            job.ready = self._staging.ready_point()
         stats.capture_s = time.perf_counter() - t0
         self._pending = job
         self._q.put(job)
@@ -138,6 +147,9 @@ class SnapshotEngine:
         self.wait()
         self._q.put(None)
         self._worker.join(timeout=30)
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         for seg in self._slots:
             seg.close()
         self._slots = []
@@ -149,9 +161,16 @@ class SnapshotEngine:
             return
         layout = plan_layout(specs, self.chunk_size, self.identity)
         reply = self.client.request("register", rank=self.rank, layout=layout.to_json().decode())
+        if self._staging is not None:
+            self._staging.unregister()
         for seg in self._slots:
             seg.close()
         self._slots = [shm.open_segment(p) for p in reply["slots"]]
+        device = device_staging.cuda_device_of([t.tensor for t in tensors])  # GPU path
+        if device is not None:
+            if self._staging is None:
+                self._staging = device_staging.SnapshotStaging(device, threads_here(MAX_GPU_HOST_THREADS))
+            self._staging.register([seg.array for seg in self._slots])
         self.layout = layout
         self._pieces = layout.all_pieces()
         log.info("rank %d: registered %d tensors, %.1f MiB in %d chunks (%s)", self.rank, len(specs),
@@ -189,16 +208,13 @@ class SnapshotEngine:
         seg = self._slots[job.slot]
         hdr = snapfile.read_header(seg.mm)
         area = seg.array[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
-        sources = [_bytes_of(t.saved_view()) for t in job.tensors]
-        sums = []
-        for i, pieces in enumerate(self._pieces):
-            lo, hi = layout.chunk_bounds(i)
-            chunk = checksum.ChunkSum(hi - lo, area[lo:hi])
-            for k, p in enumerate(pieces):
-                chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
-                if i == 0 and k == 0:
-                    faultpoints.reached("mid-copy", job.step, self.rank)
-            sums.append(chunk.finish())
+        if job.ready is not None:  # GPU path: straight into the page-locked slot, summed as chunks land
+            assert self._staging is not None
+            sums = self._staging.copy_and_sum(
+                job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
+                after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))
+        else:
+            sums = self._copy_and_sum(job, area)
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
@@ -209,6 +225,21 @@ class SnapshotEngine:
         job.stats.clean_at = time.time()
         job.stats.nbytes = layout.data_nbytes
         self.last_committed = job.step
+
+    def _copy_and_sum(self, job: _Job, area) -> list[int]:
+        """Host state: copy each chunk's pieces into the slot while summing them (one pass)."""
+        assert self.layout is not None
+        sources = [_bytes_of(t.saved_view()).cpu() for t in job.tensors]  # .cpu(): no-op for host tensors
+        sums = []
+        for i, pieces in enumerate(self._pieces):
+            lo, hi = self.layout.chunk_bounds(i)
+            chunk = checksum.ChunkSum(hi - lo, area[lo:hi])
+            for k, p in enumerate(pieces):
+                chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
+                if i == 0 and k == 0:
+                    faultpoints.reached("mid-copy", job.step, self.rank)
+            sums.append(chunk.finish())
+        return sums
 
     def _agree(self, job: _Job) -> None:
         """All ranks: the newest step every rank has committed; tell the agent it is consistent."""
@@ -228,14 +259,9 @@ class SnapshotEngine:
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes (on CPU).
-
-    GPU path (thin, marked): a CUDA tensor is first copied to host memory here; a production
-    GPU build stages through pinned buffers on a side stream.
-    """
-    if t.device.type != "cpu":  # GPU path
-        t = t.to("cpu")
+    """A flat uint8 view of a contiguous tensor's bytes, on the tensor's device (a CUDA tensor's
+    bytes are copied to the host by :mod:`.device_staging`)."""
     t = t.contiguous()
     if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.view(-1).view(torch.uint8)

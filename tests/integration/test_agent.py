@@ -379,3 +379,11 @@ def test_a_standbys_pre_started_agent_waits_for_its_node_then_serves_it(job_conf
     finally:
         waiting.terminate()
         waiting.wait(timeout=60)
+
+
+def test_a_cpu_job_stages_nothing_for_a_gpu(agent):
+    """The GPU path (device_staging) is set up only for state on a CUDA device."""
+    m, opt, eng = train_and_snapshot(agent.client(), agent.cfg, 2)
+    assert eng.history[-1].ok
+    assert eng._staging is None
+    eng.close()

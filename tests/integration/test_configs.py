@@ -9,7 +9,8 @@ import pytest
 from megatron_ft import config as ftconfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")) + glob.glob(os.path.join(REPO, "configs", "cpu", "*.yaml")))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")) + glob.glob(os.path.join(REPO, "configs", "cpu", "*.yaml"))
+                 + glob.glob(os.path.join(REPO, "configs", "gpu", "*.yaml")))
 
 
 def test_there_are_real_cluster_examples():

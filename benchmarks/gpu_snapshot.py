@@ -1,0 +1,275 @@
+#!/usr/bin/env python3
+"""The GPU snapshot path against the link's limit (needs a CUDA device; see docs/benchmarks.md).
+
+For each size of state per rank (``--sizes-gib``), one rank, its state as ``--tensors`` fp32 tensors on
+the GPU, side by side in one run:
+
+* **raw**: ``cudaMemcpyAsync`` of the same bytes between the GPU and one page-locked host buffer
+  (``torch.empty(pin_memory=True)``), device-to-host and host-to-device, each timed to its
+  synchronisation: the limit;
+* **megatron-ft**: a real agent process, ``SnapshotEngine`` (device -> the agent's page-locked slot on a
+  side stream, :mod:`megatron_ft.trainer.device_staging`) and ``Restorer`` (pinned blocks -> device).
+  Per measured snapshot: an "optimizer step" kernel changes the state, ``snapshot()`` is called, then a
+  "forward/backward" stand-in (bf16 matrix products, about ``--compute-factor`` x the raw copy) runs on
+  the training stream, then ``wait()`` (what the next optimizer step calls):
+
+  - *stall* = time in ``snapshot()`` + time blocked in ``wait()`` (the training loop's own cost),
+  - *clean* = ``snapshot()`` called -> the agent holds the version CLEAN (copied, summed, committed),
+  - *compute* with a snapshot in flight against the same products alone (the copy's interference),
+  - *restore* = ``Restorer.restore`` from the agent's memory into zeroed GPU tensors (checksums
+    verified), bit-exact against a copy of the state taken before (checked, not timed).
+
+Targets (docs/benchmarks.md): stall <= 0.1x the raw device-to-host copy, clean <= 1.2x, restore <= 1.25x
+the raw host-to-device copy. No on-device shadow copy is made: the GPU memory allocated beyond the state
+and the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``).
+
+    python3 benchmarks/gpu_snapshot.py --sizes-gib 1,16 --json /tmp/gpu_snapshot.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import yaml
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_ft import config as ftconfig  # noqa: E402
+from megatron_ft.agent import shm  # noqa: E402
+from megatron_ft.capture.state import StateTensor  # noqa: E402
+from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
+from megatron_ft.testing.sim import AgentProc  # noqa: E402
+from megatron_ft.trainer.recovery import Restorer, threads_here  # noqa: E402
+from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
+
+GiB = 1 << 30
+TARGETS = {"stall": 0.1, "clean": 1.2, "restore": 1.25}
+
+
+class DictAdapter:
+    """The StateAdapter protocol over named GPU tensors."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self.state, self.iteration, self.restored_extra = state, 0, None
+
+    def capture(self):
+        return [StateTensor(n, t) for n, t in self.state.items()], {"iteration": self.iteration}
+
+    def targets(self, layout):
+        return {e.spec.name: StateTensor(e.spec.name, self.state[e.spec.name]) for e in layout.entries}
+
+    def finish_restore(self, extra):
+        self.restored_extra = extra
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timed_cuda(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+class Compute:
+    """A forward/backward stand-in on the training stream: bf16 8192^2 matrix products."""
+
+    def __init__(self, seconds: float):
+        self.a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        self.c = torch.empty_like(self.a)
+        one = med([timed_cuda(lambda: torch.matmul(self.a, self.b, out=self.c)) for _ in range(5)])
+        self.n = max(1, round(seconds / one))
+
+    def launch(self) -> None:
+        for _ in range(self.n):
+            torch.matmul(self.a, self.b, out=self.c)
+
+
+def raw_copies(state: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict[str, list[float]]:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pieces, off = [], 0
+    for t in state.values():
+        b = t.view(-1).view(torch.uint8)
+        pieces.append((host[off: off + b.numel()], b))
+        off += b.numel()
+
+    def d2h():
+        for h, d in pieces:
+            h.copy_(d, non_blocking=True)
+
+    def h2d():
+        for h, d in pieces:
+            d.copy_(h, non_blocking=True)
+
+    d2h(), h2d()  # warm-up
+    out = {"raw_d2h": [timed_cuda(d2h) for _ in range(reps)], "raw_h2d": [timed_cuda(h2d) for _ in range(reps)]}
+    del pieces, host
+    return out
+
+
+def one_size(size_gib: float, args, workdir: str) -> dict:
+    nbytes = int(size_gib * GiB)
+    per = nbytes // args.tensors // 4
+    free_gpu, _ = torch.cuda.mem_get_info()
+    need_gpu = 2 * nbytes + 3 * 8192 * 8192 * 2 + GiB  # state, the restore check's copy, the stand-in
+    if need_gpu > free_gpu:
+        return {"size_gib": size_gib, "skipped": f"needs {need_gpu / GiB:.1f} GiB of GPU memory, {free_gpu / GiB:.1f} free"}
+    shm_free = shm.shm_free_bytes(args.shm_dir)
+    if 2 * nbytes + GiB > shm_free:
+        return {"size_gib": size_gib, "skipped": f"needs {(2 * nbytes + GiB) / GiB:.1f} GiB in {args.shm_dir}, "
+                                                 f"{shm_free / GiB:.1f} free"}
+    torch.manual_seed(0)
+    state = {f"t{i:03d}": torch.randn(per, device="cuda") for i in range(args.tensors)}
+    res: dict = {"size_gib": size_gib, "tensors": args.tensors, "chunk_mib": args.chunk_mib,
+                 "state_bytes": per * 4 * args.tensors}
+    res.update(raw_copies(state, per * 4 * args.tensors, args.reps))
+    raw_d2h, raw_h2d = med(res["raw_d2h"]), med(res["raw_h2d"])
+    compute = Compute(args.compute_factor * raw_d2h)
+
+    run_id = f"bgpu{os.getpid()}x{int(size_gib * 1024)}"
+    cfg = ftconfig.replace(ftconfig.load(None), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 1},
+                           parallel={"tensor": 1, "pipeline": 1}, snapshot={"chunk_mib": args.chunk_mib},
+                           agent={"shm_dir": args.shm_dir, "socket_dir": os.path.join(workdir, "sock")},
+                           persist={"dir": os.path.join(workdir, "persist"), "interval": 0, "on_failure": False})
+    cfg_path = os.path.join(workdir, f"{run_id}.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    agent = AgentProc(cfg, cfg_path).start()
+    identity = {"run_id": run_id, "rank": 0, "world_size": 1}
+    adapter = DictAdapter(state)
+    client = agent.client()
+    engine = SnapshotEngine(client, 0, identity, cfg.snapshot.chunk_bytes)
+    keys = ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot", "compute_alone", "restore")
+    out: dict[str, list[float]] = {k: [] for k in keys}
+    try:
+        t0 = time.perf_counter()
+        engine.snapshot(0, *adapter.capture())
+        res["first_call_s"] = time.perf_counter() - t0  # registration: the agent's slots, page-locking them
+        first = engine.wait()
+        assert first is not None and first.ok, first
+        res["first_clean_s"] = time.perf_counter() - t0
+        base_alloc = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for step in range(1, args.reps + 1):
+            out["compute_alone"].append(timed_cuda(compute.launch))
+            for t in state.values():  # the optimizer step: the snapshot must hold these bytes
+                t.add_(1.0)
+            adapter.iteration = step
+            torch.cuda.synchronize()
+            wall0, a = time.time(), time.perf_counter()
+            engine.snapshot(step, *adapter.capture())
+            b = time.perf_counter()
+            compute.launch()
+            torch.cuda.synchronize()
+            c = time.perf_counter()
+            st = engine.wait()
+            d = time.perf_counter()
+            if st is None or not st.ok:
+                raise RuntimeError(f"snapshot of step {step} failed: {st}")
+            out["snapshot_call"].append(b - a)
+            out["wait"].append(d - c)
+            out["stall"].append((b - a) + (d - c))
+            out["compute_with_snapshot"].append(c - b)
+            out["clean"].append(st.clean_at - wall0)
+        res["extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
+        reference = {n: t.clone() for n, t in state.items()}
+        for _ in range(args.reps):
+            for t in state.values():
+                t.zero_()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = Restorer(0, 1, identity, run_id, cfg.persist.dir, client).restore(adapter)
+            torch.cuda.synchronize()
+            out["restore"].append(time.perf_counter() - t0)
+            if (r.source, r.step) != ("local_memory", args.reps):
+                raise RuntimeError(f"restored {r.source} step {r.step}, not step {args.reps}: {r.rejected}")
+            bad = [n for n in state if not torch.equal(state[n].view(torch.uint8), reference[n].view(torch.uint8))]
+            if bad or adapter.restored_extra != {"iteration": args.reps}:
+                raise RuntimeError(f"restored state differs from the snapshot: {bad[:3]} {adapter.restored_extra}")
+        del reference
+    finally:
+        engine.close()
+        client.close(orderly=True)
+        agent.stop()  # SIGTERM: the agent removes its segments
+        remove_run_segments(args.shm_dir, run_id)
+    res.update(out)
+    res["restore_threads"] = threads_here()
+    res["ratios"] = {"stall": med(out["stall"]) / raw_d2h, "clean": med(out["clean"]) / raw_d2h,
+                     "restore": med(out["restore"]) / raw_h2d}
+    res["pass"] = {k: res["ratios"][k] <= v for k, v in TARGETS.items()}
+    del state, compute
+    torch.cuda.empty_cache()
+    return res
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| state/rank | raw D2H (s) | raw H2D (s) | stall (s) | stall/raw | clean (s) | clean/raw | restore (s) | "
+            "restore/raw | compute alone / with snapshot (s) | first snapshot (s) | extra GPU memory |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "skipped" in r:
+            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 10)
+            continue
+        q, p = r["ratios"], r["pass"]
+
+        def mark(k):
+            return f"{q[k]:.3f} ({'PASS' if p[k] else 'FAIL'}, <= {TARGETS[k]})"
+        rows.append(
+            f"| {r['size_gib']:g} GiB ({r['tensors']} tensors, {r['chunk_mib']} MiB chunks) | {med(r['raw_d2h']):.4f} "
+            f"({r['state_bytes'] / med(r['raw_d2h']) / 1e9:.1f} GB/s) | {med(r['raw_h2d']):.4f} "
+            f"({r['state_bytes'] / med(r['raw_h2d']) / 1e9:.1f} GB/s) | {med(r['stall']):.5f} | {mark('stall')} | "
+            f"{med(r['clean']):.4f} | {mark('clean')} | {med(r['restore']):.4f} | {mark('restore')} | "
+            f"{med(r['compute_alone']):.4f} / {med(r['compute_with_snapshot']):.4f} | {r['first_call_s']:.2f} | "
+            f"{r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes-gib", default="1,16")
+    p.add_argument("--tensors", type=int, default=32)
+    p.add_argument("--chunk-mib", type=int, default=64, help="snapshot.chunk_mib (configs/gpu-1.yaml)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--compute-factor", type=float, default=2.0)
+    p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--json", default=None, help="write every figure here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_snapshot.py needs a CUDA device", file=sys.stderr)
+        return 2
+    workdir = tempfile.mkdtemp(prefix="mft-gpu-bench-")
+    results = []
+    try:
+        for s in args.sizes_gib.split(","):
+            r = one_size(float(s), args, workdir)
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if not isinstance(v, list)}), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    props = torch.cuda.get_device_properties(0)
+    machine = {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / GiB, 1), "cpus": os.cpu_count(),
+               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print(json.dumps(machine))
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "command": " ".join(sys.argv), "results": results}, f, indent=1)
+    return 0 if all("skipped" not in r and all(r["pass"].values()) for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

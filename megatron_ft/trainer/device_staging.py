@@ -1,0 +1,227 @@
+"""GPU path: moving a snapshot's bytes between GPU memory and the agent's host memory, off the
+training stream. Used only when state tensors live on a CUDA device; nothing here runs on CPU jobs.
+
+Snapshot (device -> host), :class:`SnapshotStaging`:
+
+* the agent's slots, mapped by the trainer, are **registered with CUDA** (``cudaHostRegister``:
+  page-locked), so the copy engine writes the slot directly at the link's speed: no bounce buffer,
+  no second host copy. Registration happens once per slot (at the first snapshot of a layout) and
+  is undone before the mapping is closed;
+* at ``snapshot()`` the training thread only records an event on its current stream (the point
+  after the optimizer step) and returns;
+* the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
+  copies on it with one event per chunk, and sums each chunk on the host as soon as its event has
+  completed, in a few threads, while later chunks are still in flight. The next forward/backward
+  runs on the training stream meanwhile; the engine's ``wait()`` before the next optimizer step
+  returns only after the last copy and sum (host-side), so the step cannot change bytes in flight.
+
+Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
+rotation and a stream of its own. A block is read from the slot, summed (verification), and copied
+to the device; a block is refilled only after its copy's event has completed. ``finish()`` waits
+for every copy; the caller's next kernels are ordered after that host-side wait.
+
+Memory: pinned host memory is the registered slots (owned by the agent, mapped by the trainer) and
+the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache).
+No GPU memory is used beyond the training state (no on-device shadow copy).
+
+If registration fails (an old driver, a locked-memory limit), copies into the unregistered slot
+still work (the driver stages them: correct and synchronous per copy, much slower); that is logged
+once with the reason.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..capture import checksum
+
+log = logging.getLogger("megatron_ft.trainer.device_staging")
+
+#: restore bounce blocks per thread: one being read and summed, two in flight to the device
+BLOCKS = 3
+
+
+def cuda_device_of(tensors: Sequence[torch.Tensor]) -> Optional[torch.device]:
+    """The CUDA device of the first CUDA tensor in ``tensors``, or None (a CPU job)."""
+    for t in tensors:
+        if t.device.type == "cuda":
+            return t.device
+    return None
+
+
+def _cudart_ok(err) -> bool:
+    return int(getattr(err, "value", err)) == 0
+
+
+class HostRegistration:
+    """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
+
+    Not thread-safe; the owner (the snapshot engine's registration, on the training thread)
+    closes it before unmapping the memory."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address, self.nbytes = address, nbytes
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(address, nbytes, 0)
+        self.ok = _cudart_ok(err)
+        self.error = "" if self.ok else str(err)
+
+    def close(self) -> None:
+        if self.ok:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.ok = False
+
+
+class SnapshotStaging:
+    """Device -> host copies of one rank's snapshots into its registered agent slots.
+
+    Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`register` and
+    :meth:`ready_point` run on the training thread, :meth:`copy_and_sum` on the engine's worker
+    thread (one snapshot at a time), :meth:`close` after the worker has stopped."""
+
+    def __init__(self, device: torch.device, sum_threads: int):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._registered: list[HostRegistration] = []
+        self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
+        self._warned = False
+
+    def register(self, areas: Sequence[np.ndarray]) -> list[str]:
+        """Page-lock every slot mapping in ``areas`` (replacing earlier ones); the reasons of any
+        that could not be registered (empty: all pinned)."""
+        self.unregister()
+        errors = []
+        for a in areas:
+            reg = HostRegistration(a.ctypes.data, a.nbytes)
+            if reg.ok:
+                self._registered.append(reg)
+            else:
+                errors.append(reg.error)
+        if errors and not self._warned:
+            self._warned = True
+            log.warning("could not page-lock %d snapshot slot(s) for the GPU (%s): device-to-host copies will be "
+                        "staged by the driver, synchronously and slower", len(errors), errors[0])
+        return errors
+
+    def unregister(self) -> None:
+        for reg in self._registered:
+            reg.close()
+        self._registered = []
+
+    def ready_point(self) -> torch.cuda.Event:
+        """Training thread, right after the optimizer step: an event on the current stream that the
+        copies wait for."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def copy_and_sum(self, ready: torch.cuda.Event, area: np.ndarray, pieces_by_chunk: list,
+                     chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
+                     after_first_chunk: Callable[[], None] = lambda: None) -> list[int]:
+        """Copy every piece of every chunk into ``area`` (the slot's data area) and return the chunks'
+        checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
+        assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
+        host). Blocks until every copy and sum is done."""
+        dst = torch.from_numpy(area)
+        events: list[Optional[torch.cuda.Event]] = []
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for i, pieces in enumerate(pieces_by_chunk):
+                on_device = False
+                for p in pieces:
+                    src = sources[p.entry_index][p.src_start:p.src_end]
+                    dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=src.is_cuda)
+                    on_device = on_device or src.is_cuda
+                if on_device:
+                    ev = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
+                    ev.record(self.stream)
+                    events.append(ev)
+                else:
+                    events.append(None)
+                if i == 0:
+                    after_first_chunk()
+
+        def sum_chunk(i: int) -> int:
+            ev = events[i]
+            if ev is not None:
+                ev.synchronize()
+            lo, hi = chunk_bounds(i)
+            chunk = checksum.ChunkSum(hi - lo)
+            for p in pieces_by_chunk[i]:
+                chunk.add(p.dst_offset - lo, area[p.dst_offset: p.dst_offset + (p.src_end - p.src_start)])
+            return chunk.finish()
+
+        try:
+            return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
+        finally:
+            self.stream.synchronize()  # an error above must not leave copies writing the slot
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.stream.synchronize()
+        self.unregister()
+
+
+class RestoreStaging:
+    """One restore thread's host -> device path: pinned bounce blocks in rotation, its own stream.
+
+    Used by one thread only. :meth:`block` hands out the next block once its earlier copy has
+    completed; :meth:`upload` copies a filled block to the device asynchronously; :meth:`finish`
+    waits for every copy."""
+
+    def __init__(self, device: torch.device, block_bytes: int):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._blocks = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(BLOCKS)]
+        self._events: list[Optional[torch.cuda.Event]] = [None] * BLOCKS
+        self._next = 0
+
+    def block(self) -> tuple[int, torch.Tensor]:
+        k = self._next
+        self._next = (k + 1) % BLOCKS
+        ev = self._events[k]
+        if ev is not None:
+            ev.synchronize()
+            self._events[k] = None
+        return k, self._blocks[k]
+
+    def upload(self, k: int, dst: torch.Tensor) -> None:
+        """Copy the first ``dst.numel()`` bytes of block ``k`` into ``dst`` (a uint8 view of device memory)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dst.copy_(self._blocks[k][: dst.numel()], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            self._events[k] = ev
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
+class RestoreStagings:
+    """The :class:`RestoreStaging` of each thread of a restore, created on first use (thread-safe)."""
+
+    def __init__(self, block_bytes: int):
+        self.block_bytes = block_bytes
+        self._local = threading.local()
+        self._all: list[RestoreStaging] = []
+        self._lock = threading.Lock()
+
+    def here(self, device: torch.device) -> RestoreStaging:
+        st = getattr(self._local, "staging", None)
+        if st is None or st.device != device:
+            st = RestoreStaging(device, self.block_bytes)
+            self._local.staging = st
+            with self._lock:
+                self._all.append(st)
+        return st
+
+    def finish(self) -> None:
+        """Every thread's copies done (call after the threads' work, also after an error)."""
+        with self._lock:
+            for st in self._all:
+                st.finish()
