@@ -8,7 +8,8 @@ the GPU, side by side in one run:
   (``torch.empty(pin_memory=True)``), device-to-host and host-to-device, each timed to its
   synchronisation: the limit;
 * **megatron-ft**: a real agent process, ``SnapshotEngine`` (device -> the agent's page-locked slot on a
-  side stream, :mod:`megatron_ft.trainer.device_staging`) and ``Restorer`` (pinned blocks -> device).
+  side stream, checksums summed on the GPU: :mod:`megatron_ft.trainer.device_staging`) and ``Restorer``
+  (pinned blocks -> device, verified on the device).
   Per measured snapshot: an "optimizer step" kernel changes the state, ``snapshot()`` is called, then a
   "forward/backward" stand-in (bf16 matrix products, about ``--compute-factor`` x the raw copy) runs on
   the training stream, then ``wait()`` (what the next optimizer step calls):
@@ -21,7 +22,9 @@ the GPU, side by side in one run:
 
 Targets (docs/benchmarks.md): stall <= 0.1x the raw device-to-host copy, clean <= 1.2x, restore <= 1.25x
 the raw host-to-device copy. No on-device shadow copy is made: the GPU memory allocated beyond the state
-and the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``).
+and the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``: the checksums'
+temporaries). Beside them: the slots' page-locking (once per layout, in the first snapshot) and the
+restore's host side alone (``host_read``: the slot read into pinned blocks by the restore's threads).
 
     python3 benchmarks/gpu_snapshot.py --sizes-gib 1,16 --json /tmp/gpu_snapshot.json
 """
@@ -45,10 +48,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.agent import shm  # noqa: E402
+from megatron_ft.capture import snapfile  # noqa: E402
 from megatron_ft.capture.state import StateTensor  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
-from megatron_ft.trainer.recovery import Restorer, threads_here  # noqa: E402
+from megatron_ft.trainer.device_staging import pinned_bytes  # noqa: E402
+from megatron_ft.trainer.recovery import GPU_READ_BLOCK, MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 
 GiB = 1 << 30
@@ -120,6 +125,28 @@ def raw_copies(state: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict[s
     return out
 
 
+def host_read(path: str, offset: int, nbytes: int, threads: int) -> float:
+    """The restore's host side alone: ``threads`` threads read the slot's bytes into pinned blocks
+    (``pread``, as ``Restorer`` does), no device copy, no checksum. The floor of a restore from a fresh
+    process on this host."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [pinned_bytes(GPU_READ_BLOCK) for _ in range(threads)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def part(k: int) -> None:
+            mv = memoryview(blocks[k].numpy())
+            for at in range(k * GPU_READ_BLOCK, nbytes, threads * GPU_READ_BLOCK):
+                os.preadv(fd, [mv[: min(GPU_READ_BLOCK, nbytes - at)]], offset + at)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(part, range(threads)))
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+
+
 def one_size(size_gib: float, args, workdir: str) -> dict:
     nbytes = int(size_gib * GiB)
     per = nbytes // args.tensors // 4
@@ -185,6 +212,13 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
             out["compute_with_snapshot"].append(c - b)
             out["clean"].append(st.clean_at - wall0)
         res["extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
+        res["register_s"] = engine._staging.register_s if engine._staging is not None else None
+        newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
+        with open(newest["path"], "rb") as f:
+            hdr = snapfile.read_header(f.read(snapfile.HEADER_SIZE))
+        res["restore_threads"] = threads_here(MAX_GPU_HOST_THREADS)
+        res["host_read"] = [host_read(newest["path"], hdr.geometry.data_off, hdr.geometry.data_len,
+                                      res["restore_threads"]) for _ in range(args.reps)]
         reference = {n: t.clone() for n, t in state.items()}
         for _ in range(args.reps):
             for t in state.values():
@@ -206,7 +240,6 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         agent.stop()  # SIGTERM: the agent removes its segments
         remove_run_segments(args.shm_dir, run_id)
     res.update(out)
-    res["restore_threads"] = threads_here()
     res["ratios"] = {"stall": med(out["stall"]) / raw_d2h, "clean": med(out["clean"]) / raw_d2h,
                      "restore": med(out["restore"]) / raw_h2d}
     res["pass"] = {k: res["ratios"][k] <= v for k, v in TARGETS.items()}
@@ -217,11 +250,12 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
 
 def table(results: list[dict]) -> str:
     rows = ["| state/rank | raw D2H (s) | raw H2D (s) | stall (s) | stall/raw | clean (s) | clean/raw | restore (s) | "
-            "restore/raw | compute alone / with snapshot (s) | first snapshot (s) | extra GPU memory |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "restore/raw | compute alone / with snapshot (s) | first snapshot (s) | restore's host read alone (s) | "
+            "extra GPU memory |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 10)
+            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 11)
             continue
         q, p = r["ratios"], r["pass"]
 
@@ -232,8 +266,9 @@ def table(results: list[dict]) -> str:
             f"({r['state_bytes'] / med(r['raw_d2h']) / 1e9:.1f} GB/s) | {med(r['raw_h2d']):.4f} "
             f"({r['state_bytes'] / med(r['raw_h2d']) / 1e9:.1f} GB/s) | {med(r['stall']):.5f} | {mark('stall')} | "
             f"{med(r['clean']):.4f} | {mark('clean')} | {med(r['restore']):.4f} | {mark('restore')} | "
-            f"{med(r['compute_alone']):.4f} / {med(r['compute_with_snapshot']):.4f} | {r['first_call_s']:.2f} | "
-            f"{r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
+            f"{med(r['compute_alone']):.4f} / {med(r['compute_with_snapshot']):.4f} | {r['first_call_s']:.2f} "
+            f"(page-locking {r['register_s']:.2f}) | {med(r['host_read']):.4f} ({r['restore_threads']} threads, "
+            f"{r['state_bytes'] / med(r['host_read']) / 1e9:.1f} GB/s) | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(rows)
 
 

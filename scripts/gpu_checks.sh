@@ -46,8 +46,8 @@ grep -q '"bitwise_identical": true' "$OUT/demo.txt" || { tail -80 /tmp/gpu-demo/
   tail -60 /tmp/gpu-demo/reference.log > "$OUT/demo-reference-tail.txt"; } 2>/dev/null
 
 step "4. scheduling at PP=4, CPU"
-CUDA_VISIBLE_DEVICES= timeout 180 python3 benchmarks/scheduling.py --pp 4 --modes off,local,blocking,pipelined \
-  --segment 4 --cycles 3 --profile 5 --amortize 0 --idle device --no-docs --workdir /tmp/gpu-sched > "$OUT/scheduling.txt" 2>&1
+CUDA_VISIBLE_DEVICES= timeout 200 python3 benchmarks/scheduling.py --pp 4 --modes off,local,blocking,pipelined \
+  --segment 4 --cycles 5 --profile 5 --amortize 0 --idle device --no-docs --workdir /tmp/gpu-sched > "$OUT/scheduling.txt" 2>&1
 echo "rc=$?"; tail -25 "$OUT/scheduling.txt"
 step done
 ls /dev/shm | grep -c '^mft\.' || true

@@ -356,6 +356,8 @@ def forward_step(
 ) -> Tuple[torch.Tensor, Callable[..., Any]]:
     """One micro-batch forward. Every stage draws the batch, so all iterators stay in step."""
     batch = next(data_iterator)
+    if torch.cuda.is_available():  # GPU path: the synthetic batches are built on the host
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
     output = model(
         batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"]
     )

@@ -253,3 +253,78 @@ class ChunkSum:
             return checksum_numpy(self.dst if self.dst is not None else self._bounce, self.algorithm)
         self._zeros(self._state, max(0, -(-self.nbytes // 32) - self.pos // 32))
         return int(self._final(self._state, self.nbytes))
+
+
+# ---- lanes: pieces summed apart (on a GPU, say) and combined into a chunk's checksum ----------------
+# fl32x8 is linear in the words. A piece's lanes, relative to its own first row: a_l = sum_r w[r, l] and
+# c_l = sum_r r * w[r, l] (mod 2^64; words zero-padded to whole 32-byte rows). In a chunk of R rows, a
+# piece that starts at row r0 adds a_l to the chunk's A_l and (R - r0) * a_l - c_l to its B_l; rows no
+# piece covers (alignment padding) are zero and add nothing. So the pieces of one chunk can be summed on
+# different devices, in any order, and combined on the host: the digest is the one ChunkSum computes.
+
+#: bytes of a piece summed per step by :func:`tensor_lanes` (bounds its temporaries: 2x in int64)
+LANE_BLOCK = 32 << 20
+
+
+def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
+    """The 16 fl32x8 lanes (a0..a7, c0..c7) of the bytes of the flat uint8 tensor ``buf``, computed
+    with torch where ``buf`` lives (on a GPU at its memory speed, on the current stream, no host
+    synchronisation): an int64 tensor on that device, the values mod 2^64. Temporaries: about
+    2.25 x :data:`LANE_BLOCK` bytes of that device's memory."""
+    import torch
+
+    n = buf.numel()
+    out = torch.zeros(16, dtype=torch.int64, device=buf.device)
+    if n == 0:
+        return out
+    if (buf.storage_offset() * buf.element_size()) % 4:
+        buf = buf.clone()  # 32-bit words need 4-byte alignment
+    full = n - n % 32
+    for start in range(0, full, LANE_BLOCK):
+        end = min(full, start + LANE_BLOCK)
+        w = buf[start:end].view(torch.int32).view(-1, 8).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+        out[:8] += w.sum(0)
+        rows = torch.arange(start // 32, end // 32, dtype=torch.int64, device=buf.device).unsqueeze(1)
+        out[8:] += w.mul_(rows).sum(0)
+    if full < n:
+        tail = torch.zeros(32, dtype=torch.uint8, device=buf.device)
+        tail[: n - full] = buf[full:]
+        w = tail.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+        out[:8] += w
+        out[8:] += w * (full // 32)
+    return out
+
+
+def host_lanes(buf: "torch.Tensor | np.ndarray") -> list[int]:
+    """:func:`tensor_lanes` of a host buffer, with the native library (one pass) or numpy."""
+    n = _nbytes(buf)
+    rows = -(-n // 32)
+    if _LIB is None or n == 0:
+        raw = _as_bytes(buf)
+        if n % 32:
+            raw = np.concatenate([raw, np.zeros(32 - n % 32, np.uint8)])
+        words = raw.view("<u4").reshape(-1, 8).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            a = words.sum(axis=0, dtype=np.uint64)
+            c = (words * np.arange(rows, dtype=np.uint64).reshape(-1, 1)).sum(axis=0, dtype=np.uint64)
+        return [int(v) for v in a] + [int(v) for v in c]
+    state = (ctypes.c_uint64 * 16)()
+    _LIB.mft_f8_update(state, None, _address(buf), n)  # b_l = sum_r (rows - r) w[r, l]
+    a, b = list(state[:8]), list(state[8:])
+    return a + [(rows * a[l] - b[l]) & _MASK for l in range(8)]
+
+
+def combine_lanes(nbytes: int, parts: list[tuple[int, Any]]) -> int:
+    """The :data:`ALGORITHM` checksum of a chunk of ``nbytes`` whose pieces were summed apart:
+    ``parts`` = [(offset of the piece in the chunk, a multiple of 32; its 16 lanes)]."""
+    rows = -(-nbytes // 32)
+    A, B = [0] * 8, [0] * 8
+    for offset, lanes in parts:
+        if offset % 32:
+            raise ValueError(f"a piece at offset {offset} of a chunk is not 32-byte aligned")
+        r0 = offset // 32
+        for l in range(8):
+            a, c = int(lanes[l]) & _MASK, int(lanes[8 + l]) & _MASK
+            A[l] = (A[l] + a) & _MASK
+            B[l] = (B[l] + (rows - r0) * a - c) & _MASK
+    return _algorithm(ALGORITHM).fold([*A, *B, nbytes])

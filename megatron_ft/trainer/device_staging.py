@@ -9,20 +9,27 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   is undone before the mapping is closed;
 * at ``snapshot()`` the training thread only records an event on its current stream (the point
   after the optimizer step) and returns;
-* the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
-  copies on it with one event per chunk, and sums each chunk on the host as soon as its event has
-  completed, in a few threads, while later chunks are still in flight. The next forward/backward
-  runs on the training stream meanwhile; the engine's ``wait()`` before the next optimizer step
-  returns only after the last copy and sum (host-side), so the step cannot change bytes in flight.
+* the engine's worker thread makes two side streams wait for that event: one copies every chunk's
+  device pieces into the slot, the other computes their checksum lanes from the same bytes on the
+  GPU (:func:`megatron_ft.capture.checksum.tensor_lanes`; the host combines them into the chunks'
+  checksums), so the host never reads the copied bytes again and the time until clean is the copy's.
+  The next forward/backward runs on the training stream meanwhile; the engine's ``wait()`` before
+  the next optimizer step returns only after the last copy and sum (host-side), so the step cannot
+  change bytes in flight. The stored checksums describe the bytes on the device; a slot whose bytes
+  differ from them (a torn or corrupted copy) fails the restore's verification like any other.
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
-rotation and a stream of its own. A block is read from the slot, summed (verification), and copied
-to the device; a block is refilled only after its copy's event has completed. ``finish()`` waits
-for every copy; the caller's next kernels are ordered after that host-side wait.
+rotation and a stream of its own. A block is read from the slot and copied to the device; a block
+is refilled only after its copy's event has completed. Each piece's checksum lanes are computed on
+the device from the bytes that arrived, on the same stream after its copies; the restore combines
+them with the host pieces' and compares every chunk with its stored checksum after ``finish()``
+(every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
+the partly written state).
 
 Memory: pinned host memory is the registered slots (owned by the agent, mapped by the trainer) and
 the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache).
-No GPU memory is used beyond the training state (no on-device shadow copy).
+No on-device shadow copy: the GPU memory used beyond the training state is the checksums'
+temporaries (about 2.25 x ``checksum.LANE_BLOCK`` per stream).
 
 If registration fails (an old driver, a locked-memory limit), copies into the unregistered slot
 still work (the driver stages them: correct and synchronous per copy, much slower); that is logged
@@ -32,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -46,12 +53,22 @@ log = logging.getLogger("megatron_ft.trainer.device_staging")
 BLOCKS = 3
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in GPU memory (the one test of this module's paths)."""
+    return t.device.type == "cuda"
+
+
 def cuda_device_of(tensors: Sequence[torch.Tensor]) -> Optional[torch.device]:
     """The CUDA device of the first CUDA tensor in ``tensors``, or None (a CPU job)."""
     for t in tensors:
-        if t.device.type == "cuda":
+        if on_device(t):
             return t.device
     return None
+
+
+def pinned_bytes(n: int) -> torch.Tensor:
+    """``n`` bytes of page-locked host memory (torch's pinned-memory cache)."""
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
 def _cudart_ok(err) -> bool:
@@ -78,23 +95,35 @@ class HostRegistration:
 
 
 class SnapshotStaging:
-    """Device -> host copies of one rank's snapshots into its registered agent slots.
+    """Device -> host copies of one rank's snapshots into its registered agent slots, checksummed on
+    the device.
+
+    Two side streams wait for the training stream's event: the *copy* stream moves every device
+    piece into the slot; the *sum* stream computes each device piece's checksum lanes
+    (:func:`checksum.tensor_lanes`) from the same bytes (they cannot change before ``wait()``), so the
+    host never reads the copied bytes again and the time until clean is the copy's. Host pieces (RNG
+    states, scalars) are copied and summed on the worker thread meanwhile. The chunk checksums are
+    combined on the host (:func:`checksum.combine_lanes`): the same digests the CPU path writes, so a
+    restore verifies them the same way, whatever device it restores to.
 
     Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`register` and
     :meth:`ready_point` run on the training thread, :meth:`copy_and_sum` on the engine's worker
-    thread (one snapshot at a time), :meth:`close` after the worker has stopped."""
+    thread (one snapshot at a time), :meth:`close` after the worker has stopped. GPU memory: the
+    sums' temporaries, about 2.25 x :data:`checksum.LANE_BLOCK` (72 MiB), on the sum stream."""
 
-    def __init__(self, device: torch.device, sum_threads: int):
+    def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.copy_stream = torch.cuda.Stream(device=device)
+        self.sum_stream = torch.cuda.Stream(device=device)
         self._registered: list[HostRegistration] = []
-        self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
+        self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
 
     def register(self, areas: Sequence[np.ndarray]) -> list[str]:
         """Page-lock every slot mapping in ``areas`` (replacing earlier ones); the reasons of any
         that could not be registered (empty: all pinned)."""
         self.unregister()
+        t0 = time.perf_counter()
         errors = []
         for a in areas:
             reg = HostRegistration(a.ctypes.data, a.nbytes)
@@ -102,6 +131,9 @@ class SnapshotStaging:
                 self._registered.append(reg)
             else:
                 errors.append(reg.error)
+        self.register_s = time.perf_counter() - t0
+        log.info("page-locked %d snapshot slot(s), %.1f GiB, in %.2f s", len(self._registered),
+                 sum(r.nbytes for r in self._registered) / 2**30, self.register_s)
         if errors and not self._warned:
             self._warned = True
             log.warning("could not page-lock %d snapshot slot(s) for the GPU (%s): device-to-host copies will be "
@@ -115,7 +147,7 @@ class SnapshotStaging:
 
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
-        copies wait for."""
+        copies and sums wait for."""
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
@@ -124,46 +156,65 @@ class SnapshotStaging:
                      chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
                      after_first_chunk: Callable[[], None] = lambda: None) -> list[int]:
         """Copy every piece of every chunk into ``area`` (the slot's data area) and return the chunks'
-        checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
-        assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
-        host). Blocks until every copy and sum is done."""
+        :data:`checksum.ALGORITHM` checksums. ``sources[i]`` is entry i's saved bytes (flat uint8, on
+        the device or on the host). Blocks until every copy and sum is done; an error leaves no copy
+        running."""
         dst = torch.from_numpy(area)
-        events: list[Optional[torch.cuda.Event]] = []
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for i, pieces in enumerate(pieces_by_chunk):
-                on_device = False
+        device_parts: list[tuple[int, int, torch.Tensor]] = []  # (chunk, offset in chunk, lanes)
+        try:
+            with torch.cuda.device(self.device):
+                self.copy_stream.wait_event(ready)
+                self.sum_stream.wait_event(ready)
+                with torch.cuda.stream(self.copy_stream):
+                    for i, pieces in enumerate(pieces_by_chunk):
+                        for p in pieces:
+                            src = sources[p.entry_index][p.src_start:p.src_end]
+                            if on_device(src):
+                                dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=True)
+                        if i == 0:
+                            after_first_chunk()
+                    copied = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
+                    copied.record(self.copy_stream)
+                with torch.cuda.stream(self.sum_stream):
+                    for i, pieces in enumerate(pieces_by_chunk):
+                        lo, _ = chunk_bounds(i)
+                        for p in pieces:
+                            src = sources[p.entry_index][p.src_start:p.src_end]
+                            if on_device(src):
+                                device_parts.append((i, p.dst_offset - lo, checksum.tensor_lanes(src)))
+                    lanes_host = None
+                    if device_parts:
+                        lanes = torch.stack([t for _, _, t in device_parts])
+                        lanes_host = pinned_bytes(lanes.numel() * 8).view(torch.int64).view(lanes.shape)
+                        lanes_host.copy_(lanes, non_blocking=True)
+                    summed = torch.cuda.Event(blocking=True)
+                    summed.record(self.sum_stream)
+            parts: list[list[tuple[int, list[int]]]] = [[] for _ in pieces_by_chunk]
+            for i, pieces in enumerate(pieces_by_chunk):  # host pieces, while the device works
+                lo, _ = chunk_bounds(i)
                 for p in pieces:
                     src = sources[p.entry_index][p.src_start:p.src_end]
-                    dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=src.is_cuda)
-                    on_device = on_device or src.is_cuda
-                if on_device:
-                    ev = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
-                    ev.record(self.stream)
-                    events.append(ev)
-                else:
-                    events.append(None)
-                if i == 0:
-                    after_first_chunk()
-
-        def sum_chunk(i: int) -> int:
-            ev = events[i]
-            if ev is not None:
-                ev.synchronize()
-            lo, hi = chunk_bounds(i)
-            chunk = checksum.ChunkSum(hi - lo)
-            for p in pieces_by_chunk[i]:
-                chunk.add(p.dst_offset - lo, area[p.dst_offset: p.dst_offset + (p.src_end - p.src_start)])
-            return chunk.finish()
-
-        try:
-            return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
-        finally:
-            self.stream.synchronize()  # an error above must not leave copies writing the slot
+                    if not on_device(src):
+                        piece = dst[p.dst_offset: p.dst_offset + src.numel()]
+                        piece.copy_(src)
+                        parts[i].append((p.dst_offset - lo, checksum.host_lanes(piece)))
+            summed.synchronize()
+            if lanes_host is not None:
+                for (i, off, _), row in zip(device_parts, lanes_host.tolist()):
+                    parts[i].append((off, row))
+            copied.synchronize()
+            sums = []
+            for i in range(len(pieces_by_chunk)):
+                lo, hi = chunk_bounds(i)
+                sums.append(checksum.combine_lanes(hi - lo, parts[i]))
+            return sums
+        finally:  # an error above must not leave copies writing the slot
+            self.copy_stream.synchronize()
+            self.sum_stream.synchronize()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.stream.synchronize()
+        self.copy_stream.synchronize()
+        self.sum_stream.synchronize()
         self.unregister()
 
 
@@ -177,7 +228,7 @@ class RestoreStaging:
     def __init__(self, device: torch.device, block_bytes: int):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._blocks = [torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(BLOCKS)]
+        self._blocks = [pinned_bytes(block_bytes) for _ in range(BLOCKS)]
         self._events: list[Optional[torch.cuda.Event]] = [None] * BLOCKS
         self._next = 0
 
@@ -197,6 +248,11 @@ class RestoreStaging:
             ev = torch.cuda.Event()
             ev.record(self.stream)
             self._events[k] = ev
+
+    def lanes(self, dst: torch.Tensor) -> torch.Tensor:
+        """Checksum lanes of ``dst`` (device bytes), on this thread's stream after its copies."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            return checksum.tensor_lanes(dst)
 
     def finish(self) -> None:
         self.stream.synchronize()

@@ -65,6 +65,8 @@ def threads_here(cap: int = MAX_RESTORE_THREADS) -> int:
 # restore reads pieces in blocks of this size into a per-thread buffer that stays in cache,
 # then copies them into the tensors while summing (needs the native library)
 READ_BLOCK = 4 << 20  # a multiple of 32 (the checksum groups)
+#: GPU path: pinned blocks of this size go to the device (fewer, larger copies and fewer Python calls)
+GPU_READ_BLOCK = 16 << 20
 STREAMING_RESTORE = checksum.HAVE_NATIVE
 
 
@@ -149,12 +151,43 @@ class Container:
             except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
                 log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
         src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
-        stagings = device_staging.RestoreStagings(READ_BLOCK)  # GPU path; nothing is allocated for CPU targets
+        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK)  # GPU path; nothing is allocated for CPU targets
+        # GPU path: chunks with pieces on a device are verified on the device, after the copies
+        on_device_sums = self.version["checksum"] == checksum.ALGORITHM
+        verify_later: dict[int, list] = {}
+
+        def upload(p, dst: torch.Tensor) -> torch.Tensor:
+            """GPU path: a piece through the thread's pinned blocks to the device; its lanes, summed there."""
+            stage = stagings.here(dst.device)
+            part = _byte_view(dst)[p.src_start:p.src_end]
+            at = base + p.dst_offset
+            for off in range(0, part.numel(), GPU_READ_BLOCK):
+                k, block = stage.block()
+                n = min(GPU_READ_BLOCK, part.numel() - off)
+                if src is not None:
+                    np.copyto(block[:n].numpy(), src[at + off: at + off + n])
+                else:
+                    _pread_into(self.fd, block[:n], at + off)
+                stage.upload(k, part[off: off + n])
+            return stage.lanes(part)
 
         def one_chunk(i: int) -> Optional[str]:
             lo, hi = self.layout.chunk_bounds(i)
+            pieces = all_pieces[i]
+            if on_device_sums and any(device_staging.on_device(views[names[p.entry_index]]) for p in pieces):
+                parts = []  # GPU path: (offset in the chunk, lanes), combined after every copy is done
+                for p in pieces:
+                    dst = views[names[p.entry_index]]
+                    if not device_staging.on_device(dst):
+                        part = _byte_view(dst)[p.src_start:p.src_end]
+                        _pread_into(self.fd, part, base + p.dst_offset)
+                        parts.append((p.dst_offset - lo, checksum.host_lanes(part)))
+                    else:
+                        parts.append((p.dst_offset - lo, upload(p, dst)))
+                verify_later[i] = parts
+                return None
             chunk = checksum.ChunkSum(hi - lo, algorithm=self.version["checksum"])
-            for p in all_pieces[i]:
+            for p in pieces:
                 dst = views[names[p.entry_index]]
                 at = base + p.dst_offset
                 if dst.device.type == "cpu" and src is not None:  # huge-page slot: straight from the mapping
@@ -172,25 +205,20 @@ class Container:
                     part = _byte_view(dst)[p.src_start:p.src_end]
                     _pread_into(self.fd, part, at)
                     chunk.add(p.dst_offset - lo, part)
-                else:  # GPU path: through pinned blocks, verified there, copied to the device asynchronously
-                    stage = stagings.here(dst.device)
-                    part = _byte_view(dst)[p.src_start:p.src_end]
-                    for off in range(0, part.numel(), READ_BLOCK):
-                        k, block = stage.block()
-                        n = min(READ_BLOCK, part.numel() - off)
-                        if src is not None:
-                            chunk.copy_to(p.dst_offset - lo + off, block[:n], src[at + off: at + off + n])
-                        else:
-                            _pread_into(self.fd, block[:n], at + off)
-                            chunk.add(p.dst_offset - lo + off, block[:n])
-                        stage.upload(k, part[off: off + n])
-            got = chunk.finish()
+                else:  # GPU path, a snapshot of an older checksum: read and summed on the host, then copied
+                    part = torch.empty(p.src_end - p.src_start, dtype=torch.uint8)
+                    _pread_into(self.fd, part, at)
+                    chunk.add(p.dst_offset - lo, part)
+                    _byte_view(dst)[p.src_start:p.src_end].copy_(part)
+            return _mismatch(i, chunk.finish())
+
+        def _mismatch(i: int, got: int) -> Optional[str]:
             if f"{got:016x}" != sums[i]:
                 return f"{self.path}: chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})"
             return None
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
-        on_gpu = any(v.device.type == "cuda" for v in views.values())
+        on_gpu = any(device_staging.on_device(v) for v in views.values())
         workers = max(1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS),
                              self.layout.num_chunks))
         try:
@@ -204,6 +232,14 @@ class Container:
             if mapping is not None:
                 del src
                 mapping.close()
+        if verify_later:  # GPU path: the device lanes to the host in one copy per device, then combined
+            later = sorted(verify_later.items())
+            lanes = [lanes for _, parts in later for _, lanes in parts if isinstance(lanes, torch.Tensor)]
+            on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
+            for i, parts in later:
+                lo, hi = self.layout.chunk_bounds(i)
+                host = [(off, next(on_host) if isinstance(lanes, torch.Tensor) else lanes) for off, lanes in parts]
+                errors.append(_mismatch(i, checksum.combine_lanes(hi - lo, host)))
         bad = [e for e in errors if e]
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))

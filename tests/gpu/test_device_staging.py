@@ -71,7 +71,7 @@ def test_a_gpu_snapshot_restores_bit_exact_with_the_cuda_rng(agent):
     got = snapshot_bytes(m2, opt2)
     assert got.keys() == want.keys()
     for k in want:
-        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
     assert all(p.is_cuda for p in m2.parameters())
     assert all(v.is_cuda for p in m2.parameters() for k, v in opt2.state[p].items() if v.dim()), "state beside params"
     assert torch.equal(torch.cuda.get_rng_state(), rng_want)
@@ -113,4 +113,4 @@ def run_twice_from_step_2(agent):
         step(m2, opt2)
     got = snapshot_bytes(m2, opt2)
     for k in want:
-        assert torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
