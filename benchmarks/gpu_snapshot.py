@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.agent import shm  # noqa: E402
-from megatron_ft.capture import snapfile  # noqa: E402
+from megatron_ft.capture import checksum, snapfile  # noqa: E402
 from megatron_ft.capture.state import StateTensor  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
@@ -123,6 +123,14 @@ def raw_copies(state: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict[s
     out = {"raw_d2h": [timed_cuda(d2h) for _ in range(reps)], "raw_h2d": [timed_cuda(h2d) for _ in range(reps)]}
     del pieces, host
     return out
+
+
+def copy_into(host: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+    off = 0
+    for t in state.values():
+        b = t.view(-1).view(torch.uint8)
+        host[off: off + b.numel()].copy_(b, non_blocking=True)
+        off += b.numel()
 
 
 def host_read(path: str, offset: int, nbytes: int, threads: int) -> float:
@@ -234,6 +242,11 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
             if bad or adapter.restored_extra != {"iteration": args.reps}:
                 raise RuntimeError(f"restored state differs from the snapshot: {bad[:3]} {adapter.restored_extra}")
         del reference
+        # where the time until clean goes, each alone: the copy into the page-locked slot, the sums
+        slot = torch.from_numpy(engine._slots[0].array)  # (a slot's bytes are overwritten: after the restores)
+        res["d2h_into_slot"] = [timed_cuda(lambda: copy_into(slot, state)) for _ in range(args.reps)]
+        res["device_sums"] = [timed_cuda(lambda: [checksum.tensor_lanes(t.view(-1).view(torch.uint8))
+                                                  for t in state.values()]) for _ in range(args.reps)]
     finally:
         engine.close()
         client.close(orderly=True)
@@ -251,11 +264,11 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
 def table(results: list[dict]) -> str:
     rows = ["| state/rank | raw D2H (s) | raw H2D (s) | stall (s) | stall/raw | clean (s) | clean/raw | restore (s) | "
             "restore/raw | compute alone / with snapshot (s) | first snapshot (s) | restore's host read alone (s) | "
-            "extra GPU memory |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "D2H into the slot alone (s) | device sums alone (s) | extra GPU memory |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 11)
+            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 13)
             continue
         q, p = r["ratios"], r["pass"]
 
@@ -268,7 +281,8 @@ def table(results: list[dict]) -> str:
             f"{med(r['clean']):.4f} | {mark('clean')} | {med(r['restore']):.4f} | {mark('restore')} | "
             f"{med(r['compute_alone']):.4f} / {med(r['compute_with_snapshot']):.4f} | {r['first_call_s']:.2f} "
             f"(page-locking {r['register_s']:.2f}) | {med(r['host_read']):.4f} ({r['restore_threads']} threads, "
-            f"{r['state_bytes'] / med(r['host_read']) / 1e9:.1f} GB/s) | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
+            f"{r['state_bytes'] / med(r['host_read']) / 1e9:.1f} GB/s) | {med(r['d2h_into_slot']):.4f} | "
+            f"{med(r['device_sums']):.4f} | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
     return "\n".join(rows)
 
 

@@ -8,7 +8,10 @@
 # For a machine with no package registry (Python 3.12, a CUDA torch): the wheels the project needs
 # beside torch are in .whl/ (see docs/gpu.md), installed into /tmp/site without their pins.
 # Every step has its own time limit; the figures and logs go to $OUT (default /tmp/gpu-checks).
+# STEPS (default "1 2 3 4") picks the steps to run.
 set -u
+STEPS=${STEPS:-1 2 3 4}
+want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
@@ -30,24 +33,24 @@ shm_gib=$(df -B1G --output=size /dev/shm | tail -1 | tr -d ' ')
 echo "/dev/shm: ${shm_gib} GiB"
 if [ "${shm_gib:-0}" -lt 48 ]; then mount -o remount,size=96G /dev/shm && df -h /dev/shm; fi
 
-step "1. GPU snapshot benchmark"
+if want 1; then step "1. GPU snapshot benchmark"
 timeout 200 python3 benchmarks/gpu_snapshot.py --sizes-gib ${GPU_SIZES:-1,16} --json "$OUT/gpu_snapshot.json"
-echo "rc=$?"
+echo "rc=$?"; fi
 
-step "2. GPU tests"
+if want 2; then step "2. GPU tests"
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
-echo "rc=${PIPESTATUS[0]}"
+echo "rc=${PIPESTATUS[0]}"; fi
 
-step "3. trainer kill on the GPU, resumed from memory"
+if want 3; then step "3. trainer kill on the GPU, resumed from memory"
 timeout 150 python3 -m megatron_ft.cli demo --config configs/gpu/1x1.yaml --fail trainer --iters 10 --kill-at 5 \
   --workdir /tmp/gpu-demo > "$OUT/demo.txt" 2>&1
 echo "rc=$?"; tail -14 "$OUT/demo.txt"
 grep -q '"bitwise_identical": true' "$OUT/demo.txt" || { tail -80 /tmp/gpu-demo/run.log > "$OUT/demo-run-tail.txt";
-  tail -60 /tmp/gpu-demo/reference.log > "$OUT/demo-reference-tail.txt"; } 2>/dev/null
+  tail -60 /tmp/gpu-demo/reference.log > "$OUT/demo-reference-tail.txt"; } 2>/dev/null; fi
 
-step "4. scheduling at PP=4, CPU"
+if want 4; then step "4. scheduling at PP=4, CPU"
 CUDA_VISIBLE_DEVICES= timeout 200 python3 benchmarks/scheduling.py --pp 4 --modes off,local,blocking,pipelined \
   --segment 4 --cycles 5 --profile 5 --amortize 0 --idle device --no-docs --workdir /tmp/gpu-sched > "$OUT/scheduling.txt" 2>&1
-echo "rc=$?"; tail -25 "$OUT/scheduling.txt"
+echo "rc=$?"; tail -25 "$OUT/scheduling.txt"; fi
 step done
 ls /dev/shm | grep -c '^mft\.' || true

@@ -262,15 +262,23 @@ class ChunkSum:
 # piece covers (alignment padding) are zero and add nothing. So the pieces of one chunk can be summed on
 # different devices, in any order, and combined on the host: the digest is the one ChunkSum computes.
 
-#: bytes of a piece summed per step by :func:`tensor_lanes` (bounds its temporaries: 2x in int64)
-LANE_BLOCK = 32 << 20
+#: bytes of a piece summed per step by :func:`tensor_lanes` (bounds its temporaries to about this much)
+LANE_BLOCK = 64 << 20
+#: rows summed together in :func:`tensor_lanes` (see there)
+ROW_GROUP = 1024
 
 
 def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
     """The 16 fl32x8 lanes (a0..a7, c0..c7) of the bytes of the flat uint8 tensor ``buf``, computed
     with torch where ``buf`` lives (on a GPU at its memory speed, on the current stream, no host
     synchronisation): an int64 tensor on that device, the values mod 2^64. Temporaries: about
-    2.25 x :data:`LANE_BLOCK` bytes of that device's memory."""
+    :data:`LANE_BLOCK` bytes of that device's memory.
+
+    How: the rows are grouped, ``ROW_GROUP`` at a time, into a (Q, K, 8) view of 32-bit words. Two
+    reductions of the words themselves give each group's sums ``S[q]`` and each in-group position's
+    sums ``T[j]`` (accumulated in int64; a word read as negative int32 is corrected by 2^32, counted
+    from its sign bit), and then a = sum_q S[q], c = K * sum_q q * S[q] + sum_j j * T[j], since row
+    r = K * q + j. Four reads and one write per word: no int64 copy of the data is made."""
     import torch
 
     n = buf.numel()
@@ -282,17 +290,33 @@ def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
     full = n - n % 32
     for start in range(0, full, LANE_BLOCK):
         end = min(full, start + LANE_BLOCK)
-        w = buf[start:end].view(torch.int32).view(-1, 8).to(torch.int64).bitwise_and_(0xFFFFFFFF)
-        out[:8] += w.sum(0)
-        rows = torch.arange(start // 32, end // 32, dtype=torch.int64, device=buf.device).unsqueeze(1)
-        out[8:] += w.mul_(rows).sum(0)
+        _add_row_lanes(buf[start:end].view(torch.int32).view(-1, 8), start // 32, out)
     if full < n:
         tail = torch.zeros(32, dtype=torch.uint8, device=buf.device)
         tail[: n - full] = buf[full:]
-        w = tail.view(torch.int32).to(torch.int64).bitwise_and_(0xFFFFFFFF)
-        out[:8] += w
-        out[8:] += w * (full // 32)
+        _add_row_lanes(tail.view(torch.int32).view(1, 8), full // 32, out)
     return out
+
+
+def _add_row_lanes(words: "torch.Tensor", first_row: int, out: "torch.Tensor") -> None:
+    """Add the lanes of ``words`` (int32, one row of 8 per 32 bytes), whose first row is row
+    ``first_row`` of the piece, to ``out`` (see :func:`tensor_lanes`)."""
+    import torch
+
+    rows = words.shape[0]
+    while rows:
+        k = min(ROW_GROUP, rows)
+        q = rows // k
+        x = words[: q * k].view(q, k, 8)
+        negative = x >> 31  # -1 where the word, read unsigned, is 2^31 or more
+        s = x.sum(1) - negative.sum(1) * (1 << 32)  # (q, 8) unsigned sums per group (int64, exact)
+        t = x.sum(0) - negative.sum(0) * (1 << 32)  # (k, 8) per position in the group
+        qi = torch.arange(q, dtype=torch.int64, device=words.device).unsqueeze(1)
+        ji = torch.arange(k, dtype=torch.int64, device=words.device).unsqueeze(1)
+        a = s.sum(0)
+        out[:8] += a
+        out[8:] += (s * qi).sum(0) * k + (t * ji).sum(0) + a * first_row
+        words, first_row, rows = words[q * k:], first_row + q * k, rows - q * k
 
 
 def host_lanes(buf: "torch.Tensor | np.ndarray") -> list[int]:
