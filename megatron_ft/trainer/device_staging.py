@@ -114,7 +114,9 @@ class SnapshotStaging:
     def __init__(self, device: torch.device):
         self.device = device
         self.copy_stream = torch.cuda.Stream(device=device)
-        self.sum_stream = torch.cuda.Stream(device=device)
+        # high priority: the sums' small kernels go ahead of the queued forward/backward kernels (the
+        # same SM time either way), so the snapshot is clean when its copy is done, not when compute is
+        self.sum_stream = torch.cuda.Stream(device=device, priority=-1)
         self._registered: list[HostRegistration] = []
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
