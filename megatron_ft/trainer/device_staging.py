@@ -9,14 +9,15 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   is undone before the mapping is closed;
 * at ``snapshot()`` the training thread only records an event on its current stream (the point
   after the optimizer step) and returns;
-* the engine's worker thread makes two side streams wait for that event: one copies every chunk's
-  device pieces into the slot, the other computes their checksum lanes from the same bytes on the
-  GPU (:func:`megatron_ft.capture.checksum.tensor_lanes`; the host combines them into the chunks'
-  checksums), so the host never reads the copied bytes again and the time until clean is the copy's.
-  The next forward/backward runs on the training stream meanwhile; the engine's ``wait()`` before
-  the next optimizer step returns only after the last copy and sum (host-side), so the step cannot
-  change bytes in flight. The stored checksums describe the bytes on the device; a slot whose bytes
-  differ from them (a torn or corrupted copy) fails the restore's verification like any other.
+* the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
+  copies on it with one event per chunk, and sums each chunk on the host as soon as its event has
+  completed, in a few threads (up to ``recovery.MAX_GPU_HOST_THREADS``), while later chunks are
+  still in flight. The next forward/backward runs on the training stream meanwhile; the engine's
+  ``wait()`` before the next optimizer step returns only after the last copy and sum (host-side),
+  so the step cannot change bytes in flight. (Summing on the GPU instead, from the same bytes, was
+  measured too: its thousands of small reduction kernels queued behind the forward/backward
+  kernels and the snapshot became clean later, with the training stream slowed more; see
+  docs/gpu.md.)
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
 rotation and a stream of its own. A block is read from the slot and copied to the device; a block
@@ -28,8 +29,8 @@ the partly written state).
 
 Memory: pinned host memory is the registered slots (owned by the agent, mapped by the trainer) and
 the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache).
-No on-device shadow copy: the GPU memory used beyond the training state is the checksums'
-temporaries (about 2.25 x ``checksum.LANE_BLOCK`` per stream).
+No on-device shadow copy: the GPU memory used beyond the training state is the restore's checksum
+temporaries (about ``checksum.LANE_BLOCK`` per restore thread, freed to torch's cache after it).
 
 If registration fails (an old driver, a locked-memory limit), copies into the unregistered slot
 still work (the driver stages them: correct and synchronous per copy, much slower); that is logged
@@ -40,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -95,29 +97,19 @@ class HostRegistration:
 
 
 class SnapshotStaging:
-    """Device -> host copies of one rank's snapshots into its registered agent slots, checksummed on
-    the device.
-
-    Two side streams wait for the training stream's event: the *copy* stream moves every device
-    piece into the slot; the *sum* stream computes each device piece's checksum lanes
-    (:func:`checksum.tensor_lanes`) from the same bytes (they cannot change before ``wait()``), so the
-    host never reads the copied bytes again and the time until clean is the copy's. Host pieces (RNG
-    states, scalars) are copied and summed on the worker thread meanwhile. The chunk checksums are
-    combined on the host (:func:`checksum.combine_lanes`): the same digests the CPU path writes, so a
-    restore verifies them the same way, whatever device it restores to.
+    """Device -> host copies of one rank's snapshots into its registered agent slots, summed on the
+    host as each chunk lands.
 
     Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`register` and
     :meth:`ready_point` run on the training thread, :meth:`copy_and_sum` on the engine's worker
-    thread (one snapshot at a time), :meth:`close` after the worker has stopped. GPU memory: the
-    sums' temporaries, about 2.25 x :data:`checksum.LANE_BLOCK` (72 MiB), on the sum stream."""
+    thread (one snapshot at a time), :meth:`close` after the worker has stopped. Its sum threads
+    release the GIL (native checksum) and sleep on the chunks' events (blocking-sync events)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, sum_threads: int):
         self.device = device
-        self.copy_stream = torch.cuda.Stream(device=device)
-        # high priority: the sums' small kernels go ahead of the queued forward/backward kernels (the
-        # same SM time either way), so the snapshot is clean when its copy is done, not when compute is
-        self.sum_stream = torch.cuda.Stream(device=device, priority=-1)
+        self.stream = torch.cuda.Stream(device=device)
         self._registered: list[HostRegistration] = []
+        self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
 
@@ -149,7 +141,7 @@ class SnapshotStaging:
 
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
-        copies and sums wait for."""
+        copies wait for."""
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
@@ -158,65 +150,45 @@ class SnapshotStaging:
                      chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
                      after_first_chunk: Callable[[], None] = lambda: None) -> list[int]:
         """Copy every piece of every chunk into ``area`` (the slot's data area) and return the chunks'
-        :data:`checksum.ALGORITHM` checksums. ``sources[i]`` is entry i's saved bytes (flat uint8, on
-        the device or on the host). Blocks until every copy and sum is done; an error leaves no copy
-        running."""
+        checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
+        assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
+        host). Blocks until every copy and sum is done; an error leaves no copy running."""
         dst = torch.from_numpy(area)
-        device_parts: list[tuple[int, int, torch.Tensor]] = []  # (chunk, offset in chunk, lanes)
-        try:
-            with torch.cuda.device(self.device):
-                self.copy_stream.wait_event(ready)
-                self.sum_stream.wait_event(ready)
-                with torch.cuda.stream(self.copy_stream):
-                    for i, pieces in enumerate(pieces_by_chunk):
-                        for p in pieces:
-                            src = sources[p.entry_index][p.src_start:p.src_end]
-                            if on_device(src):
-                                dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=True)
-                        if i == 0:
-                            after_first_chunk()
-                    copied = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
-                    copied.record(self.copy_stream)
-                with torch.cuda.stream(self.sum_stream):
-                    for i, pieces in enumerate(pieces_by_chunk):
-                        lo, _ = chunk_bounds(i)
-                        for p in pieces:
-                            src = sources[p.entry_index][p.src_start:p.src_end]
-                            if on_device(src):
-                                device_parts.append((i, p.dst_offset - lo, checksum.tensor_lanes(src)))
-                    lanes_host = None
-                    if device_parts:
-                        lanes = torch.stack([t for _, _, t in device_parts])
-                        lanes_host = pinned_bytes(lanes.numel() * 8).view(torch.int64).view(lanes.shape)
-                        lanes_host.copy_(lanes, non_blocking=True)
-                    summed = torch.cuda.Event(blocking=True)
-                    summed.record(self.sum_stream)
-            parts: list[list[tuple[int, list[int]]]] = [[] for _ in pieces_by_chunk]
-            for i, pieces in enumerate(pieces_by_chunk):  # host pieces, while the device works
-                lo, _ = chunk_bounds(i)
+        events: list[Optional[torch.cuda.Event]] = []
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for i, pieces in enumerate(pieces_by_chunk):
+                from_device = False
                 for p in pieces:
                     src = sources[p.entry_index][p.src_start:p.src_end]
-                    if not on_device(src):
-                        piece = dst[p.dst_offset: p.dst_offset + src.numel()]
-                        piece.copy_(src)
-                        parts[i].append((p.dst_offset - lo, checksum.host_lanes(piece)))
-            summed.synchronize()
-            if lanes_host is not None:
-                for (i, off, _), row in zip(device_parts, lanes_host.tolist()):
-                    parts[i].append((off, row))
-            copied.synchronize()
-            sums = []
-            for i in range(len(pieces_by_chunk)):
-                lo, hi = chunk_bounds(i)
-                sums.append(checksum.combine_lanes(hi - lo, parts[i]))
-            return sums
-        finally:  # an error above must not leave copies writing the slot
-            self.copy_stream.synchronize()
-            self.sum_stream.synchronize()
+                    dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=on_device(src))
+                    from_device = from_device or on_device(src)
+                landed = None
+                if from_device:
+                    landed = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
+                    landed.record(self.stream)
+                events.append(landed)
+                if i == 0:
+                    after_first_chunk()
+
+        def sum_chunk(i: int) -> int:
+            landed = events[i]
+            if landed is not None:
+                landed.synchronize()
+            lo, hi = chunk_bounds(i)
+            chunk = checksum.ChunkSum(hi - lo)
+            for p in pieces_by_chunk[i]:
+                chunk.add(p.dst_offset - lo, area[p.dst_offset: p.dst_offset + (p.src_end - p.src_start)])
+            return chunk.finish()
+
+        try:
+            return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
+        finally:
+            self.stream.synchronize()  # an error above must not leave copies writing the slot
 
     def close(self) -> None:
-        self.copy_stream.synchronize()
-        self.sum_stream.synchronize()
+        self._pool.shutdown(wait=True)
+        self.stream.synchronize()
         self.unregister()
 
 

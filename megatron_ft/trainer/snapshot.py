@@ -37,6 +37,7 @@ from ..capture import checksum, snapfile
 from ..capture.layout import Layout, plan_layout
 from ..capture.state import StateTensor
 from . import device_staging
+from .recovery import MAX_GPU_HOST_THREADS, threads_here
 
 log = logging.getLogger("megatron_ft.trainer.snapshot")
 
@@ -168,7 +169,7 @@ class SnapshotEngine:
         device = device_staging.cuda_device_of([t.tensor for t in tensors])  # GPU path
         if device is not None:
             if self._staging is None:
-                self._staging = device_staging.SnapshotStaging(device)
+                self._staging = device_staging.SnapshotStaging(device, threads_here(MAX_GPU_HOST_THREADS))
             self._staging.register([seg.array for seg in self._slots])
         self.layout = layout
         self._pieces = layout.all_pieces()
