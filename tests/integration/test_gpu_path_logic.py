@@ -91,3 +91,32 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
     seg.close()
     r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m2, opt2))
     assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
+
+
+def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatch, caplog):
+    """cudaHostRegister refused (an old driver, a locked-memory limit): the copies go into the
+    unregistered slot (the driver stages them), the snapshot still commits, and the reason is logged once."""
+
+    class Refusing(CudaRuntime):
+        def cudaHostRegister(self, ptr, n, flags):
+            return 999  # cudaErrorUnknown
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    c = agent.client()
+    m = torch.nn.Linear(40, 30)
+    ad = TorchStateAdapter(m)
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 12)
+    for s in (1, 2):
+        ad.extra = {"iteration": s}
+        eng.snapshot(s, *ad.capture())
+        assert eng.wait().ok
+    assert eng._staging is not None and eng._staging._registered == []
+    assert sum("could not page-lock 2 snapshot slot(s)" in r.getMessage() for r in caplog.records) == 1
+    eng.close()
+    want = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight.zero_()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 2)
+    assert torch.equal(m.weight, want)

@@ -163,6 +163,12 @@ def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ran
     assert recovery.restore_threads(cores, local_ranks) == threads
 
 
+@pytest.mark.parametrize("cores, local_ranks, threads", [(16, 1, 8), (16, 8, 2), (128, 8, 8), (2, 1, 2)])
+def test_a_gpu_rank_uses_up_to_eight_host_threads(cores, local_ranks, threads):
+    """GPU path: the host threads that read or sum blocks beside the copy engine (its share, at most 8)."""
+    assert recovery.restore_threads(cores, local_ranks, recovery.MAX_GPU_HOST_THREADS) == threads
+
+
 @pytest.mark.parametrize("read_path", PATHS, indirect=True)
 def test_a_snapshot_of_the_previous_format_is_still_verified_and_restored(tmp_path, read_path, monkeypatch):
     """Containers of format version 1 carry fl64x4-v1 chunk sums (the weaker fold): still read,
