@@ -15,9 +15,8 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   still in flight. The next forward/backward runs on the training stream meanwhile; the engine's
   ``wait()`` before the next optimizer step returns only after the last copy and sum (host-side),
   so the step cannot change bytes in flight. (Summing on the GPU instead, from the same bytes, was
-  measured too: its thousands of small reduction kernels queued behind the forward/backward
-  kernels and the snapshot became clean later, with the training stream slowed more; see
-  docs/gpu.md.)
+  measured too: under a training load the snapshot became clean later and the training stream
+  slowed more; see docs/gpu.md.)
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
 rotation and a stream of its own. A block is read from the slot and copied to the device; a block
