@@ -5,8 +5,8 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
 
 * the agent's slots, mapped by the trainer, are **registered with CUDA** (``cudaHostRegister``:
   page-locked), so the copy engine writes the slot directly at the link's speed: no bounce buffer,
-  no second host copy. Registration happens once per slot (at the first snapshot of a layout) and
-  is undone before the mapping is closed;
+  no second host copy. Registration happens once per slot (on the engine's worker, before the first
+  copy into a layout's slots) and is undone before the mapping is closed;
 * at ``snapshot()`` the training thread only records an event on its current stream (the point
   after the optimizer step) and returns;
 * the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
@@ -99,10 +99,11 @@ class SnapshotStaging:
     """Device -> host copies of one rank's snapshots into its registered agent slots, summed on the
     host as each chunk lands.
 
-    Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`register` and
-    :meth:`ready_point` run on the training thread, :meth:`copy_and_sum` on the engine's worker
-    thread (one snapshot at a time), :meth:`close` after the worker has stopped. Its sum threads
-    release the GIL (native checksum) and sleep on the chunks' events (blocking-sync events)."""
+    Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`ready_point` and
+    :meth:`unregister` run on the training thread (the latter while the worker is idle),
+    :meth:`register` and :meth:`copy_and_sum` on the engine's worker thread (one snapshot at a time),
+    :meth:`close` after the worker has stopped. Its sum threads release the GIL (native checksum)
+    and sleep on the chunks' events (blocking-sync events)."""
 
     def __init__(self, device: torch.device, sum_threads: int):
         self.device = device

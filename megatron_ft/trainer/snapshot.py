@@ -86,6 +86,7 @@ class SnapshotEngine:
         self._pieces: list = []  # layout.all_pieces(), computed once per registration
         self._slots: list[shm.Segment] = []
         self._staging: Optional[device_staging.SnapshotStaging] = None  # GPU path: state on a CUDA device
+        self._page_lock_slots = False  # GPU path: the worker page-locks new slots before its next copy
         self._q: "queue.Queue[Optional[_Job]]" = queue.Queue()
         self._pending: Optional[_Job] = None
         self.history: list[SnapshotStats] = []
@@ -170,7 +171,7 @@ class SnapshotEngine:
         if device is not None:
             if self._staging is None:
                 self._staging = device_staging.SnapshotStaging(device, threads_here(MAX_GPU_HOST_THREADS))
-            self._staging.register([seg.array for seg in self._slots])
+            self._page_lock_slots = True  # on the worker: page-locking 16 GiB takes most of a second
         self.layout = layout
         self._pieces = layout.all_pieces()
         log.info("rank %d: registered %d tensors, %.1f MiB in %d chunks (%s)", self.rank, len(specs),
@@ -210,6 +211,9 @@ class SnapshotEngine:
         area = seg.array[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
         if job.ready is not None:  # GPU path: straight into the page-locked slot, summed as chunks land
             assert self._staging is not None
+            if self._page_lock_slots:  # (the training thread is not waiting: it registered, then went on)
+                self._page_lock_slots = False
+                self._staging.register([slot.array for slot in self._slots])
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
                 after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))
