@@ -49,31 +49,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft.capture import checksum, snapfile  # noqa: E402
-from megatron_ft.capture.state import StateTensor  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
 from megatron_ft.trainer.device_staging import pinned_bytes  # noqa: E402
 from megatron_ft.trainer.recovery import GPU_READ_BLOCK, MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
+from snapshot import BenchStateAdapter, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
 
 GiB = 1 << 30
 TARGETS = {"stall": 0.1, "clean": 1.2, "restore": 1.25}
-
-
-class DictAdapter:
-    """The StateAdapter protocol over named GPU tensors."""
-
-    def __init__(self, state: dict[str, torch.Tensor]):
-        self.state, self.iteration, self.restored_extra = state, 0, None
-
-    def capture(self):
-        return [StateTensor(n, t) for n, t in self.state.items()], {"iteration": self.iteration}
-
-    def targets(self, layout):
-        return {e.spec.name: StateTensor(e.spec.name, self.state[e.spec.name]) for e in layout.entries}
-
-    def finish_restore(self, extra):
-        self.restored_extra = extra
 
 
 def med(xs: list[float]) -> float:
@@ -184,7 +168,7 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         yaml.safe_dump(cfg.to_dict(), f)
     agent = AgentProc(cfg, cfg_path).start()
     identity = {"run_id": run_id, "rank": 0, "world_size": 1}
-    adapter = DictAdapter(state)
+    adapter = BenchStateAdapter(state)
     client = agent.client()
     engine = SnapshotEngine(client, 0, identity, cfg.snapshot.chunk_bytes)
     keys = ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot", "compute_alone", "restore")
@@ -202,23 +186,11 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
             out["compute_alone"].append(timed_cuda(compute.launch))
             for t in state.values():  # the optimizer step: the snapshot must hold these bytes
                 t.add_(1.0)
-            adapter.iteration = step
             torch.cuda.synchronize()
-            wall0, a = time.time(), time.perf_counter()
-            engine.snapshot(step, *adapter.capture())
-            b = time.perf_counter()
-            compute.launch()
-            torch.cuda.synchronize()
-            c = time.perf_counter()
-            st = engine.wait()
-            d = time.perf_counter()
-            if st is None or not st.ok:
-                raise RuntimeError(f"snapshot of step {step} failed: {st}")
-            out["snapshot_call"].append(b - a)
-            out["wait"].append(d - c)
-            out["stall"].append((b - a) + (d - c))
-            out["compute_with_snapshot"].append(c - b)
-            out["clean"].append(st.clean_at - wall0)
+            _, times = timed_snapshot(engine, adapter, step, lambda: (compute.launch(), torch.cuda.synchronize()))
+            for k in ("snapshot_call", "wait", "stall", "clean"):
+                out[k].append(times[k])
+            out["compute_with_snapshot"].append(times["compute"])
         res["extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
         res["register_s"] = engine._staging.register_s if engine._staging is not None else None
         newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])

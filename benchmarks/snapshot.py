@@ -276,6 +276,27 @@ class BenchStateAdapter:
         self.restored_extra = extra
 
 
+def timed_snapshot(engine: SnapshotEngine, adapter: BenchStateAdapter, step: int, compute: Any,
+                   who: str = "") -> tuple[Any, dict[str, float]]:
+    """One measured snapshot as a training loop sees it: ``snapshot()`` right after the optimizer
+    step, the next forward/backward (``compute()``, returning when it is done), then ``wait()`` as the
+    next optimizer step calls it. Returns the snapshot's stats and ``snapshot_call``, ``wait``,
+    ``stall`` (the two together: what the loop was blocked), ``compute`` and ``clean`` (seconds);
+    raises if the snapshot failed. Also used by ``benchmarks/gpu_snapshot.py``."""
+    adapter.iteration = step
+    wall0, t0 = time.time(), time.perf_counter()
+    engine.snapshot(step, *adapter.capture())
+    t1 = time.perf_counter()
+    compute()
+    t2 = time.perf_counter()
+    st = engine.wait()
+    t3 = time.perf_counter()
+    if st is None or not st.ok:
+        raise RuntimeError(f"{who}snapshot of step {step} failed: {st}")
+    return st, {"snapshot_call": t1 - t0, "wait": t3 - t2, "stall": (t1 - t0) + (t3 - t2), "compute": t2 - t1,
+                "clean": st.clean_at - wall0}
+
+
 # ====================================================================================== rank side
 
 
@@ -415,22 +436,12 @@ def rank_megatron_ft(rc: RankContext) -> dict:
             # paired with this snapshot: the raw copy of the same bytes just before it (the faster one)
             out["paired_raw"].append(min(raw.timed(rc).values()))
             step += 1
-            adapter.iteration = step
             rc.barrier()
-            wall0, t0 = time.time(), time.perf_counter()
-            engine.snapshot(step, *adapter.capture())
-            t1 = time.perf_counter()
-            time.sleep(rc.compute_s)  # forward/backward on the GPU: the host CPU stays free
-            t2 = time.perf_counter()
-            st = engine.wait()
-            t3 = time.perf_counter()
-            if st is None or not st.ok:
-                raise RuntimeError(f"rank {rc.rank}: snapshot of step {step} failed: {st}")
-            out["snapshot_call"].append(t1 - t0)
-            out["wait"].append(t3 - t2)
-            out["stall"].append((t1 - t0) + (t3 - t2))
+            # forward/backward on the GPU: the host CPU stays free
+            st, t = timed_snapshot(engine, adapter, step, lambda: time.sleep(rc.compute_s), f"rank {rc.rank}: ")
+            for k in ("snapshot_call", "wait", "stall", "clean"):
+                out[k].append(t[k])
             out["copy"].append(st.copy_s)
-            out["clean"].append(st.clean_at - wall0)
         raw.verify(rc.rank)
         raw.close()
         raw = None

@@ -646,9 +646,7 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
         if pool is not None:
             spares.stop(pool, pool_socket or "")
         for proc in (agent, torchrun):
-            if proc.poll() is None and proc.stdin is not None and not proc.stdin.closed:
-                proc.kill()  # never handed a node
-                proc.wait()
+            prestart.discard(proc)  # never handed a node
 
 
 #: what a standby pre-starts (``spares.prestart``): its node's agent and torchrun, imports done

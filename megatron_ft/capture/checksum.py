@@ -122,17 +122,23 @@ def checksum_numpy(buf: np.ndarray, algorithm: str = ALGORITHM) -> int:
     """Reference implementation over the bytes of ``buf`` (``algorithm``: one of :data:`READS`)."""
     alg = _algorithm(algorithm)
     raw = np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
-    nbytes = raw.size
-    pad = (-nbytes) % 32
-    if pad:
-        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
+    a, c = _numpy_lanes(raw, alg)
+    rows = -(-raw.size // 32)
+    with np.errstate(over="ignore"):
+        b = np.uint64(rows) * a - c  # sum_r (rows - r) * w[r]
+    return alg.fold([*a, *b, raw.size])
+
+
+def _numpy_lanes(raw: np.ndarray, alg: "_Algorithm") -> tuple[np.ndarray, np.ndarray]:
+    """Per lane, mod 2^64: the words' sum a and their row-weighted sum c = sum_r r * w[r] (the bytes
+    zero-padded to whole 32-byte rows)."""
+    if raw.size % 32:
+        raw = np.concatenate([raw, np.zeros(32 - raw.size % 32, np.uint8)])
     words = raw.view(alg.word).reshape(-1, alg.lanes).astype(np.uint64)
-    rows = words.shape[0]
     with np.errstate(over="ignore"):
         a = words.sum(axis=0, dtype=np.uint64)
-        weights = (np.uint64(rows) - np.arange(rows, dtype=np.uint64)).reshape(-1, 1)
-        b = (words * weights).sum(axis=0, dtype=np.uint64)
-    return alg.fold([*a, *b, nbytes])
+        c = (words * np.arange(words.shape[0], dtype=np.uint64).reshape(-1, 1)).sum(axis=0, dtype=np.uint64)
+    return a, c
 
 
 def _is_tensor(t: Any) -> bool:
@@ -324,13 +330,7 @@ def host_lanes(buf: "torch.Tensor | np.ndarray") -> list[int]:
     n = _nbytes(buf)
     rows = -(-n // 32)
     if _LIB is None or n == 0:
-        raw = _as_bytes(buf)
-        if n % 32:
-            raw = np.concatenate([raw, np.zeros(32 - n % 32, np.uint8)])
-        words = raw.view("<u4").reshape(-1, 8).astype(np.uint64)
-        with np.errstate(over="ignore"):
-            a = words.sum(axis=0, dtype=np.uint64)
-            c = (words * np.arange(rows, dtype=np.uint64).reshape(-1, 1)).sum(axis=0, dtype=np.uint64)
+        a, c = _numpy_lanes(_as_bytes(buf), _algorithm(ALGORITHM))
         return [int(v) for v in a] + [int(v) for v in c]
     state = (ctypes.c_uint64 * 16)()
     _LIB.mft_f8_update(state, None, _address(buf), n)  # b_l = sum_r (rows - r) w[r, l]

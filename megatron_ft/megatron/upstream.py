@@ -251,8 +251,8 @@ def _no_warm_up_of_disabled_fusions() -> None:
     and bias+dropout+add functions on sample tensors, so that the first step need not, whatever the
     fusion flags say. The CPU layer turns those fusions off (:data:`CPU_FLAGS`): the model never calls
     them, and compiling them was 7 of the 7.3 s a re-forked trainer spent between its rendezvous and
-    its restore (four trainers at once on 2 cores), a cold one's alike. The warm-up is skipped while all three fusions are off (it still runs when a user
-    turned one on)."""
+    its restore (four trainers at once on 2 cores), a cold one's alike. The warm-up is skipped while
+    all three fusions are off (it still runs when a user turned one on)."""
     import megatron.training.initialize as initialize
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -104,5 +104,12 @@ def hand_over(waiting: "subprocess.Popen", argv: list[str], env: Optional[dict] 
         return False
 
 
+def discard(waiting: "subprocess.Popen") -> None:
+    """End a pre-started process that was never handed over (one that was runs on as its owner's)."""
+    if waiting.poll() is None and waiting.stdin is not None and not waiting.stdin.closed:
+        waiting.kill()
+        waiting.wait()
+
+
 if __name__ == "__main__":
     sys.exit(main())
