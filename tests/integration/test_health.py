@@ -152,6 +152,12 @@ def verdict(client, n):
     return json.loads(v) if v is not None else None
 
 
+def heartbeat(client, n):
+    """Node ``n``'s last heartbeat record, ``{}`` before its agent wrote the first one."""
+    v = client.get(f"hb/{n}")
+    return json.loads(v) if v is not None else {}
+
+
 STORES = [pytest.param("embedded", "root", id="embedded-root-lost"),
           pytest.param("etcd", "root", id="etcd-root-lost", marks=pytest.mark.slow),  # embedded covers it by default
           pytest.param("etcd", "other", id="etcd-node-lost", marks=pytest.mark.slow)]
@@ -270,11 +276,11 @@ def test_a_starting_job_is_told_from_a_running_one_by_trainers_not_by_heartbeat_
     try:
         rdzv = Rendezvous(c.cfg, 2)
         rdzv.store.connect(10)
-        wait_for("30 heartbeats of node 0", lambda: json.loads(rdzv.store.get("hb/0"))["seq"] >= 30, cluster=c)
+        wait_for("30 heartbeats of node 0", lambda: heartbeat(rdzv.store, 0).get("seq", 0) >= 30, cluster=c)
         assert not rdzv._job_running()  # long-lived agents, no trainer yet: starting
         c.train(1)
         wait_for("node 0's heartbeat after its trainer registered",
-                 lambda: json.loads(rdzv.store.get("hb/0")).get("trained"), cluster=c)
+                 lambda: heartbeat(rdzv.store, 0).get("trained"), cluster=c)
         assert rdzv._job_running()
     finally:
         c.close()
