@@ -202,6 +202,13 @@ class LaunchConfig(_Section):
     #: per torchrun attempt (megatron_ft/spares/fast_restart.py); 0: torchrun restarts every time.
     #: Needs warm_spares; none with max_restarts 0
     fast_restarts: _int(0) = 3
+    #: in a fast restart round, trainers that survived keep their process, model and optimizer and rejoin
+    #: the round in place (megatron_ft/trainer/in_process.py; scripts that run their training through
+    #: it); false: every round replaces every trainer by a fresh fork. Needs fast_restarts
+    in_process_restart: Flag = True
+    #: a survivor asked to rejoin in place that has not unwound within this many seconds (stuck where no
+    #: abort reaches) is replaced by a fresh fork
+    in_process_grace_s: _num(0.1) = 2.0
     rdzv_keep_alive_attempts: _int(1) = 3
     #: keep a pool of warm spare trainers on every node (torch and megatron-core already imported):
     #: torchrun's restarted workers start from it in a fraction of a second (megatron_ft/spares)

@@ -219,9 +219,13 @@ class NodeLauncher:
                    # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
+        env.pop("MFT_IN_PROCESS_GRACE_S", None)  # set below when in-process restart is on
+        env.pop("MFT_IN_PROCESS_FD", None)
         if self.pool is not None:
             env["MFT_SPARES_SOCKET"] = self.pool_socket or ""
             env["MFT_FAST_RESTARTS"] = str(self.cfg.launch.fast_restarts if self.cfg.launch.max_restarts else 0)
+            if self.cfg.launch.in_process_restart:
+                env["MFT_IN_PROCESS_GRACE_S"] = str(self.cfg.launch.in_process_grace_s)
         self.rdzv = self.rendezvous.current(self.log)
         self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
                  f"{self.rdzv.addr}:{self.rdzv.port}")

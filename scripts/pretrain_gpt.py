@@ -634,15 +634,7 @@ def shutdown_distributed() -> None:
     torch.distributed.destroy_process_group()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    install_cpu_compat()  # CPU only; a no-op with CUDA
-    torch.set_num_threads(1)  # determinism (and 2-core machines)
-    if torch.cuda.is_available():  # GPU path: a bit-exact resume needs deterministic kernels
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS is first used
-        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns; the demo compares bytes
-    init_distributed(args)
-    objs = build_training_objects(args)
+def make_hooks(args: argparse.Namespace) -> TrainingHooks:
     hooks: TrainingHooks = TrainingHooks()
     if args.inmem_ckpt:
         from megatron_ft.megatron.checkpointing import MegatronCheckpointHooks
@@ -652,16 +644,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_ft.megatron.profiling import ProfilingHooks
 
         hooks = ProfilingHooks.from_args(hooks, args)  # type: ignore[assignment]
-    try:
-        iteration, consumed_samples = train(objs, hooks)
-    finally:
-        if hasattr(hooks, "close"):
-            hooks.close()
-    if args.dump_final_state:
-        dump_final_state(objs, args.dump_final_state,
-                         {"iteration": iteration, "consumed_samples": consumed_samples})
-    shutdown_distributed()
-    return 0
+    return hooks
+
+
+class Attempts:
+    """The training run as attempts of one process (:func:`megatron_ft.trainer.in_process.run`):
+    attempt 0 is the run; a later one is the same process rejoining a new round after a peer failed.
+    Every attempt builds its groups, model, DDP wrappers and optimizer afresh and restores into them,
+    exactly as a fresh trainer of the round does, so every rank calls the same collectives in the same
+    order (megatron-core's build makes some: GPTModel ties its embeddings with an all-reduce,
+    ``get_megatron_optimizer`` all-gathers its parameter groups) and a restart from iteration 0 stays
+    bit-exact. What the process keeps is what a fresh one pays for: its imports and, on a GPU, its CUDA
+    context. The aborted attempt's objects are freed before the next is built."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+
+    def __call__(self, number: int) -> int:
+        args = self.args
+        if number:
+            import gc
+
+            if torch.distributed.is_initialized():  # the aborted round's groups
+                parallel_state.destroy_model_parallel()
+                torch.distributed.destroy_process_group()
+            gc.collect()  # the aborted attempt's model and optimizer (cycles through DDP's hooks)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        init_distributed(args)
+        objs = build_training_objects(args)
+        hooks = make_hooks(args)
+        try:
+            iteration, consumed_samples = train(objs, hooks)
+        finally:
+            if hasattr(hooks, "close"):
+                hooks.close()
+        if args.dump_final_state:
+            dump_final_state(objs, args.dump_final_state,
+                             {"iteration": iteration, "consumed_samples": consumed_samples})
+        shutdown_distributed()
+        return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    install_cpu_compat()  # CPU only; a no-op with CUDA
+    torch.set_num_threads(1)  # determinism (and 2-core machines)
+    if torch.cuda.is_available():  # GPU path: a bit-exact resume needs deterministic kernels
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS is first used
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one warns; the demo compares bytes
+    from megatron_ft.trainer import in_process
+
+    return in_process.run(Attempts(args))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,21 @@ def joins(r: Round, newest: int) -> Optional[int]:
     return newest if newest > r.number and not r.stopping else None
 
 
+def in_process_grace(env: dict) -> Optional[float]:
+    """How long a trainer asked to rejoin a round in place may take to say it does
+    (``MFT_IN_PROCESS_GRACE_S``, set by ``megatron-ft launch`` when ``launch.in_process_restart`` is
+    on); None: in-process restart is off and every round replaces every trainer.
+
+    >>> in_process_grace({"MFT_IN_PROCESS_GRACE_S": "2.5"}), in_process_grace({}), in_process_grace({"MFT_IN_PROCESS_GRACE_S": "x"})
+    (2.5, None, None)
+    """
+    try:
+        grace = float(env["MFT_IN_PROCESS_GRACE_S"])
+    except (KeyError, ValueError):
+        return None
+    return grace if grace > 0 else None
+
+
 def budget(env: dict) -> int:
     """Fast rounds allowed for a worker with environment ``env`` (``MFT_FAST_RESTARTS``, set by
     ``megatron-ft launch``; 0 without torchrun's ``MASTER_ADDR``/``MASTER_PORT``)."""

@@ -57,17 +57,50 @@ class Keeper:
         self.started = time.time()  # this torchrun attempt's start, as far as this worker knows
         self.settle_s = 0.0
         self.next_poll = 0.0
+        # in-process restart (megatron_ft/trainer/in_process.py): the trainer's control socket, whether
+        # the trainer said it can rejoin a round in place, and the round it was asked to rejoin
+        self.in_process = fr.in_process_grace(self.env) if self.round.budget else None
+        self.ctl: Optional[socket.socket] = None
+        self.ctl_ready = False
+        self.asked: Optional[tuple[int, float, dict]] = None  # (round, deadline, a fresh trainer's env)
 
     # ------------------------------------------------------------------ trainers
     def fork_trainer(self, env: dict) -> int:
+        self.close_ctl()
+        theirs = None
+        if self.in_process is not None:
+            self.ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            env = dict(env, MFT_IN_PROCESS_FD=str(theirs.fileno()))
         pid = os.fork()
         if pid == 0:
             die_with_parent()
             self.conn.close()
+            if self.ctl is not None:
+                self.ctl.close()
+            if theirs is not None:
+                theirs.detach()  # the trainer's end, by number (its environment says which)
             run_trainer(dict(self.req, env=env), self.fds)
+        if theirs is not None:
+            theirs.close()
         return pid
 
+    def close_ctl(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
+        self.ctl, self.ctl_ready, self.asked = None, False, None
+
+    def tell(self, obj: dict) -> bool:
+        """Send ``obj`` to the trainer's control socket; False when it is gone."""
+        if self.ctl is None:
+            return False
+        try:
+            self.ctl.send(json.dumps(obj).encode())
+            return True
+        except OSError:
+            return False
+
     def kill_trainer(self) -> None:
+        self.close_ctl()
         if self.trainer is None:
             return
         try:
@@ -113,7 +146,8 @@ class Keeper:
         store = self._store()
         target = fr.joins(self.round, store.newest(max(self.round.number, self.joining or 0), self.round.budget))
         if target is not None and target != self.joining:
-            self.kill_trainer()  # alive in an older round: blocked on a failed peer, or fine
+            if not self.ctl_ready:  # alive in an older round: blocked on a failed peer, or fine
+                self.kill_trainer()
             self.joining = target
         if self.joining is None:
             return
@@ -127,12 +161,65 @@ class Keeper:
             return
         n, self.joining = self.joining, None
         self.round = fr.Round(n, self.round.budget, self.round.stopping)
-        self.trainer = self.fork_trainer(dict(self.env, MASTER_PORT=str(port), MFT_FAST_ROUND=str(n)))
+        env = dict(self.env, MASTER_PORT=str(port), MFT_FAST_ROUND=str(n))
+        if self.trainer is not None and self.ctl_ready and self.tell({"round": n, "port": port}):
+            self.asked = (n, time.monotonic() + (self.in_process or 0.0), env)  # it rejoins in place, or
+        else:  # is replaced once the grace is over (see check_asked)
+            self.kill_trainer()
+            self.trainer = self.fork_trainer(env)
         if self.verdicts is None:
             self.verdicts = fr.VerdictWatch(self.env, since=self.started)
             self.settle_s = _health_timeout(self.env) + 1.0
         self.round_started = time.monotonic()
-        log.warning("spares: rank %s: round %d, trainer pid %d", self.env.get("RANK"), n, self.trainer)
+        log.warning("spares: rank %s: round %d, trainer pid %d%s", self.env.get("RANK"), n, self.trainer,
+                    " (asked to rejoin in place)" if self.asked else "")
+
+    def check_asked(self) -> None:
+        """A trainer asked to rejoin a round in place that has not said ``restarting`` within the grace
+        (stuck where no abort reaches) is replaced by a fresh fork."""
+        if self.asked is None or time.monotonic() < self.asked[1]:
+            return
+        n, _, env = self.asked
+        log.warning("spares: rank %s: trainer %s did not rejoin round %d in place within %.1f s: replaced",
+                    self.env.get("RANK"), self.trainer, n, self.in_process or 0.0)
+        self.kill_trainer()
+        self.trainer = self.fork_trainer(env)
+
+    def from_trainer(self) -> Optional[int]:
+        """Handle one message of the trainer's control socket; an exit status to report, or None."""
+        try:
+            data = self.ctl.recv(4096)  # type: ignore[union-attr]
+        except OSError:
+            data = b""
+        if not data:  # the trainer ended (its exit is collected by waitpid)
+            self.close_ctl()
+            return None
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            return None
+        if msg.get("in_process"):
+            self.ctl_ready = True
+        elif "restarting" in msg:
+            if self.asked is not None and int(msg["restarting"]) == self.asked[0]:
+                self.asked = None
+            log.warning("spares: rank %s: trainer %s rejoins round %s in place", self.env.get("RANK"),
+                        self.trainer, msg["restarting"])
+        elif "failed" in msg and self.joining is None and self.asked is None:
+            # the trainer's own failure (a peer's death reached it first), as if it had exited with 1
+            lost = self.round.number > 0 and self.node_lost()
+            if fr.after_exit(self.round, 1, lost) == fr.REPORT:
+                self.tell({"exit": True})  # it raises and exits; its exit is reported
+                return None
+            try:
+                self.open_next()
+            except Exception as e:
+                log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
+                self.tell({"exit": True})
+                return None
+            log.warning("spares: rank %s: trainer failed in place (%s); round %d opened", self.env.get("RANK"),
+                        msg["failed"], self.joining)
+        return None
 
     def node_lost(self) -> bool:
         """A node verdict since the rounds began, while this round's trainers may still wait for a
@@ -202,8 +289,12 @@ class Keeper:
                         return 1  # between rounds: torchrun restarts the job
             if self.trainer is None and self.joining is None:
                 return 1  # cannot happen: an exit is reported or a round is being joined
-            ready, _, _ = select.select([self.conn], [], [], fr.POLL_S)
-            if not ready:
+            self.check_asked()
+            watched = [self.conn] + ([self.ctl] if self.ctl is not None else [])
+            ready, _, _ = select.select(watched, [], [], fr.POLL_S)
+            if self.ctl is not None and self.ctl in ready:
+                self.from_trainer()
+            if self.conn not in ready:
                 continue
             try:
                 data = self.conn.recv(4096)
