@@ -268,7 +268,7 @@ def recovery_breakdown(restores: list[dict], progress: list[dict], kill_time: fl
     best = None
     for e in restores:
         tl = e.get("timeline")
-        first = min((r["time"] for r in progress if r["pid"] == e["pid"] and r["time"] > kill_time), default=None)
+        first = min((r["time"] for r in progress if life(r) == life(e) and r["time"] > kill_time), default=None)
         if tl is None or first is None or e["time"] < kill_time:
             continue
         if best is None or first < best[1]:
@@ -300,6 +300,12 @@ def restarted_by(restores: list[dict]) -> Optional[str]:
 
 def _progress(run_dir: str, rank: int) -> list[dict]:
     return read_jsonl(os.path.join(run_dir, "progress", f"rank{rank}.jsonl"))
+
+
+def life(rec: dict) -> tuple[int, int]:
+    """Which trainer life wrote a progress or event record: its process, and the attempt in it (an
+    in-process restart keeps the process and counts attempts)."""
+    return rec["pid"], rec.get("in_process_attempt", 0)
 
 
 def _all_records(run_dir: str, kind: str) -> list[dict]:
@@ -614,13 +620,13 @@ def run_demo(args: argparse.Namespace) -> dict:
     run_seconds = time.time() - t0
 
     # 3. results. torchrun's restart counters differ between nodes (only the failed node's counts),
-    # so "before" and "after" the failure are told apart by process ids: the processes that logged
-    # progress before the kill are the first attempt, every other process came after.
+    # so "before" and "after" the failure are told apart by trainer lives (process and in-process
+    # attempt): the lives that logged progress before the kill are the first, every other came after.
     progress = _all_records(run_dir, "progress")
-    first_pids = {r["pid"] for r in progress if kill_time is not None and r["time"] <= kill_time}
-    last_before_kill = max((r["iteration"] for r in progress if r["pid"] in first_pids), default=0)
+    first_lives = {life(r) for r in progress if kill_time is not None and r["time"] <= kill_time}
+    last_before_kill = max((r["iteration"] for r in progress if life(r) in first_lives), default=0)
     after = [e for e in _all_records(run_dir, "events")
-             if e.get("event") == "restore" and kill_time is not None and e["pid"] not in first_pids]
+             if e.get("event") == "restore" and kill_time is not None and life(e) not in first_lives]
     # what the failed ranks recovered from (the others restore their own local copy)
     sources = sorted({e["source"] for e in after if not victims or e["rank"] in victims})
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
@@ -628,13 +634,13 @@ def run_demo(args: argparse.Namespace) -> dict:
     recovery_seconds = None
     # the restarted processes are those whose restore came after the kill (a rank that had not yet
     # logged progress when the kill landed is not a restarted one)
-    restarted_pids = {e["pid"] for e in after if e["time"] > (kill_time or 0)}
-    restarted = [r["time"] for r in progress if kill_time is not None and r["pid"] in restarted_pids
+    restarted_lives = {life(e) for e in after if e["time"] > (kill_time or 0)}
+    restarted = [r["time"] for r in progress if kill_time is not None and life(r) in restarted_lives
                  and r["time"] > kill_time]
     if restarted:
         recovery_seconds = round(min(restarted) - kill_time, 3)
     breakdown = recovery_breakdown(after, progress, kill_time) if kill_time is not None else None
-    first_gen = [r["time"] for r in progress if kill_time is None or r["pid"] in first_pids]
+    first_gen = [r["time"] for r in progress if kill_time is None or life(r) in first_lives]
     start_seconds = round(min(first_gen) - t0, 3) if first_gen else None
     identical, problems = compare(ref_dir, run_dir, world)
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
@@ -687,6 +693,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         # how the restarted trainers came: a fast restart round beneath torchrun (warm spares), or
         # torchrun's own restart of its workers (its restart count)
         "restarted_by": restarted_by(after) if kill_time is not None else None,
+        # ranks whose trainer survived and rejoined in its own process (in-process restart)
+        "kept_in_place": sorted({e["rank"] for e in after if e.get("in_process_attempt", 0) > 0}),
         "cold_start_seconds": cold_start_seconds,
         "start_seconds": start_seconds,
         "warm_spares": cfg.launch.warm_spares,
@@ -721,7 +729,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
             f"(restore itself {summary['restore_seconds']} s); the job's cold start (reference run, no warm "
             f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")
-        say(f"   restarted by       : {summary['restarted_by']}")
+        kept = summary["kept_in_place"]
+        say(f"   restarted by       : {summary['restarted_by']}"
+            + (f" (ranks {kept} kept in their processes)" if kept else ""))
         if breakdown:
             say("   where it went      : " + ", ".join(f"{BREAKDOWN_NAMES[k]} {v:.2f} s" for k, v in breakdown.items()
                                                    if v is not None))

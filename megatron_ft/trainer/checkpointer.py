@@ -29,6 +29,7 @@ from .. import fatal, faultpoints
 from ..agent.protocol import AgentClient, socket_path
 from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
+from . import in_process
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine
 
@@ -170,7 +171,8 @@ def _start_timeline(ready: float, restore_start: float) -> dict:
     """When this trainer process started, joined the rendezvous, was ready (model, groups, agent)
     and began restoring (wall-clock seconds): the phases of a recovery (``benchmarks/recovery.py``)."""
     rdzv = ftdist.RENDEZVOUS_SPAN
-    return {"process_start": process_start_time(), "rendezvous_start": rdzv[0] if rdzv else None,
+    number, began = in_process.attempt()  # an in-process restart: its attempt's start stands for the process's
+    return {"process_start": began if number else process_start_time(), "rendezvous_start": rdzv[0] if rdzv else None,
             "rendezvous_end": rdzv[1] if rdzv else None, "ready": ready, "restore_start": restore_start}
 
 
@@ -205,7 +207,8 @@ class _EventLog:
         if self._f is not None:
             self._f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "time": time.time(),
                                       "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                                      "fast_round": int(os.environ.get("MFT_FAST_ROUND", 0)), **rec}) + "\n")
+                                      "fast_round": int(os.environ.get("MFT_FAST_ROUND", 0)),
+                                      "in_process_attempt": in_process.attempt()[0], **rec}) + "\n")
             self._f.flush()
 
     def close(self) -> None:

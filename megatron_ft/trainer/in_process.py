@@ -44,6 +44,14 @@ ENV_FD = "MFT_IN_PROCESS_FD"
 REPLY_TIMEOUT_S = 60.0  # the keeper's answer to "failed" (it opens the round and learns its port)
 
 _ROUND_SOCKETS: Optional[set[int]] = None  # inodes of the sockets open before this round's group
+_ATTEMPT: tuple[int, Optional[float]] = (0, None)  # this process's attempt, and when it began (wall clock)
+
+
+def attempt() -> tuple[int, Optional[float]]:
+    """(the number of this process's current attempt, when it began): ``(0, None)`` in a process's
+    first; a later one is an in-process restart, and its start stands for the process start of a
+    replaced trainer in the recovery's timeline."""
+    return _ATTEMPT
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -174,20 +182,21 @@ def current_round() -> int:
         return 0
 
 
-def run(attempt: Callable[[int], int]) -> int:
-    """Run ``attempt(0)``; after a failure the keeper turns into a new round, run ``attempt(1)``,
-    ``attempt(2)``, ... in this process. Returns what the last attempt returned; an attempt's
+def run(train_fn: Callable[[int], int]) -> int:
+    """Run ``train_fn(0)``; after a failure the keeper turns into a new round, run ``train_fn(1)``,
+    ``train_fn(2)``, ... in this process. Returns what the last attempt returned; an attempt's
     exception propagates when no round follows it. Without a keeper's control socket (no warm spares,
-    in-process restart off, a plain ``python`` run) this is ``attempt(0)``."""
+    in-process restart off, a plain ``python`` run) this is ``train_fn(0)``."""
+    global _ATTEMPT
     fd = os.environ.pop(ENV_FD, None)
     if fd is None or not fd.isdigit():
-        return attempt(0)
+        return train_fn(0)
     channel = Channel(int(fd))
     channel.send({"in_process": True, "pid": os.getpid()})
     number = 0
     while True:
         try:
-            return attempt(number)
+            return train_fn(number)
         except Exception as e:
             here = current_round()
             nxt = channel.next_round(here, 0.0)
@@ -203,3 +212,4 @@ def run(attempt: Callable[[int], int]) -> int:
             os.environ["MFT_FAST_ROUND"] = str(nxt["round"])
             channel.send({"restarting": int(nxt["round"])})
             number += 1
+            _ATTEMPT = (number, time.time())
