@@ -156,6 +156,7 @@ class Outcome:
     leftovers: list = field(default_factory=list)
     when: str = ""
     restarted_by: Optional[str] = None  # "fast round N", "torchrun restart N" (the demo's summary)
+    kept_in_place: list = field(default_factory=list)  # ranks that rejoined in their own processes
 
 
 def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers: list[str], output: str) -> tuple[str, str]:
@@ -240,7 +241,8 @@ def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/s
     return Outcome(asdict(trial), verdict, why, (summary or {}).get("recovered_from"),
                    (summary or {}).get("promised_tier"), (summary or {}).get("resumed_step"),
                    round(time.time() - t0, 1), round(load0, 2), round(os.getloadavg()[0], 2), left,
-                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), (summary or {}).get("restarted_by"))
+                   time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), (summary or {}).get("restarted_by"),
+                   list((summary or {}).get("kept_in_place") or []))
 
 
 def _restart_kind(restarted_by: str) -> str:
@@ -271,7 +273,8 @@ def report(outcomes: list[dict], command: str) -> str:
         mine = [o for o in outcomes if _label(o) == kind]
         reached = sorted({str(o["recovered_from"] or "none (clean exit)") for o in mine})
         steps = sorted({o["resumed_step"] for o in mine if o["resumed_step"] is not None})
-        how = sorted({_restart_kind(o.get("restarted_by")) for o in mine if o.get("restarted_by")})
+        how = sorted({_restart_kind(o.get("restarted_by")) + (" (survivors in place)" if o.get("kept_in_place") else "")
+                      for o in mine if o.get("restarted_by")})
         lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} | {', '.join(reached)} "
                      f"| {', '.join(map(str, steps)) or '-'} | {', '.join(how) or '-'} |")
     total_r = sum(r["right"] for r in t.values())

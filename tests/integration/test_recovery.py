@@ -36,8 +36,10 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}")
     assert s["recovered_from"] == "local_memory"
     assert s["resumed_step"] >= KILL_AT - 1
-    # beneath torchrun: every rank's trainer replaced from the warm spares, torchrun never restarted
+    # beneath torchrun, torchrun never restarted: the killed rank's trainer replaced from the warm
+    # spares, the three survivors rejoined in their own processes (in-process restart, the default)
     assert s["restarted_by"] == "fast round 1", s["restarted_by"]
+    assert s["kept_in_place"] == [0, 1, 2], s
     assert s["lost_iterations"] == s["last_iteration_before_kill"] - s["resumed_step"]
 
 
@@ -45,6 +47,16 @@ def test_all_trainers_of_a_node_killed_before_snapshot(tmp_path, reference_dir):
     s = demo(tmp_path, reference_dir, "--fail=all-trainers", f"--kill-at={KILL_AT}", "--kill-point=before-snapshot")
     # the victims never snapshotted step KILL_AT: the newest step every rank holds is KILL_AT - 1
     assert (s["recovered_from"], s["resumed_step"]) == ("local_memory", KILL_AT - 1)
+    assert s["restarted_by"] == "fast round 1" and len(s["kept_in_place"]) == 2, s  # the other node's two ranks
+
+
+def test_with_in_process_restart_off_every_trainer_is_replaced(tmp_path, reference_dir):
+    cfg = ftconfig.load(None).model_dump(mode="json")
+    cfg["launch"]["in_process_restart"] = False
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(cfg))
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", config=str(path))
+    assert (s["recovered_from"], s["restarted_by"], s["kept_in_place"]) == ("local_memory", "fast round 1", []), s
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow

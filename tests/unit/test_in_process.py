@@ -1,0 +1,125 @@
+"""In-process restart, the trainer's side (megatron_ft/trainer/in_process.py), with real sockets and
+threads: the keeper's end of the control socket is played by the test."""
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from megatron_ft.trainer import in_process
+
+
+@pytest.fixture
+def keeper(monkeypatch):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    monkeypatch.setenv(in_process.ENV_FD, str(theirs.detach()))
+    monkeypatch.setenv("MFT_FAST_ROUND", "0")
+    monkeypatch.setenv("MASTER_PORT", "1000")
+    ours.settimeout(10)
+    yield ours
+    ours.close()
+    monkeypatch.setattr(in_process, "_ATTEMPT", (0, None))
+
+
+def recv(sock):
+    return json.loads(sock.recv(4096))
+
+
+def test_a_failed_attempt_rejoins_the_round_the_keeper_opens(keeper):
+    seen = []
+
+    def train(number):
+        seen.append((number, os.environ["MASTER_PORT"], os.environ["MFT_FAST_ROUND"], in_process.attempt()[0]))
+        if number == 0:
+            raise RuntimeError("Connection closed by peer")
+        return 7
+
+    def play_keeper():
+        assert recv(keeper)["in_process"] is True
+        assert recv(keeper)["failed"].startswith("RuntimeError: Connection closed by peer")
+        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
+        assert recv(keeper) == {"restarting": 1}
+
+    t = threading.Thread(target=play_keeper)
+    t.start()
+    assert in_process.run(train) == 7
+    t.join(10)
+    assert seen == [(0, "1000", "0", 0), (1, "2345", "1", 1)]
+    assert in_process.ENV_FD not in os.environ  # not inherited by the training script's children
+
+
+def test_the_failure_ends_the_process_when_the_keeper_says_exit(keeper):
+    def train(number):
+        raise ValueError(f"attempt {number}")
+
+    def play_keeper():
+        recv(keeper), recv(keeper)
+        keeper.send(json.dumps({"exit": True}).encode())
+
+    t = threading.Thread(target=play_keeper)
+    t.start()
+    with pytest.raises(ValueError, match="attempt 0"):
+        in_process.run(train)
+    t.join(10)
+
+
+def test_a_clean_exit_is_never_restarted(keeper):
+    def train(number):
+        raise SystemExit(3)
+
+    with pytest.raises(SystemExit):
+        in_process.run(train)
+    assert recv(keeper)["in_process"] is True
+    keeper.settimeout(0.2)
+    with pytest.raises(socket.timeout):  # no "failed": SystemExit is not a failure to restart from
+        keeper.recv(4096)
+
+
+def test_without_a_keeper_it_is_one_plain_attempt(monkeypatch):
+    monkeypatch.delenv(in_process.ENV_FD, raising=False)
+    assert in_process.run(lambda number: number + 5) == 5
+
+
+def test_a_round_message_aborts_the_rounds_connections_so_a_blocked_receive_ends(keeper, monkeypatch):
+    """A collective blocked on a peer is a blocked socket read: the round's message shuts it down;
+    connections from before the round and listening sockets stay."""
+    server = socket.create_server(("127.0.0.1", 0))
+    before = socket.create_connection(server.getsockname())
+    before_peer, _ = server.accept()
+    monkeypatch.setattr(in_process, "_ROUND_SOCKETS", None)
+    in_process.mark_round_start()
+    during = socket.create_connection(server.getsockname())
+    during_peer, _ = server.accept()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(during.recv(10)))
+    reader.start()
+
+    def train(number):
+        if number == 0:
+            reader.join(10)  # blocked until the round's message arrives
+            raise RuntimeError("collective failed")
+        return 0
+
+    def play_keeper():
+        recv(keeper)
+        keeper.send(json.dumps({"round": 1, "port": 9}).encode())
+        assert recv(keeper) == {"restarting": 1}
+
+    t = threading.Thread(target=play_keeper)
+    t.start()
+    assert in_process.run(train) == 0
+    t.join(10)
+    assert got == [b""] and not reader.is_alive()  # the read ended: shut down
+    before.sendall(b"x")  # a connection from before the round still works
+    assert before_peer.recv(1) == b"x"
+    server.getsockname()  # the listener is still open
+    c = socket.create_connection(server.getsockname())
+    c.close()
+    for s in (server, before, before_peer, during, during_peer):
+        s.close()
+
+
+def test_abort_before_any_round_touches_nothing(monkeypatch):
+    monkeypatch.setattr(in_process, "_ROUND_SOCKETS", None)
+    assert in_process.abort_round_connections() == 0
