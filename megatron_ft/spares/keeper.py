@@ -1,7 +1,10 @@
 """The keeper: forked by the pool (:mod:`.pool`) for one worker, it forks that worker's trainer,
 reports the trainer's pid and exit to the worker (:mod:`.worker`), forwards torchrun's signals, and
 runs the fast restart rounds of :mod:`.fast_restart` (a failed trainer replaced from the warm
-zygote's memory without torchrun noticing).
+zygote's memory without torchrun noticing). With in-process restart on (``MFT_IN_PROCESS_GRACE_S``)
+each trainer also gets a control socket: a surviving trainer that said it can is asked to rejoin a
+new round in its own process (:mod:`megatron_ft.trainer.in_process`) instead of being killed, and is
+replaced only when it has not unwound within the grace.
 
 Contracts: single-threaded (it forks trainers); owns its trainer (SIGKILLed when the worker goes
 away, so no trainer outlives the worker torchrun watches) and, on torchrun's rank 0, the store of
@@ -179,25 +182,28 @@ class Keeper:
         (stuck where no abort reaches) is replaced by a fresh fork."""
         if self.asked is None or time.monotonic() < self.asked[1]:
             return
+        if self.trainer is None:  # it exited meanwhile: its exit opened the next round
+            self.asked = None
+            return
         n, _, env = self.asked
         log.warning("spares: rank %s: trainer %s did not rejoin round %d in place within %.1f s: replaced",
                     self.env.get("RANK"), self.trainer, n, self.in_process or 0.0)
         self.kill_trainer()
         self.trainer = self.fork_trainer(env)
 
-    def from_trainer(self) -> Optional[int]:
-        """Handle one message of the trainer's control socket; an exit status to report, or None."""
+    def from_trainer(self) -> None:
+        """Handle one message of the trainer's control socket."""
         try:
             data = self.ctl.recv(4096)  # type: ignore[union-attr]
         except OSError:
             data = b""
         if not data:  # the trainer ended (its exit is collected by waitpid)
             self.close_ctl()
-            return None
+            return
         try:
             msg = json.loads(data)
         except ValueError:
-            return None
+            return
         if msg.get("in_process"):
             self.ctl_ready = True
         elif "restarting" in msg:
@@ -210,16 +216,15 @@ class Keeper:
             lost = self.round.number > 0 and self.node_lost()
             if fr.after_exit(self.round, 1, lost) == fr.REPORT:
                 self.tell({"exit": True})  # it raises and exits; its exit is reported
-                return None
+                return
             try:
                 self.open_next()
             except Exception as e:
                 log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
                 self.tell({"exit": True})
-                return None
+                return
             log.warning("spares: rank %s: trainer failed in place (%s); round %d opened", self.env.get("RANK"),
                         msg["failed"], self.joining)
-        return None
 
     def node_lost(self) -> bool:
         """A node verdict since the rounds began, while this round's trainers may still wait for a
