@@ -202,9 +202,10 @@ class LaunchConfig(_Section):
     #: per torchrun attempt (megatron_ft/spares/fast_restart.py); 0: torchrun restarts every time.
     #: Needs warm_spares; none with max_restarts 0
     fast_restarts: _int(0) = 3
-    #: in a fast restart round, trainers that survived keep their process, model and optimizer and rejoin
-    #: the round in place (megatron_ft/trainer/in_process.py; scripts that run their training through
-    #: it); false: every round replaces every trainer by a fresh fork. Needs fast_restarts
+    #: in a fast restart round, trainers that survived keep their process (its imports; on a GPU its CUDA
+    #: context) and rejoin the round in it, building their model again and restoring into it
+    #: (megatron_ft/trainer/in_process.py; scripts that run their training through it); false: every
+    #: round replaces every trainer by a fresh fork. Needs fast_restarts
     in_process_restart: Flag = True
     #: a survivor asked to rejoin in place that has not unwound within this many seconds (stuck where no
     #: abort reaches) is replaced by a fresh fork

@@ -657,7 +657,7 @@ class Attempts:
     order (megatron-core's build makes some: GPTModel ties its embeddings with an all-reduce,
     ``get_megatron_optimizer`` all-gathers its parameter groups) and a restart from iteration 0 stays
     bit-exact. What the process keeps is what a fresh one pays for: its imports and, on a GPU, its CUDA
-    context. The aborted attempt's objects are freed before the next is built."""
+    context. On a GPU the aborted attempt's objects are freed before the next is built."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
