@@ -286,6 +286,56 @@ def for_this_process() -> list[str]:
     return said
 
 
+def _in_process_restart() -> list[str]:
+    """Under a keeper that offers in-process restart (``MFT_IN_PROCESS_FD``): upstream's
+    ``pretrain_gpt.py`` asks ``inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)`` for its
+    entry point; when upstream's own in-process restart (``--inprocess-restart``, nvidia-resiliency-ext)
+    is off, the answer becomes ``pretrain`` run through :func:`megatron_ft.trainer.in_process.run`, each
+    later attempt after upstream's own reset of its global state (``destroy_global_state``: its global
+    variables, the micro-batch calculator, memory buffers, megatron-core's parallel state, the rerun
+    state machine) and of the default process group. Called once ``megatron.training`` is imported."""
+    from ..trainer import in_process
+
+    if not in_process.offered():
+        return []
+    try:
+        import megatron.training.inprocess_restart as upstream_inprocess
+    except ImportError:  # a tree without it: its scripts cannot be wrapped here
+        return []
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> Any:
+            wrapped, store = orig(pretrain)
+            if wrapped is not pretrain or store is not None:  # upstream's own in-process restart is on
+                return wrapped, store
+
+            def run_attempts(*args: Any, **kwargs: Any) -> Any:
+                def attempt(number: int) -> Any:
+                    if number:
+                        reset_upstream_state()
+                    return pretrain(*args, **kwargs)
+
+                return in_process.run(attempt)
+
+            return run_attempts, None
+
+        return maybe_wrap_for_inprocess_restart
+
+    _wrap(upstream_inprocess, "maybe_wrap_for_inprocess_restart", make)
+    return ["in-process restart offered"]
+
+
+def reset_upstream_state() -> None:
+    """Between two attempts of upstream's ``pretrain`` in one process: what upstream resets for its
+    own in-process restart, and the aborted round's default group."""
+    import torch.distributed as dist
+    from megatron.training import training
+
+    training.destroy_global_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _say(said: list[str]) -> None:
     if said and int(os.environ.get("RANK", "0")) == 0:
         print(f"[megatron-ft] {'; '.join(said)}", flush=True)
@@ -294,7 +344,7 @@ def _say(said: list[str]) -> None:
 def _in_a_forked_trainer() -> None:
     """A trainer forked from a warm spare pool that imported ``megatron.training`` (whose import
     therefore does not run again): the per-process part, with its log line."""
-    _say(["megatron.training from the spare pool", *for_this_process()])
+    _say(["megatron.training from the spare pool", *for_this_process(), *_in_process_restart()])
 
 
 def before_training_import() -> None:
@@ -360,6 +410,7 @@ def after_training_import() -> None:
         return
     _done.add("after")
     _field_docstrings_once()
+    _say(_in_process_restart())
     if torch.cuda.is_available():
         return
     import megatron.legacy.fused_kernels as fused_kernels

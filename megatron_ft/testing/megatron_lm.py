@@ -24,6 +24,8 @@ import tarfile
 import time
 from typing import Any, Optional
 
+from megatron_ft.trainer import in_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG = "core_v0.16.1"
 
@@ -130,7 +132,8 @@ class _Recorder:
             loss = float(v[0] / v[1]) if isinstance(v, (tuple, list)) else float(v)
         self.last = {"rank": rank, "pid": os.getpid(), "iteration": iteration, "time": time.time(),
                      "loss_hex": None if loss is None else loss.hex(), "state_digest": _digest(model),
-                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
+                     "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                     "in_process_attempt": in_process.attempt()[0]}
         self._file.write(json.dumps(self.last) + "\n")
         self._file.flush()
 

@@ -60,8 +60,12 @@ RENDEZVOUS_SPAN: Optional[tuple[float, float]] = None
 
 
 def timed_rendezvous(init: Callable[[], Any]) -> Any:
-    """Run ``init`` (the process group's creation) and remember when it started and ended."""
+    """Run ``init`` (the process group's creation) and remember when it started and ended; the
+    connections it opens belong to the round (:func:`megatron_ft.trainer.in_process.mark_round_start`)."""
     global RENDEZVOUS_SPAN
+    from .in_process import mark_round_start
+
+    mark_round_start()  # this round's connections, from here on, are what an in-process restart aborts
     t0 = time.time()
     out = init()
     RENDEZVOUS_SPAN = (t0, time.time())
@@ -73,9 +77,6 @@ def init_process_group(backend: Optional[str] = None, timeout_s: float = 600.0) 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = stable_rank(), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    from .in_process import mark_round_start
-
-    mark_round_start()  # this round's connections, from here on, are what an in-process restart aborts
     timed_rendezvous(lambda: dist.init_process_group(backend, store=rendezvous_store(timeout), rank=rank,
                                                      world_size=world, timeout=timeout))
     return rank, world

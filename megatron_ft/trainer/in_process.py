@@ -175,6 +175,11 @@ class Channel:
                 self.cond.wait(left)
 
 
+def offered() -> bool:
+    """Does this process's keeper offer in-process restart (a control socket in its environment)?"""
+    return os.environ.get(ENV_FD, "").isdigit()
+
+
 def current_round() -> int:
     try:
         return int(os.environ.get("MFT_FAST_ROUND", "0"))
