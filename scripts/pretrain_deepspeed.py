@@ -34,6 +34,7 @@ import os
 import random
 import sys
 import time
+from typing import Callable
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_ft.testing.data import SyntheticTokenDataset  # noqa: E402
+from megatron_ft.trainer import in_process  # noqa: E402
 from megatron_ft.trainer.distributed import init_process_group  # noqa: E402
 
 
@@ -204,12 +206,56 @@ class Progress:
 
     def write(self, rec: dict) -> None:
         if self.f is not None:
-            self.f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "time": time.time(), **rec}) + "\n")
+            self.f.write(json.dumps({"rank": self.rank, "pid": os.getpid(), "time": time.time(),
+                                     "in_process_attempt": in_process.attempt()[0], **rec}) + "\n")
             self.f.flush()
+
+
+def fresh_deepspeed_state() -> Callable[[], None]:
+    """DeepSpeed keeps process-wide state a second engine in the same process must not inherit: its
+    process groups in module globals (``deepspeed.utils.groups``: the world, data, model and expert
+    groups), and ZeRO-3's numbering of parameters (``zero.Init.param_id``) and modules (the counter
+    ``DeepSpeedZeRoOffload._register_deepspeed_module`` keeps in its default argument), which every rank
+    must assign alike (ZeRO-3 checks the module order across ranks at each forward). Called before the
+    first attempt, returns what puts all of it back as it was then; a later attempt (an in-process
+    restart, :mod:`megatron_ft.trainer.in_process`) calls that after the aborted round's default group
+    is gone, so its engine is numbered and grouped as a fresh process's. (DeepSpeed 0.19.)"""
+    import deepspeed.utils.groups as groups
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    start = {k: (dict(v) if isinstance(v, dict) else v) for k, v in vars(groups).items()
+             if k.startswith("_") and k[1:2].isupper() and (v is None or isinstance(v, dict))}
+    module_count = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]  # the list [n]
+    counters = (Init.param_id, list(module_count))
+
+    def reset() -> None:
+        for k, v in start.items():
+            setattr(groups, k, dict(v) if isinstance(v, dict) else v)
+        Init.param_id = counters[0]
+        module_count[:] = counters[1]
+
+    return reset
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import deepspeed  # noqa: F401  (before the first attempt: what fresh_deepspeed_state records)
+
+    reset = fresh_deepspeed_state()
+
+    def attempt(number: int) -> int:
+        if number:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            reset()
+        return train(args)
+
+    return in_process.run(attempt)
+
+
+def train(args: argparse.Namespace) -> int:
+    """One attempt of the run: groups, model, engine, restore, the loop."""
     rank, world = init_process_group("gloo")
     import deepspeed
 
@@ -258,6 +304,23 @@ def main(argv=None) -> int:
                 print(f"[pretrain_deepspeed] resumed at iteration {iteration} ({path})", flush=True)
     batches = Batches(ds, args.micro_batch, args.grad_accum, dp, dp_rank, consumed)
     progress = Progress(rank)
+    try:
+        iteration = train_loop(args, engine, batches, progress, iteration)
+    finally:  # also when the attempt is aborted: the checkpointer's agent connection and engine
+        if args.inmem_ckpt:
+            ce.ckpt.close()
+    if args.dump_final_state:
+        state = final_state(engine, batches, iteration)
+        os.makedirs(os.path.dirname(os.path.abspath(args.dump_final_state)), exist_ok=True)
+        with open(f"{args.dump_final_state}.rank{rank}.json", "w") as f:
+            json.dump(state, f, indent=1, sort_keys=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def train_loop(args, engine, batches: "Batches", progress: "Progress", iteration: int) -> int:
+    """Iterations until ``args.iters``; returns the last one's number."""
     while iteration < args.iters:
         micro = batches.iteration()
         if args.pipeline:
@@ -276,16 +339,7 @@ def main(argv=None) -> int:
         progress.write({"iteration": iteration, "loss_hex": loss.hex()})
         if args.iter_sleep:
             time.sleep(args.iter_sleep)
-    if args.inmem_ckpt:
-        ce.ckpt.close()
-    if args.dump_final_state:
-        state = final_state(engine, batches, iteration)
-        os.makedirs(os.path.dirname(os.path.abspath(args.dump_final_state)), exist_ok=True)
-        with open(f"{args.dump_final_state}.rank{rank}.json", "w") as f:
-            json.dump(state, f, indent=1, sort_keys=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return iteration
 
 
 if __name__ == "__main__":

@@ -224,6 +224,8 @@ def check_recovery(tmp_path, shm_cleanup, stage, pipeline=False, fault=None):
     assert len(after) == 2 and {e["source"] for e in after} == {"local_memory"}, events
     assert {(e["restart_count"], e["fast_round"]) for e in after} == {(0, 1)}, events
     assert len({e["step"] for e in after}) == 1, events
+    # the killed rank 1 came back as a fresh fork; rank 0 rejoined in its own process (in-process restart)
+    assert {e["rank"]: e["in_process_attempt"] for e in after} == {0: 1, 1: 0}, events
     step = after[0]["step"]
     if killed is not None:  # rank 1 had saved KILL_AT before logging it: nothing older than that is needed
         assert KILL_AT <= step <= killed["iteration"] + 1, (step, killed, events)
