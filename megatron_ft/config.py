@@ -175,6 +175,8 @@ class AgentConfig(_Section):
 
     shm_dir: Text = "/dev/shm"
     socket_dir: Text = "/tmp/megatron-ft/sockets"
+    #: how long a trainer started by ``megatron-ft launch`` waits for its node's agent to listen (one its
+    #: launcher is restarting), and an agent for the health store
     connect_timeout_s: Annotated[StrictFloat, Field(gt=0), Allowed("must be a positive number of seconds")] = 60.0
     #: the bound on every request to an agent (a trainer's, a launcher's, a peer agent's); one that
     #: waits on purpose (e.g. for queued persists) says its own

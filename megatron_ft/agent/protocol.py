@@ -121,9 +121,10 @@ class AgentClient(Client):
         super().__init__(socket_path, timeout, error=AgentError)
         self.socket_path = socket_path
 
-    def connect(self, hello: dict) -> dict:  # type: ignore[override]
-        """Open the connection and say ``hello`` (rank, local_rank, pid, run_id[, role])."""
-        reply = super().connect({"op": "hello", **hello})
+    def connect(self, hello: dict, wait_s: float = 0.0) -> dict:  # type: ignore[override]
+        """Open the connection and say ``hello`` (rank, local_rank, pid, run_id[, role]); ``wait_s``: how
+        long to wait for an agent that is not listening yet (see :meth:`Client.connect`)."""
+        reply = super().connect({"op": "hello", **hello}, wait_s)
         assert reply is not None
         return reply
 

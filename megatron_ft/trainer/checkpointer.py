@@ -49,9 +49,12 @@ class InMemoryCheckpointer:
         path = agent_socket or os.environ.get("MFT_AGENT_SOCKET") or socket_path(
             cfg.agent.socket_dir, cfg.run_id, self.node)
         self.client: Optional[AgentClient] = AgentClient(path, cfg.agent.request_timeout_s)
+        # under megatron-ft launch (it names the socket) the node's agent serves this node, though it may
+        # be restarting (its launcher restarts a dead agent): wait for it as long as agent.connect_timeout_s
+        wait_s = cfg.agent.connect_timeout_s if os.environ.get("MFT_AGENT_SOCKET") and not agent_socket else 0.0
         try:
             hello = self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-                                         "pid": os.getpid(), "run_id": cfg.run_id})
+                                         "pid": os.getpid(), "run_id": cfg.run_id}, wait_s)
             differ = ftconfig.settings_differ(ftconfig.shared_settings(cfg), hello.get("settings") or {})
             if differ:  # e.g. a flag the launcher did not see: the agents would persist elsewhere
                 fatal.end_job(f"rank {rank}: this trainer's settings differ from its node agent's (trainer vs "

@@ -34,6 +34,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -279,6 +280,9 @@ class Server:
 
 
 # ---------------------------------------------------------------------------------------- client
+CONNECT_POLL_S = 0.05  # how often Client.connect(wait_s=...) tries again
+
+
 class Client:
     """A connection to one server (thread-safe: one request at a time).
 
@@ -302,14 +306,24 @@ class Client:
         self._lock = threading.Lock()
         self._where = "" if callable(address) else describe(address)  # for messages: the last address used
 
-    def connect(self, greeting: Optional[dict] = None) -> Optional[dict]:
-        """(Re)open the connection now, sending ``greeting`` (kept for reconnects); returns its reply."""
+    def connect(self, greeting: Optional[dict] = None, wait_s: float = 0.0) -> Optional[dict]:
+        """(Re)open the connection now, sending ``greeting`` (kept for reconnects); returns its reply.
+        ``wait_s``: while nothing listens at the address yet (a server starting or restarting: its
+        socket file missing, or the connection refused), try again every :data:`CONNECT_POLL_S` for up
+        to this long, then raise what the last try raised."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
             if greeting is not None:
                 self.greeting = greeting
-            self._close_locked()
-            self._open_locked()
-            return self.greeted
+            while True:
+                self._close_locked()
+                try:
+                    self._open_locked()
+                    return self.greeted
+                except (FileNotFoundError, ConnectionRefusedError):
+                    if time.monotonic() + CONNECT_POLL_S > deadline:
+                        raise
+                time.sleep(CONNECT_POLL_S)
 
     def request(self, op: str, *, payload: Optional[memoryview] = None, into: Optional[memoryview] = None,
                 **fields: Any) -> dict:

@@ -149,3 +149,24 @@ def test_wait_s_extends_the_bound_of_one_call(served):
 def test_a_client_needs_a_positive_timeout():
     with pytest.raises(ValueError, match="timeout=0"):
         wire.Client("/nowhere", timeout=0)
+
+
+def test_connect_waits_for_a_server_that_is_not_listening_yet(tmp_path):
+    """A trainer started while its node's agent restarts: the socket file appears later."""
+    path = str(tmp_path / "s.sock")
+    h = Echo()
+    servers = []
+    starter = threading.Timer(0.3, lambda: servers.append(wire.Server(path, h, name="test").start()))
+    starter.start()
+    try:
+        c = wire.Client(path, timeout=5)
+        with pytest.raises(FileNotFoundError):  # no wait: the error at once
+            c.connect({"op": "hello", "who": "r0"})
+        assert c.connect({"op": "hello", "who": "r0"}, wait_s=10) == {"v": 1, "ok": True, "hi": "r0"}
+        assert h.greeted == 1
+    finally:
+        starter.join()
+        for s in servers:
+            s.close()
+    with pytest.raises(OSError):  # nobody listens within the wait: the last error
+        wire.Client(path, timeout=5).connect({"op": "hello", "who": "r1"}, wait_s=0.2)
