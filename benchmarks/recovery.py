@@ -41,19 +41,26 @@ SCENARIOS = {
     "trainer, torchrun restart": ["--fail=trainer", "--config={torchrun_config}"],
     # the same crash with warm spares off: the recovery as it was before them, side by side
     "trainer, no spares": ["--fail=trainer", "--config={cold_config}"],
+    # the same crash with in-process restart off: every rank's trainer re-forked in the fast round
+    "trainer, re-forked": ["--fail=trainer", "--config={refork_config}"],
     "all-trainers": ["--fail=all-trainers"],
     "node-standby": ["--fail=node", "--redundancy=replica", "--standby"],
     # upstream Megatron-LM's pretrain_gpt.py with the patch set (--megatron-lm, or the shared archive)
     "upstream trainer": ["--fail=trainer", "--megatron-lm={upstream}"],
     "upstream all-trainers": ["--fail=all-trainers", "--megatron-lm={upstream}"],
     "upstream node-standby": ["--fail=node", "--redundancy=replica", "--standby", "--megatron-lm={upstream}"],
+    "upstream trainer, re-forked": ["--fail=trainer", "--megatron-lm={upstream}", "--config={refork_config}"],
 }
-DEFAULT = ("trainer", "trainer, torchrun restart", "trainer, no spares", "all-trainers", "node-standby")
+DEFAULT = ("trainer", "trainer, re-forked", "trainer, torchrun restart", "trainer, no spares", "all-trainers",
+           "node-standby")
 #: the targets of the recovery-in-seconds work: (ratio to the cold start, seconds on 2 cores)
 TARGETS = {"trainer": (0.15, 1.5), "trainer, torchrun restart": None, "trainer, no spares": None,
+           "trainer, re-forked": None, "upstream trainer, re-forked": None,
            "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0), "upstream trainer": (0.15, 1.5),
            "upstream all-trainers": (0.25, 3.0), "upstream node-standby": (0.4, 6.0)}
-BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)"}
+BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)",
+             "trainer, re-forked": "(before in-process restart)",
+             "upstream trainer, re-forked": "(before in-process restart)"}
 PHASES = ("detect_respawn", "imports", "rendezvous", "build", "restore", "first_iteration")
 PHASE_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rendezvous": "rendezvous",
                "build": "build", "restore": "restore", "first_iteration": "first iteration"}
@@ -66,7 +73,8 @@ def run_demo(scenario: str, index: int, args: argparse.Namespace) -> dict:
     ref = os.path.join(args.workdir, "reference-" + shape)
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--workdir={wd}", f"--reference-dir={ref}",
            f"--iters={args.iters}", f"--kill-at={args.kill_at}",
-           *(a.format(cold_config=args.cold_config, torchrun_config=args.torchrun_config, upstream=args.upstream)
+           *(a.format(cold_config=args.cold_config, torchrun_config=args.torchrun_config,
+                      refork_config=args.refork_config, upstream=args.upstream)
              for a in SCENARIOS[scenario])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -144,6 +152,9 @@ def main() -> int:
     args.torchrun_config = os.path.join(args.workdir, "torchrun-restart.yaml")
     with open(args.torchrun_config, "w") as f:  # warm spares, no fast restart rounds
         yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"fast_restarts": 0}).to_dict(), f)
+    args.refork_config = os.path.join(args.workdir, "re-forked.yaml")
+    with open(args.refork_config, "w") as f:  # fast restart rounds, every trainer re-forked in them
+        yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"in_process_restart": False}).to_dict(), f)
     if any(s.startswith("upstream") for s in scenarios) and not args.upstream:
         from megatron_ft.testing import megatron_lm
 
@@ -172,8 +183,9 @@ def main() -> int:
         f"snapshots; one per cluster shape in this benchmark run); the phases are the earliest restarted rank's "
         f"and add up to its recovery (see `benchmarks/recovery.py`). *trainer, torchrun restart* is the same "
         f"crash with `launch.fast_restarts: 0` (torchrun restarts every worker, from the warm spares); *trainer, "
-        f"no spares* the same with `launch.warm_spares: false`: the recoveries before fast restart rounds and "
-        f"before warm spares, measured beside it."
+        f"no spares* the same with `launch.warm_spares: false`; *re-forked* the same with "
+        f"`launch.in_process_restart: false` (every rank's trainer re-forked in the fast round): the recoveries "
+        f"before fast restart rounds, before warm spares and before in-process restart, measured beside it."
         + (" The upstream scenarios run Megatron-LM's own `pretrain_gpt.py` with the patch set "
            f"(`{os.path.basename(args.upstream)}`)." if args.upstream else ""), "",
         table(rows)])
