@@ -151,13 +151,24 @@ class NodeLauncher:
                 raise AgentStartError(f"node {self.node}: its agent exited with {self.agent.returncode} at start-up; "
                                       f"see {self.node_dir}/agent.log")
             if time.time() > deadline:
-                self.agent.kill()
+                self.kill_agent()
                 raise AgentStartError(f"node {self.node}: its agent did not open {self.sock} within "
                                       f"launch.start_timeout_s={limit:g} s; see {self.node_dir}/agent.log")
             if (f := fatal.read(self.run_dir)) is not None:
-                self.agent.kill()
+                self.kill_agent()
                 raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
             time.sleep(0.05)
+
+    def kill_agent(self) -> None:
+        """SIGKILL the agent while the job ends, and unlink what it held in shared memory: a killed
+        agent cannot (the segments of this run and node; nothing else adopts them once the job ends)."""
+        if self.agent is not None and self.agent.poll() is None:
+            self.agent.kill()
+            self.agent.wait()
+        prefix = f"mft.{self.cfg.run_id}.n{self.node}."
+        left = shm.remove_segments(self.cfg.agent.shm_dir, lambda name: name.startswith(prefix))
+        if left:
+            self.log(f"[launch n{self.node}] removed {len(left)} shared-memory segment(s) of the killed agent")
 
     def stop_agent(self) -> None:
         if self.agent is None or self.agent.poll() is not None:
@@ -173,7 +184,7 @@ class NodeLauncher:
             try:
                 self.agent.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.agent.kill()
+                self.kill_agent()
 
     # ------------------------------------------------------------------ torchrun
     def torchrun_cmd(self) -> list[str]:
