@@ -12,9 +12,12 @@ passes in ``MFT_IN_PROCESS_FD``), and when the keeper sends ``{"round": n + 1, "
 2. lets the training function unwind (the exception of its aborted collective ends it, its
    ``finally`` blocks close what it opened), says ``{"restarting": n + 1}`` to the keeper, points
    ``MASTER_PORT`` and ``MFT_FAST_ROUND`` at round ``n + 1``;
-3. calls the training function again, ``attempt + 1``: the script keeps its model, DDP wrapper and
-   optimizer, re-creates its groups through the new round's store and re-points the kept objects at
-   them (:mod:`megatron_ft.trainer.regroup`), then restores from its agent like any restarted trainer.
+3. calls the training function again, ``attempt + 1``: it tears down the aborted round's groups (and
+   whatever its framework keeps of them), creates the new round's through the new store, builds its
+   model and optimizer and restores from its agent exactly as the round's fresh trainers do, so every
+   rank makes the same collectives in the same order (megatron-core's model and optimizer build make
+   some). What the process keeps is what a fresh one pays for: its imports and, on a GPU, its CUDA
+   context (``docs/recovery-time.md``).
 
 A training function that raises on its own (a peer's death reached it first) asks the keeper for the
 next round (``{"failed": why}``); the keeper answers with the round or ``{"exit": true}`` (budget spent,
@@ -22,7 +25,8 @@ a lost node: torchrun's turn), and the exception then ends the process as before
 not say ``restarting`` within ``launch.in_process_grace_s`` of the round's message (stuck in a long
 kernel, or in a C call no abort reaches) is killed by its keeper and replaced by a fresh fork, as
 without in-process restart. ``SystemExit`` (a clean end, :mod:`megatron_ft.fatal`'s exit) and
-``KeyboardInterrupt`` are never restarted.
+``KeyboardInterrupt`` are never restarted. Used by ``scripts/pretrain_gpt.py``, upstream Megatron-LM's
+``pretrain_gpt.py`` (through :mod:`megatron_ft.megatron.upstream`) and ``scripts/pretrain_deepspeed.py``.
 
 Contracts: one reader thread (daemon) per process; :func:`run` is called once, on the main thread;
 every wait is bounded (``REPLY_TIMEOUT_S`` for the keeper's answer). Messages are one JSON object per
