@@ -165,8 +165,7 @@ class NodeLauncher:
         if self.agent is not None and self.agent.poll() is None:
             self.agent.kill()
             self.agent.wait()
-        prefix = f"mft.{self.cfg.run_id}.n{self.node}."
-        left = shm.remove_segments(self.cfg.agent.shm_dir, lambda name: name.startswith(prefix))
+        left = shm.remove_node_segments(self.cfg.agent.shm_dir, self.cfg.run_id, self.node)
         if left:
             self.log(f"[launch n{self.node}] removed {len(left)} shared-memory segment(s) of the killed agent")
 

@@ -189,13 +189,13 @@ def mount_huge_tmpfs(directory: str, size: str, huge: str = "always") -> str:
 
 
 def segment_name(run_id: str, node: int, rank: int, slot: int) -> str:
-    return f"mft.{run_id}.n{node}.r{rank}.s{slot}"
+    return f"{node_prefix(run_id, node)}r{rank}.s{slot}"
 
 
 def block_segment_name(run_id: str, node: int, key: str, serial: int) -> str:
     """A peer block version held by ``node``'s agent. ``serial`` is unique per agent process
     (a counter), so a new version never reuses the file of one that still exists."""
-    return f"mft.{run_id}.n{node}.{os.getpid()}.blk.{key}.{serial}"
+    return f"{node_prefix(run_id, node)}{os.getpid()}.blk.{key}.{serial}"
 
 
 def remove_segments(shm_dir: str, which: Callable[[str], bool]) -> list[str]:
@@ -216,10 +216,22 @@ def remove_segments(shm_dir: str, which: Callable[[str], bool]) -> list[str]:
     return removed
 
 
+def node_prefix(run_id: str, node: int) -> str:
+    """What the name of every segment ``node``'s agent holds for run ``run_id`` starts with."""
+    return f"mft.{run_id}.n{node}."
+
+
+def remove_node_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
+    """Unlink every segment ``node``'s agent held for run ``run_id`` (slots and blocks): for an agent
+    killed while the job ends, which cannot."""
+    prefix = node_prefix(run_id, node)
+    return remove_segments(shm_dir, lambda name: name.startswith(prefix))
+
+
 def remove_block_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
     """Unlink the peer block versions an earlier agent of ``node`` left (it died without shutdown);
     returns the removed paths. Slots are re-adopted; blocks are received again with the next version."""
-    prefix = f"mft.{run_id}.n{node}."
+    prefix = node_prefix(run_id, node)
     return remove_segments(shm_dir, lambda name: name.startswith(prefix) and ".blk." in name
                            and parse_segment_name(name) is None)
 

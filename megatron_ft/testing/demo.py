@@ -694,7 +694,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         # torchrun's own restart of its workers (its restart count)
         "restarted_by": restarted_by(after) if kill_time is not None else None,
         # ranks whose trainer survived and rejoined in its own process (in-process restart)
-        "kept_in_place": sorted({e["rank"] for e in after if e.get("in_process_attempt", 0) > 0}),
+        "kept_in_place": sorted({e["rank"] for e in after if life(e)[1] > 0}),
         "cold_start_seconds": cold_start_seconds,
         "start_seconds": start_seconds,
         "warm_spares": cfg.launch.warm_spares,

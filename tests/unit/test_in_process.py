@@ -26,6 +26,28 @@ def recv(sock):
     return json.loads(sock.recv(4096))
 
 
+def with_keeper(play, run):
+    """``run()`` here while ``play()`` plays the keeper's side in a thread; an assertion that fails
+    on the keeper's side fails the test."""
+    errors = []
+
+    def target():
+        try:
+            play()
+        except BaseException as e:  # noqa: B902 - re-raised below, in the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=target)
+    t.start()
+    try:
+        return run()
+    finally:
+        t.join(10)
+        assert not t.is_alive(), "the keeper's side did not finish"
+        if errors:
+            raise errors[0]
+
+
 def test_a_failed_attempt_rejoins_the_round_the_keeper_opens(keeper):
     seen = []
 
@@ -41,10 +63,7 @@ def test_a_failed_attempt_rejoins_the_round_the_keeper_opens(keeper):
         keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
         assert recv(keeper) == {"restarting": 1}
 
-    t = threading.Thread(target=play_keeper)
-    t.start()
-    assert in_process.run(train) == 7
-    t.join(10)
+    assert with_keeper(play_keeper, lambda: in_process.run(train)) == 7
     assert seen == [(0, "1000", "0", 0), (1, "2345", "1", 1)]
     assert in_process.ENV_FD not in os.environ  # not inherited by the training script's children
 
@@ -57,11 +76,8 @@ def test_the_failure_ends_the_process_when_the_keeper_says_exit(keeper):
         recv(keeper), recv(keeper)
         keeper.send(json.dumps({"exit": True}).encode())
 
-    t = threading.Thread(target=play_keeper)
-    t.start()
     with pytest.raises(ValueError, match="attempt 0"):
-        in_process.run(train)
-    t.join(10)
+        with_keeper(play_keeper, lambda: in_process.run(train))
 
 
 def test_a_clean_exit_is_never_restarted(keeper):
@@ -71,8 +87,8 @@ def test_a_clean_exit_is_never_restarted(keeper):
     with pytest.raises(SystemExit):
         in_process.run(train)
     assert recv(keeper)["in_process"] is True
-    keeper.settimeout(0.2)
-    with pytest.raises(socket.timeout):  # no "failed": SystemExit is not a failure to restart from
+    keeper.setblocking(False)  # run() sends on its own thread before it returns: nothing more was sent
+    with pytest.raises(BlockingIOError):  # no "failed": SystemExit is not a failure to restart from
         keeper.recv(4096)
 
 
@@ -106,10 +122,7 @@ def test_a_round_message_aborts_the_rounds_connections_so_a_blocked_receive_ends
         keeper.send(json.dumps({"round": 1, "port": 9}).encode())
         assert recv(keeper) == {"restarting": 1}
 
-    t = threading.Thread(target=play_keeper)
-    t.start()
-    assert in_process.run(train) == 0
-    t.join(10)
+    assert with_keeper(play_keeper, lambda: in_process.run(train)) == 0
     assert got == [b""] and not reader.is_alive()  # the read ended: shut down
     before.sendall(b"x")  # a connection from before the round still works
     assert before_peer.recv(1) == b"x"

@@ -156,12 +156,12 @@ def test_connect_waits_for_a_server_that_is_not_listening_yet(tmp_path):
     path = str(tmp_path / "s.sock")
     h = Echo()
     servers = []
+    c = wire.Client(path, timeout=5)
+    with pytest.raises(FileNotFoundError):  # no wait: the error at once
+        c.connect({"op": "hello", "who": "r0"})
     starter = threading.Timer(0.3, lambda: servers.append(wire.Server(path, h, name="test").start()))
     starter.start()
     try:
-        c = wire.Client(path, timeout=5)
-        with pytest.raises(FileNotFoundError):  # no wait: the error at once
-            c.connect({"op": "hello", "who": "r0"})
         assert c.connect({"op": "hello", "who": "r0"}, wait_s=10) == {"v": 1, "ok": True, "hi": "r0"}
         assert h.greeted == 1
     finally:
