@@ -246,6 +246,14 @@ class HealthConfig(_Section):
             _fail("health.host_pattern", self.host_pattern, "must be empty when health.hosts lists the hosts")
         return self
 
+    @property
+    def group_answer_s(self) -> float:
+        """How long a replacement's agent waits for every member of its redundancy group to say what
+        it holds before its restore lists what the group can rebuild: a root failover moves the store
+        (up to ``timeout_s``) and the survivors re-publish their addresses at their next heartbeats.
+        At least 15 s."""
+        return max(15.0, 2 * self.timeout_s + 4 * self.heartbeat_s)
+
     def host_of(self, node: int) -> str:
         """Where node ``node``'s agent listens (store server, peer transport)."""
         if self.hosts:

@@ -39,7 +39,7 @@ class SenderOwner(Protocol):
     agent: Any  # pin_step(step) -> {rank: Slot}, unpin(slots)
     codec: Any  # the group's RS codec, None for copies and XOR
 
-    def wait_sizes(self) -> tuple[dict, dict[int, int]]: ...
+    def wait_sizes(self) -> dict[int, int]: ...
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange: ...
     def client(self, node: int) -> wire.Client: ...
     def receive(self, put: Put, payload: memoryview) -> dict: ...
@@ -133,7 +133,7 @@ class ExchangeSender:
         owner = self.owner
         t0 = time.perf_counter()
         owner.exchange_started(step, t0)
-        _, sizes = owner.wait_sizes()
+        sizes = owner.wait_sizes()
         ex = owner.exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": owner.codec.descriptor.to_dict() if owner.codec else None}

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
 import numpy as np
 
@@ -26,11 +27,19 @@ from .peer_protocol import Get
 
 log = logging.getLogger("megatron_ft.agent")
 
-RECOVERY_WAIT_S = 15.0  # for the group's holdings after a failover; within a trainer's request timeout (30 s)
-
-
 class PeerError(wire.RemoteError):
     """A peer agent refused a request (the message says why), or could not be found."""
+
+
+@dataclass(frozen=True)
+class GroupHoldings:
+    """What the group's other members said they hold (``holds``: node -> its ``holds`` reply), every
+    group rank's container size (``sizes``; None when nobody knows one: nobody holds that rank's
+    data) and who did not answer in time (``unanswered``: ``"node N"`` or ``"store"`` -> why). With
+    anyone unanswered, what the group can rebuild is *unknown*, not empty."""
+    holds: dict[int, dict]
+    sizes: Optional[dict[int, int]]
+    unanswered: dict[str, str] = field(default_factory=dict)
 
 
 class RebuildOwner(Protocol):
@@ -40,7 +49,7 @@ class RebuildOwner(Protocol):
     agent: Any  # install_recovered(rank, step, buf)
     codec: Any
 
-    def wait_sizes(self, timeout: float, ask_group: bool) -> tuple[dict, dict[int, int]]: ...
+    def group_holdings(self, wait_s: float) -> GroupHoldings: ...
     def client(self, node: int) -> wire.Client: ...
 
 
@@ -48,19 +57,24 @@ class PeerRebuild:
     def __init__(self, owner: RebuildOwner):
         self.owner = owner
 
-    def candidates(self, rank: int) -> list[dict]:
-        """Steps of ``rank`` this node can rebuild from its group, newest first."""
-        holds, sizes = self.owner.wait_sizes(RECOVERY_WAIT_S, ask_group=True)
-        return rebuild.rebuildable(self.owner.plan, holds, rank, sizes)
+    def candidates(self, rank: int, wait_s: float) -> dict:
+        """``{"versions": [{step, source}, ...], "unanswered": {node: why}}``: the steps of ``rank``
+        this node can rebuild from its group, newest first, waiting up to ``wait_s`` for every member
+        to answer. ``unanswered`` non-empty: the list may lack versions those members hold."""
+        g = self.owner.group_holdings(wait_s)
+        versions = [] if g.sizes is None else rebuild.rebuildable(self.owner.plan, g.holds, rank, g.sizes)
+        return {"versions": versions, "unanswered": g.unanswered}
 
-    def recover(self, rank: int, step: int) -> dict:
+    def recover(self, rank: int, step: int, wait_s: float) -> dict:
         """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
         owner = self.owner
         t0 = time.perf_counter()
-        holds, sizes = owner.wait_sizes(RECOVERY_WAIT_S, ask_group=True)
-        how = rebuild.plan_rebuild(owner.plan, holds, rank, step, sizes)
-        if how is None:
-            raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members")
+        g = owner.group_holdings(wait_s)
+        holds, sizes = g.holds, g.sizes
+        how = None if sizes is None else rebuild.plan_rebuild(owner.plan, holds, rank, step, sizes)
+        if how is None or sizes is None:
+            missing = f" (no answer from {', '.join(sorted(g.unanswered))})" if g.unanswered else ""
+            raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members{missing}")
         source, rec = how
         buf = np.zeros(sizes[rank], np.uint8)
         mv = memoryview(buf)

@@ -20,8 +20,9 @@ global          rank, step (consistent on every rank)       -
 rewind          rank, step (the job resumes from it)        -
 invalidate      rank, step (found corrupt at restore)       invalidated (bool)
 list            rank                                        versions: [{slot, step, state, path}]
-peer_list       rank                                        versions rebuildable from peers
-recover         rank, step                                  source (the tier it came from)
+peer_list       rank, wait_s (for the group's answers)      versions rebuildable from peers,
+                                                            unanswered: {node: why}
+recover         rank, step, wait_s                          source (the tier it came from)
 sched_*         the scheduled transport's pins and receives
 status          -                                           every rank's versions, persists
 persist         step                                        queued (bool), step

@@ -36,9 +36,10 @@ from .block_store import BlockStore
 from .exchange_sender import ExchangeSender
 from .group_completion import GroupCompletion
 from .peer_protocol import PEER_MESSAGES, Announce, Get, Put
-from .peer_rebuild import PeerError, PeerRebuild
+from .peer_rebuild import GroupHoldings, PeerError, PeerRebuild
 from ..redundancy import exchange as xch
 from ..redundancy.codecs import get_codec
+from ..health.kv import StoreUnavailable
 from ..redundancy.plan import RedundancyPlan, plan_from_config
 from ..transport import wire
 
@@ -133,32 +134,82 @@ class Redundancy:
             out[r] = int(v)
         return out
 
-    def wait_sizes(self, timeout: float = 30.0, ask_group: bool = False) -> tuple[dict, dict[int, int]]:
-        """(the group's holdings if ``ask_group`` else {}, every rank's container size). Every rank of
-        a consistent step has registered, but its agent may publish a moment later; and just after a
-        root failover the new store and the survivors' addresses fill as their heartbeats re-publish,
-        so while a group member does not answer, the holdings (whose blocks know the lost ranks'
-        sizes) are asked for again."""
+    def wait_sizes(self, timeout: float = 30.0) -> dict[int, int]:
+        """Every rank's container size, for sending. Every rank of a consistent step has registered,
+        but its agent may publish a moment later (bounded by ``timeout``)."""
         deadline = time.time() + timeout
         while True:
-            holds = self.group_holds() if ask_group else {}
             try:
-                return holds, self.sizes(holds)
-            except RuntimeError:
-                everyone_answered = ask_group and len(holds) == len(self.members) - 1  # no one left to wait for
-                if everyone_answered or time.time() > deadline or self._stop.is_set():
+                return self.sizes()
+            except RuntimeError:  # not published yet (or the store is moving: StoreUnavailable)
+                if time.time() > deadline or self._stop.is_set():
                     raise
-                time.sleep(0.2 if ask_group else 0.05)
+                time.sleep(0.05)
 
-    def addr(self, node: int) -> tuple[str, int]:
-        # after a root failover the new store fills as the agents' next heartbeats re-publish; the
-        # failover itself takes up to the health timeout (longer on a loaded machine)
+    def group_holdings(self, wait_s: float) -> "GroupHoldings":
+        """Ask every other member of the group what it holds (``holds``) until all have answered and
+        every group rank's container size is known, for at most ``wait_s``. A replacement's agent asks
+        just after a failure: the store may be moving to a new root (its keys fill as the survivors'
+        next heartbeats re-publish them) and a member's agent may be restarting, so a member that does
+        not answer is asked again rather than taken for one that holds nothing. Not collective; no lock
+        held; every ask (address lookup, connection, reply) is bounded by what is left of ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        ask_s = max(1.0, wait_s / 3)  # one silent member does not use up the others' time
+        holds: dict[int, dict] = {}
+        unanswered: dict[str, str] = {}
+        while True:
+            for n in self.members:
+                if n == self.node or n in holds:
+                    continue
+                try:
+                    holds[n] = self._ask_holds(n, min(ask_s, max(deadline - time.monotonic(), 0.5)))
+                    unanswered.pop(f"node {n}", None)
+                except (OSError, PeerError, StoreUnavailable, wire.WireError) as e:
+                    unanswered[f"node {n}"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            sizes: Optional[dict[int, int]] = None
+            try:
+                sizes = self.sizes(holds)
+                unanswered.pop("store", None)
+            except StoreUnavailable as e:  # a RuntimeError too: the store moving, not an unknown size
+                unanswered["store"] = str(e).splitlines()[0]
+            except RuntimeError:
+                pass  # everyone answered and nobody knows a rank's size: nobody holds its data
+            if not unanswered or time.monotonic() >= deadline or self._stop.is_set():
+                if unanswered:
+                    log.warning("agent node %d: no answer within %.0f s about what the group holds from %s",
+                                self.node, wait_s, unanswered)
+                return GroupHoldings(holds, sizes, unanswered)
+            time.sleep(0.2)
+
+    def _ask_holds(self, node: int, within_s: float) -> dict:
+        """Node ``node``'s ``holds`` reply; its address lookup, connection and reply each bounded by
+        ``within_s``."""
+        cl = wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
+                         error=PeerError)
+        try:
+            return cl.request("holds")
+        finally:
+            cl.close()
+
+    def addr(self, node: int, wait_s: Optional[float] = None) -> tuple[str, int]:
+        """Node ``node``'s peer transport address from the store. After a root failover the new store
+        fills as the agents' next heartbeats re-publish, and the failover itself takes up to the health
+        timeout (longer on a loaded machine): waits for it up to ``wait_s`` (default: that long)."""
         h = self.cfg.health
-        deadline = time.time() + h.timeout_s + 4 * h.heartbeat_s + 1.0
-        while (v := self.store.get(f"addr/{node}")) is None and time.time() < deadline:
+        if wait_s is None:
+            wait_s = h.timeout_s + 4 * h.heartbeat_s + 1.0
+        deadline = time.time() + wait_s
+        why = "has not published its peer address"
+        while True:
+            try:
+                v = self.store.get(f"addr/{node}")
+            except StoreUnavailable as e:  # the store moving to a new root: ask again
+                v, why = None, f"peer address unknown: {e}"
+            if v is not None or time.time() >= deadline:
+                break
             time.sleep(0.05)
         if v is None:
-            raise PeerError(f"node {node} has not published its peer address")
+            raise PeerError(f"node {node} {why}")
         host, port = v.rsplit(":", 1)
         return host, int(port)
 
@@ -285,7 +336,7 @@ class Redundancy:
         return {"path": slot.segment.path, "size": slot.segment.size}
 
     def sched_recv_begin(self, src_rank: int, step: int, length: int) -> dict:
-        _, sizes = self.wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
+        sizes = self.wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
         if sizes.get(src_rank) != length:
             raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
                              f"{sizes.get(src_rank)}")
@@ -346,26 +397,11 @@ class Redundancy:
 
 
     # ------------------------------------------------------------------ recovery
-    def group_holds(self) -> dict[int, dict]:
-        out = {}
-        for n in self.members:
-            if n == self.node:
-                continue
-            try:
-                cl = self.client(n)
-                try:
-                    out[n] = cl.request("holds")
-                finally:
-                    cl.close()
-            except (OSError, PeerError) as e:
-                log.info("agent node %d: node %d unreachable for recovery (%s)", self.node, n, e)
-        return out
+    def candidates(self, rank: int, wait_s: float) -> dict:
+        return self.rebuild.candidates(rank, wait_s)
 
-    def candidates(self, rank: int) -> list[dict]:
-        return self.rebuild.candidates(rank)
-
-    def recover(self, rank: int, step: int) -> dict:
-        return self.rebuild.recover(rank, step)
+    def recover(self, rank: int, step: int, wait_s: float) -> dict:
+        return self.rebuild.recover(rank, step, wait_s)
 
     # ------------------------------------------------------------------ rewind and shutdown
     def rewind(self, step: int) -> None:

@@ -629,12 +629,12 @@ class Agent:
             return {"versions": self.list_versions(r.rank)}
         if op == "peer_list":
             if self.redundancy is None:
-                return {"versions": []}
-            return {"versions": self.redundancy.candidates(r.rank)}
+                return {"versions": [], "unanswered": {}}
+            return self.redundancy.candidates(r.rank, self._group_wait_s(r))
         if op == "recover":
             if self.redundancy is None:
                 raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
-            return self.redundancy.recover(r.rank, r.step)
+            return self.redundancy.recover(r.rank, r.step, self._group_wait_s(r))
         if op.startswith("sched_"):  # the scheduled transport's trainers
             if self.redundancy is None or not self.redundancy.scheduled:
                 raise RuntimeError(f"{op}: redundancy.transport is not 'scheduled' on node {self.node}")
@@ -664,6 +664,11 @@ class Agent:
                 time.sleep(0.05)
             raise TimeoutError(f"persists still pending after {wait_s:g} s")
         return {}  # bye, shutdown: answered by handle
+
+    def _group_wait_s(self, r: Request) -> float:
+        """How long a restore's request may wait for the group's members to answer: what the trainer
+        asked for (it waits that long plus its request timeout), else the health settings' default."""
+        return r.wait_s if r.wait_s is not None else self.cfg.health.group_answer_s
 
     def trained(self) -> bool:
         """Whether a trainer registered with this agent (or with the agent whose slots it adopted):

@@ -79,19 +79,26 @@ class Monitor:
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> "Monitor":
+        """Write the first heartbeat now, then one every ``heartbeat_s`` (a thread). Called before the
+        agent serves anyone: an agent that dies at any moment after has a heartbeat the root can watch
+        stop (a node whose heartbeat the root never saw could never be judged failed)."""
+        self._beat_once()
         self._thread.start()
         return self
 
     def _loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
-            t0 = time.monotonic()
-            try:
-                self.beat()
-            except Exception as e:  # the store may be failing over; try again next beat
-                log.warning("node %d: heartbeat failed: %s", self.node, e)
-            took = time.monotonic() - t0
-            if took > max(1.0, 5 * self.heartbeat_s):  # a slow store (or probe) delays every verdict
-                log.warning("node %d: one heartbeat took %.1f s (heartbeat_s %g)", self.node, took, self.heartbeat_s)
+            self._beat_once()
+
+    def _beat_once(self) -> None:
+        t0 = time.monotonic()
+        try:
+            self.beat()
+        except Exception as e:  # the store may be failing over; try again next beat
+            log.warning("node %d: heartbeat failed: %s", self.node, e)
+        took = time.monotonic() - t0
+        if took > max(1.0, 5 * self.heartbeat_s):  # a slow store (or probe) delays every verdict
+            log.warning("node %d: one heartbeat took %.1f s (heartbeat_s %g)", self.node, took, self.heartbeat_s)
 
     def beat(self) -> None:
         """One heartbeat: write ours; the root watches everyone's, the others the root's."""

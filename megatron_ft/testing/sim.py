@@ -196,10 +196,13 @@ class LocalCluster:
         self.clients[n] = self.agents[n].client(n)
         self.engines[n] = SnapshotEngine(self.clients[n], n, self.identity(n), self.engines[n].chunk_size)
 
-    def restore(self, rank: int, seed: int = 7) -> tuple[RestoreResult, tuple]:
+    def restore(self, rank: int, seed: int = 7, group_wait_s: Optional[float] = None) -> tuple[RestoreResult, tuple]:
+        """Rank ``rank``'s restore into a fresh model (``group_wait_s``: how long its agent waits for
+        the group's members to answer; default ``health.group_answer_s``)."""
         model = self.make_model(rank, seed)
+        wait = self.cfg.health.group_answer_s if group_wait_s is None else group_wait_s
         res = Restorer(rank, self.nodes, self.identity(rank), self.run_id, self.cfg.persist.dir,
-                       self.clients[rank]).restore(TorchStateAdapter(*model))
+                       self.clients[rank], group_wait_s=wait).restore(TorchStateAdapter(*model))
         return res, model
 
     def close(self) -> None:

@@ -80,7 +80,7 @@ class InMemoryCheckpointer:
     def restore(self) -> RestoreResult:
         started = time.time()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
-                            self.client, self.coord_group)
+                            self.client, self.coord_group, self.cfg.health.group_answer_s)
         res = restorer.restore(self.adapter)
         self.last_restore = res
         if res.source == "none":

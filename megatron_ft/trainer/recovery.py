@@ -4,8 +4,15 @@ Tiers, tried in order (each restore checks checksums and run/step/topology ident
 mismatch anywhere moves every rank to the next candidate or tier together):
 
 1. ``local_memory``: the clean versions in this node's agent slots;
-2. ``disk``: the newest complete persisted step;
-3. ``none``: nothing valid, start fresh (and say so).
+2. ``peer_memory`` / ``decoded``: what the node's redundancy group can rebuild (copied whole or
+   decoded by the agent into a local slot);
+3. ``disk``: the newest complete persisted step;
+4. ``none``: nothing valid, start fresh (and say so).
+
+A tier is left only when it is known to hold nothing usable. When the agent or a member of its
+group could not say what it holds (a timeout, a store moving to a new root), the memory tiers are
+*unknown*: every rank raises :class:`MemoryTierUnknown` together (the process restarts and asks
+again) instead of going down to disk or a fresh start while a newer copy may be in memory.
 
 Agreement uses a fixed-size int64 all-gather on the coordination group (no pickle): each rank
 contributes the steps it holds; the candidates are the steps every rank holds, newest first.
@@ -317,9 +324,15 @@ def _gather_shard(t) -> None:
 
 
 class Restorer:
+    """``group_wait_s``: how long the agent may wait for its group's members to say what they hold
+    (``health.group_answer_s``); each such request is bounded by that plus the client's timeout."""
+
     def __init__(self, rank: int, world_size: int, identity: dict, run_id: str, persist_dir: str,
-                 client: Optional[AgentClient], coord_group: Any = None):
+                 client: Optional[AgentClient], coord_group: Any = None, group_wait_s: float = 15.0):
         self.rank = rank
+        self.group_wait_s = group_wait_s
+        #: why this rank cannot tell what the memory tiers hold (None: it can)
+        self.memory_unknown: Optional[str] = None
         self.world_size = world_size
         self.identity = identity
         self.run_id = run_id
@@ -335,7 +348,8 @@ class Restorer:
         try:
             versions = self.client.request("list", rank=self.rank)["versions"]
         except Exception as e:
-            log.warning("rank %d: agent has no versions for us (%s)", self.rank, e)
+            self.memory_unknown = f"its agent did not list its versions: {e}"
+            log.error("rank %d: %s", self.rank, self.memory_unknown)
             return []
         return [Candidate(v["step"], v["path"], "local_memory") for v in versions]
 
@@ -345,11 +359,16 @@ class Restorer:
         if self.client is None:
             return []
         try:
-            versions = self.client.request("peer_list", rank=self.rank)["versions"]
+            reply = self.client.request("peer_list", rank=self.rank, wait_s=self.group_wait_s)
         except Exception as e:
-            log.warning("rank %d: no versions from peers (%s)", self.rank, e)
+            self.memory_unknown = f"its agent did not list what the group can rebuild: {e}"
+            log.error("rank %d: %s", self.rank, self.memory_unknown)
             return []
-        return [Candidate(v["step"], "", v["source"]) for v in versions]
+        if reply.get("unanswered"):
+            self.memory_unknown = (f"{'; '.join(f'{who}: {why}' for who, why in reply['unanswered'].items())}: "
+                                   f"did not say what the group holds within {self.group_wait_s:g} s")
+            log.error("rank %d: %s", self.rank, self.memory_unknown)
+        return [Candidate(v["step"], "", v["source"]) for v in reply["versions"]]
 
     def memory_candidates(self) -> list[Candidate]:
         """Local versions and, for the steps not held locally, what the group can rebuild: all ranks
@@ -363,7 +382,7 @@ class Restorer:
         """A peer candidate is rebuilt into a local slot by the agent first."""
         if cand.path or self.client is None:
             return cand
-        self.client.request("recover", rank=self.rank, step=cand.step)
+        self.client.request("recover", rank=self.rank, step=cand.step, wait_s=self.group_wait_s)
         for c in self.local_candidates():
             if c.step == cand.step:
                 return Candidate(c.step, c.path, cand.source)
@@ -409,6 +428,8 @@ class Restorer:
         # no step is common, local and peer holdings together; then disk
         tiers = (("local", self.local_candidates), ("memory", self.memory_candidates), ("disk", self.disk_candidates))
         for tier, cands in tiers:
+            if tier == "disk":
+                self._check_memory_known()
             by_step = {c.step: c for c in cands()}
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
@@ -458,6 +479,15 @@ class Restorer:
         self._rewind(-1)
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
 
+    def _check_memory_known(self) -> None:
+        """Collective: before any rank goes below the memory tiers, every rank must know they hold
+        nothing it can use; else all raise :class:`MemoryTierUnknown` together."""
+        if self._all_ok(self.memory_unknown is None):
+            return
+        why = self.memory_unknown or "another rank could not tell what its memory tiers hold"
+        raise MemoryTierUnknown(f"rank {self.rank}: {why}. Not falling back to disk or a fresh start while a "
+                                f"newer version may be in memory; the process ends and its restart asks again")
+
     def _rewind(self, step: int) -> None:
         """Tell the agent the job resumed from ``step``: newer versions are dropped and ``step`` is
         the protected one (without this, a stale newer agreed step would keep every later snapshot
@@ -478,6 +508,12 @@ class Restorer:
                 os.replace(cand.path, cand.path + ".corrupt")
         except Exception as e:  # best effort: the checksum still rejects it next time
             log.warning("rank %d: could not invalidate %s step %d: %s", self.rank, cand.source, cand.step, e)
+
+
+class MemoryTierUnknown(RuntimeError):
+    """The agent or a member of its redundancy group could not say what it holds in time: going on
+    to disk or a fresh start could lose work that is still in memory. Nothing was loaded; end the
+    process (its restart asks again). Callers must not treat it as "no snapshot"."""
 
 
 class RestoreFailed(RuntimeError):

@@ -5,6 +5,7 @@ removal of its shared memory; a fresh agent takes its place and the rank is rest
 from the group (or, past the scheme's tolerance, from disk)."""
 import logging
 import os
+import signal
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from megatron_ft.agent.protocol import AgentClient, AgentError
 from megatron_ft.testing.helpers import wait_for
 from megatron_ft.testing.sim import LocalCluster
+from megatron_ft.trainer.recovery import MemoryTierUnknown
 
 
 def make_model(rank, seed):
@@ -123,6 +125,26 @@ def test_node_lost_mid_exchange_recovers_the_previous_complete_version(cluster):
     # step 2's state, not step 3's: rebuild the expected model from a run stopped at step 2
     ref = state_after(2)
     assert_same(ref, model)
+
+
+@pytest.mark.parametrize("cluster", [XOR], indirect=True, ids=["xor"])
+def test_a_member_that_does_not_answer_leaves_the_memory_tier_unknown_not_empty(cluster):
+    """Rank 1's rebuild needs node 2. While node 2's agent cannot answer (stopped: the kernel still
+    accepts its connections), what the group holds is unknown: the restore raises instead of going
+    down to disk or a fresh start; once it answers, the same restore decodes step 2."""
+    cluster.train(2)
+    cluster.lose_node(1)
+    cluster.replace_node(1)
+    stopped = cluster.agents[2].proc.pid
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        with pytest.raises(MemoryTierUnknown, match=r"node 2: .* did not say what the group holds within 2 s"):
+            cluster.restore(1, group_wait_s=2.0)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    res, model = cluster.restore(1)
+    assert (res.source, res.step) == ("decoded", 2), res.rejected
+    assert_same(cluster.models[1], model)
 
 
 def state_after(steps):
