@@ -73,8 +73,10 @@ from megatron_ft.testing.data import (  # noqa: E402
     SyntheticTokenDataset,
     build_data_iterator,
 )
+from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.config import add_inmem_ckpt_args  # noqa: E402
 from megatron_ft.trainer import in_process  # noqa: E402
+from megatron_ft.trainer.checkpointer import agent_holds_version  # noqa: E402
 from megatron_ft.trainer.distributed import init_process_group  # noqa: E402
 from megatron_ft.megatron.cpu_compat import cpu_config_overrides, install_cpu_compat  # noqa: E402
 
@@ -225,8 +227,11 @@ class TrainingObjects:
     dataset: Optional[SyntheticTokenDataset] = field(repr=False, default=None)
 
 
-def build_transformer_config(args: argparse.Namespace) -> TransformerConfig:
+def build_transformer_config(args: argparse.Namespace, initialise: bool = True) -> TransformerConfig:
+    """``initialise``: False builds the weights uninitialised (megatron-core's
+    ``perform_initialization``), for a model a restore overwrites whole."""
     kwargs: Dict[str, Any] = dict(
+        perform_initialization=initialise,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -283,10 +288,11 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[Dis
     return chunks
 
 
-def build_training_objects(args: argparse.Namespace) -> TrainingObjects:
-    """Seeds, model, distributed optimizer, LR scheduler and dataset (after init_distributed)."""
+def build_training_objects(args: argparse.Namespace, initialise: bool = True) -> TrainingObjects:
+    """Seeds, model, distributed optimizer, LR scheduler and dataset (after init_distributed);
+    ``initialise``: see :func:`build_transformer_config`."""
     set_seeds(args.seed)
-    config = build_transformer_config(args)
+    config = build_transformer_config(args, initialise)
     model = build_model(args, config)
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -655,9 +661,12 @@ class Attempts:
     Every attempt builds its groups, model, DDP wrappers and optimizer afresh and restores into them,
     exactly as a fresh trainer of the round does, so every rank calls the same collectives in the same
     order (megatron-core's build makes some: GPTModel ties its embeddings with an all-reduce,
-    ``get_megatron_optimizer`` all-gathers its parameter groups) and a restart from iteration 0 stays
-    bit-exact. What the process keeps is what a fresh one pays for: its imports and, on a GPU, its CUDA
-    context. On a GPU the aborted attempt's objects are freed before the next is built."""
+    ``get_megatron_optimizer`` all-gathers its parameter groups). A later attempt whose agent holds a
+    version of its rank builds the weights uninitialised (the restore overwrites them; restoring
+    nothing then ends the process: ``in_process.check_restored``); a first attempt initialises, so a
+    restart from iteration 0 stays bit-exact. What the process keeps is what a fresh one pays for: its
+    imports and, on a GPU, its CUDA context. On a GPU the aborted attempt's objects are freed before the
+    next is built."""
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -674,7 +683,9 @@ class Attempts:
                 gc.collect()  # through DDP's hooks) before building the next on the same GPU; on CPU
                 torch.cuda.empty_cache()  # Python's collector does it in its time (a full pass: 0.1-0.3 s)
         init_distributed(args)
-        objs = build_training_objects(args)
+        initialise = not (args.inmem_ckpt and in_process.build_uninitialised(
+            lambda: agent_holds_version(ftconfig.from_args(args), args.rank)))
+        objs = build_training_objects(args, initialise)
         hooks = make_hooks(args)
         try:
             iteration, consumed_samples = train(objs, hooks)

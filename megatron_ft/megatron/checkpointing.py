@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from .. import config as ftconfig
+from ..trainer import in_process
 from ..trainer.checkpointer import InMemoryCheckpointer
 from .loop import TrainingLoop
 from .state import MegatronStateAdapter
@@ -54,6 +55,7 @@ class MegatronCheckpointHooks:
         adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
         self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
         res = self.ckpt.restore()
+        in_process.check_restored(res.source != "none")  # weights built uninitialised: never train on them
         self.loop = TrainingLoop(self.cfg, self.ckpt, objs, profiler=None)
         if res.source == "none":
             return iteration, consumed_samples

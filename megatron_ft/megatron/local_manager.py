@@ -63,6 +63,7 @@ from .. import fatal
 from ..capture import tree as treecodec
 from ..capture.layout import Layout
 from ..capture.state import StateTensor, fresh_targets
+from ..trainer import in_process
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
@@ -237,8 +238,11 @@ class InMemoryLocalCheckpointManager:
             res = self._ckpt.restore()
         except RestoreFailed as e:  # only our scratch tensors were touched
             log.warning("rank %d: no in-memory checkpoint can be loaded: %s", self.rank, e)
-            return _Loaded(-1)
-        if res.source == "none":
+            res = None
+        # an in-process attempt built with --no-initialization must not fall back (to an upstream
+        # checkpoint that may not exist, or to its uninitialised weights): a fresh process will
+        in_process.check_restored(res is not None and res.source != "none")
+        if res is None or res.source == "none":
             return _Loaded(-1)
         record = res.extra["state_dict"]
         names = [tensor_name(i, p) for i, p in enumerate(record["names"])]

@@ -311,9 +311,17 @@ def _in_process_restart() -> list[str]:
 
             def run_attempts(*args: Any, **kwargs: Any) -> Any:
                 def attempt(number: int) -> Any:
-                    if number:
-                        reset_upstream_state()
-                    return pretrain(*args, **kwargs)
+                    if not number:
+                        return pretrain(*args, **kwargs)
+                    holds = _agent_holds_version_of_last_attempt()
+                    reset_upstream_state()
+                    if not in_process.build_uninitialised(holds):
+                        return pretrain(*args, **kwargs)
+                    sys.argv.append("--no-initialization")  # upstream's flag: the restore overwrites them
+                    try:
+                        return pretrain(*args, **kwargs)
+                    finally:
+                        sys.argv.remove("--no-initialization")
 
                 return in_process.run(attempt)
 
@@ -323,6 +331,22 @@ def _in_process_restart() -> list[str]:
 
     _wrap(upstream_inprocess, "maybe_wrap_for_inprocess_restart", make)
     return ["in-process restart offered"]
+
+
+def _agent_holds_version_of_last_attempt() -> Callable[[], bool]:
+    """For :func:`megatron_ft.trainer.in_process.build_uninitialised`, from the arguments upstream parsed in
+    the attempt before (read before its global state is reset): whether this rank's agent holds a
+    version of it. False without in-memory checkpoints, or when that attempt never parsed them."""
+    from megatron.training import global_vars
+
+    args = global_vars._GLOBAL_ARGS
+    if args is None or not getattr(args, "inmem_ckpt", False):
+        return lambda: False
+    from .. import config as ftconfig
+    from ..trainer.checkpointer import agent_holds_version
+
+    cfg, rank = ftconfig.from_args(args), args.rank
+    return lambda: agent_holds_version(cfg, rank)
 
 
 def reset_upstream_state() -> None:

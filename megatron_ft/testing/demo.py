@@ -695,6 +695,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         "restarted_by": restarted_by(after) if kill_time is not None else None,
         # ranks whose trainer survived and rejoined in its own process (in-process restart)
         "kept_in_place": sorted({e["rank"] for e in after if life(e)[1] > 0}),
+        # ranks whose restore went into weights built uninitialised (the restore overwrote them)
+        "built_uninitialised": sorted({e["rank"] for e in after if e.get("weights_initialised") is False}),
         "cold_start_seconds": cold_start_seconds,
         "start_seconds": start_seconds,
         "warm_spares": cfg.launch.warm_spares,
@@ -731,7 +733,9 @@ def run_demo(args: argparse.Namespace) -> dict:
             f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")
         kept = summary["kept_in_place"]
         say(f"   restarted by       : {summary['restarted_by']}"
-            + (f" (ranks {kept} kept in their processes)" if kept else ""))
+            + (f" (ranks {kept} kept in their processes" + (
+                f", {summary['built_uninitialised']} with their weights built uninitialised for the restore)"
+                if summary["built_uninitialised"] else ")") if kept else ""))
         if breakdown:
             say("   where it went      : " + ", ".join(f"{BREAKDOWN_NAMES[k]} {v:.2f} s" for k, v in breakdown.items()
                                                    if v is not None))

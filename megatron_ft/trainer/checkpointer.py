@@ -36,6 +36,31 @@ from .snapshot import SnapshotEngine
 log = logging.getLogger("megatron_ft")
 
 
+def _node_of(cfg: ftconfig.FTConfig, rank: int) -> int:
+    return int(os.environ.get("MFT_NODE_RANK", rank // cfg.cluster.ranks_per_node))
+
+
+def _agent_socket(cfg: ftconfig.FTConfig, node: int) -> str:
+    """The node agent's socket: the one ``megatron-ft launch`` names, else the configured one."""
+    return os.environ.get("MFT_AGENT_SOCKET") or socket_path(cfg.agent.socket_dir, cfg.run_id, node)
+
+
+def agent_holds_version(cfg: ftconfig.FTConfig, rank: int) -> bool:
+    """Whether this node's agent holds a clean version of ``rank`` now (one ``list`` on a short-lived
+    connection, closed in order; bounded by ``agent.request_timeout_s``). False when the agent cannot be
+    asked. Not collective."""
+    client = AgentClient(_agent_socket(cfg, _node_of(cfg, rank)), cfg.agent.request_timeout_s)
+    try:
+        client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
+                        "run_id": cfg.run_id})
+        return bool(client.request("list", rank=rank)["versions"])
+    except Exception as e:
+        log.info("rank %d: could not ask the agent for its versions (%s): the weights are initialised", rank, e)
+        return False
+    finally:
+        client.close(orderly=True)
+
+
 class InMemoryCheckpointer:
     def __init__(self, cfg: ftconfig.FTConfig, adapter: Any, rank: int, world_size: int,
                  topology: dict, node: Optional[int] = None, agent_socket: Optional[str] = None):
@@ -44,10 +69,9 @@ class InMemoryCheckpointer:
         self.rank = rank
         self.world_size = world_size
         self.identity = {"run_id": cfg.run_id, "rank": rank, "world_size": world_size, "topology": topology}
-        self.node = node if node is not None else int(os.environ.get("MFT_NODE_RANK", rank // cfg.cluster.ranks_per_node))
+        self.node = node if node is not None else _node_of(cfg, rank)
         self.coord_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        path = agent_socket or os.environ.get("MFT_AGENT_SOCKET") or socket_path(
-            cfg.agent.socket_dir, cfg.run_id, self.node)
+        path = agent_socket or _agent_socket(cfg, self.node)
         self.client: Optional[AgentClient] = AgentClient(path, cfg.agent.request_timeout_s)
         # under megatron-ft launch (it names the socket) the node's agent serves this node, though it may
         # be restarting (its launcher restarts a dead agent): wait for it as long as agent.connect_timeout_s
@@ -92,7 +116,8 @@ class InMemoryCheckpointer:
         if self.rank == 0:
             print(f"[megatron-ft] {msg}", flush=True)
         self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
-                            "rejected": res.rejected, "timeline": _start_timeline(self._ready_at, started)})
+                            "rejected": res.rejected, "timeline": _start_timeline(self._ready_at, started),
+                            "weights_initialised": not in_process.uninitialised()})
         if res.source != "none" and self.engine is not None:
             # every rank holds this step: tell the agent so it protects it until a newer one is agreed
             self.engine.last_committed = self.engine.last_agreed = res.step

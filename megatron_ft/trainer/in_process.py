@@ -17,7 +17,10 @@ passes in ``MFT_IN_PROCESS_FD``), and when the keeper sends ``{"round": n + 1, "
    model and optimizer and restores from its agent exactly as the round's fresh trainers do, so every
    rank makes the same collectives in the same order (megatron-core's model and optimizer build make
    some). What the process keeps is what a fresh one pays for: its imports and, on a GPU, its CUDA
-   context (``docs/recovery-time.md``).
+   context (``docs/recovery-time.md``). Its weights are not initialised again when its agent holds a
+   version of its rank (:func:`build_uninitialised`): the restore overwrites every one of them; if it
+   then restores nothing, :class:`NothingRestored` ends the process and a fresh one (which initialises)
+   takes its place.
 
 A training function that raises on its own (a peer's death reached it first) asks the keeper for the
 next round (``{"failed": why}``); the keeper answers with the round or ``{"exit": true}`` (budget spent,
@@ -49,6 +52,41 @@ REPLY_TIMEOUT_S = 60.0  # the keeper's answer to "failed" (it opens the round an
 
 _ROUND_SOCKETS: Optional[set[int]] = None  # inodes of the sockets open before this round's group
 _ATTEMPT: tuple[int, Optional[float]] = (0, None)  # this process's attempt, and when it began (wall clock)
+_UNINITIALISED = False  # this attempt built its model without initialising the weights
+
+
+class NothingRestored(RuntimeError):
+    """An attempt that built its model without initialising the weights restored nothing into them.
+    :func:`run` never restarts it in place: the process ends (exit 1), and the fresh process its keeper
+    starts builds the model with initialised weights."""
+
+
+def build_uninitialised(holds_a_version: Callable[[], bool]) -> bool:
+    """Whether this attempt builds its model without initialising the weights (megatron-core's
+    ``perform_initialization=False``, upstream's ``--no-initialization``); remembered for
+    :func:`check_restored`. True only in a later attempt (a survivor rejoining a round) whose node
+    agent holds a version of its rank (``holds_a_version()``, asked only then): the restore that follows
+    overwrites every weight, so initialising them is work thrown away (RNG kernels over the whole model;
+    minutes for a large model initialised on the CPU). A process's first attempt always initialises: a
+    job's start, and a restart at iteration 0, stay bit-exact."""
+    global _UNINITIALISED
+    _UNINITIALISED = _ATTEMPT[0] > 0 and holds_a_version()
+    return _UNINITIALISED
+
+
+def uninitialised() -> bool:
+    """Whether this attempt built its model without initialising the weights."""
+    return _UNINITIALISED
+
+
+def check_restored(restored: bool) -> None:
+    """After the restore of an attempt: nothing restored into weights built uninitialised raises
+    :class:`NothingRestored` (they hold whatever the memory held; never trained on)."""
+    if _UNINITIALISED and not restored:
+        raise NothingRestored(f"rank {os.environ.get('RANK', '?')}: in-process attempt {_ATTEMPT[0]} built its model "
+                              f"without initialising the weights (its agent held a version to restore), then "
+                              f"restored nothing: ending this process so that a fresh one, which initialises "
+                              f"its weights, takes its place")
 
 
 def attempt() -> tuple[int, Optional[float]]:
@@ -196,16 +234,19 @@ def run(train_fn: Callable[[int], int]) -> int:
     ``train_fn(2)``, ... in this process. Returns what the last attempt returned; an attempt's
     exception propagates when no round follows it. Without a keeper's control socket (no warm spares,
     in-process restart off, a plain ``python`` run) this is ``train_fn(0)``."""
-    global _ATTEMPT
+    global _ATTEMPT, _UNINITIALISED
     fd = os.environ.pop(ENV_FD, None)
     if fd is None or not fd.isdigit():
         return train_fn(0)
     channel = Channel(int(fd))
     channel.send({"in_process": True, "pid": os.getpid()})
-    number = 0
+    number, _ATTEMPT = 0, (0, None)
     while True:
+        _UNINITIALISED = False
         try:
             return train_fn(number)
+        except NothingRestored:
+            raise  # never in place: a fresh process initialises its weights
         except Exception as e:
             here = current_round()
             nxt = channel.next_round(here, 0.0)

@@ -156,6 +156,8 @@ def test_upstream_trainer_kill_resumes_from_local_memory_bit_exact(tmp_path):
     # beneath torchrun: the killed rank re-forked, the survivors' pretrain() run again in their processes
     assert s["restarted_by"] == "fast round 1", s["restarted_by"]
     assert s["kept_in_place"] == [0, 1, 2], s
+    # their second pretrain() ran with upstream's --no-initialization (their agents held versions)
+    assert s["built_uninitialised"] == [0, 1, 2], s
     # forked from a pool that had imported megatron.training; ranks pinned and CPU flags added per trainer
     log = open(tmp_path / "demo" / "run.log").read()
     assert "megatron.training from the spare pool; rank 0 pinned to node 0; CPU flags added" in log
@@ -179,6 +181,7 @@ def test_upstream_all_trainers_of_a_node(tmp_path, optimizer):
     s = demo(tmp_path, "--fail=all-trainers", "--kill-at=4", *optimizer)
     assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
     assert len(s["kept_in_place"]) == 2, s  # the other node's ranks rejoined in their processes
+    assert s["built_uninitialised"] == s["kept_in_place"], s
 
 
 @needs_upstream

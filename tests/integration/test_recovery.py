@@ -40,6 +40,9 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     # spares, the three survivors rejoined in their own processes (in-process restart, the default)
     assert s["restarted_by"] == "fast round 1", s["restarted_by"]
     assert s["kept_in_place"] == [0, 1, 2], s
+    # the survivors' agents held their versions: their weights were not initialised again, the
+    # replacement (a first attempt) initialised its own; all were overwritten by the restore
+    assert s["built_uninitialised"] == [0, 1, 2], s
     assert s["lost_iterations"] == s["last_iteration_before_kill"] - s["resumed_step"]
 
 
@@ -57,6 +60,7 @@ def test_with_in_process_restart_off_every_trainer_is_replaced(tmp_path, referen
     path.write_text(json.dumps(cfg))
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", config=str(path))
     assert (s["recovered_from"], s["restarted_by"], s["kept_in_place"]) == ("local_memory", "fast round 1", []), s
+    assert s["built_uninitialised"] == [], s  # every trainer a first attempt: all initialise
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow

@@ -19,7 +19,6 @@ def keeper(monkeypatch):
     ours.settimeout(10)
     yield ours
     ours.close()
-    monkeypatch.setattr(in_process, "_ATTEMPT", (0, None))
 
 
 def recv(sock):
@@ -136,3 +135,49 @@ def test_a_round_message_aborts_the_rounds_connections_so_a_blocked_receive_ends
 def test_abort_before_any_round_touches_nothing(monkeypatch):
     monkeypatch.setattr(in_process, "_ROUND_SOCKETS", None)
     assert in_process.abort_round_connections() == 0
+
+
+def test_weights_are_built_uninitialised_only_in_a_later_attempt_whose_agent_holds_a_version(keeper):
+    """Attempt 0 always initialises (the holder is not even asked); attempt 1 with a version held
+    builds uninitialised, and restoring nothing then ends the process: NothingRestored is never
+    restarted in place (a fresh process, which initialises, takes its place)."""
+    asked, decided = [], []
+
+    def holds():
+        asked.append(in_process.attempt()[0])
+        return True
+
+    def train(number):
+        decided.append(in_process.build_uninitialised(holds))
+        if number == 0:
+            in_process.check_restored(False)  # initialised weights: a fresh start is fine
+            raise RuntimeError("Connection closed by peer")
+        in_process.check_restored(False)
+
+    def play_keeper():
+        recv(keeper), recv(keeper)
+        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
+        assert recv(keeper) == {"restarting": 1}
+
+    with pytest.raises(in_process.NothingRestored, match="attempt 1 built its model without initialising"):
+        with_keeper(play_keeper, lambda: in_process.run(train))
+    assert (decided, asked) == ([False, True], [1])
+    keeper.setblocking(False)  # no "failed" for it: the process ends, its keeper re-forks the rank
+    with pytest.raises(BlockingIOError):
+        keeper.recv(4096)
+
+
+def test_a_later_attempt_initialises_when_its_agent_holds_nothing(keeper):
+    def train(number):
+        if number == 0:
+            raise RuntimeError("Connection closed by peer")
+        assert not in_process.build_uninitialised(lambda: False)
+        in_process.check_restored(False)  # initialised: starting fresh is allowed
+        return 4
+
+    def play_keeper():
+        recv(keeper), recv(keeper)
+        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
+        recv(keeper)
+
+    assert with_keeper(play_keeper, lambda: in_process.run(train)) == 4
