@@ -342,12 +342,33 @@ def _health_timeout(env: dict) -> float:
 def keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
     """In the keeper process (forked by the pool): serve one worker until its trainer ends."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _log_beside_the_trainer(fds[2])
     Keeper(conn, req, fds).run()
+
+
+def _log_beside_the_trainer(stderr_fd: int) -> None:
+    """The keeper's log lines (its rounds, a trainer replaced or kept in place) go where its worker's
+    standard error goes - torchrun's output, the job's run log - beside its trainer's, instead of
+    into the pool's log. Line-buffered. The pool's own set-up is kept aside for the trainers it forks
+    (:func:`run_trainer` puts it back: their lines look as before)."""
+    global _POOL_LOGGING
+    root = logging.getLogger()
+    _POOL_LOGGING = (list(root.handlers), root.level)
+    handler = logging.StreamHandler(os.fdopen(os.dup(stderr_fd), "w", buffering=1))
+    handler.setFormatter(logging.Formatter("[keeper %(asctime)s] %(levelname)s %(message)s"))
+    root.handlers = [handler]
+    root.setLevel(logging.INFO)
+
+
+_POOL_LOGGING: Optional[tuple[list, int]] = None  # the root logger's handlers and level as the pool set them
 
 
 # ---------------------------------------------------------------------- the trainer's side
 def run_trainer(req: dict, fds: list[int]) -> None:
     """In the trainer process: become the worker torchrun started, then run its script."""
+    if _POOL_LOGGING is not None:  # not the keeper's handler: the trainer logs as the pool set it up
+        logging.getLogger().handlers, level = list(_POOL_LOGGING[0]), _POOL_LOGGING[1]
+        logging.getLogger().setLevel(level)
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
     for fd in fds:

@@ -44,6 +44,9 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     # replacement (a first attempt) initialised its own; all were overwritten by the restore
     assert s["built_uninitialised"] == [0, 1, 2], s
     assert s["lost_iterations"] == s["last_iteration_before_kill"] - s["resumed_step"]
+    # the keepers' own lines are in the job's run log, beside the trainers'
+    log = (tmp_path / "demo" / "run.log").read_text()
+    assert "rejoins round 1 in place" in log and "[keeper " in log, log[-3000:]
 
 
 def test_all_trainers_of_a_node_killed_before_snapshot(tmp_path, reference_dir):
