@@ -284,7 +284,14 @@ class NodeLauncher:
                     self.agent_restarts += 1
                     self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "
                              f"(restart {self.agent_restarts}), it re-adopts the node's shared memory")
-                    self.start_agent()
+                    try:
+                        self.start_agent()
+                    except AgentStartError as e:  # the node cannot protect its ranks: end the job, said once
+                        self._stop_torchrun()
+                        self.kill_agent()  # and unlink the segments the dead agent left
+                        self._end_job(f"{e} (restarting it after it died mid-job)",
+                                      record=fatal.read(self.run_dir) is None)
+                        return None
                 time.sleep(0.2)
         except KeyboardInterrupt:
             self.torchrun.send_signal(signal.SIGINT)

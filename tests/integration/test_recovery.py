@@ -225,3 +225,37 @@ def test_interleaved_pipeline_recovers_bit_exact(tmp_path):
     assert s["recovered_from"] == "local_memory" and s["resumed_step"] >= KILL_AT - 1
     with open(tmp_path / "demo" / "run" / "final" / "state.rank0.json") as f:
         assert "chunk1.buffer0.param_data" in json.load(f)["param_buffers"]  # really two chunks
+
+
+def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_path):
+    """Node 1's agent dies mid-job and its replacement cannot start (here: its config file was
+    broken meanwhile). The node's launcher ends the job for every node with one recorded line (exit
+    2), instead of a traceback and a job left to find out by timeouts; nothing is left behind."""
+    import signal
+    import time
+
+    from megatron_ft import fatal
+    from megatron_ft.testing import demo as demo_mod
+
+    cfg = ftconfig.replace(ftconfig.load(), run_id=f"agentfail{os.getpid()}",
+                           launch={"rdzv_port": demo_mod.free_port()})
+    run = tmp_path / "run"
+    log_path = str(tmp_path / "run.log")
+    p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 400, []), inmem=True, log_path=log_path)
+    try:
+        deadline = time.time() + 300
+        while not any(r["iteration"] >= 2 for r in demo_mod._progress(str(run), 0)):
+            assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.2)
+        (run / "node1" / "config.yaml").write_text("redundancy: {scheme: no-such-scheme}\n")
+        os.kill(int((run / "node1" / "agent.pid").read_text()), signal.SIGKILL)
+        rc = p.wait(timeout=180)
+    finally:
+        if p.poll() is None:
+            demo_mod._kill_tree(p)
+    log = open(log_path).read()
+    assert rc == fatal.EXIT_CODE, log[-3000:]
+    assert "[launch n1] job ended: node 1: its agent exited with" in log, log[-3000:]
+    # torchrun prints its own traceback when it is stopped; the launcher prints none
+    assert "(restarting it after it died mid-job)" in log and "megatron_ft/launch.py" not in log, log[-3000:]
+    assert not [n for n in os.listdir(cfg.agent.shm_dir) if n.startswith(f"mft.{cfg.run_id}.")]
