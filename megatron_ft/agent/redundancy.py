@@ -184,8 +184,7 @@ class Redundancy:
     def _ask_holds(self, node: int, within_s: float) -> dict:
         """Node ``node``'s ``holds`` reply; its address lookup, connection and reply each bounded by
         ``within_s``."""
-        cl = wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
-                         error=PeerError)
+        cl = self.client(node, within_s)
         try:
             return cl.request("holds")
         finally:
@@ -213,10 +212,14 @@ class Redundancy:
         host, port = v.rsplit(":", 1)
         return host, int(port)
 
-    def client(self, node: int) -> wire.Client:
+    def client(self, node: int, within_s: Optional[float] = None) -> wire.Client:
         """A connection to ``node``'s agent (its address looked up at each (re)connect: a restarted
-        agent listens on a new port); bounded by ``agent.request_timeout_s``."""
-        return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError)
+        agent listens on a new port); bounded by ``agent.request_timeout_s``, and with ``within_s`` its
+        address lookup and every call by that too."""
+        if within_s is None:
+            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError)
+        return wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
+                           error=PeerError)
 
 
     # ------------------------------------------------------------------ sending (one version)

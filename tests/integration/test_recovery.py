@@ -232,10 +232,10 @@ def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_
     broken meanwhile). The node's launcher ends the job for every node with one recorded line (exit
     2), instead of a traceback and a job left to find out by timeouts; nothing is left behind."""
     import signal
-    import time
 
     from megatron_ft import fatal
     from megatron_ft.testing import demo as demo_mod
+    from megatron_ft.testing.helpers import wait_for
 
     cfg = ftconfig.replace(ftconfig.load(), run_id=f"agentfail{os.getpid()}",
                            launch={"rdzv_port": demo_mod.free_port()})
@@ -243,10 +243,10 @@ def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_
     log_path = str(tmp_path / "run.log")
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 400, []), inmem=True, log_path=log_path)
     try:
-        deadline = time.time() + 300
-        while not any(r["iteration"] >= 2 for r in demo_mod._progress(str(run), 0)):
-            assert p.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
-            time.sleep(0.2)
+        wait_for("iteration 2 of rank 0",
+                 lambda: p.poll() is not None or any(r["iteration"] >= 2 for r in demo_mod._progress(str(run), 0)),
+                 300.0, lambda: open(log_path).read()[-3000:])
+        assert p.poll() is None, open(log_path).read()[-3000:]  # still training
         (run / "node1" / "config.yaml").write_text("redundancy: {scheme: no-such-scheme}\n")
         os.kill(int((run / "node1" / "agent.pid").read_text()), signal.SIGKILL)
         rc = p.wait(timeout=180)
