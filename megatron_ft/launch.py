@@ -352,10 +352,12 @@ class Rendezvous:
     verdict on the host's agent, or another agent or launcher in ``hb/<host>`` (a replacement, a
     restarted launcher, or none while the host's agent waits for a new launcher). If so, generation
     g+1 is hosted by the lowest-numbered *survivor* (a node whose agent and launcher are the ones it
-    had when generation g began) at ``health.host_of(node):rdzv_port + g + 1``: that launcher publishes it
-    (compare-and-set), the others wait for it (``launch.start_timeout_s``). A launcher starting on the
-    node that hosts the published generation is a replacement of the lost host: it waits for the
-    survivors' next generation instead of hosting the old one. Without a store
+    had when generation g began) at ``health.host_of(node)`` on a port the kernel picks (an ephemeral
+    port free there at that moment, :meth:`_hosted_here`; not derived from ``rdzv_port``, so until
+    every port is made configurable, firewalls between nodes must let the ephemeral range through):
+    that launcher publishes it (compare-and-set), the others wait for it (``launch.start_timeout_s``).
+    A launcher starting on the node that hosts the published generation is a replacement of the lost
+    host: it waits for the survivors' next generation instead of hosting the old one. Without a store
     (``redundancy.scheme: none``) there is no failover: a lost host ends the job (disk recovery)."""
 
     def __init__(self, cfg: ftconfig.FTConfig, node: int):

@@ -79,8 +79,10 @@ def _cudart_ok(err) -> bool:
 class HostRegistration:
     """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
 
-    Not thread-safe; the owner (the snapshot engine's registration, on the training thread)
-    closes it before unmapping the memory."""
+    Not thread-safe; the owner is a :class:`SnapshotStaging`: created by :meth:`SnapshotStaging.register`
+    on the snapshot engine's worker thread (before the first copy into a layout's slots), closed by
+    :meth:`SnapshotStaging.unregister` before the memory is unmapped (on the training thread while the
+    worker is idle, or at :meth:`SnapshotStaging.close` after the worker has stopped)."""
 
     def __init__(self, address: int, nbytes: int):
         self.address, self.nbytes = address, nbytes
