@@ -33,7 +33,8 @@ class PeerError(wire.RemoteError):
 
 @dataclass(frozen=True)
 class GroupHoldings:
-    """What the group's other members said they hold (``holds``: node -> its ``holds`` reply), every
+    """What the group's members hold (``holds``: node -> its ``holds`` reply, the asking node's own
+    included), every
     group rank's container size (``sizes``; None when nobody knows one: nobody holds that rank's
     data) and who did not answer in time (``unanswered``: ``"node N"`` or ``"store"`` -> why). With
     anyone unanswered, what the group can rebuild is *unknown*, not empty."""

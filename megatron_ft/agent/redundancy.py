@@ -71,7 +71,7 @@ class Redundancy:
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
         g = self.plan.groups[self.gi]
         #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
-        self.own_copy_is_redundant = self.plan.scheme == "rs" and g.role(self.node)[0] == "parity"
+        self.own_copy_is_redundant = self.plan.own_copy_is_redundant(self.node)
         self.codec = None
         if self.plan.scheme == "rs":  # the group's own k: a remainder of nodes joins a group as data nodes
             self.codec = get_codec("rs", g.k, g.m)
@@ -147,15 +147,18 @@ class Redundancy:
                 time.sleep(0.05)
 
     def group_holdings(self, wait_s: float) -> "GroupHoldings":
-        """Ask every other member of the group what it holds (``holds``) until all have answered and
-        every group rank's container size is known, for at most ``wait_s``. A replacement's agent asks
+        """What every member of the group holds, this node included: its own ``holds``, and every other
+        member asked (``holds``) until all have answered and every group rank's container size is known,
+        for at most ``wait_s``. This node's own blocks count like a survivor's: an rs parity node keeps one
+        staging slot for its rank, and once a newer snapshot overwrote it, the group's complete step of
+        that rank is decoded from this node's own parity row and the data held elsewhere. A replacement's agent asks
         just after a failure: the store may be moving to a new root (its keys fill as the survivors'
         next heartbeats re-publish them) and a member's agent may be restarting, so a member that does
         not answer is asked again rather than taken for one that holds nothing. Not collective; no lock
         held; every ask (address lookup, connection, reply) is bounded by what is left of ``wait_s``."""
         deadline = time.monotonic() + wait_s
         ask_s = max(1.0, wait_s / 3)  # one silent member does not use up the others' time
-        holds: dict[int, dict] = {}
+        holds: dict[int, dict] = {self.node: self.holds()}
         unanswered: dict[str, str] = {}
         while True:
             for n in self.members:

@@ -31,6 +31,7 @@ from . import shm, persist
 from .. import config as ftconfig
 from ..capture import snapfile
 from ..capture.layout import Layout
+from ..redundancy.plan import plan_from_config
 from ..transport import wire
 from ..transport.messages import Request
 from .protocol import MESSAGES, Hello, socket_path
@@ -110,54 +111,101 @@ class Agent:
     # ------------------------------------------------------------------ segments
     def adopt_existing(self) -> int:
         """Re-adopt slots left in shared memory by a previous agent of this node (agent restart);
-        the previous agent's peer block versions are removed (the group sends the next version again)."""
+        the previous agent's peer block versions are removed (the group sends the next version again).
+
+        A slot whose file was damaged while no agent watched it - cut to any length (to zero, inside
+        its header, inside its data), or its header unreadable - loses its version, never the rank's
+        other slots: it is rebuilt at full size as an EMPTY container from a readable sibling's layout
+        (every slot of a rank has the same layout and size), so the rank's older clean version is still
+        restored and the next snapshots use every slot again. A rank with no readable slot is dropped."""
         gone = shm.remove_block_segments(self.cfg.agent.shm_dir, self.run_id, self.node)
         if gone:
             log.info("agent node %d: removed %d peer block version(s) of the previous agent", self.node, len(gone))
-        n = 0
+        found: dict[int, dict[int, str]] = {}
         for rank, slot_idx, path in shm.list_segments(self.cfg.agent.shm_dir, self.run_id, self.node):
-            try:
-                seg = shm.open_segment(path)
-                hdr = snapfile.read_header(seg.mm)
-                state = hdr.state
-                if seg.size < hdr.geometry.total:  # truncated behind the agents' back: its version is gone
-                    log.error("agent node %d: %s was truncated (%d of %d bytes); its version is dropped", self.node,
-                              path, seg.size, hdr.geometry.total)
-                    seg.close()
-                    shm.restore_size(path, hdr.geometry.total)
-                    seg = shm.open_segment(path)
-                    snapfile.set_state(seg.mm, snapfile.EMPTY)
-                    state = snapfile.EMPTY
-                if state == snapfile.WRITING:  # torn by a crash mid-snapshot
-                    snapfile.set_state(seg.mm, snapfile.EMPTY)
-                    state = snapfile.EMPTY
-                if state == snapfile.CLEAN:
-                    snapfile.read_version(seg.mm, hdr)  # well-formed record or not adopted as clean
-                fp = snapfile.read_layout(seg.mm, hdr).fingerprint()
-            except (snapfile.SnapshotFormatError, OSError, ValueError) as e:
-                log.warning("agent node %d: discarding unreadable segment %s: %s", self.node, path, e)
+            found.setdefault(rank, {})[slot_idx] = path
+        n = 0
+        for rank, paths in sorted(found.items()):
+            readable: dict[int, tuple[shm.Segment, int, int]] = {}  # slot -> (segment, state, step)
+            damaged: dict[int, str] = {}  # slot -> why
+            layout_json = None
+            for idx, path in sorted(paths.items()):
                 try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                    seg, state, step, lj = self._read_left_slot(path)
+                except (shm.SharedMemoryError, snapfile.SnapshotFormatError, OSError, ValueError) as e:
+                    damaged[idx] = str(e)
+                    continue
+                readable[idx] = (seg, state, step)
+                layout_json = layout_json or lj
+            if layout_json is None:
+                log.warning("agent node %d: rank %d has no readable slot (%s); discarding them", self.node, rank,
+                            damaged)
+                for path in paths.values():
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
                 continue
-            self.fingerprints[rank] = fp
-            g = hdr.geometry
-            self.layouts[rank] = bytes(seg.mm[g.layout_off: g.layout_off + g.layout_len])
-            self.table.adopt(rank, slot_idx, state, hdr.step)
-            segs = self.segments.setdefault(rank, [])
-            segs.append(seg)
-            segs.sort(key=lambda g: shm.parse_segment_name(os.path.basename(g.path))[3])  # by slot index
-            n += 1
-        for rank, rv in list(self.table.ranks.items()):  # a rank with a missing slot index is not adopted
-            if [s.index for s in rv.slots] != list(range(len(rv.slots))):
-                log.warning("agent node %d: rank %d's slots are incomplete (%s); discarding them", self.node, rank,
-                            [s.index for s in rv.slots])
-                self._drop_rank(rank)
+            for idx in range(max(max(paths) + 1, self.slots_per_rank())):  # damaged or missing: back empty
+                if idx in readable:
+                    continue
+                path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, idx))
+                log.error("agent node %d: rank %d slot %d (%s) is %s; its version is dropped and the slot "
+                          "rebuilt empty", self.node, rank, idx, path, damaged.get(idx, "missing"))
+                readable[idx] = (self._rebuild_slot(path, layout_json), snapfile.EMPTY, -1)
+            self.fingerprints[rank] = Layout.from_json(layout_json).fingerprint()
+            self.layouts[rank] = layout_json
+            self.segments[rank] = [readable[i][0] for i in sorted(readable)]
+            for idx in sorted(readable):
+                _, state, step = readable[idx]
+                self.table.adopt(rank, idx, state, step)
+                n += 1
         if n:
             self._trained = True
             log.info("agent node %d: adopted %d existing slots: %s", self.node, n, self.describe())
         return n
+
+    @staticmethod
+    def _read_left_slot(path: str) -> tuple[shm.Segment, int, int, bytes]:
+        """(segment, state, step, layout JSON) of a slot a previous agent left. Cut inside its data, the
+        file gets its size back and its version is dropped (EMPTY); torn mid-snapshot (WRITING), EMPTY
+        too; CLEAN only with a well-formed version record. Raises when the header or layout cannot be read."""
+        seg = shm.open_segment(path)  # SharedMemoryError: empty
+        try:
+            hdr = snapfile.read_header(seg.mm)
+            state = hdr.state
+            if seg.size < hdr.geometry.total:  # truncated behind the agents' back: its version is gone
+                log.error("%s was truncated (%d of %d bytes); its version is dropped", path, seg.size,
+                          hdr.geometry.total)
+                seg.close()
+                shm.restore_size(path, hdr.geometry.total)
+                seg = shm.open_segment(path)
+                state = snapfile.EMPTY
+            g = hdr.geometry
+            layout_json = bytes(seg.mm[g.layout_off: g.layout_off + g.layout_len])
+            snapfile.read_layout(seg.mm, hdr)  # checks the layout record
+            if state == snapfile.CLEAN:
+                snapfile.read_version(seg.mm, hdr)  # well-formed record or not adopted as clean
+            else:
+                state = snapfile.EMPTY  # a WRITING one was torn by a crash mid-snapshot
+            snapfile.set_state(seg.mm, state)
+        except BaseException:
+            seg.close()
+            raise
+        return seg, state, hdr.step if state == snapfile.CLEAN else -1, layout_json
+
+    @staticmethod
+    def _rebuild_slot(path: str, layout_json: bytes) -> shm.Segment:
+        """The slot file at ``path`` (cut, unreadable or missing) at the full size of ``layout_json``'s
+        container, an EMPTY container with that layout (same inode when the file exists)."""
+        geom = snapfile.geometry_for(Layout.from_json(layout_json), layout_json)
+        if os.path.exists(path):
+            shm.restore_size(path, geom.total)
+            seg = shm.open_segment(path)
+        else:
+            seg = shm.create(path, geom.total)
+        snapfile.init_container(seg.mm, layout_json, geom)
+        return seg
 
     def register(self, rank: int, layout_json: str) -> dict:
         """Slots for ``rank``'s layout: its existing ones when they fit, else new ones. The shared
@@ -224,7 +272,7 @@ class Agent:
         owns is also held whole by a data node of its group (ECHECK), so its own clean copy is only
         a cache and the slot is the staging buffer; its trainers' software failures are then served
         from the data node's copy when the slot is mid-write."""
-        if self.redundancy is not None and self.redundancy.own_copy_is_redundant:
+        if self.cfg.redundancy.scheme != "none" and plan_from_config(self.cfg).own_copy_is_redundant(self.node):
             return 1
         if self.cfg.redundancy.transport == "scheduled":
             # + the version its trainer is still sending, while the group's complete one, the newest

@@ -155,6 +155,11 @@ class RedundancyPlan:
             return f"rs (ECHECK Cauchy Reed-Solomon, k={self.k}, m={self.m})"
         return "none (local snapshots only)"
 
+    def own_copy_is_redundant(self, node: int) -> bool:
+        """Whether every packet ``node`` owns is also held whole by another member of its group: an
+        rs parity node (ECHECK), whose own clean copy is then only a cache (one staging slot per rank)."""
+        return self.scheme == "rs" and self.groups[self.node_group[node]].role(node)[0] == "parity"
+
     # ------------------------------------------------------------------ who holds what
 
     def holdings(self, node: int) -> NodeHoldings:

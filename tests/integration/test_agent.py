@@ -330,22 +330,34 @@ def test_persist_verifies_every_chunk_before_writing(agent):
     assert not os.path.exists(persist.rank_file(agent.cfg.persist.dir, agent.cfg.run_id, 2, 0))
 
 
-def test_truncated_slot_found_by_a_restarted_agent_is_dropped_not_adopted(agent):
-    """The agent dies, a slot is cut short, a new agent starts: it gives the file its size back with
-    no version in it, adopts the other slot, and the restore reads the older step."""
+@pytest.mark.parametrize("cut", ["empty", "inside-header", "past-header", "inside-data", "missing"])
+def test_a_slot_damaged_while_no_agent_ran_loses_only_its_own_version(agent, cut):
+    """The agent dies, the newest committed slot is cut (to zero bytes, inside its 4 KiB header, just
+    past it, inside its data) or deleted, a new agent starts: that slot comes back at full size and
+    empty, the older clean slot is adopted and restored, and the next snapshots use both slots again.
+    (A cut to zero bytes ended the restarted agent - and the job - before.)"""
     c = agent.client()
     m, opt, _ = train_and_snapshot(c, agent.cfg, 2)
     newest = max(c.request("list", rank=0)["versions"], key=lambda v: v["step"])
     size = os.path.getsize(newest["path"])
     agent.kill()
-    os.truncate(newest["path"], size // 3)
+    if cut == "missing":
+        os.unlink(newest["path"])
+    else:
+        os.truncate(newest["path"], {"empty": 0, "inside-header": 100, "past-header": snapfile.HEADER_SIZE + 8,
+                                     "inside-data": size // 3}[cut])
     agent.start()
     assert os.path.getsize(newest["path"]) == size
     assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [1]
     m2, opt2 = make_model(seed=3)
     res = restorer(agent.cfg, c).restore(TorchStateAdapter(m2, opt2))
     assert (res.source, res.step) == ("local_memory", 1)
-
+    # the double buffer is whole again: two more snapshots, both slots clean
+    _, _, eng = train_and_snapshot(c, agent.cfg, 2, start=2, model=(m2, opt2))
+    assert [h.step for h in eng.history if h.ok] == [2, 3], [h.error for h in eng.history]
+    slots = a_status(c)["ranks"]["0"]["slots"]
+    assert sorted((s["state"], s["step"]) for s in slots) == [("clean", 2), ("clean", 3)], slots
+    assert agent.proc.poll() is None
 
 
 def test_a_standbys_pre_started_agent_waits_for_its_node_then_serves_it(job_config, tmp_path):

@@ -14,6 +14,7 @@ from megatron_ft.agent.protocol import AgentClient, AgentError
 from megatron_ft.testing.helpers import wait_for
 from megatron_ft.testing.sim import LocalCluster
 from megatron_ft.trainer.recovery import MemoryTierUnknown
+from megatron_ft.capture.state import TorchStateAdapter
 
 
 def make_model(rank, seed):
@@ -147,16 +148,54 @@ def test_a_member_that_does_not_answer_leaves_the_memory_tier_unknown_not_empty(
     assert_same(cluster.models[1], model)
 
 
-def state_after(steps):
-    """Rank 1's state after ``steps`` training steps (LocalCluster.train's recipe), recomputed here."""
-    m, opt = make_model(1, 0)
+def state_after(steps, rank=1):
+    """Rank ``rank``'s state after ``steps`` training steps (LocalCluster.train's recipe), recomputed here."""
+    m, opt = make_model(rank, 0)
     for step in range(1, steps + 1):
-        torch.manual_seed(step * 1000 + 1)
+        torch.manual_seed(step * 1000 + rank)
         loss = m(torch.randn(8, 16)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     return m, opt
+
+
+@pytest.mark.parametrize("cluster", [RS], indirect=True, ids=["rs"])
+def test_a_parity_nodes_rank_is_decoded_with_its_own_parity_once_its_slot_moved_on(cluster):
+    """rs k=2 m=2 on 4 nodes: parity node 3 keeps one staging slot for its rank 3, which lives whole on
+    data node 2 (copy.r3). Step 2 is complete in the group; rank 3 then snapshots step 3 into its only
+    slot, and nodes 1 and 2 are lost before the group completes step 3. Rank 3's step 2 is still in
+    the group's memory: rank 1's copy on node 0 and node 3's own parity row decode it. Before, the
+    agent counted only the other members' blocks, found nothing, and the whole job restarted fresh."""
+    cluster.train(2)
+    m, opt = cluster.models[3]  # rank 3 alone takes step 3 (the others never will: it never completes)
+    torch.manual_seed(3 * 1000 + 3)
+    loss = m(torch.randn(8, 16)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ad = TorchStateAdapter(m, opt)
+    ad.extra = {"iteration": 3}
+    cluster.engines[3].snapshot(3, *ad.capture())
+    cluster.engines[3].wait()
+    assert [v["step"] for v in cluster.clients[3].request("list", rank=3)["versions"]] == [3]
+    assert cluster.status(0)["redundancy"]["complete_step"] == 2
+    for n in (1, 2):
+        cluster.lose_node(n)
+    for n in (1, 2):
+        cluster.replace_node(n)
+    reply = cluster.clients[3].request("peer_list", rank=3, wait_s=30)
+    assert not reply["unanswered"], reply
+    assert {"step": 2, "source": "decoded"} in reply["versions"], reply
+    # the job agrees on step 2 (ranks 0-2 hold nothing newer): rank 3's agent decodes it into its slot
+    assert cluster.clients[3].request("recover", rank=3, step=2, wait_s=30)["source"] == "decoded"
+    res, model = cluster.restore(3)
+    assert (res.source, res.step) == ("local_memory", 2), res.rejected
+    assert_same(state_after(2, rank=3), model)
+    for r in (1, 2):  # and the lost ranks come back at that step too
+        res, model = cluster.restore(r)
+        assert (res.source, res.step) == ("peer_memory" if r == 1 else "decoded", 2), res.rejected
+        assert_same(state_after(2, rank=r), model)
 
 
 @pytest.mark.parametrize("cluster", [XOR], indirect=True, ids=["xor"])
