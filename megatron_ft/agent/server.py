@@ -150,8 +150,8 @@ class Agent:
                 if idx in readable:
                     continue
                 path = os.path.join(self.cfg.agent.shm_dir, shm.segment_name(self.run_id, self.node, rank, idx))
-                log.error("agent node %d: rank %d slot %d (%s) is %s; its version is dropped and the slot "
-                          "rebuilt empty", self.node, rank, idx, path, damaged.get(idx, "missing"))
+                log.error("agent node %d: rank %d slot %d (%s) is damaged (%s); its version is dropped and the "
+                          "slot rebuilt empty", self.node, rank, idx, path, damaged.get(idx, "missing"))
                 readable[idx] = (self._rebuild_slot(path, layout_json), snapfile.EMPTY, -1)
             self.fingerprints[rank] = Layout.from_json(layout_json).fingerprint()
             self.layouts[rank] = layout_json

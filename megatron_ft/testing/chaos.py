@@ -47,6 +47,11 @@ KINDS: dict[str, dict] = {
     "node-rs": {"fail": "node", "redundancy": "rs"},
     "corrupt": {"fail": "trainer", "kill_point": "corrupt-after-commit"},
     "truncated": {"fail": "trainer", "kill_point": "truncate-after-commit"},
+    # the node's agent dies first, then the newest committed slot is cut: to zero bytes, inside its
+    # header or inside its data; the restarted agent finds it so (the rank's older clean slot stays)
+    "cut-empty+agent": {"fail": "trainer", "kill_point": "truncate-empty-after-commit", "with_agent": True},
+    "cut-header+agent": {"fail": "trainer", "kill_point": "truncate-header-after-commit", "with_agent": True},
+    "cut-data+agent": {"fail": "trainer", "kill_point": "truncate-after-commit", "with_agent": True},
     "mid-copy": {"fail": "all-trainers", "kill_point": "mid-copy"},
     "max-restarts-0": {"fail": "trainer", "max_restarts": 0},
     # the agent alone: its restart must protect the next steps (the node's trainers are killed after
@@ -55,9 +60,9 @@ KINDS: dict[str, dict] = {
     # a second failure while the first recovery runs: the same tier as one
     "second-failure": {"fail": "trainer", "second_failure": True},
     "node-replica-second-failure": {"fail": "node", "redundancy": "replica", "second_failure": True},
-    # two nodes of one group at once: within rs m=2's tolerance, and beyond xor's (disk, at the newest
-    # step persisted whole: persisted every 3 steps here)
-    "two-nodes-rs": {"fail": "two-nodes", "redundancy": "rs"},
+    # two nodes of one group at once: within rs m=2's tolerance (any pair of the 4 nodes, drawn), and
+    # beyond xor's (disk, at the newest step persisted whole: persisted every 3 steps here)
+    "two-nodes-rs": {"fail": "two-nodes", "redundancy": "rs", "pairs_of": 4},
     "two-nodes-xor": {"fail": "two-nodes", "redundancy": "xor",
                       "train_args": ["--inmem-ckpt-persist-interval=3"], "shape": "xor-persist3"},
     # with the cluster file's own scheme (``--config``): a node, node 0, two nodes of one group
@@ -68,7 +73,12 @@ KINDS: dict[str, dict] = {
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
 #: restart limit of their own, so the file's hold
 CONFIG_KINDS = ("trainer", "all-trainers", "agent-then-trainer", "launcher", "launcher0", "node", "node0",
-                "two-nodes", "corrupt", "truncated", "mid-copy", "second-failure")
+                "two-nodes", "corrupt", "truncated", "cut-empty+agent", "cut-header+agent", "cut-data+agent",
+                "mid-copy", "second-failure")
+#: node and two-node losses: half the trials strike after the first iteration, within the first second
+#: (the first versions still being exchanged and completed)
+EARLY_FAILS = ("node", "two-nodes")
+EARLY_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,7 @@ class Trial:
     iters: int
     second_delay: float = 0.0  # seconds after the restarted trainer appeared (second-failure kinds)
     config: Optional[str] = None  # a cluster file (its shape and scheme) instead of the demo's shapes
+    lost_pair: Optional[tuple[int, int]] = None  # two-node kinds that draw which two nodes are lost
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
@@ -98,7 +109,11 @@ class Trial:
             out.append(f"--kill-delay={self.kill_delay:.4f}")
         if k.get("kill_agent"):
             out.append("--kill-agent")
-        if k.get("victim_node") is not None:
+        if k.get("with_agent"):
+            out.append("--with-agent")
+        if self.lost_pair is not None:
+            out += [f"--victim-node={self.lost_pair[0]}", f"--other-node={self.lost_pair[1]}"]
+        elif k.get("victim_node") is not None:
             out.append(f"--victim-node={k['victim_node']}")
         return out
 
@@ -139,7 +154,14 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optio
     iters = KINDS[kind].get("iters", iters)
     kill_at = rng.randint(3, min(iters - 3, KINDS[kind].get("kill_at_max", iters)))
     second = round(rng.uniform(0.0, 4.0), 4) if KINDS[kind].get("second_failure") else 0.0
-    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config)
+    # drawn apart from the rest, so that adding them left every other trial of a seed as it was
+    extra = random.Random(f"{seed}/{index}/early-and-pairs")
+    if KINDS[kind]["fail"] in EARLY_FAILS and extra.random() < 0.5:
+        kill_at, delay = 1, extra.uniform(0.0, EARLY_WINDOW_S)
+    pair = None
+    if KINDS[kind].get("pairs_of") and not config:
+        pair = tuple(sorted(extra.sample(range(KINDS[kind]["pairs_of"]), 2)))
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair)
 
 
 @dataclass

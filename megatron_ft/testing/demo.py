@@ -67,6 +67,7 @@ def upstream_program(src: str, workdir: str) -> Program:
     from . import megatron_lm
 
     tree = megatron_lm.patched_tree(src, os.path.join(workdir, "megatron-lm"))
+    megatron_lm.check_imports(tree)  # a missing package named now, not inside the reference run's log
     return Program((megatron_lm.__file__, os.path.join(tree, "pretrain_gpt.py")), upstream=True)
 
 
@@ -93,10 +94,8 @@ DEMO_SHAPES = {
     "rs": {"cluster": {"nodes": 4, "ranks_per_node": 1}, "redundancy": {"scheme": "rs", "k": 2, "m": 2}},
 }
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
-
-
-
-
+#: injected kill points that damage the committed slot first: restore must reject that version
+DAMAGE_POINTS = ("corrupt-after-commit", *faults.TRUNCATE_TO)
 
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:
@@ -410,7 +409,13 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
         if nodes < 3:
             raise ftconfig.ConfigError(f"--fail two-nodes needs a cluster of at least 3 nodes, not {nodes}")
         first = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
-        other = next(n for n in range(nodes - 1, -1, -1) if n != first)
+        if getattr(args, "other_node", None) is not None:
+            other = check(args.other_node, 0)
+            if other == first:
+                raise ftconfig.ConfigError(f"--other-node={other} is invalid: it must differ from --victim-node "
+                                           f"({first})")
+        else:
+            other = next(n for n in range(nodes - 1, -1, -1) if n != first)
         return ranks(first) + ranks(other), sorted([first, other])
     return [], []
 
@@ -483,7 +488,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     rpn = cfg.cluster.ranks_per_node
     fault = None
     if victims and args.kill_point != "after-iteration":
-        fault = f"{args.kill_point}:{args.kill_at}:{','.join(map(str, victims))}"
+        fault = (f"{args.kill_point}{faults.WITH_AGENT if args.with_agent else ''}:{args.kill_at}:"
+                 f"{','.join(map(str, victims))}")
     p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program)
     replacements: list[tuple[subprocess.Popen, str]] = []  # (launcher, its log)
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
@@ -549,6 +555,10 @@ def run_demo(args: argparse.Namespace) -> dict:
         if victims and args.kill_point != "after-iteration":
             kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
             say(f"[demo] rank(s) {victims} SIGKILLed themselves at {args.kill_point} of step {args.kill_at}")
+            if args.with_agent:
+                fired = [e for e in _all_records(run_dir, "events") if e.get("event") == "fault"]
+                agent_killed = (victims[0] // rpn, fired[0].get("agent_killed"))
+                say(f"[demo] ... after SIGKILLing their node's agent (pid {agent_killed[1]}); its launcher restarts it")
             if lost_nodes:  # the rest of the machine goes with them
                 lose_nodes([])
         elif victims:
@@ -648,7 +658,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
     promise = None
     if kill_time is not None:
-        failure = "corrupt" if args.kill_point in ("corrupt-after-commit", "truncate-after-commit") else args.fail
+        failure = "corrupt" if args.kill_point in DAMAGE_POINTS else args.fail
         if lost_nodes:
             from ..redundancy.plan import plan_from_config
 
@@ -790,6 +800,8 @@ def add_parser(sub) -> None:
     p.add_argument("--victim-node", type=int, default=None,
                    help="--fail all-trainers: node whose trainers die; --fail node: the node lost (default: one "
                         "whose ranks no other node holds whole, so xor/rs must decode)")
+    p.add_argument("--other-node", type=int, default=None,
+                   help="--fail two-nodes: the second node lost (default: the highest node other than --victim-node)")
     p.add_argument("--workdir", default="/tmp/megatron-ft/demo")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--train-arg", action="append", help="extra argument for pretrain_gpt.py (repeatable)")
@@ -798,8 +810,7 @@ def add_parser(sub) -> None:
                         "patched into a copy in the workdir, instead of scripts/pretrain_gpt.py")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--kill-point", default="after-iteration",
-                   choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", "corrupt-after-commit",
-                            "truncate-after-commit"],
+                   choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", *DAMAGE_POINTS],
                    help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "
                         "the victims SIGKILL themselves at that point of step --kill-at (fault injection)")
     p.add_argument("--second-failure", action="store_true",
@@ -807,6 +818,9 @@ def add_parser(sub) -> None:
                         "generation (one on another node where possible) --second-delay seconds after it starts")
     p.add_argument("--second-delay", type=float, default=1.0,
                    help="--second-failure: seconds after the restarted trainer appeared (import, rendezvous, restore)")
+    p.add_argument("--with-agent", action="store_true",
+                   help="--fail trainer with an injected --kill-point: the victim SIGKILLs its node's agent first, "
+                        "then damages its slot and dies; the agent its launcher restarts finds the damage")
     p.add_argument("--kill-agent", action="store_true",
                    help="also SIGKILL the victims' node agent two iterations earlier (the launcher restarts it)")
     p.add_argument("--standby", action="store_true",
@@ -823,6 +837,9 @@ def main(args: argparse.Namespace) -> int:
     if args.fail != "none" and not 1 <= args.kill_at <= last:
         raise ftconfig.ConfigError(f"--kill-at={args.kill_at} is invalid with --kill-point {args.kill_point}: must be "
                                    f"in [1, {last}]")
+    if args.with_agent and (args.fail != "trainer" or args.kill_point == "after-iteration"):
+        raise ftconfig.ConfigError(f"--with-agent is invalid with --fail={args.fail} --kill-point={args.kill_point}: "
+                                   f"it needs --fail trainer and an injected --kill-point (one victim kills its agent)")
     if args.second_failure and args.fail == "none":
         raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
     if args.second_delay < 0:
@@ -834,7 +851,13 @@ def main(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, stop)
-    summary = run_demo(args)
+    from .megatron_lm import UpstreamImportError
+
+    try:
+        summary = run_demo(args)
+    except UpstreamImportError as e:
+        print(f"[demo] {e}", file=sys.stderr, flush=True)
+        return 2
     print(json.dumps(summary), flush=True)
     if not summary["bitwise_identical"]:
         return 1

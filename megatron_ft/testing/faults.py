@@ -6,8 +6,14 @@ A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and t
 * ``before-snapshot``, ``mid-copy``, ``after-commit``, ``mid-exchange`` - kill at that point;
 * ``corrupt-after-commit`` - at ``after-commit``, first flip a byte of the committed data (a
   corrupted snapshot that restore must reject);
-* ``truncate-after-commit`` - at ``after-commit``, first cut the committed slot's file to half its
-  size (no reader may map past its end; restore must reject it).
+* ``truncate-after-commit``, ``truncate-header-after-commit``, ``truncate-empty-after-commit`` - at
+  ``after-commit``, first cut the committed slot's file inside its data (to half its size), inside its
+  4 KiB header (to 100 bytes) or to zero bytes (no reader may map past its end; restore must reject
+  that version and take the rank's older clean one).
+
+An action ending in ``+agent`` (e.g. ``truncate-empty-after-commit+agent``) first SIGKILLs the rank's
+node agent (its pid from ``run_dir/node<N>/agent.pid``) and waits until it is gone, so the damage is
+found by the agent its launcher starts next, from what the dead one left in shared memory.
 
 Each rank fires at most once per run when ``run_dir`` is given (a marker file in ``run_dir/faults``
 remembers it; torchrun's restart counter cannot, since only the failed node's counter moves), so
@@ -34,8 +40,17 @@ from typing import Any, Optional
 
 from ..faultpoints import POINTS, install
 
+#: truncate action -> the length it cuts a committed slot's file of ``size`` bytes to
+TRUNCATE_TO = {
+    "truncate-after-commit": lambda size: size // 2,  # inside the data
+    "truncate-header-after-commit": lambda size: 100,  # inside the 4 KiB container header
+    "truncate-empty-after-commit": lambda size: 0,
+}
 #: action -> the runtime point it fires at
-ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", "truncate-after-commit": "after-commit"}
+ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit",
+           **{a: "after-commit" for a in TRUNCATE_TO}}
+#: an action with this suffix kills the node's agent first
+WITH_AGENT = "+agent"
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,7 @@ class Fault:
     action: str
     step: int
     ranks: Optional[frozenset] = None  # None: any rank (and the agent)
+    with_agent: bool = False  # SIGKILL the node's agent first (``+agent``)
 
     @property
     def point(self) -> str:
@@ -59,9 +75,11 @@ def parse(spec: str) -> Fault:
         ranks = frozenset(int(r) for r in parts[2].split(",")) if len(parts) == 3 else None
     except ValueError:
         raise ValueError(f"fault {spec!r} is invalid: expected <action>:<step>[:<rank>[,<rank>...]]") from None
-    if parts[0] not in ACTIONS:
-        raise ValueError(f"fault action {parts[0]!r} is invalid: allowed {sorted(ACTIONS)}")
-    return Fault(parts[0], step, ranks)
+    action = parts[0].removesuffix(WITH_AGENT)
+    if action not in ACTIONS:
+        raise ValueError(f"fault action {parts[0]!r} is invalid: allowed {sorted(ACTIONS)}, each optionally "
+                         f"followed by {WITH_AGENT!r}")
+    return Fault(action, step, ranks, parts[0].endswith(WITH_AGENT))
 
 
 class KillAt:
@@ -76,17 +94,38 @@ class KillAt:
             return
         if self.run_dir and not self._first_time(rank):
             return
+        agent = self._kill_agent() if f.with_agent else None
         if f.action == "corrupt-after-commit":
             area = context["area"]
             area[len(area) // 2] ^= 0xFF
-        elif f.action == "truncate-after-commit":
-            os.truncate(context["path"], context["size"] // 2)
+        elif f.action in TRUNCATE_TO:
+            os.truncate(context["path"], TRUNCATE_TO[f.action](context["size"]))
         if self.run_dir:
             os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
             with open(os.path.join(self.run_dir, "events", f"rank{rank}.jsonl"), "a") as out:
                 out.write(json.dumps({"event": "fault", "point": f.action, "step": step, "rank": rank,
-                                      "pid": os.getpid(), "time": time.time()}) + "\n")
+                                      "pid": os.getpid(), "agent_killed": agent, "time": time.time()}) + "\n")
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _kill_agent(self, wait_s: float = 10.0) -> int:
+        """SIGKILL this trainer's node agent and wait (at most ``wait_s``) until it is gone; its pid."""
+        import psutil
+
+        if not self.run_dir or "MFT_NODE_RANK" not in os.environ:
+            raise RuntimeError(f"fault {self.fault.action}{WITH_AGENT} needs a run directory and MFT_NODE_RANK "
+                               f"(a trainer under megatron-ft launch)")
+        with open(os.path.join(self.run_dir, f"node{os.environ['MFT_NODE_RANK']}", "agent.pid")) as f:
+            pid = int(f.read())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:  # not reaped yet, but runs no code
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)
+        return pid
 
     def _first_time(self, rank: int) -> bool:
         marker = os.path.join(self.run_dir, "faults", f"rank{rank}.fired")  # type: ignore[arg-type]

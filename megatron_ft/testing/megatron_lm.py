@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import runpy
 import shutil
 import subprocess
@@ -82,6 +83,38 @@ def patched_tree(src: str, dst: str) -> str:
     with open(stamp, "w") as f:
         f.write(want)
     return dst
+
+
+class UpstreamImportError(RuntimeError):
+    """Upstream's training code does not import in this Python; the message names the missing module."""
+
+
+_MISSING = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
+
+
+def check_imports(tree: str, timeout_s: float = 300.0) -> None:
+    """Import upstream ``pretrain_gpt`` (and with it ``megatron.training``) from the patched ``tree`` in
+    a child of this Python, before anything runs with it; raise :class:`UpstreamImportError` naming
+    the module that is missing (or the import's last lines), and how to install it. Bounded by
+    ``timeout_s``."""
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import pretrain_gpt"
+    try:
+        out = subprocess.run([sys.executable, "-c", code, tree], cwd=tree, capture_output=True, text=True,
+                             timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UpstreamImportError(f"upstream Megatron-LM in {tree} did not import within {timeout_s:g} s") from None
+    if out.returncode == 0:
+        return
+    missing = _MISSING.findall(out.stderr)
+    if missing:
+        top = missing[-1].split(".")[0]
+        raise UpstreamImportError(
+            f"upstream Megatron-LM in {tree} does not import in {sys.executable}: module {missing[-1]!r} is missing. "
+            f"Install megatron-ft's megatron extra, which brings what upstream's training code imports "
+            f"(pip install 'megatron-ft[megatron]'), or the module itself (pip install {top})")
+    tail = "\n".join(out.stderr.strip().splitlines()[-6:])
+    raise UpstreamImportError(f"upstream Megatron-LM in {tree} does not import in {sys.executable} "
+                              f"(exit {out.returncode}):\n{tail}")
 
 
 def demo_args(tensor: int, pipeline: int, data: int, iters: int, run_dir: str) -> list[str]:

@@ -14,9 +14,21 @@ def test_draws_are_seeded_and_every_kind_gets_its_share():
     assert a != [chaos.draw(8, i, kinds) for i in range(3 * len(kinds))]
     for k in kinds:
         assert sum(t.kind == k for t in a) == 3
+    early = [t for t in a if t.kill_at == 1]
+    assert all(chaos.KINDS[t.kind]["fail"] in chaos.EARLY_FAILS and 0 <= t.kill_delay <= chaos.EARLY_WINDOW_S
+               for t in early)
     assert all(3 <= t.kill_at <= min(t.iters - 3, chaos.KINDS[t.kind].get("kill_at_max", 99))
-               and 0 <= t.kill_delay <= 0.25 for t in a)
+               and 0 <= t.kill_delay <= 0.25 for t in a if t not in early)
     assert any(t.kill_delay < 0.03 for t in a) and any(t.kill_delay > 0.03 for t in a)
+    # node and two-node losses: about half within the first second after the first iteration
+    losses = [t for t in (chaos.draw(7, i, kinds) for i in range(20 * len(kinds)))
+              if chaos.KINDS[t.kind]["fail"] in chaos.EARLY_FAILS]
+    share = sum(t.kill_at == 1 for t in losses) / len(losses)
+    assert 0.3 < share < 0.7, share
+    # rs loses any two of its four nodes, drawn (a parity node and the data node holding its copy too)
+    pairs = {t.lost_pair for t in (chaos.draw(7, i, ["two-nodes-rs"]) for i in range(40))}
+    assert pairs == {(a, b) for a in range(4) for b in range(a + 1, 4)}
+    assert all(t.lost_pair is None for t in a if t.kind != "two-nodes-rs")
     seconds = [t.second_delay for t in a if chaos.KINDS[t.kind].get("second_failure")]
     assert seconds and all(0 <= d <= 4 for d in seconds) and len(set(seconds)) > 1
     assert all(t.second_delay == 0 for t in a if not chaos.KINDS[t.kind].get("second_failure"))
@@ -30,6 +42,11 @@ def test_kinds_cover_the_promise_table():
     assert "--fail=node" in args["node-replica-second-failure"] and "--second-failure" in args["node-replica-second-failure"]
     assert "--fail=two-nodes --kill-at=4 --iters=12 --redundancy=rs" in args["two-nodes-rs"]
     assert "--train-arg=--inmem-ckpt-persist-interval=3" in args["two-nodes-xor"]
+    for kind, point in (("cut-empty+agent", "truncate-empty"), ("cut-header+agent", "truncate-header"),
+                        ("cut-data+agent", "truncate")):
+        assert f"--fail=trainer" in args[kind] and f"--kill-point={point}-after-commit --with-agent" in args[kind]
+    pair = chaos.Trial(0, 1, "two-nodes-rs", 1, 0.5, 12, lost_pair=(1, 2)).demo_args()
+    assert "--victim-node=1" in pair and "--other-node=2" in pair
     # a kind with its own training arguments has its own reference run
     assert chaos.Trial(0, 1, "two-nodes-xor", 4, 0, 12).shape != chaos.Trial(0, 1, "node-xor", 4, 0, 12).shape
 
@@ -130,6 +147,7 @@ def _demo_args(*argv):
     (["--fail=launcher"], None, ([2, 3], [])),
     (["--fail=two-nodes", "--redundancy=rs"], "rs", ([2, 3], [2, 3])),  # 4 nodes x 1: the default victim and the highest other
     (["--fail=two-nodes", "--redundancy=xor"], "xor", ([4, 5, 2, 3], [1, 2])),
+    (["--fail=two-nodes", "--redundancy=rs", "--victim-node=2", "--other-node=1"], "rs", ([2, 1], [1, 2])),
 ])
 def test_demo_victims(argv, shape, want):
     from megatron_ft import config as ftconfig
@@ -153,6 +171,14 @@ def test_demo_refuses_bad_failure_arguments():
         demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
+    rs = ftconfig.replace(ftconfig.load(), **demo.DEMO_SHAPES["rs"])
+    with pytest.raises(ftconfig.ConfigError, match="--other-node=2 is invalid: it must differ from --victim-node"):
+        demo.choose_victims(_demo_args("--fail=two-nodes", "--victim-node=2", "--other-node=2"), rs)
+    with pytest.raises(ftconfig.ConfigError, match="--with-agent is invalid with --fail=trainer "
+                                                   "--kill-point=after-iteration"):
+        demo.main(_demo_args("--fail=trainer", "--with-agent"))
+    with pytest.raises(ftconfig.ConfigError, match="--with-agent is invalid with --fail=node"):
+        demo.main(_demo_args("--fail=node", "--kill-point=truncate-empty-after-commit", "--with-agent"))
 
 
 def test_a_verdict_on_a_node_the_run_did_not_take_down_is_found(tmp_path):

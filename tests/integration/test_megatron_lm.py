@@ -94,6 +94,24 @@ print("on", counters["stats"]["unique_graphs"])
 
 
 @needs_upstream
+def test_upstream_training_code_imports_with_the_projects_install(tree):
+    """What upstream's training modules import (six, regex, megatron-core, ...) comes with the project's
+    own install: in a new virtual environment this failed naming 'six' before the megatron extra had it."""
+    assert megatron_lm.check_imports(tree) is None
+
+
+def test_a_tree_that_does_not_import_is_refused_naming_the_missing_module(tmp_path):
+    (tmp_path / "pretrain_gpt.py").write_text("import os\nimport mft_absent_module.sub\n")
+    with pytest.raises(megatron_lm.UpstreamImportError,
+                       match=r"module 'mft_absent_module(\.sub)?' is missing.*pip install 'megatron-ft\[megatron\]'.*"
+                             r"pip install mft_absent_module\)"):
+        megatron_lm.check_imports(str(tmp_path))
+    (tmp_path / "pretrain_gpt.py").write_text("raise SystemExit('upstream says no')\n")
+    with pytest.raises(megatron_lm.UpstreamImportError, match=r"\(exit 1\):\nupstream says no"):
+        megatron_lm.check_imports(str(tmp_path))
+
+
+@needs_upstream
 def test_the_cpu_layer_skips_the_warm_up_of_fusions_it_turned_off(tree):
     """Upstream compiles its fused bias+activation and bias+dropout+add functions at start whatever
     the fusion flags say; on CPU (fusions off) that compile is skipped, and it runs again when a

@@ -48,3 +48,22 @@ def test_the_deepspeed_and_launch_paths_import_no_megatron():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_the_set_up_installs_only_into_a_virtual_environment_blind_to_the_systems_packages(tmp_path):
+    """scripts/check_venv.sh (run by setup.sh and .ci/run) refuses the machine's own Python and a virtual
+    environment made with --system-site-packages: packages the machine carries would hide a missing
+    install step (upstream's six and regex did)."""
+    check = os.path.join(REPO, "scripts", "check_venv.sh")
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    for flags, ok in (([], True), (["--system-site-packages"], False)):
+        env_dir = tmp_path / ("blind" if ok else "sees-system")
+        subprocess.run([base, "-m", "venv", "--without-pip", *flags, str(env_dir)], check=True, timeout=120)
+        out = subprocess.run(["bash", check, str(env_dir / "bin" / "python")], capture_output=True, text=True,
+                             timeout=60)
+        assert (out.returncode == 0) == ok, out.stderr
+        if not ok:
+            assert "include-system-site-packages = true" in out.stderr
+    out = subprocess.run(["bash", check, base], capture_output=True, text=True, timeout=60)
+    if sys.prefix != sys.base_prefix:  # the base interpreter of the environment the tests run in
+        assert out.returncode != 0 and "is not in a virtual environment" in out.stderr, out.stderr
