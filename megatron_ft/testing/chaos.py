@@ -140,7 +140,8 @@ def _label(outcome: dict) -> str:
     return f"{t['kind']} @ {_file_shape(t['config'])}" if t.get("config") else t["kind"]
 
 
-def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optional[str] = None) -> Trial:
+def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optional[str] = None,
+         early: bool = False) -> Trial:
     """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
     share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
     iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run.
@@ -156,7 +157,7 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optio
     second = round(rng.uniform(0.0, 4.0), 4) if KINDS[kind].get("second_failure") else 0.0
     # drawn apart from the rest, so that adding them left every other trial of a seed as it was
     extra = random.Random(f"{seed}/{index}/early-and-pairs")
-    if KINDS[kind]["fail"] in EARLY_FAILS and extra.random() < 0.5:
+    if KINDS[kind]["fail"] in EARLY_FAILS and (extra.random() < 0.5 or early):
         kill_at, delay = 1, extra.uniform(0.0, EARLY_WINDOW_S)
     pair = None
     if KINDS[kind].get("pairs_of") and not config:
@@ -338,7 +339,7 @@ def main(args: argparse.Namespace) -> int:
     for i in range(args.start, args.start + args.trials):
         if i in done:
             continue
-        trial = draw(args.seed, i, kinds, config=config)
+        trial = draw(args.seed, i, kinds, config=config, early=getattr(args, "early", False))
         o = run_trial(trial, os.path.abspath(args.workdir), args.trial_timeout)
         with open(results, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(o)) + "\n")
@@ -367,5 +368,8 @@ def add_parser(sub) -> None:
     p.add_argument("--results", default="/tmp/megatron-ft/chaos/results.jsonl",
                    help="JSON lines, appended; trials already there are skipped (resume)")
     p.add_argument("--trial-timeout", type=float, default=300.0, help="a trial past this is a hang")
+    p.add_argument("--early", action="store_true",
+                   help="every node and two-node loss strikes within the first second after the first iteration "
+                        "(else half of them)")
     p.add_argument("--docs", default=None, help="write the tally (markdown) here, e.g. docs/reliability.md")
     p.set_defaults(func=main)
