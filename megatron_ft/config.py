@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
@@ -34,13 +33,6 @@ def _check_int(path: str, value: Any, minimum: int, maximum: Optional[int] = Non
     ):
         hi = f" and <= {maximum}" if maximum is not None else ""
         _fail(path, value, f"must be an integer >= {minimum}{hi}")
-
-
-def _check_str(path: str, value: Any, pattern: Optional[str] = None, what: str = "") -> None:
-    if not isinstance(value, str) or not value:
-        _fail(path, value, "must be a non-empty string")
-    if pattern is not None and not re.fullmatch(pattern, value):
-        _fail(path, value, what or f"must match {pattern}")
 
 
 def _check_num(path: str, value: Any, minimum: float = 0.0, maximum: Optional[float] = None,
@@ -181,7 +173,9 @@ class AgentConfig(_Section):
     #: the bound on every request to an agent (a trainer's, a launcher's, a peer agent's); one that
     #: waits on purpose (e.g. for queued persists) says its own
     request_timeout_s: _num(1.0) = 30.0
-    shm_limit_mib: _int(0) = 0  # shared memory the agent may use; 0 = whatever shm_dir has free
+    #: shared memory the agent's slots may use; 0 = whatever shm_dir has free. Peer block versions
+    #: (redundancy) are created outside it and not yet counted: leave room for them beyond the limit
+    shm_limit_mib: _int(0) = 0
     #: true: a trainer that cannot reach its agent or get its slots ends the job (exit 2, never retried);
     #: false: it trains unprotected, saying so
     required: Flag = True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 ALIGNMENT = 64
 LAYOUT_FORMAT = "megatron-ft-layout"
@@ -225,9 +225,3 @@ def plan_layout(specs: Sequence[TensorSpec], chunk_size: int, identity: Optional
         entries.append(TensorEntry(s, offset))
         offset += s.nbytes
     return Layout(tuple(entries), chunk_size, offset, dict(identity or {}))
-
-
-def iter_chunk_ranges(layout: Layout) -> Iterator[tuple[int, int, int]]:
-    for i in range(layout.num_chunks):
-        lo, hi = layout.chunk_bounds(i)
-        yield i, lo, hi

@@ -73,12 +73,6 @@ class Weibull:
     def failure_probability(self, t: float) -> float:
         return -math.expm1(-self.lam * max(t, 0.0) ** self.shape)
 
-    def hazard(self, t: float) -> float:
-        """Instantaneous failure rate at age t: lam * c * t^(c-1)."""
-        if t <= 0:
-            return math.inf if self.shape < 1 else (self.lam if self.shape == 1 else 0.0)
-        return self.lam * self.shape * t ** (self.shape - 1)
-
 
 def job_survival_checkpoint(t: float, nodes: int, hardware: Weibull, software: Optional[Weibull] = None) -> float:
     """REFT eq. 3: P_s^k * P_tr^k (every node intact, hardware and software)."""

@@ -24,9 +24,17 @@ def test_shipped_config_plans(path):
     out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "plan", "--config", path,
                           "--state-bytes-per-rank", "1GiB"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"{cfg.cluster.nodes} nodes" in out.stdout or str(cfg.cluster.nodes) in out.stdout
-    if cfg.redundancy.scheme != "none":
-        assert "survive" in out.stdout.lower() or "failures" in out.stdout.lower()
+    lines = out.stdout.splitlines()
+    # the plan is of this file's cluster: its topology, from the file's own numbers (DP = the rest)
+    n, r, tp, pp = cfg.cluster.nodes, cfg.cluster.ranks_per_node, cfg.parallel.tensor, cfg.parallel.pipeline
+    topology = f"topology: {n} nodes x {r} ranks = {n * r} ranks, TP {tp} x DP {n * r // (tp * pp)} x PP {pp}"
+    assert topology in lines, (topology, out.stdout[:2000])
+    # of its scheme, with the simultaneous node failures that scheme survives: none, m - 1 of m
+    # replicas (GEMINI), one per parity group (REFT), m of k + m (ECHECK)
+    red = cfg.redundancy
+    assert any(ln.startswith(f"scheme: {red.scheme} (") for ln in lines), out.stdout[:2000]
+    tolerance = {"none": 0, "replica": red.replicas - 1, "xor": 1, "rs": red.m}[red.scheme]
+    assert f"  whole job: any {tolerance} failure(s) wherever they fall" in lines, (tolerance, out.stdout)
     if not cfg.health.one_machine:  # real clusters say where every node's agent listens
         assert cfg.health.host_of(cfg.cluster.nodes - 1) != "127.0.0.1"
 

@@ -15,7 +15,9 @@ from megatron_ft.testing.helpers import wait_for
 SCRIPT = """
 import atexit, os, sys, threading, time
 import json as already_imported  # the pool imported it
-print("trainer", os.getpid(), os.environ.get("SPARE_TEST"), sys.argv[1:], os.getcwd(), flush=True)
+import psutil
+print("trainer", os.getpid(), os.getppid(), psutil.Process(os.getppid()).ppid(), os.environ.get("SPARE_TEST"),
+      sys.argv[1:], os.getcwd(), flush=True)
 atexit.register(lambda: print("atexit handler ran", flush=True))
 threading.Thread(target=lambda: (time.sleep(0.3), print("non-daemon thread done", flush=True))).start()
 print("to stderr", file=sys.stderr, flush=True)
@@ -52,12 +54,19 @@ def test_a_trainer_from_the_pool_is_the_worker_in_everything_but_its_pid(tmp_pat
     out, err = w.communicate(timeout=60)
     assert w.returncode == 3, err
     first, *rest = out.splitlines()
-    _, pid, env, argv, cwd = first.split(maxsplit=4)
+    _, pid, parent, grandparent, env, argv, cwd = first.split(maxsplit=6)
     assert (env, argv.strip(), cwd.strip()) == ("handed-over", "['3']", str(tmp_path)), out
     # it ends as a cold interpreter would: non-daemon threads joined, then the atexit handlers
     assert rest == ["non-daemon thread done", "atexit handler ran"], out
-    assert int(pid) != w.pid and "to stderr" in err
-    assert int(pid) in {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} or not psutil.pid_exists(int(pid))
+    assert "to stderr" in err
+    # forked from the pool, not the worker exec'ing a cold interpreter: its parent (seen by the trainer
+    # itself while it ran) is the keeper the pool forked for this worker, the keeper's parent the pool
+    pid, parent, grandparent = int(pid), int(parent), int(grandparent)
+    assert pid != w.pid and parent not in (w.pid, proc.pid) and grandparent == proc.pid, (first, w.pid, proc.pid)
+    # nothing left behind: the trainer and its keeper end with it (the pool itself stays)
+    wait_for("the trainer and its keeper to end", lambda: not {pid, parent} & {
+        c.pid for c in psutil.Process(proc.pid).children(recursive=True)}, 10)
+    assert proc.poll() is None
 
 
 def test_a_killed_trainer_ends_its_worker_by_the_same_signal(tmp_path, warm_pool):

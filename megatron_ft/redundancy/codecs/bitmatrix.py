@@ -209,11 +209,6 @@ class BitmatrixRSCodec(MatrixCodec):
     def descriptor(self) -> CodecDescriptor:
         return self._descriptor
 
-    @property
-    def encode_xors_per_block(self) -> int:
-        """Packet XORs per block of the encode schedule (a cost measure)."""
-        return schedule_xors(self._enc_plan.ops)
-
     def _make_plan(self, rows: List[List[int]]) -> _BitPlan:
         """The cheaper of the smart and the common-sub-expression schedules (same bytes either way)."""
         bitrows = gf256.to_bitmatrix(rows)

@@ -63,10 +63,6 @@ def inv(a: int) -> int:
     return EXP[255 - LOG[a]]
 
 
-def div(a: int, b: int) -> int:
-    return mul(a, inv(b))
-
-
 @lru_cache(maxsize=1)
 def mul_table() -> np.ndarray:
     """``T[a, b] = a * b`` as a 256x256 uint8 array (64 KiB), for byte-wise table lookups."""

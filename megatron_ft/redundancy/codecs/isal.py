@@ -252,10 +252,6 @@ class IsalRSCodec(MatrixCodec):
     def descriptor(self) -> CodecDescriptor:
         return self._descriptor
 
-    @property
-    def library_path(self) -> Optional[str]:
-        return self.lib.path if self.lib is not None else None
-
     def _make_plan(self, rows: List[List[int]]) -> _Plan:
         plan = _Plan(rows=rows)
         if self.lib is not None:
