@@ -1,11 +1,6 @@
 """The fast restart rounds' decisions (megatron_ft.spares.fast_restart): pure, no processes."""
-import doctest
 
 from megatron_ft.spares import fast_restart as fr
-
-
-def test_doctests():
-    assert doctest.testmod(fr).failed == 0
 
 
 def test_a_keeper_reports_what_torchrun_must_handle_and_opens_a_round_for_the_rest():
