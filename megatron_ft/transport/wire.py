@@ -1,6 +1,9 @@
-"""One wire layer for every connection megatron-ft opens: a trainer to its node's agent (Unix
-socket) and an agent to its peers (TCP). Framing, versioned messages, the server loop, the client,
-the error carried back, and the retry and timeout policy live here and nowhere else.
+"""The wire layer of the agents' connections: a trainer, a launcher or the CLI to its node's agent
+(Unix socket) and an agent to its peers (TCP). Framing, versioned messages, the server loop, the
+client, the error carried back, and the retry and timeout policy of those connections live here.
+(The spares' keeper, worker, in-process and pool sockets still speak small JSON protocols of their
+own, and the coordination store its client's; they are to move onto this layer with authenticated
+connections: docs/architecture.md, "The wire".)
 
 **Frame.** A 4-byte big-endian length, then a UTF-8 JSON object carrying ``"v"`` (this module's
 :data:`WIRE_VERSION`) and ``"op"``; a frame whose object has ``"nbytes": N`` is followed by exactly
@@ -14,8 +17,10 @@ pickled; a frame of another version, or larger than :data:`MAX_FRAME`, is a :cla
 payload still on the socket). A handler's exception becomes a refusal and the server keeps serving;
 a payload the handler did not read is discarded, so the stream stays in step.
 
-**Client.** :class:`Client` is thread-safe (one request at a time per client). Every blocking call
-is bounded by the client's timeout (from the configuration: ``agent.request_timeout_s``); a request
+**Client.** :class:`Client` is thread-safe (one request at a time per client). Every blocking socket
+operation (connect, each send, each read) is bounded by the client's timeout (from the configuration:
+``agent.request_timeout_s``) - not a whole request: a large payload that keeps arriving in reads
+takes as long as it takes; a request
 that waits on purpose names its wait (``wait_s``), which the server honours and the client adds.
 Retry policy, the same for every connection: a connection that breaks (the server restarted) is
 re-opened once, re-sending the client's greeting, and the request sent again; a timeout is never
