@@ -265,6 +265,21 @@ class HealthConfig(_Section):
         return not self.hosts and not self.host_pattern
 
 
+class NetworkConfig(_Section):
+    """The network the job's hosts share (megatron_ft/network.py).
+
+    ``interface``: that network's interface on every host (e.g. ``eth0``, ``ib0``; empty: not set).
+    When set, every server megatron-ft runs itself (the agents' peer transport, a rendezvous
+    generation its launcher hosts) listens on that interface's address only, and the trainers get
+    ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` from it unless their environment sets them. The
+    names in ``health.hosts`` / ``health.host_pattern`` must resolve to addresses on that network.
+    """
+
+    interface: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:@-]{0,15}$"),
+                         Allowed("must be empty or a network interface name (at most 15 characters, "
+                                 "e.g. eth0)")] = ""
+
+
 class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
@@ -433,6 +448,7 @@ class FTConfig(_Section):
     simulate: SimulateConfig = SimulateConfig()
     redundancy: RedundancyConfig = RedundancyConfig()
     health: HealthConfig = HealthConfig()
+    network: NetworkConfig = NetworkConfig()
     schedule: ScheduleConfig = ScheduleConfig()
 
     @model_validator(mode="after")

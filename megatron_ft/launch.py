@@ -43,6 +43,7 @@ import yaml
 
 from . import config as ftconfig
 from . import fatal
+from . import network
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .spares import prestart
@@ -216,7 +217,7 @@ class NodeLauncher:
             os.unlink(fatal.record_path(self.run_dir, self.node))
         except FileNotFoundError:
             pass
-        problem = preflight(self.cfg)
+        problem = preflight(self.cfg) or network.node_address_problem(self.cfg, self.node)
         if problem:
             return self._end_job(problem)
         try:
@@ -224,7 +225,8 @@ class NodeLauncher:
         except AgentStartError as e:
             return self._end_job(str(e))
         self.start_pool()
-        env = dict(os.environ, MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
+        env = network.trainer_env(self.cfg, dict(os.environ))  # GLOO/NCCL_SOCKET_IFNAME: network.interface
+        env.update(MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py)
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -375,9 +377,9 @@ class Rendezvous:
 
     def _hosted_here(self, gen: int) -> RdzvGeneration:
         """Generation ``gen`` hosted by this node, on a port free here now."""
-        addr = self.cfg.health.host_of(self.node)
+        addr = network.listen_address(self.cfg, self.node)
         with socket.socket() as s:
-            s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
+            s.bind((addr, 0))
             port = s.getsockname()[1]
         return RdzvGeneration(gen, self.node, addr, port)
 

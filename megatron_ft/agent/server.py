@@ -29,6 +29,7 @@ from typing import Optional
 
 from . import shm, persist
 from .. import config as ftconfig
+from .. import network
 from ..capture import snapfile
 from ..capture.layout import Layout
 from ..redundancy.plan import plan_from_config
@@ -100,8 +101,7 @@ class Agent:
         h = self.cfg.health
         self.store = make_store(self.cfg, self.node)
         self.store.connect(self.cfg.agent.connect_timeout_s)
-        host = h.host_of(self.node)
-        self.redundancy = Redundancy(self, self.store, host)
+        self.redundancy = Redundancy(self, self.store, network.listen_address(self.cfg, self.node))
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
                                launcher_pid=self.launcher_pid, address=self.redundancy.address,
                                trained=self.trained).start()

@@ -124,16 +124,22 @@ class EmbeddedStore:
         return root_claimed_by(self.hosts, self.base_port, node, self.prefix, self.timeout_s)
 
     def connect(self, deadline_s: float = 60.0) -> int:
-        """Find (or become) the root; returns the root node id."""
+        """Find (or become) the root; returns the root node id. A store that does not answer in time
+        (a root moving, a machine loaded by a whole node starting) is asked again until ``deadline_s``."""
         deadline = time.time() + deadline_s
+        why = f"no root agent found among {self.nodes} nodes"
         while True:
-            for j in range(self.nodes):
-                if j != self.node and self._root_claimed_by(j) == j:
-                    return self._follow(j)
-            if self.node == 0 or (self.root >= 0 and self._next_root_is_me()):
-                return self._become_root()
+            try:
+                for j in range(self.nodes):
+                    if j != self.node and self._root_claimed_by(j) == j:
+                        return self._follow(j)
+                if self.node == 0 or (self.root >= 0 and self._next_root_is_me()):
+                    return self._become_root()
+            except StoreUnavailable as e:
+                why = str(e)
+                log.warning("node %d: %s; asking again", self.node, why)
             if time.time() > deadline:
-                raise StoreUnavailable(f"node {self.node}: no root agent found among {self.nodes} nodes")
+                raise StoreUnavailable(f"node {self.node}: no root agent within {deadline_s:g} s: {why}")
             time.sleep(0.2)
 
     def _next_root_is_me(self) -> bool:

@@ -361,3 +361,31 @@ def test_standby_flag_rejects_node_rank(tmp_path):
                        env=dict(os.environ))
     assert r.returncode != 0
     assert "--node-rank=1 is invalid with --standby" in r.stderr + r.stdout
+
+
+def test_a_root_store_that_does_not_answer_in_time_is_asked_again_not_fatal(monkeypatch, caplog):
+    """A replacement of node 0 becomes the root of a real embedded store; the first connection to its own
+    server times out (seen when a whole node restarts on a loaded machine: the agent exited at start-up
+    and ended the job). connect() asks again within its deadline instead; past it, one clear error."""
+    import logging
+
+    from megatron_ft.health import store as st
+
+    port = free_port()
+    s = st.EmbeddedStore(f"t{uuid.uuid4().hex[:8]}", 0, 2, [], port, timeout_s=2.0)
+    real, calls = st.TCPStoreKV, []
+
+    def flaky(host, p, prefix, timeout_s):
+        calls.append((host, p))
+        if calls.count((host, port)) == 1 and p == port:  # the first connection to its own server
+            raise StoreUnavailable(f"store at {host}:{p}: The client socket has timed out after 2000ms")
+        return real(host, p, prefix, timeout_s)
+
+    monkeypatch.setattr(st, "TCPStoreKV", flaky)
+    with caplog.at_level(logging.WARNING, logger="megatron_ft"):
+        assert s.connect(deadline_s=10) == 0
+    assert calls.count(("127.0.0.1", port)) == 2 and "timed out after 2000ms; asking again" in caplog.text
+    assert s.kv.get("root") == "0"
+    monkeypatch.setattr(st, "TCPStoreKV", lambda *a: (_ for _ in ()).throw(StoreUnavailable("store at x: down")))
+    with pytest.raises(StoreUnavailable, match=r"node 0: no root agent within 0.5 s: store at x: down"):
+        s.connect(deadline_s=0.5)

@@ -1,0 +1,143 @@
+"""The job's network: where megatron-ft's own servers listen, what the trainers' collectives are told,
+and the check that refuses a node its peers could not reach.
+
+* :func:`listen_address` - the address node ``node``'s servers (the agent's peer transport, a rendezvous
+  generation its launcher hosts) bind: ``network.interface``'s address when set, else the node's host
+  (``health.host_of``);
+* :func:`trainer_env` - ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` from ``network.interface``,
+  unless the environment already names them (the user's choice wins);
+* :func:`node_address_problem` - run by each launcher of a multi-host job before anything starts: a node
+  whose own name resolves to a loopback address (Debian's installer writes ``127.0.1.1 <hostname>``
+  into /etc/hosts), to nothing, or to no address of this host would advertise an address its peers
+  cannot reach and the job would hang; the launcher ends the job instead (exit 2) with the name, the
+  address and the fix.
+
+The judgement is a pure function of what was resolved (:func:`name_problem`)::
+
+    >>> name_problem("node2", ["127.0.1.1"], {"10.0.0.3", "127.0.0.1"}, "health.host_pattern")
+    'node2 resolves to 127.0.1.1 here, a loopback address: the other hosts cannot reach this node under that name (health.host_pattern)'
+    >>> name_problem("node2", ["10.0.0.3"], {"10.0.0.3", "127.0.0.1"}, "health.host_pattern") is None
+    True
+    >>> name_problem("node2", ["10.0.0.9"], {"10.0.0.3"}, "health.host_pattern")
+    'node2 resolves to 10.0.0.9, which is not an address of this host (its addresses: 10.0.0.3) (health.host_pattern)'
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Iterable, Optional
+
+import psutil
+
+from .config import ConfigError, FTConfig
+
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def local_addresses() -> dict[str, set[str]]:
+    """Interface name -> its IPv4 addresses, on this host."""
+    return {name: {a.address for a in addrs if a.family == socket.AF_INET}
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_address(name: str) -> str:
+    """``name``'s IPv4 address on this host; a :class:`ConfigError` naming the interfaces there are."""
+    found = local_addresses()
+    addrs = sorted(found.get(name, ()))
+    if not addrs:
+        have = ", ".join(f"{n} ({', '.join(sorted(a)) or 'no IPv4'})" for n, a in sorted(found.items()))
+        raise ConfigError(f"network.interface={name!r} is invalid on {socket.gethostname()}: "
+                          + ("it has no IPv4 address" if name in found else "no such interface")
+                          + f"; this host has {have}")
+    return addrs[0]
+
+
+def listen_address(cfg: FTConfig, node: int) -> str:
+    """Where node ``node``'s own servers listen (see the module docstring)."""
+    if cfg.network.interface:
+        return interface_address(cfg.network.interface)
+    host = cfg.health.host_of(node)
+    return "127.0.0.1" if host == "localhost" else host
+
+
+def trainer_env(cfg: FTConfig, env: dict) -> dict:
+    """``env`` with the collectives' interface variables from ``network.interface`` where unset."""
+    out = dict(env)
+    if cfg.network.interface:
+        for var in IFNAME_VARIABLES:
+            out.setdefault(var, cfg.network.interface)
+    return out
+
+
+def multi_host(cfg: FTConfig) -> bool:
+    """Whether the job's nodes are meant to be hosts of their own (named hosts, or a rendezvous host
+    that is not this machine's loopback)."""
+    return not cfg.health.one_machine or not _is_loopback(cfg.launch.master_addr)
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve(name: str) -> list[str]:
+    """The IPv4 addresses ``name`` resolves to here (empty: none)."""
+    try:
+        return sorted({ai[4][0] for ai in socket.getaddrinfo(name, None, socket.AF_INET)})
+    except OSError:
+        return []
+
+
+def name_problem(name: str, resolved: list[str], local: Iterable[str], where: str) -> Optional[str]:
+    """What is wrong with this host's name ``name`` resolving to ``resolved`` on a host whose addresses
+    are ``local`` (None: nothing). ``where`` says where the name comes from."""
+    if not resolved:
+        return f"{name} does not resolve here ({where})"
+    loop = [a for a in resolved if _is_loopback(a)]
+    if loop:
+        return (f"{name} resolves to {loop[0]} here, a loopback address: the other hosts cannot reach this node "
+                f"under that name ({where})")
+    mine = set(local)
+    if not mine & set(resolved):
+        others = ", ".join(sorted(a for a in mine if not _is_loopback(a))) or "none but loopback"
+        return (f"{name} resolves to {', '.join(resolved)}, which is not an address of this host (its addresses: "
+                f"{others}) ({where})")
+    return None
+
+
+FIX = ("make the name resolve to this host's address on the network the job's hosts share (/etc/hosts or "
+       "DNS: Debian's installer maps the host name to 127.0.1.1), or name the hosts by names that do "
+       "(health.hosts / health.host_pattern), and set network.interface to that network's interface "
+       "(e.g. eth0), which the collectives are then told too")
+
+
+def node_address_problem(cfg: FTConfig, node: int, env: Optional[dict] = None) -> Optional[str]:
+    """Why node ``node`` of a multi-host job cannot be reached by its peers as configured (None: it can,
+    or the job runs on one machine). Resolves names; no connection is made."""
+    if not multi_host(cfg):
+        return None
+    env = os.environ if env is None else env
+    found = local_addresses()
+    local = set().union(*found.values()) if found else set()
+    if cfg.network.interface:
+        try:
+            local = {interface_address(cfg.network.interface)} | {a for a in local if _is_loopback(a)}
+        except ConfigError as e:
+            return str(e)
+    checks = []
+    if not cfg.health.one_machine:
+        where = "health.hosts" if cfg.health.hosts else "health.host_pattern"
+        checks.append((cfg.health.host_of(node), f"node {node}'s name in {where}"))
+    if not cfg.network.interface and not all(v in env for v in IFNAME_VARIABLES[:1]):
+        checks.append((socket.gethostname(), "this host's name, which gloo advertises without network.interface "
+                                             "or GLOO_SOCKET_IFNAME"))
+    for name, where in checks:
+        problem = name_problem(name, resolve(name), local, where)
+        if problem:
+            return f"node {node} cannot be reached by the other hosts: {problem}. Fix: {FIX}"
+    return None

@@ -1,0 +1,373 @@
+"""Hosts of their own on one machine: the multi-host test bed (harness only; root, iproute2, util-linux).
+
+Each host is what a node of a real cluster has to itself:
+
+* a network namespace with one interface, ``eth0``, its own address on a private bridge that lives in
+  a namespace of its own (the bed's *switch*): the hosts reach each other and their own loopback,
+  nothing else, and nothing outside reaches them;
+* a mount and UTS namespace with a private tmpfs on ``/dev/shm`` (its memory: gone when the host is),
+  its own host name (``node0``, ``node1``, ...) and an ``/etc/hosts`` that resolves every host's name
+  (optionally a host's own name to ``127.0.1.1``, as Debian's installer writes it);
+* optionally a link rate, on both ends of its link (``tc ... tbf`` shapes egress only), and a delay
+  where the kernel has ``netem``.
+
+A host is held by one *holder* process (``sleep infinity`` in the host's namespaces); a command runs in
+the host with ``nsenter --target <holder> --net --mount --uts`` - no ``ip netns exec``, which remounts
+``/sys`` and breaks system daemons such as ``slurmd``. Losing a host SIGKILLs every process in its
+network namespace at once (holder included: its ``/dev/shm`` goes with its mount namespace);
+:meth:`HostBed.replace` brings a new, empty host up under the same name and address.
+
+Nothing is left behind: :meth:`HostBed.down` (or leaving the ``with`` block) kills every process of
+every host and deletes the namespaces; and a *reaper* (``python -m megatron_ft.testing.hosts reap``, in
+a session of its own) does the same when the process that made the bed dies without doing it (a harness
+SIGKILLed in the middle of a trial). A bed's names all start with ``mft<tag>``, so
+:func:`teardown` also finds what a reaper could not (``python -m megatron_ft.testing.hosts clean``).
+
+The addresses are planned apart from the commands that make them (:class:`BedPlan`, pure)::
+
+    >>> p = BedPlan("4711", 3)
+    >>> p.switch, p.host_ns(1), p.address(1)
+    ('mft4711-sw', 'mft4711-h1', '10.77.0.12')
+    >>> print(p.hosts_file(2, own_name_loopback=True))   # host 2 as Debian's installer leaves it
+    127.0.0.1 localhost
+    10.77.0.11 node0
+    10.77.0.12 node1
+    127.0.1.1 node2
+    <BLANKLINE>
+    >>> p.hosts_file(0).splitlines()[-1]                    # the others resolve node2 as it is
+    '10.77.0.13 node2'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+NETNS_DIR = "/var/run/netns"
+STATE_DIR = "/run/megatron-ft/hosts"
+PREFIX = "mft"
+INTERFACE = "eth0"
+#: what the bed needs from the machine (Debian packages: iproute2, util-linux, procps)
+TOOLS = ("ip", "tc", "nsenter", "unshare", "mount")
+
+
+class BedUnavailable(RuntimeError):
+    """Hosts cannot be made here (not root, a tool missing, namespaces refused); the message says which."""
+
+
+@dataclass(frozen=True)
+class BedPlan:
+    """Names and addresses of a bed with ``hosts`` hosts (pure: no I/O)."""
+    tag: str
+    hosts: int
+    subnet: str = "10.77.0"  # /24; hosts at .11, .12, ... (private to the bed's switch)
+
+    @property
+    def switch(self) -> str:
+        return f"{PREFIX}{self.tag}-sw"
+
+    def host_ns(self, i: int) -> str:
+        return f"{PREFIX}{self.tag}-h{i}"
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{11 + i}"
+
+    @staticmethod
+    def name(i: int) -> str:
+        return f"node{i}"
+
+    def hosts_file(self, host: int, own_name_loopback: bool = False) -> str:
+        """Host ``host``'s ``/etc/hosts``: every host's name; with ``own_name_loopback`` its own at 127.0.1.1."""
+        lines = ["127.0.0.1 localhost"]
+        lines += [f"{'127.0.1.1' if own_name_loopback and i == host else self.address(i)} {self.name(i)}"
+                  for i in range(self.hosts)]
+        return "\n".join(lines) + "\n"
+
+
+def _run(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode:
+        raise BedUnavailable(f"`{' '.join(argv)}` failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why hosts cannot be made here (None: they can)."""
+    if os.geteuid() != 0:
+        return "the multi-host test bed needs root (network and mount namespaces)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"the multi-host test bed needs {missing} (Debian: apt-get install iproute2 util-linux)"
+    return None
+
+
+def _netns_inode(ns: str) -> Optional[int]:
+    try:
+        return os.stat(os.path.join(NETNS_DIR, ns)).st_ino
+    except OSError:
+        return None
+
+
+def processes_in(ns: str) -> list[int]:
+    """Every process whose network namespace is ``ns`` (a bed host's: everything running on it)."""
+    ino = _netns_inode(ns)
+    if ino is None:
+        return []
+    want = f"net:[{ino}]"
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/net") == want:
+                    out.append(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def kill_all_in(ns: str, wait_s: float = 10.0) -> list[int]:
+    """SIGKILL every process in network namespace ``ns`` at once and wait until none is left (bounded)."""
+    killed: list[int] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        pids = processes_in(ns)
+        if not pids:
+            return killed
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:  # (a zombie has no namespaces left: it is not listed)
+            raise BedUnavailable(f"processes {pids} of {ns} survived SIGKILL for {wait_s:g} s")
+        time.sleep(0.02)
+
+
+def bed_namespaces(tag: Optional[str] = None) -> list[str]:
+    """The namespaces of bed ``tag`` (every bed's when None) that exist now."""
+    try:
+        names = os.listdir(NETNS_DIR)
+    except FileNotFoundError:
+        return []
+    start = f"{PREFIX}{tag}-" if tag is not None else PREFIX
+    return sorted(n for n in names if n.startswith(start) and (tag is not None or "-" in n))
+
+
+def teardown(tag: str) -> None:
+    """Kill every process of bed ``tag``'s hosts and delete its namespaces and state (idempotent)."""
+    for ns in bed_namespaces(tag):
+        if not ns.endswith("-sw"):
+            kill_all_in(ns)
+    for ns in bed_namespaces(tag):
+        _run("ip", "netns", "del", ns, check=False)
+    state = os.path.join(STATE_DIR, f"{tag}.json")
+    try:
+        with open(state, encoding="utf-8") as f:
+            workdir = json.load(f).get("workdir")
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        os.unlink(state)
+    except (OSError, ValueError):
+        pass
+
+
+@dataclass
+class HostBed:
+    """``hosts`` hosts of their own; ``shm_mib``: each one's /dev/shm; ``rate``: a tbf rate for every
+    link (e.g. ``"100mbit"``; None: unlimited); ``delay_ms``: needs netem (:attr:`delay_applied` says);
+    ``loopback_names``: hosts whose own name resolves to 127.0.1.1 in their /etc/hosts."""
+    hosts: int
+    shm_mib: int = 512
+    rate: Optional[str] = None
+    delay_ms: float = 0.0
+    loopback_names: frozenset = frozenset()
+    plan: BedPlan = field(init=False)
+    holders: dict[int, subprocess.Popen] = field(default_factory=dict, init=False)
+    delay_applied: bool = field(default=False, init=False)
+    _workdir: str = field(default="", init=False)
+    _reaper: Optional[subprocess.Popen] = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise ValueError(f"hosts={self.hosts} is invalid: must be >= 1")
+        self.plan = BedPlan(f"{os.getpid() % 100000:05d}{int(time.time() * 1000) % 1000:03d}", self.hosts)
+
+    # ------------------------------------------------------------------ lifetime
+    def __enter__(self) -> "HostBed":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> "HostBed":
+        why = unavailable_reason()
+        if why:
+            raise BedUnavailable(why)
+        p = self.plan
+        self._workdir = tempfile.mkdtemp(prefix=f"{PREFIX}{p.tag}-")
+        os.makedirs(STATE_DIR, exist_ok=True)
+        with open(os.path.join(STATE_DIR, f"{p.tag}.json"), "w", encoding="utf-8") as f:
+            json.dump({"tag": p.tag, "owner": os.getpid(), "workdir": self._workdir}, f)
+        self._reaper = subprocess.Popen([sys.executable, "-m", __name__, "reap", p.tag, str(os.getpid())],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            _run("ip", "netns", "add", p.switch)
+            _run("ip", "-n", p.switch, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", p.switch, "link", "set", "br0", "up")
+            for i in range(self.hosts):
+                with open(self._hosts_file(i), "w", encoding="utf-8") as f:
+                    f.write(p.hosts_file(i, own_name_loopback=i in self.loopback_names))
+                self._wire(i)
+                self._start(i)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Every process of every host killed, the namespaces deleted, the reaper stopped."""
+        for proc in self.holders.values():
+            proc.poll()
+        teardown(self.plan.tag)
+        for proc in self.holders.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.holders.clear()
+        if self._reaper is not None and self._reaper.poll() is None:
+            self._reaper.kill()
+            self._reaper.wait(timeout=10)
+
+    # ------------------------------------------------------------------ hosts
+    def _wire(self, i: int) -> None:
+        """Host ``i``'s namespace, its eth0 linked to the switch's bridge, the link shaped."""
+        p, ns = self.plan, self.plan.host_ns(i)
+        _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", INTERFACE, "netns", ns, "type", "veth", "peer", "name", f"h{i}", "netns", p.switch)
+        _run("ip", "-n", p.switch, "link", "set", f"h{i}", "master", "br0", "up")
+        _run("ip", "-n", ns, "addr", "add", f"{p.address(i)}/24", "dev", INTERFACE)
+        _run("ip", "-n", ns, "link", "set", INTERFACE, "up")
+        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        for where, dev in ((ns, INTERFACE), (p.switch, f"h{i}")):  # both directions of the link
+            if self.delay_ms:
+                args = ["delay", f"{self.delay_ms}ms"] + (["rate", self.rate] if self.rate else [])
+                out = _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "netem", *args, check=False)
+                if out.returncode == 0:
+                    self.delay_applied = True
+                    continue
+            if self.rate:
+                _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                     "burst", "256kb", "latency", "100ms")
+
+    def _start(self, i: int) -> None:
+        """Host ``i``'s holder: its mount and UTS namespaces, /dev/shm, name and /etc/hosts."""
+        setup = (f"mount -t tmpfs -o size={self.shm_mib}m,mode=1777 {PREFIX}shm /dev/shm && "
+                 f"mount --bind {self._hosts_file(i)} /etc/hosts && "
+                 f"hostname {self.plan.name(i)} && touch {self._ready(i)} && exec sleep infinity")
+        proc = subprocess.Popen(["nsenter", f"--net={os.path.join(NETNS_DIR, self.plan.host_ns(i))}", "unshare",
+                                 "--mount", "--uts", "--propagation", "private", "--", "sh", "-c", setup],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(self._ready(i)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None else "timed out"
+                raise BedUnavailable(f"host {self.plan.name(i)} did not come up: {err.strip()}")
+            time.sleep(0.01)
+        os.unlink(self._ready(i))
+        self.holders[i] = proc
+
+    def _hosts_file(self, i: int) -> str:
+        return os.path.join(self._workdir, f"hosts{i}")
+
+    def _ready(self, i: int) -> str:
+        return os.path.join(self._workdir, f"ready{i}")
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` as run on host ``i`` (its network, mounts and name)."""
+        return ["nsenter", f"--target={self.holders[i].pid}", "--net", "--mount", "--uts", "--", *argv]
+
+    def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
+        """Start ``argv`` on host ``i`` (``kw`` as for :class:`subprocess.Popen`)."""
+        return subprocess.Popen(self.command(i, argv), **kw)
+
+    def run(self, i: int, argv: list[str], timeout: float = 120.0, **kw) -> subprocess.CompletedProcess:
+        """Run ``argv`` on host ``i`` to its end (bounded by ``timeout``), capturing its output."""
+        return subprocess.run(self.command(i, argv), capture_output=True, text=True, timeout=timeout, **kw)
+
+    def processes(self, i: int) -> list[int]:
+        return processes_in(self.plan.host_ns(i))
+
+    def lose(self, i: int) -> list[int]:
+        """Host ``i`` dies: every process on it SIGKILLed at once, its /dev/shm gone. Returns their pids."""
+        killed = kill_all_in(self.plan.host_ns(i))
+        proc = self.holders.pop(i, None)
+        if proc is not None:
+            proc.wait(timeout=10)
+        return killed
+
+    def replace(self, i: int) -> None:
+        """A new machine in lost host ``i``'s place: same name, address and link; empty memory."""
+        if i in self.holders:
+            raise ValueError(f"host {self.plan.name(i)} is up: lose it first")
+        self._start(i)
+
+
+# ---------------------------------------------------------------------- reaper and clean-up
+def reap(tag: str, owner: int, poll_s: float = 0.2) -> None:
+    """Wait for ``owner`` to die, then tear bed ``tag`` down (the bed's owner may be SIGKILLed)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL (the owner's down()) stops it early
+    state = os.path.join(STATE_DIR, f"{tag}.json")
+    while os.path.exists(state):
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        time.sleep(poll_s)
+    teardown(tag)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_ft.testing.hosts", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reap", help="tear bed TAG down once process OWNER is gone")
+    r.add_argument("tag")
+    r.add_argument("owner", type=int)
+    sub.add_parser("clean", help="tear down every bed whose owner is gone")
+    args = p.parse_args(argv)
+    if args.cmd == "reap":
+        reap(args.tag, args.owner)
+        return 0
+    for tag in sorted({n[len(PREFIX):].split("-")[0] for n in bed_namespaces()}):
+        if _owner_alive(tag):
+            print(f"bed {tag}: its owner runs; left alone")
+            continue
+        teardown(tag)
+        print(f"removed bed {tag}")
+    return 0
+
+
+def _owner_alive(tag: str) -> bool:
+    try:
+        with open(os.path.join(STATE_DIR, f"{tag}.json"), encoding="utf-8") as f:
+            os.kill(int(json.load(f)["owner"]), 0)
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
