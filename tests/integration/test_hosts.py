@@ -1,0 +1,161 @@
+"""The multi-host test bed (megatron_ft.testing.hosts) and what a cluster's network asks of a node:
+hosts of their own (addresses, names, /dev/shm), nothing left behind - also when the harness is
+SIGKILLed - and a node whose own name resolves to loopback refused at launch within seconds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+
+from megatron_ft import config as ftconfig
+from megatron_ft.testing import hosts
+from megatron_ft.testing.helpers import wait_for
+
+from conftest import REPO
+
+
+@pytest.fixture
+def bed_allowed():
+    why = hosts.unavailable_reason()
+    if why:
+        if os.environ.get("CI") == "true":  # CI must run the multi-host tests, not skip them
+            pytest.fail(f"multi-host test skipped under CI=true: {why}")
+        pytest.skip(why)
+
+
+def leftovers(tag: str) -> dict:
+    """What of bed ``tag`` is still on the machine."""
+    mounts = [ln for ln in open("/proc/mounts") if f"{hosts.PREFIX}shm" in ln or f"{hosts.PREFIX}{tag}" in ln]
+    return {"namespaces": hosts.bed_namespaces(tag), "mounts": mounts,
+            "state": os.path.exists(os.path.join(hosts.STATE_DIR, f"{tag}.json")),
+            "reaper": subprocess.run(["pgrep", "-f", f"testing.hosts reap {tag}"], capture_output=True,
+                                     text=True).stdout.split()}
+
+
+def test_hosts_have_their_own_names_addresses_and_memory_and_leave_nothing(bed_allowed):
+    with hosts.HostBed(3, shm_mib=16, rate="200mbit", loopback_names={2}) as bed:
+        tag = bed.plan.tag
+        seen = [bed.run(i, ["sh", "-c", "hostname; getent hosts node0 node1 node2; ip -4 -br addr show eth0; "
+                                        "df -k /dev/shm | tail -1"]).stdout.split("\n") for i in range(3)]
+        assert [s[0] for s in seen] == ["node0", "node1", "node2"]
+        assert "10.77.0.13" in seen[0][3] and "127.0.1.1" in seen[2][3]  # only node2 sees itself on loopback
+        assert all(bed.plan.address(i) in s[4] for i, s in enumerate(seen))
+        assert all(s[5].split()[1] == str(16 * 1024) for s in seen)  # a private 16 MiB /dev/shm each
+        assert "tbf" in subprocess.run(["tc", "-n", bed.plan.host_ns(0), "qdisc", "show", "dev", "eth0"],
+                                       capture_output=True, text=True).stdout
+        # host 1 reaches host 0; nothing of the machine's own network is reachable
+        srv = bed.popen(0, [sys.executable, "-c", "import socket; s = socket.create_server(('10.77.0.11', 7001)); "
+                                                  "c, _ = s.accept(); c.sendall(b'hi')"])
+        from megatron_ft import network
+
+        outside = sorted(a for n, addrs in network.local_addresses().items() for a in addrs
+                         if not a.startswith("127."))  # this machine's own addresses, outside the bed
+        got = bed.run(1, [sys.executable, "-c", textwrap.dedent(f"""
+            import socket, time
+            for _ in range(100):
+                try:
+                    print(socket.create_connection(('node0', 7001), timeout=2).recv(2).decode()); break
+                except ConnectionRefusedError:
+                    time.sleep(0.05)
+            reached = []
+            for a in {outside!r}:
+                try:
+                    socket.create_connection((a, 22), timeout=1); reached.append(a)
+                except ConnectionRefusedError:
+                    reached.append(a)  # something answered: the machine's stack is reachable
+                except OSError:
+                    pass
+            print('outside', 'reached' if reached else 'unreachable')""")])
+        assert got.stdout.split() == ["hi", "outside", "unreachable"], got.stderr
+        srv.wait(timeout=30)
+        # a host lost: every process on it dies at once with its memory; its replacement is empty
+        bed.run(1, ["sh", "-c", "echo x > /dev/shm/slot"])
+        sleeper = bed.popen(1, ["sleep", "600"])
+        wait_for("the sleeper to run on host 1", lambda: sleeper.pid in bed.processes(1), 10)
+        killed = bed.lose(1)
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL and killed and not bed.processes(1)
+        bed.replace(1)
+        assert bed.run(1, ["ls", "/dev/shm"]).stdout == "" and bed.run(1, ["hostname"]).stdout.strip() == "node1"
+    wait_for("the bed's reaper to go", lambda: not leftovers(tag)["reaper"], 10)
+    assert leftovers(tag) == {"namespaces": [], "mounts": [], "state": False, "reaper": []}
+
+
+def test_a_harness_killed_in_the_middle_leaves_nothing_behind(bed_allowed, tmp_path):
+    """The process that made a bed is SIGKILLed while its hosts run processes: its reaper tears
+    everything down (processes, /dev/shm, namespaces)."""
+    script = tmp_path / "harness.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {REPO!r})
+        from megatron_ft.testing.hosts import HostBed
+        bed = HostBed(2, shm_mib=8).up()
+        for i in range(2):
+            bed.popen(i, ["sleep", "600"])
+            bed.run(i, ["sh", "-c", "echo x > /dev/shm/slot"])
+        print(bed.plan.tag, flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    tag = proc.stdout.readline().strip()
+    assert tag and len(hosts.bed_namespaces(tag)) == 3
+    pids = [p for ns in hosts.bed_namespaces(tag) for p in hosts.processes_in(ns)]
+    assert len(pids) >= 4  # two holders, two sleepers
+    proc.kill()
+    proc.wait(timeout=10)
+    wait_for("the reaper to tear the bed down", lambda: leftovers(tag) == {"namespaces": [], "mounts": [],
+                                                                          "state": False, "reaper": []}, 30)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+
+
+def _cluster_file(path, nodes: int, interface: str = "eth0") -> str:
+    cfg = ftconfig.replace(ftconfig.load(), run_id=f"hosts-{os.getpid()}", cluster={"nodes": nodes, "ranks_per_node": 1},
+                           parallel={"tensor": 1, "pipeline": 1}, launch={"master_addr": "node0"},
+                           health={"host_pattern": "node{node}"}, network={"interface": interface})
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f)
+    return str(path)
+
+
+def test_a_node_whose_name_resolves_to_loopback_is_refused_at_launch(bed_allowed, tmp_path):
+    """Debian's '127.0.1.1 <hostname>' on one host: its launcher ends the job within seconds (exit 2)
+    naming the name, the address and the fix, before any agent or trainer starts; a host whose name
+    resolves to its address passes the same check, and the interface setting gives its servers that
+    address and its trainers the collectives' interface."""
+    cfg_path = _cluster_file(tmp_path / "job.yaml", 2)
+    run_dir = tmp_path / "run"
+    with hosts.HostBed(2, shm_mib=16, loopback_names={1}) as bed:
+        t0 = time.monotonic()
+        out = bed.run(1, [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", "--node-rank=1",
+                          f"--run-dir={run_dir}", "--", os.path.join(REPO, "scripts", "pretrain_gpt.py")],
+                      timeout=120, cwd=REPO)
+        took = time.monotonic() - t0
+        text = out.stdout + out.stderr
+        assert out.returncode == 2, text[-3000:]
+        assert "node1 resolves to 127.0.1.1 here, a loopback address" in text and "network.interface" in text, text
+        assert not os.path.exists(run_dir / "node1" / "agent.pid")  # refused before the agent started
+        record = json.load(open(run_dir / "node1" / "fatal.json"))
+        assert "127.0.1.1" in json.dumps(record)
+        print(f"refused in {took:.1f} s")
+        probe = textwrap.dedent(f"""
+            import json, os
+            from megatron_ft import config, network
+            cfg = config.load({cfg_path!r})
+            print(json.dumps({{"problem": network.node_address_problem(cfg, 0, env={{}}),
+                              "listen": network.listen_address(cfg, 0),
+                              "env": {{k: v for k, v in network.trainer_env(cfg, {{"NCCL_SOCKET_IFNAME": "ib0"}}).items()
+                                      if k.endswith("IFNAME")}}}}))
+        """)
+        got = json.loads(bed.run(0, [sys.executable, "-c", probe], cwd=REPO).stdout)
+        assert got == {"problem": None, "listen": "10.77.0.11",
+                       "env": {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "ib0"}}  # the user's choice stays
+        bad = bed.run(0, [sys.executable, "-c", "from megatron_ft import network; network.interface_address('ib7')"],
+                      cwd=REPO)
+        assert "network.interface='ib7' is invalid on node0: no such interface; this host has eth0 (10.77.0.11)" \
+            in bad.stderr, bad.stderr
