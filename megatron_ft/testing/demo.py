@@ -32,6 +32,7 @@ from . import faults
 from .. import config as ftconfig
 from .. import tiers
 from .helpers import free_port, free_port_range, read_jsonl
+from .hosts import HostBed
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 
@@ -118,9 +119,13 @@ def persisted_steps(cfg: ftconfig.FTConfig) -> list[int]:
     return persist.complete_steps(cfg.persist.dir, cfg.run_id, cfg.cluster.world_size)
 
 
-def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: list[int]) -> list[int]:
+def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: list[int],
+              bed: Optional[HostBed] = None) -> list[int]:
     """Lose simulated node ``node``: SIGKILL its trainers, its launcher's process group (launcher,
-    torchrun) and its agent, and remove its shared memory, as if the machine had died."""
+    torchrun) and its agent, and remove its shared memory, as if the machine had died. On the
+    multi-host bed (``bed``) the host dies: every process on it at once, its /dev/shm with it."""
+    if bed is not None:
+        return bed.lose(node)
     pids = []
     for pid in trainer_pids:
         try:
@@ -144,30 +149,73 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
 
 
 def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int], targs: list[str],
-                      log_path: str, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
+                      log_path: str, program: Program = PROJECT_SCRIPT, bed: Optional[HostBed] = None,
+                      new_host: bool = True) -> subprocess.Popen:
     """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun.
     ``node`` None: a standby launcher (``launch --standby``) that waits for the root agent's verdict
-    on a failed node and takes that node's place."""
+    on a failed node and takes that node's place. On the multi-host bed the launcher runs on host
+    ``node``: a new one brought up under the lost one's name (``new_host``), or the live one."""
     cfg_path = os.path.join(run_dir, "job.yaml")
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
            "--standby" if node is None else f"--node-rank={node}", "--",
            *program.command(targs, run_dir, cfg_path, inmem=True)]
-    return subprocess.Popen(cmd, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    out = open(log_path, "wb")
+    if bed is not None and node is not None:
+        if new_host:
+            bed.replace(node)
+        return bed.popen(node, cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class JobOnHosts:
+    """A job on the multi-host bed: one ``megatron-ft launch --node-rank i`` on each host ``i``, with the
+    Popen verbs the demo uses on a job (its exit code: the largest of its launchers', as on one machine)."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    def poll(self) -> Optional[int]:
+        rcs = [p.poll() for p in self.procs]
+        return None if any(rc is None for rc in rcs) else max(rcs)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return max(p.returncode for p in self.procs)
 
 
 def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
-               log_path: str, fault: Optional[str] = None, program: Program = PROJECT_SCRIPT) -> subprocess.Popen:
+               log_path: str, fault: Optional[str] = None, program: Program = PROJECT_SCRIPT,
+               bed: Optional[HostBed] = None) -> "subprocess.Popen | JobOnHosts":
+    """The job: ``megatron-ft launch`` simulating every node here, or on the bed one launcher per host."""
     os.makedirs(run_dir, exist_ok=True)
     cfg_path = os.path.join(run_dir, "job.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
-           *program.command(script_args, run_dir, cfg_path, inmem, fault)]
+    launch = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}"]
+    script = ["--", *program.command(script_args, run_dir, cfg_path, inmem, fault)]
     logf = open(log_path, "wb")
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    if bed is None:
+        return subprocess.Popen(launch + script, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = []
+    for i in range(cfg.cluster.nodes):
+        procs.append(bed.popen(i, launch + [f"--node-rank={i}"] + script, stdout=logf, stderr=subprocess.STDOUT,
+                               start_new_session=True))
+        if i == 0:
+            time.sleep(0.5)  # node 0 hosts the first rendezvous: let it start first (as on one machine)
+    return JobOnHosts(procs)
 
 
-def _kill_tree(p: subprocess.Popen) -> None:
+def _kill_tree(p: "subprocess.Popen | JobOnHosts") -> None:
+    if isinstance(p, JobOnHosts):
+        for proc in p.procs:
+            _kill_tree(proc)
+        return
     try:
         import psutil
 
@@ -421,10 +469,19 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
 
 
 def run_demo(args: argparse.Namespace) -> dict:
+    """The demo; with ``--hosts`` every node on a host of its own (:class:`HostBed`), for its whole run."""
+    if not getattr(args, "hosts", False):
+        return _run_demo(args, None)
+    cfg = demo_config(args, os.path.abspath(args.workdir))
+    with HostBed(cfg.cluster.nodes, shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
+        return _run_demo(args, bed)
+
+
+def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
+    """The job's configuration: ``--config`` (or the default), the demo's shape for ``--redundancy``, its
+    own run id, ports and persist directory; with ``--hosts`` the nodes are named ``node<i>`` and reach
+    each other on the bed's ``eth0``."""
     base = ftconfig.load(args.config)
-    workdir = os.path.abspath(args.workdir)
-    shutil.rmtree(workdir, ignore_errors=True)
-    os.makedirs(workdir)
     tag = f"demo-{args.fail}-{os.getpid()}"
     cfg = ftconfig.replace(
         base, run_id=tag,
@@ -443,6 +500,17 @@ def run_demo(args: argparse.Namespace) -> dict:
         cfg = ftconfig.replace(cfg, redundancy={"transport": "scheduled"},
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
+    if getattr(args, "hosts", False):
+        cfg = ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
+                               network={"interface": "eth0"})
+    return cfg
+
+
+def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
+    workdir = os.path.abspath(args.workdir)
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    cfg = demo_config(args, workdir)
     world = cfg.cluster.world_size
     if args.megatron_lm:
         from . import megatron_lm
@@ -469,9 +537,9 @@ def run_demo(args: argparse.Namespace) -> dict:
         shutil.rmtree(ref_dir, ignore_errors=True)
         t0 = time.time()
         # the same job started cold (no warm spares): the yardstick of a recovery's time
-        ref_cfg = ftconfig.replace(cfg, run_id=tag + "-ref", launch={"rdzv_port": free_port(), "warm_spares": False})
+        ref_cfg = ftconfig.replace(cfg, run_id=cfg.run_id + "-ref", launch={"rdzv_port": free_port(), "warm_spares": False})
         ref_log = ref_dir + ".log"
-        p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log, program=program)
+        p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log, program=program, bed=bed)
         wait_job(p, args.timeout, "reference run", ref_log)
         first = min((r["time"] for r in _all_records(ref_dir, "progress")), default=None)
         cold_start_seconds = round(first - t0, 3) if first is not None else None
@@ -490,7 +558,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     if victims and args.kill_point != "after-iteration":
         fault = (f"{args.kill_point}{faults.WITH_AGENT if args.with_agent else ''}:{args.kill_at}:"
                  f"{','.join(map(str, victims))}")
-    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program)
+    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program, bed=bed)
     replacements: list[tuple[subprocess.Popen, str]] = []  # (launcher, its log)
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
     if args.standby:
@@ -511,7 +579,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         """The lost nodes' machines die; a replacement (or the standby) takes each one's place."""
         nonlocal killed_pids, persisted_at_kill
         for n in lost_nodes:
-            killed_pids += kill_node(cfg, run_dir, n, trainer_pids)
+            killed_pids += kill_node(cfg, run_dir, n, trainer_pids, bed)
             trainer_pids = []
         persisted_at_kill = persisted_steps(eff_cfg)
         say(f"[demo] node(s) {lost_nodes} lost: SIGKILL -> their launchers, torchrun, trainers {victims} and agents "
@@ -521,7 +589,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         if not args.standby:
             for n in lost_nodes:
                 log = replacement_log if len(lost_nodes) == 1 else os.path.join(workdir, f"replacement{n}.log")
-                replacements.append((start_replacement(cfg, run_dir, n, targs, log, program), log))
+                replacements.append((start_replacement(cfg, run_dir, n, targs, log, program, bed), log))
 
     def wait_iteration(ranks: list[int], iteration: int) -> dict[int, list[dict]]:
         while True:
@@ -576,7 +644,8 @@ def run_demo(args: argparse.Namespace) -> dict:
                 killed_pids.append(lpid)
                 kill_time = time.time()
                 say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
-                replacements.append((start_replacement(cfg, run_dir, node, targs, replacement_log, program),
+                replacements.append((start_replacement(cfg, run_dir, node, targs, replacement_log, program, bed,
+                                                       new_host=False),
                                      replacement_log))
             elif args.fail == "agent":
                 # the agent dies at this moment; its launcher restarts it and the new agent must protect
@@ -827,6 +896,11 @@ def add_parser(sub) -> None:
                    help="--fail node: start a standby launcher (launch --standby) with the job instead of a "
                         "replacement after the loss; the root agent's failure verdict makes it take the node's place")
     p.add_argument("--reference-dir", default=None, help="reuse (or create) the reference run here")
+    p.add_argument("--hosts", action="store_true",
+                   help="run every node on a host of its own (root: network, mount and UTS namespaces; "
+                        "megatron_ft/testing/hosts.py): its own address and name, /dev/shm and link")
+    p.add_argument("--host-shm-mib", type=int, default=512, help="--hosts: each host's /dev/shm")
+    p.add_argument("--link-rate", default=None, help="--hosts: every link's rate (tc tbf, e.g. 100mbit)")
     p.set_defaults(func=main)
 
 
@@ -844,6 +918,9 @@ def main(args: argparse.Namespace) -> int:
         raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
     if args.second_delay < 0:
         raise ftconfig.ConfigError(f"--second-delay={args.second_delay} is invalid: must be >= 0 seconds")
+    if args.hosts and args.standby:
+        raise ftconfig.ConfigError("--standby is invalid with --hosts: a standby host would take a lost node's rank "
+                                   "under its own name, which the node's peers do not resolve yet")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")

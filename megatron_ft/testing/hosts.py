@@ -140,7 +140,7 @@ def kill_all_in(ns: str, wait_s: float = 10.0) -> list[int]:
     while True:
         pids = processes_in(ns)
         if not pids:
-            return killed
+            return sorted(set(killed))
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)

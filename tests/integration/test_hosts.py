@@ -159,3 +159,26 @@ def test_a_node_whose_name_resolves_to_loopback_is_refused_at_launch(bed_allowed
                       cwd=REPO)
         assert "network.interface='ib7' is invalid on node0: no such interface; this host has eth0 (10.77.0.11)" \
             in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize("argv,tier", [
+    (["--fail=trainer"], "local_memory"),
+    (["--fail=node", "--redundancy=replica"], "peer_memory"),
+], ids=["trainer", "node-replica"])
+def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_path, argv, tier):
+    """The demo with every node on a host of its own (--hosts): its own address, name, /dev/shm; the
+    collectives and the agents on the bed's eth0; a lost node's host dies whole and a new one takes its
+    name. Bit-exact at the promised tier, nothing of the bed left."""
+    from conftest import run_demo
+
+    work = tmp_path / "w"
+    s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--quiet", f"--workdir={work}",
+                  "--iters=14", "--kill-at=7", *argv], timeout=600)
+    assert s["recovered_from"] == tier and 5 <= s["resumed_step"] <= 7, s
+    log = (work / "run.log").read_text()
+    assert "rendezvous generation 0 hosted by node 0 at node0:" in log
+    if tier == "peer_memory":
+        assert s["lost_nodes"] == [1]
+        agent_log = (work / "run" / "node0" / "agent.log").read_text()
+        assert "peer transport on 10.77.0.11:" in agent_log  # the interface's address, not a wildcard
+    assert hosts.bed_namespaces() == []  # the demo's bed is gone with it
