@@ -92,6 +92,7 @@ class Trial:
     second_delay: float = 0.0  # seconds after the restarted trainer appeared (second-failure kinds)
     config: Optional[str] = None  # a cluster file (its shape and scheme) instead of the demo's shapes
     lost_pair: Optional[tuple[int, int]] = None  # two-node kinds that draw which two nodes are lost
+    hosts: bool = False  # every node on a host of its own (the multi-host test bed)
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
@@ -111,6 +112,8 @@ class Trial:
             out.append("--kill-agent")
         if k.get("with_agent"):
             out.append("--with-agent")
+        if self.hosts:
+            out.append("--hosts")
         if self.lost_pair is not None:
             out += [f"--victim-node={self.lost_pair[0]}", f"--other-node={self.lost_pair[1]}"]
         elif k.get("victim_node") is not None:
@@ -141,7 +144,7 @@ def _label(outcome: dict) -> str:
 
 
 def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optional[str] = None,
-         early: bool = False) -> Trial:
+         early: bool = False, hosts: bool = False) -> Trial:
     """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
     share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
     iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run.
@@ -162,7 +165,7 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optio
     pair = None
     if KINDS[kind].get("pairs_of") and not config:
         pair = tuple(sorted(extra.sample(range(KINDS[kind]["pairs_of"]), 2)))
-    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair)
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair, hosts)
 
 
 @dataclass
@@ -212,10 +215,13 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
 
 
 def _leftovers(run_tag: str, workdir: str, shm_dir: str) -> list[str]:
-    """Segments and processes of a finished trial's run (polled briefly: agents shut down async)."""
+    """Segments, processes and test-bed hosts of a finished trial's run (polled briefly: agents shut
+    down async)."""
+    from .hosts import bed_namespaces
+
     deadline = time.time() + 15
     while True:
-        segs = [n for n in os.listdir(shm_dir) if n.startswith(f"mft.{run_tag}")]
+        segs = [n for n in os.listdir(shm_dir) if n.startswith(f"mft.{run_tag}")] + bed_namespaces()
         procs = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:
@@ -339,7 +345,8 @@ def main(args: argparse.Namespace) -> int:
     for i in range(args.start, args.start + args.trials):
         if i in done:
             continue
-        trial = draw(args.seed, i, kinds, config=config, early=getattr(args, "early", False))
+        trial = draw(args.seed, i, kinds, config=config, early=getattr(args, "early", False),
+                     hosts=getattr(args, "hosts", False))
         o = run_trial(trial, os.path.abspath(args.workdir), args.trial_timeout)
         with open(results, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(o)) + "\n")
@@ -368,6 +375,8 @@ def add_parser(sub) -> None:
     p.add_argument("--results", default="/tmp/megatron-ft/chaos/results.jsonl",
                    help="JSON lines, appended; trials already there are skipped (resume)")
     p.add_argument("--trial-timeout", type=float, default=300.0, help="a trial past this is a hang")
+    p.add_argument("--hosts", action="store_true",
+                   help="every trial's nodes on hosts of their own (demo --hosts; root, namespaces)")
     p.add_argument("--early", action="store_true",
                    help="every node and two-node loss strikes within the first second after the first iteration "
                         "(else half of them)")

@@ -45,6 +45,8 @@ def test_kinds_cover_the_promise_table():
     for kind, point in (("cut-empty+agent", "truncate-empty"), ("cut-header+agent", "truncate-header"),
                         ("cut-data+agent", "truncate")):
         assert f"--fail=trainer" in args[kind] and f"--kill-point={point}-after-commit --with-agent" in args[kind]
+    assert "--hosts" in chaos.draw(3, 0, ["node-replica"], hosts=True).demo_args()
+    assert "--hosts" not in chaos.draw(3, 0, ["node-replica"]).demo_args()
     pair = chaos.Trial(0, 1, "two-nodes-rs", 1, 0.5, 12, lost_pair=(1, 2)).demo_args()
     assert "--victim-node=1" in pair and "--other-node=2" in pair
     # a kind with its own training arguments has its own reference run
