@@ -434,9 +434,9 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
     def ranks(node: int) -> list[int]:
         return list(range(node * rpn, (node + 1) * rpn))
 
-    def check(node: int, lo: int, why: str = "") -> int:
+    def check(node: int, lo: int, why: str = "", flag: str = "--victim-node") -> int:
         if not lo <= node < nodes:
-            raise ftconfig.ConfigError(f"--victim-node={node} is invalid for --fail {args.fail}: must be in "
+            raise ftconfig.ConfigError(f"{flag}={node} is invalid for --fail {args.fail}: must be in "
                                        f"[{lo}, {nodes - 1}]{why}")
         return node
 
@@ -458,7 +458,7 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
             raise ftconfig.ConfigError(f"--fail two-nodes needs a cluster of at least 3 nodes, not {nodes}")
         first = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
         if getattr(args, "other_node", None) is not None:
-            other = check(args.other_node, 0)
+            other = check(args.other_node, 0, flag="--other-node")
             if other == first:
                 raise ftconfig.ConfigError(f"--other-node={other} is invalid: it must differ from --victim-node "
                                            f"({first})")

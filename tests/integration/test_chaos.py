@@ -174,6 +174,8 @@ def test_demo_refuses_bad_failure_arguments():
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
     rs = ftconfig.replace(ftconfig.load(), **demo.DEMO_SHAPES["rs"])
+    with pytest.raises(ftconfig.ConfigError, match=r"--other-node=4 is invalid for --fail two-nodes: must be in \[0, 3\]"):
+        demo.choose_victims(_demo_args("--fail=two-nodes", "--victim-node=2", "--other-node=4"), rs)
     with pytest.raises(ftconfig.ConfigError, match="--other-node=2 is invalid: it must differ from --victim-node"):
         demo.choose_victims(_demo_args("--fail=two-nodes", "--victim-node=2", "--other-node=2"), rs)
     with pytest.raises(ftconfig.ConfigError, match="--with-agent is invalid with --fail=trainer "
