@@ -205,10 +205,14 @@ class NodeLauncher:
         ]
 
     def run(self) -> int:
+        rc: Optional[int] = None
         try:
-            return self._run()
+            rc = self._run()
+            return rc
         finally:
             self.stop_pool()
+            if self.rendezvous is not None:
+                self.rendezvous.record_end(rc)
 
     def _run(self) -> int:
         with open(os.path.join(self.node_dir, "launcher.pid"), "w") as f:
@@ -254,6 +258,7 @@ class NodeLauncher:
             self.log(f"[launch n{self.node}] the rendezvous host (node {self.rdzv.node}) is gone; joining "
                      f"generation {nxt.gen} hosted by node {nxt.node} at {nxt.addr}:{nxt.port}")
             self.rdzv = nxt
+        self.rendezvous.record_end(rc)  # while this node's agent (maybe the store's root) still runs
         self.stop_agent()
         if (f := fatal.read(self.run_dir)) is not None:  # a trainer ended the job as torchrun exited
             return self._end_job(f"node {f[0]}: {f[1]}", record=False)
@@ -359,16 +364,17 @@ class Rendezvous:
     every port is made configurable, firewalls between nodes must let the ephemeral range through):
     that launcher publishes it (compare-and-set), the others wait for it (``launch.start_timeout_s``).
     A launcher starting on the node that hosts the published generation is a replacement of the lost
-    host: it waits for the survivors' next generation instead of hosting the old one. Without a store
-    (``redundancy.scheme: none``) there is no failover: a lost host ends the job (disk recovery)."""
+    host: it waits for the survivors' next generation instead of hosting the old one. The agents run
+    the store for every job of more than one node, whatever ``redundancy.scheme`` says
+    (:func:`megatron_ft.health.store.store_needed`), so no node is special under any scheme."""
 
     def __init__(self, cfg: ftconfig.FTConfig, node: int):
         self.cfg, self.node = cfg, node
         self.store = None
         self.owners: dict[int, Optional[NodeOwners]] = {}  # every node's agent and launcher when the generation began
-        if cfg.redundancy.scheme != "none":
-            from .health.store import StoreClient
+        from .health.store import StoreClient, store_needed
 
+        if store_needed(cfg):
             self.store = StoreClient(cfg)
 
     def initial(self) -> RdzvGeneration:
@@ -488,6 +494,19 @@ class Rendezvous:
                 if pub is None or pub.gen <= cur.gen:
                     self.store.compare_set("rdzv", raw, cur.to_json())
         except StoreUnavailable:
+            pass
+
+    def record_end(self, rc: Optional[int]) -> None:
+        """This launcher is done with the job (exit ``rc``): say so in the store (``ended``), so that an
+        agent whose launcher died and will not come back learns that the job is over
+        (:class:`megatron_ft.agent.server.JobEndWatch`). Best effort, on the connection it has (no new
+        root is looked for: bounded by ``health.timeout_s``)."""
+        kv = self.store.kv if self.store is not None else None
+        if kv is None:
+            return
+        try:
+            kv.set("ended", json.dumps({"node": self.node, "rc": rc, "time": time.time()}))
+        except Exception:  # the store went first: the agents' heartbeats tell the rest
             pass
 
     def _host_lost(self, cur: RdzvGeneration) -> bool:

@@ -53,6 +53,50 @@ class SlotRef:
     segment: shm.Segment
 
 
+class JobEndWatch:
+    """Whether the job an orphaned agent belongs to is over, from the store (no I/O of its own: ``get``
+    reads a key). Over when a launcher recorded the job's end (``ended``, written no earlier than
+    ``health.timeout_s`` before this agent lost its launcher: an older record is another job's on a
+    store that outlives jobs), or when every other node's heartbeat has not changed (or been absent)
+    for ``timeout_s`` on this agent's clock: their agents were stopped with their launchers.
+
+    >>> beats = {"hb/1": "a"}
+    >>> w = JobEndWatch(node=0, nodes=2, timeout_s=5.0, since=100.0)
+    >>> w.over(beats.get, now=101.0), w.over(beats.get, now=105.0), w.over(beats.get, now=106.5)
+    (None, None, 'no heartbeat from nodes [1] for 5 s')
+    >>> w.over({"ended": '{"node": 1, "rc": 0, "time": 99.0}'}.get, now=102.0)
+    "node 1's launcher ended the job (exit 0)"
+    """
+
+    def __init__(self, node: int, nodes: int, timeout_s: float, since: float):
+        self.node, self.nodes, self.timeout_s, self.since = node, nodes, timeout_s, since
+        self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (heartbeat, our time it last changed)
+
+    def over(self, get, now: Optional[float] = None) -> Optional[str]:
+        """Why the job is over, or None (also when the store cannot be read now)."""
+        import json
+
+        now = time.time() if now is None else now
+        try:
+            ended = get("ended")
+            rec = json.loads(ended) if ended else None
+            if isinstance(rec, dict) and float(rec.get("time", 0)) >= self.since - self.timeout_s:
+                return f"node {rec.get('node')}'s launcher ended the job (exit {rec.get('rc')})"
+            beats = {n: get(f"hb/{n}") for n in range(self.nodes) if n != self.node}
+        except Exception:  # a store moving or gone: no news
+            return None
+        quiet = []
+        for n, beat in beats.items():
+            last = self._seen.get(n)
+            if last is None or last[0] != beat:
+                self._seen[n] = (beat, now)
+            elif now - last[1] >= self.timeout_s:
+                quiet.append(n)
+        if beats and len(quiet) == len(beats):
+            return f"no heartbeat from nodes {quiet} for {self.timeout_s:g} s"
+        return None
+
+
 class Agent:
     """One node's agent. Lock order: ``Agent.lock`` and ``Redundancy.lock`` are never held together:
     the redundancy calls into the agent (``pin_step``, ``clean_steps``, ``slot_sizes``,
@@ -91,22 +135,27 @@ class Agent:
         self._trained = False  # a trainer registered (or slots were adopted): the job is past its start
 
     def start_peers(self) -> None:
-        """Join the group's coordination store and peer transport."""
-        if self.cfg.redundancy.scheme == "none":
-            return
+        """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
+        record) and, with peer redundancy, the group's peer transport."""
         from ..health.monitor import Monitor
-        from ..health.store import make_store
+        from ..health.store import make_store, store_needed
         from .redundancy import Redundancy
 
+        if not store_needed(self.cfg):
+            return
         h = self.cfg.health
         self.store = make_store(self.cfg, self.node)
         self.store.connect(self.cfg.agent.connect_timeout_s)
-        self.redundancy = Redundancy(self, self.store, network.listen_address(self.cfg, self.node))
+        if self.cfg.redundancy.scheme != "none":
+            self.redundancy = Redundancy(self, self.store, network.listen_address(self.cfg, self.node))
+        # without a peer port the root has nothing to probe: a lost node is judged after timeout_s
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
-                               launcher_pid=self.launcher_pid, address=self.redundancy.address,
+                               launcher_pid=self.launcher_pid,
+                               address=self.redundancy.address if self.redundancy is not None else "",
                                trained=self.trained).start()
-        for rank, size in self.slot_sizes().items():
-            self.redundancy.publish_size(rank, size)
+        if self.redundancy is not None:
+            for rank, size in self.slot_sizes().items():
+                self.redundancy.publish_size(rank, size)
 
     # ------------------------------------------------------------------ segments
     def adopt_existing(self) -> int:
@@ -732,7 +781,9 @@ class Agent:
     def watch_launcher(self, pid: int, poll_s: float = 0.5) -> None:
         """Follow the node's launcher (a thread): when it dies, the agent is an orphan; a restarted
         launcher adopts it (``adopt`` op) within ``launch.start_timeout_s``, else the agent shuts
-        down and removes its segments, so nothing outlives a node whose launcher is gone."""
+        down and removes its segments, so nothing outlives a node whose launcher is gone. An orphan
+        also shuts down as soon as the job is over (:class:`JobEndWatch`): a launcher recorded its
+        end in the store, or every other node's agent has gone quiet for ``health.timeout_s``."""
         with self.lock:
             self._launcher = pid
 
@@ -747,17 +798,24 @@ class Agent:
 
         def loop() -> None:
             orphan_since = None
+            watch = None
             while not self._stop.wait(poll_s):
                 with self.lock:
                     pid_now = self._launcher
                 if alive(pid_now) and not (pid_now == pid and os.getppid() != pid):
-                    orphan_since, self._orphan = None, False
+                    orphan_since, self._orphan, watch = None, False, None
                     continue
                 if orphan_since is None:
                     orphan_since = time.time()
                     self._orphan = True
+                    watch = JobEndWatch(self.node, self.cfg.cluster.nodes, self.cfg.health.timeout_s, orphan_since)
                     log.warning("agent node %d: launcher pid %d is gone; waiting %.0f s for a new launcher to "
                                 "adopt this agent", self.node, pid_now, self.cfg.launch.start_timeout_s)
+                elif self.store is not None and watch is not None and (why := watch.over(self.store.get)):
+                    log.warning("agent node %d: the job is over (%s); shutting down instead of waiting for a "
+                                "launcher", self.node, why)
+                    self.shutdown()
+                    return
                 elif time.time() - orphan_since > self.cfg.launch.start_timeout_s:
                     log.error("agent node %d: no launcher adopted this agent within launch.start_timeout_s=%g s; "
                               "shutting down", self.node, self.cfg.launch.start_timeout_s)

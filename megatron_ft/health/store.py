@@ -238,6 +238,14 @@ class EmbeddedStore:
         return self.root == self.node
 
 
+def store_needed(cfg) -> bool:
+    """Whether the job's agents run the coordination store (heartbeats, failure verdicts, the rendezvous
+    record): every job of more than one node, whatever ``redundancy.scheme`` says - the rendezvous
+    moves off a lost host and an orphaned agent learns that the job ended through it - and every job
+    with peer redundancy."""
+    return cfg.cluster.nodes > 1 or cfg.redundancy.scheme != "none"
+
+
 def make_store(cfg, node: int):
     """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`)."""
     h = cfg.health

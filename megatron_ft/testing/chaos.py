@@ -39,8 +39,12 @@ KINDS: dict[str, dict] = {
     "all-trainers": {"fail": "all-trainers"},
     "agent-then-trainer": {"fail": "trainer", "kill_agent": True},
     "launcher": {"fail": "launcher"},
-    # node 0's torchrun hosts the rendezvous: the survivors agree on a new host through the store
+    # node 0's torchrun hosts the rendezvous: the survivors agree on a new host through the store, which
+    # the agents run whatever the scheme
     "launcher0": {"fail": "launcher", "redundancy": "replica", "victim_node": 0},
+    "launcher0-none": {"fail": "launcher", "victim_node": 0},
+    "launcher0-xor": {"fail": "launcher", "redundancy": "xor", "victim_node": 0},
+    "launcher0-rs": {"fail": "launcher", "redundancy": "rs", "victim_node": 0},
     "node-replica": {"fail": "node", "redundancy": "replica"},
     "node0-replica": {"fail": "node", "redundancy": "replica", "victim_node": 0},  # hosts the rendezvous
     "node-xor": {"fail": "node", "redundancy": "xor"},

@@ -445,11 +445,8 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
     if args.fail in ("all-trainers", "agent"):
         return ranks(check(args.victim_node if args.victim_node is not None else
                            (0 if args.fail == "all-trainers" else nodes - 1), 0)), []
-    if args.fail == "launcher":
-        # without redundancy there is no store in which the survivors agree on a new rendezvous host
-        lo = 1 if cfg.redundancy.scheme == "none" else 0
-        why = " (with redundancy none, node 0's launcher hosts the only rendezvous)" if lo else ""
-        return ranks(check(args.victim_node if args.victim_node is not None else nodes - 1, lo, why)), []
+    if args.fail == "launcher":  # node 0's too: the survivors move the rendezvous, whatever the scheme
+        return ranks(check(args.victim_node if args.victim_node is not None else nodes - 1, 0)), []
     if args.fail == "node":
         node = check(args.victim_node if args.victim_node is not None else default_victim_node(cfg), 0)
         return ranks(node), [node]
@@ -643,7 +640,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                 os.kill(lpid, signal.SIGKILL)
                 killed_pids.append(lpid)
                 kill_time = time.time()
-                say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again")
+                say(f"[demo] SIGKILL -> launcher of node {node} (pid {lpid}); starting it again"
+                    + (f" in {args.relaunch_delay:g} s (a supervisor's restart)" if args.relaunch_delay else ""))
+                time.sleep(args.relaunch_delay)
                 replacements.append((start_replacement(cfg, run_dir, node, targs, replacement_log, program, bed,
                                                        new_host=False),
                                      replacement_log))
@@ -896,6 +895,8 @@ def add_parser(sub) -> None:
                    help="--fail node: start a standby launcher (launch --standby) with the job instead of a "
                         "replacement after the loss; the root agent's failure verdict makes it take the node's place")
     p.add_argument("--reference-dir", default=None, help="reuse (or create) the reference run here")
+    p.add_argument("--relaunch-delay", type=float, default=0.0,
+                   help="--fail launcher: start the node's launcher again this many seconds after it died")
     p.add_argument("--hosts", action="store_true",
                    help="run every node on a host of its own (root: network, mount and UTS namespaces; "
                         "megatron_ft/testing/hosts.py): its own address and name, /dev/shm and link")

@@ -169,8 +169,11 @@ def test_demo_refuses_bad_failure_arguments():
         demo.choose_victims(_demo_args("--fail=two-nodes"), ftconfig.load())
     with pytest.raises(ftconfig.ConfigError, match="--victim-node=5 is invalid for --fail agent"):
         demo.choose_victims(_demo_args("--fail=agent", "--victim-node=5"), ftconfig.load())
-    with pytest.raises(ftconfig.ConfigError, match="must be in \\[1, 1\\] \\(with redundancy none"):
-        demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load())
+    with pytest.raises(ftconfig.ConfigError, match="--victim-node=2 is invalid for --fail launcher: must be in "
+                                                   "\\[0, 1\\]"):
+        demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=2"), ftconfig.load())
+    # node 0's launcher under redundancy none: the survivors move the rendezvous too
+    assert demo.choose_victims(_demo_args("--fail=launcher", "--victim-node=0"), ftconfig.load()) == ([0, 1], [])
     with pytest.raises(ftconfig.ConfigError, match="--second-failure is invalid with --fail=none"):
         demo.main(_demo_args("--fail=none", "--second-failure"))
     rs = ftconfig.replace(ftconfig.load(), **demo.DEMO_SHAPES["rs"])

@@ -7,14 +7,18 @@ without megatron-ft. The reference run is shared by the whole session.
 """
 import json
 import os
+import signal
 import sys
+import time
 
+import psutil
 import pytest
 
 from conftest import run_demo
 from megatron_ft import config as ftconfig
 from megatron_ft.agent import persist
 from megatron_ft.schedule.modes import free_share_of_waits
+from megatron_ft.testing.helpers import read_jsonl, wait_for
 
 ITERS, KILL_AT = 10, 5
 
@@ -259,3 +263,51 @@ def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_
     # torchrun prints its own traceback when it is stopped; the launcher prints none
     assert "(restarting it after it died mid-job)" in log and "megatron_ft/launch.py" not in log, log[-3000:]
     assert not [n for n in os.listdir(cfg.agent.shm_dir) if n.startswith(f"mft.{cfg.run_id}.")]
+
+
+def test_node0s_launcher_lost_and_started_again_resumes_from_local_memory_without_redundancy(tmp_path,
+                                                                                            reference_dir):
+    """redundancy.scheme none: node 0's launcher (its torchrun hosts the rendezvous) SIGKILLed, a new one
+    started 3 s later as a supervisor would. The agents run the coordination store for every multi-node
+    job, so the survivors move the rendezvous and the new launcher adopts node 0's agent. Before, only
+    peer redundancy ran that store: the new torchrun ended in RendezvousTimeoutError and the job exited 1."""
+    s = demo(tmp_path, reference_dir, "--fail=launcher", "--victim-node=0", "--relaunch-delay=3",
+             f"--kill-at={KILL_AT}")
+    assert (s["recovered_from"], s["promised_tier"]) == ("local_memory", "local_memory")
+    assert s["resumed_step"] >= KILL_AT - 1
+    log = (tmp_path / "demo" / "run.log").read_text() + (tmp_path / "demo" / "replacement.log").read_text()
+    assert "rendezvous generation 1 hosted by node 1" in log
+
+
+def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_ends(tmp_path):
+    """Node 0's launcher dies and nobody starts it again; then the job is stopped (SIGINT to its other
+    launchers, as an operator's cancel). Node 0's orphaned agent learns from the store that the job is
+    over: nothing of the job is left 10 s after its end. Before, the agent and its slots waited out
+    launch.start_timeout_s (60 s here) for a launcher that would not come."""
+    from megatron_ft.testing import demo as demo_mod
+
+    cfg = ftconfig.replace(ftconfig.load(), run_id=f"orphan{os.getpid()}",
+                           persist={"dir": str(tmp_path / "persist"), "interval": 0},
+                           launch={"rdzv_port": demo_mod.free_port(), "start_timeout_s": 60},
+                           health={"store_port": demo_mod.free_port_range(4)})
+    run = tmp_path / "run"
+    p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 200, []), inmem=True,
+                            log_path=str(tmp_path / "run.log"))
+    try:
+        wait_for("rank 0 to train 3 iterations", lambda: len(read_jsonl(str(run / "progress" / "rank0.jsonl"))) >= 3,
+                 300)
+        agent0 = demo_mod.node_pid(str(run), 0, "agent")
+        os.kill(demo_mod.node_pid(str(run), 0, "launcher"), signal.SIGKILL)
+        wait_for("node 0's agent to wait for a launcher", lambda: "waiting 60 s for a new launcher" in
+                 (run / "node0" / "agent.log").read_text(), 30)
+        p.send_signal(signal.SIGINT)  # the job is cancelled: its other launcher ends
+        p.wait(timeout=120)
+        ended = time.time()
+        wait_for("node 0's agent to end", lambda: not psutil.pid_exists(agent0) or
+                 psutil.Process(agent0).status() == psutil.STATUS_ZOMBIE, 10)
+        wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
+                                                                if n.startswith(f"mft.{cfg.run_id}.")], 10)
+        print(f"node 0's agent gone {time.time() - ended:.1f} s after the job ended")
+        assert "the job is over (node 1's launcher ended the job" in (run / "node0" / "agent.log").read_text()
+    finally:
+        demo_mod._kill_tree(p)
