@@ -414,6 +414,27 @@ def kill_during_recovery(run_dir: str, nodes: int, known: set[int], prefer_not: 
         time.sleep(0.02)
 
 
+GROUP_COMPLETE = re.compile(r"step (\d+) is complete in group")
+
+
+def wait_group_complete(run_dir: str, nodes: int, p, deadline: float, log_path: str) -> int:
+    """Wait until every node's agent logged a step complete in its group; the smallest such step."""
+    while True:
+        steps = []
+        for n in range(nodes):
+            try:
+                with open(os.path.join(run_dir, f"node{n}", "agent.log"), errors="replace") as f:
+                    found = GROUP_COMPLETE.findall(f.read())
+            except OSError:
+                found = []
+            steps.append(min(map(int, found)) if found else None)
+        if all(s is not None for s in steps):
+            return min(steps)
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"no step became complete in the redundancy groups (agents: {steps}); log {log_path}")
+        time.sleep(0.05)
+
+
 def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: float, log_path: str) -> float:
     """Wait for the injected faults' event lines; return the time of the first."""
     deadline = time.time() + timeout
@@ -627,6 +648,16 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
             if lost_nodes:  # the rest of the machine goes with them
                 lose_nodes([])
         elif victims:
+            if lost_nodes and cfg.redundancy.scheme != "none" and cfg.redundancy.transport == "scheduled":
+                # the trainers' first copy goes after their profiled iterations and the plan's interval,
+                # which a loaded machine lengthens: the loss waits for it (until then the group holds no
+                # copy and the promise of peer memory does not apply yet)
+                done = wait_group_complete(run_dir, cfg.cluster.nodes, p, deadline, log_path)
+                reached = max(r["iteration"] for r in _progress(run_dir, victims[0]))
+                if reached > args.kill_at:
+                    say(f"[demo] the group's first complete copy (step {done}) came after iteration {reached}: "
+                        f"the node is lost after iteration {reached + 1} instead of {args.kill_at}")
+                    args.kill_at = reached + 1
             recs = wait_iteration(victims, args.kill_at)
             if args.kill_delay > 0:
                 time.sleep(args.kill_delay)
