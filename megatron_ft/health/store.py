@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import random
 import socket
 import threading
 import time
@@ -29,6 +30,13 @@ from .kv import KV, StoreUnavailable
 __all__ = ["KV", "StoreUnavailable", "EmbeddedStore", "StoreClient", "make_store"]
 
 log = logging.getLogger("megatron_ft.health")
+
+
+#: how long asking another node's server whether it is the root may take. Short: while a process
+#: builds a TCPStore client, its own TCPStore server may not complete new clients' handshakes (seen on
+#: torch 2.13: two agents asking each other at once both waited out a 5 s timeout, and a failover took
+#: 18 s), so probes are short and retried with jitter instead of long and in lockstep
+PROBE_TIMEOUT_S = 1.0
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -121,7 +129,7 @@ class EmbeddedStore:
         return TCPStoreKV(host, p, self.prefix, self.timeout_s)
 
     def _root_claimed_by(self, node: int) -> Optional[int]:
-        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, self.timeout_s)
+        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S))
 
     def connect(self, deadline_s: float = 60.0) -> int:
         """Find (or become) the root; returns the root node id. A store that does not answer in time
@@ -140,7 +148,7 @@ class EmbeddedStore:
                 log.warning("node %d: %s; asking again", self.node, why)
             if time.time() > deadline:
                 raise StoreUnavailable(f"node {self.node}: no root agent within {deadline_s:g} s: {why}")
-            time.sleep(0.2)
+            time.sleep(random.uniform(0.1, 0.3))
 
     def _next_root_is_me(self) -> bool:
         """After the root failed: am I the lowest-numbered node (other than the failed root)
@@ -183,12 +191,15 @@ class EmbeddedStore:
             log.warning("node %d: root agent (node %d) unreachable; electing a new root", self.node, old)
             deadline = time.time() + 10 * self.timeout_s
             while time.time() < deadline:
-                if self._next_root_is_me():
-                    return self._become_root()
-                for j in range(self.nodes):
-                    if j not in (old, self.node) and self._root_claimed_by(j) == j:
-                        return self._follow(j)
-                time.sleep(0.2)
+                try:
+                    if self._next_root_is_me():
+                        return self._become_root()
+                    for j in range(self.nodes):
+                        if j not in (old, self.node) and self._root_claimed_by(j) == j:
+                            return self._follow(j)
+                except StoreUnavailable as e:  # a store slow to answer while the others move too: again
+                    log.warning("node %d: %s; asking again", self.node, e)
+                time.sleep(random.uniform(0.1, 0.3))
             raise StoreUnavailable(f"node {self.node}: no new root after node {old} failed")
 
     def _reconnect(self) -> None:
@@ -280,7 +291,7 @@ class StoreClient:
         h = self.cfg.health
         while True:
             for j in range(self.cfg.cluster.nodes):
-                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, self.timeout_s) == j:
+                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S)) == j:
                     self.kv, self.root = TCPStoreKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
                                                     self.timeout_s), j
                     return self
