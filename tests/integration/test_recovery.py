@@ -269,6 +269,7 @@ def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_
     assert not [n for n in os.listdir(cfg.agent.shm_dir) if n.startswith(f"mft.{cfg.run_id}.")]
 
 
+@pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
 def test_node0s_launcher_lost_and_started_again_resumes_from_local_memory_without_redundancy(tmp_path,
                                                                                             reference_dir):
     """redundancy.scheme none: node 0's launcher (its torchrun hosts the rendezvous) SIGKILLed, a new one
