@@ -253,8 +253,13 @@ class Agent:
             seg = shm.open_segment(path)
         else:
             seg = shm.create(path, geom.total)
-        snapfile.init_container(seg.mm, layout_json, geom)
+        Agent._init_empty(seg, layout_json)
         return seg
+
+    @staticmethod
+    def _init_empty(seg: shm.Segment, layout_json: bytes) -> None:
+        """Write an EMPTY container with ``layout_json``'s layout into ``seg`` (its full size already)."""
+        snapfile.init_container(seg.mm, layout_json, snapfile.geometry_for(Layout.from_json(layout_json), layout_json))
 
     def register(self, rank: int, layout_json: str) -> dict:
         """Slots for ``rank``'s layout: its existing ones when they fit, else new ones. The shared
@@ -367,9 +372,7 @@ class Agent:
                 s.state, s.step = snapfile.EMPTY, -1
             try:
                 shm.restore_size(seg.path, seg.size)
-                layout_json = self.layouts[rank]
-                snapfile.init_container(seg.mm, layout_json, snapfile.geometry_for(Layout.from_json(layout_json),
-                                                                                    layout_json))
+                self._init_empty(seg, self.layouts[rank])
             except OSError as e:
                 log.error("agent node %d: could not repair %s: %s", self.node, seg.path, e)
                 s.pins += 1  # never handed out again by this agent
