@@ -57,7 +57,8 @@ def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes
         ftconfig.load(None), run_id=f"bsched-{pp}-{kind}-{os.getpid()}",
         cluster={"nodes": pp, "ranks_per_node": 1}, parallel={"tensor": 1, "pipeline": pp},
         persist={"interval": 0, "dir": os.path.join(workdir, "persist"), "on_failure": False},
-        launch={"rdzv_port": helpers.free_port()}, health={"store_port": helpers.free_port_range(pp + 2)})
+    )
+    cfg = helpers.with_free_ports(cfg)
     if kind != "none":
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "scheduled"},
                                schedule={"mode": "pipelined", "profile_iterations": args.profile, "sub_buffers": args.p,

@@ -89,7 +89,7 @@ from megatron_ft.trainer import recovery  # noqa: E402
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from megatron_ft.capture.state import StateTensor  # noqa: E402
-from megatron_ft.testing.helpers import free_port  # noqa: E402
+from megatron_ft.testing.helpers import free_port, with_free_ports  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -1182,10 +1182,9 @@ def run_demo_job(b: Bench, name: str, iters: int, inmem: bool) -> float:
     run_id = f"{b.run_id}-demo-{name}"
     run_dir = os.path.join(b.workdir, f"demo-{name}")
     os.makedirs(run_dir, exist_ok=True)
-    cfg = ftconfig.replace(ftconfig.FTConfig(), run_id=run_id,  # 2 nodes x 2 ranks, TP1 PP2
-                           snapshot={"interval": 1}, agent={"socket_dir": os.path.join(b.workdir, "sock")},
-                           persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False},
-                           launch={"rdzv_port": free_port()})
+    cfg = with_free_ports(ftconfig.FTConfig(), run_id=run_id,  # 2 nodes x 2 ranks, TP1 PP2
+                          snapshot={"interval": 1}, agent={"socket_dir": os.path.join(b.workdir, "sock")},
+                          persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False})
     cfg_path = os.path.join(b.workdir, f"{run_id}.yaml")
     with open(cfg_path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)

@@ -32,6 +32,11 @@ def _config(args: argparse.Namespace) -> int:
         print(json.dumps(ftconfig.schema(), indent=1))
         return 0
     cfg = ftconfig.load(args.file)  # a ConfigError names the field, the value and what is allowed
+    if args.ports:
+        from .network import describe_ports
+
+        print(describe_ports(cfg))
+        return 0
     print(json.dumps(cfg.to_dict(), indent=1) if args.print else f"{args.file or ftconfig.DEFAULT_CONFIG_PATH}: valid")
     return 0
 
@@ -84,6 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("file", nargs="?", default=None, help="cluster YAML (default: the embedded local-cpu.yaml)")
     p.add_argument("--schema", action="store_true", help="print the JSON Schema of a cluster file")
     p.add_argument("--print", action="store_true", help="print the validated configuration with every default")
+    p.add_argument("--ports", action="store_true",
+                   help="print every TCP port the job listens on, as a firewall table (docs/operators.md)")
     p.set_defaults(func=_config)
     p = sub.add_parser("status", help="print every agent's version table")
     p.add_argument("--config", default=None)

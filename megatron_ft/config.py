@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
@@ -185,7 +186,14 @@ class LaunchConfig(_Section):
     """How ``megatron-ft launch`` starts torchrun on each node."""
 
     master_addr: Text = "127.0.0.1"
+    #: torchrun's rendezvous: generation 0 at ``master_addr:rdzv_port``; a generation a survivor hosts
+    #: after node 0's launcher was lost takes the next free port of ``rdzv_port .. rdzv_port + rdzv_ports - 1``
     rdzv_port: _int(1024, 65535) = 29400
+    rdzv_ports: _int(1, 1000) = 8
+    #: the trainers' process-group store of each torchrun attempt, hosted by torchrun's rank 0 (or its
+    #: warm-spare keeper) at ``MASTER_ADDR:trainer_port``; fast restart round ``n`` at ``trainer_port + n``
+    #: (torchrun would pick an ephemeral ``MASTER_PORT``)
+    trainer_port: _int(1024, 65535) = 29700
     max_restarts: _int(0) = 3
     #: a node whose agent does not start within this many seconds ends the job, naming the node
     start_timeout_s: _num(1.0) = 120.0
@@ -278,6 +286,9 @@ class NetworkConfig(_Section):
     interface: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:@-]{0,15}$"),
                          Allowed("must be empty or a network interface name (at most 15 characters, "
                                  "e.g. eth0)")] = ""
+    #: the agents' peer transport (snapshot copies, parity, rebuilds): every agent of a job with
+    #: ``redundancy.scheme`` other than none listens on ``peer_port`` (``+ node`` on one machine)
+    peer_port: _int(1024, 65535) = 29600
 
 
 class FailureConfig(_Section):
@@ -463,6 +474,9 @@ class FTConfig(_Section):
         self.redundancy.check_cluster(self.cluster.nodes)
         if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
             _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")
+        clash = port_clash(self)
+        if clash:
+            raise ConfigError(clash)
         return self
 
     @property
@@ -472,6 +486,72 @@ class FTConfig(_Section):
     def to_dict(self) -> dict:
         """Plain YAML-safe data (lists, not tuples) that :func:`from_dict` reads back."""
         return self.model_dump(mode="json")
+
+
+# ---------------------------------------------------------------- the job's ports
+
+
+@dataclass(frozen=True)
+class PortRange:
+    """One kind of server megatron-ft runs: it listens on a port of ``first .. first + count - 1`` of
+    its host, moved by the setting ``setting``."""
+
+    setting: str
+    first: int
+    count: int
+    what: str  # the server, in a few words
+    server: str  # the process that listens
+    clients: str  # who connects to it
+    when: str  # in which jobs it runs
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+    @property
+    def span(self) -> str:
+        return str(self.first) if self.count == 1 else f"{self.first}-{self.last}"
+
+
+def port_plan(cfg: "FTConfig") -> tuple[PortRange, ...]:
+    """Every port megatron-ft's own processes listen on, by setting, lowest first (pure).
+
+    On one machine (no ``health.hosts`` / ``host_pattern``) the agents' servers take ``port + node``;
+    on hosts of their own every host uses the same ports."""
+    per_node = cfg.cluster.nodes if cfg.health.one_machine else 1
+    lc = cfg.launch
+    rounds = 1 + (lc.fast_restarts if lc.warm_spares and lc.max_restarts else 0)
+    plan = (
+        PortRange("launch.rdzv_port", lc.rdzv_port, lc.rdzv_ports, "torchrun's rendezvous",
+                  "the torchrun of node 0's launcher (generation 0), or of the lowest surviving node's after "
+                  "node 0's launcher was lost (the next generation: the next free port of the range)",
+                  "every node's torchrun", "every job"),
+        PortRange("health.store_port", cfg.health.store_port, per_node, "the agents' coordination store",
+                  "every node's agent (the lowest live one is the store everyone uses)",
+                  "every node's agent, launcher and trainers", "jobs of more than one node or with peer redundancy"),
+        PortRange("network.peer_port", cfg.network.peer_port, per_node, "the agents' peer transport",
+                  "every node's agent", "the agents of the node's redundancy group (and, with the scheduled "
+                                        "transport, their trainers)", "redundancy.scheme other than none"),
+        PortRange("launch.trainer_port", lc.trainer_port, rounds, "the trainers' store",
+                  "torchrun's rank-0 trainer, or its warm-spare keeper (fast restart round n: trainer_port + n)",
+                  "every trainer and keeper of the job", "every job under megatron-ft launch"),
+    )
+    return tuple(sorted(plan, key=lambda r: r.first))
+
+
+def port_clash(cfg: "FTConfig") -> Optional[str]:
+    """Why the port ranges of :func:`port_plan` cannot all be served (None: they can)."""
+    plan = port_plan(cfg)
+    for r in plan:
+        if r.last > 65535:
+            return (f"{r.setting}={r.first} is invalid: its ports {r.span} ({r.what}) run past 65535; "
+                    f"it must leave {r.count} ports below 65536")
+    for i, a in enumerate(plan):
+        for b in plan[i + 1:]:
+            if b.first <= a.last:
+                return (f"{b.setting}={b.first} is invalid: its ports {b.span} ({b.what}) overlap {a.span} of "
+                        f"{a.setting}={a.first} ({a.what}); move one of them")
+    return None
 
 
 SECTIONS = tuple(n for n in FTConfig.model_fields if n != "run_id")

@@ -232,8 +232,9 @@ class NodeLauncher:
         env = network.trainer_env(self.cfg, dict(os.environ))  # GLOO/NCCL_SOCKET_IFNAME: network.interface
         env.update(MFT_NODE_RANK=str(self.node), MFT_CONFIG=self.cfg_path,
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
-                   # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py)
-                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                   # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py), at
+                   # launch.trainer_port rather than torchrun's ephemeral MASTER_PORT
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MFT_TRAINER_PORT=str(self.cfg.launch.trainer_port))
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         env.pop("MFT_IN_PROCESS_GRACE_S", None)  # set below when in-process restart is on
         env.pop("MFT_IN_PROCESS_FD", None)
@@ -359,10 +360,9 @@ class Rendezvous:
     verdict on the host's agent, or another agent or launcher in ``hb/<host>`` (a replacement, a
     restarted launcher, or none while the host's agent waits for a new launcher). If so, generation
     g+1 is hosted by the lowest-numbered *survivor* (a node whose agent and launcher are the ones it
-    had when generation g began) at ``health.host_of(node)`` on a port the kernel picks (an ephemeral
-    port free there at that moment, :meth:`_hosted_here`; not derived from ``rdzv_port``, so until
-    every port is made configurable, firewalls between nodes must let the ephemeral range through):
-    that launcher publishes it (compare-and-set), the others wait for it (``launch.start_timeout_s``).
+    had when generation g began) at its listening address, on the first port of
+    :func:`megatron_ft.network.rendezvous_ports` free there (``launch.rdzv_port + g + 1`` and on, within the
+    ``launch.rdzv_ports`` of the range; :meth:`_hosted_here`): that launcher publishes it (compare-and-set), the others wait for it (``launch.start_timeout_s``).
     A launcher starting on the node that hosts the published generation is a replacement of the lost
     host: it waits for the survivors' next generation instead of hosting the old one. The agents run
     the store for every job of more than one node, whatever ``redundancy.scheme`` says
@@ -382,12 +382,21 @@ class Rendezvous:
         return RdzvGeneration(0, 0, lc.master_addr, lc.rdzv_port)
 
     def _hosted_here(self, gen: int) -> RdzvGeneration:
-        """Generation ``gen`` hosted by this node, on a port free here now."""
+        """Generation ``gen`` hosted by this node, on the first port of its range free here now (a
+        :class:`RuntimeError` naming the range when none is)."""
         addr = network.listen_address(self.cfg, self.node)
-        with socket.socket() as s:
-            s.bind((addr, 0))
-            port = s.getsockname()[1]
-        return RdzvGeneration(gen, self.node, addr, port)
+        ports = network.rendezvous_ports(self.cfg, gen)
+        for port in ports:
+            with socket.socket() as s:  # torchrun's store binds it with SO_REUSEADDR: so does the check
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((addr, port))
+                except OSError:
+                    continue
+            return RdzvGeneration(gen, self.node, addr, port)
+        raise RuntimeError(f"node {self.node} cannot host rendezvous generation {gen}: every port of "
+                           f"launch.rdzv_port={self.cfg.launch.rdzv_port} .. +{self.cfg.launch.rdzv_ports - 1} is in use "
+                           f"on {addr}; free one or widen launch.rdzv_ports")
 
     def _published(self) -> tuple[str, Optional[RdzvGeneration]]:
         raw = self.store.get("rdzv") or ""
@@ -552,6 +561,9 @@ class Rendezvous:
                         return nxt
             except StoreUnavailable as e:
                 log(f"[launch n{self.node}] store not answering while choosing a new rendezvous host: {e}")
+            except RuntimeError as e:  # no port of the range free here
+                log(f"[launch n{self.node}] {e}")
+                return None
             time.sleep(0.5)
         log(f"[launch n{self.node}] no new rendezvous host within launch.start_timeout_s="
             f"{self.cfg.launch.start_timeout_s:g} s")

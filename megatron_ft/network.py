@@ -6,6 +6,10 @@ and the check that refuses a node its peers could not reach.
   (``health.host_of``);
 * :func:`trainer_env` - ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` from ``network.interface``,
   unless the environment already names them (the user's choice wins);
+* :func:`megatron_ft.config.port_plan` - every port megatron-ft's own processes listen on, each moved by
+  one setting (``megatron-ft config FILE --ports`` prints it as a firewall table, :func:`describe_ports`;
+  a configuration whose ranges overlap is refused when it is read). None is picked by the kernel: torch's own listeners are the
+  exception (gloo's and NCCL's connections, and torch's TCPStore servers bind every interface);
 * :func:`node_address_problem` - run by each launcher of a multi-host job before anything starts: a node
   whose own name resolves to a loopback address (Debian's installer writes ``127.0.1.1 <hostname>``
   into /etc/hosts), to nothing, or to no address of this host would advertise an address its peers
@@ -20,6 +24,20 @@ The judgement is a pure function of what was resolved (:func:`name_problem`)::
     True
     >>> name_problem("node2", ["10.0.0.9"], {"10.0.0.3"}, "health.host_pattern")
     'node2 resolves to 10.0.0.9, which is not an address of this host (its addresses: 10.0.0.3) (health.host_pattern)'
+
+The ports of a job of hosts of their own (on one machine, the per-node servers take one port per node)::
+
+    >>> from megatron_ft.config import from_dict
+    >>> cfg = from_dict({"cluster": {"nodes": 4}, "health": {"host_pattern": "node{node}"}})
+    >>> for r in port_plan(cfg):
+    ...     print(r.span, r.setting)
+    29400-29407 launch.rdzv_port
+    29500 health.store_port
+    29600 network.peer_port
+    29700-29703 launch.trainer_port
+    >>> from_dict({"cluster": {"nodes": 4}, "launch": {"trainer_port": 29502}})
+    Traceback (most recent call last):
+    megatron_ft.config.ConfigError: launch.trainer_port=29502 is invalid: its ports 29502-29505 (the trainers' store) overlap 29500-29503 of health.store_port=29500 (the agents' coordination store); move one of them
 """
 from __future__ import annotations
 
@@ -30,7 +48,7 @@ from typing import Iterable, Optional
 
 import psutil
 
-from .config import ConfigError, FTConfig
+from .config import ConfigError, FTConfig, port_plan
 
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -114,6 +132,36 @@ FIX = ("make the name resolve to this host's address on the network the job's ho
        "DNS: Debian's installer maps the host name to 127.0.1.1), or name the hosts by names that do "
        "(health.hosts / health.host_pattern), and set network.interface to that network's interface "
        "(e.g. eth0), which the collectives are then told too")
+
+
+def peer_port(cfg: FTConfig, node: int) -> int:
+    """The port node ``node``'s agent serves its peers on."""
+    return cfg.network.peer_port + (node if cfg.health.one_machine else 0)
+
+
+def rendezvous_ports(cfg: FTConfig, gen: int) -> list[int]:
+    """The ports a launcher hosting rendezvous generation ``gen`` tries, in order: the range of
+    ``launch.rdzv_port``, from ``rdzv_port + gen`` on, wrapping around.
+
+    >>> from megatron_ft.config import from_dict
+    >>> rendezvous_ports(from_dict({"launch": {"rdzv_port": 29400, "rdzv_ports": 3}}), 1)
+    [29401, 29402, 29400]
+    """
+    lc = cfg.launch
+    return [lc.rdzv_port + (gen + i) % lc.rdzv_ports for i in range(lc.rdzv_ports)]
+
+
+def describe_ports(cfg: FTConfig) -> str:
+    """:func:`port_plan` as a table for a firewall between the job's hosts (``megatron-ft config --ports``)."""
+    rows = [("port(s)", "setting", "server", "listens in", "clients", "runs in")]
+    rows += [(r.span, r.setting, r.what, r.server, r.clients, r.when) for r in port_plan(cfg)]
+    rows.append(("any", "-", "gloo / NCCL connections, torch's TCPStore servers", "trainers, torchrun",
+                 "the job's hosts: allow all TCP between them", "every job"))
+    where = ("one machine: the per-node servers take port + node" if cfg.health.one_machine else
+             "on each host")
+    return f"TCP ports of run {cfg.run_id} ({where}; listening address: "\
+           f"{'the address of ' + cfg.network.interface if cfg.network.interface else 'the node host name'})\n" + \
+        "\n".join(" | ".join(row) for row in rows)
 
 
 def node_address_problem(cfg: FTConfig, node: int, env: Optional[dict] = None) -> Optional[str]:

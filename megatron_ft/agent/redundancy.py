@@ -41,6 +41,7 @@ from ..redundancy import exchange as xch
 from ..redundancy.codecs import get_codec
 from ..health.kv import StoreUnavailable
 from ..redundancy.plan import RedundancyPlan, plan_from_config
+from .. import network
 from ..transport import wire
 
 log = logging.getLogger("megatron_ft.agent")
@@ -77,7 +78,12 @@ class Redundancy:
             self.codec = get_codec("rs", g.k, g.m)
         self.sender = ExchangeSender(self)
         self.rebuild = PeerRebuild(self)
-        self.server = wire.Server((host, 0), self, name=f"peers-n{self.node}").start()
+        port = network.peer_port(self.cfg, self.node)
+        try:
+            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}").start()
+        except OSError as e:
+            raise OSError(e.errno, f"node {self.node}'s peer transport cannot listen on {host}:{port} ({e.strerror}): "
+                                   f"another process holds the port; free it or move network.peer_port") from None
         self.address = f"{self.server.address[0]}:{self.server.address[1]}"
         self.store.publish(f"addr/{self.node}", self.address)
         log.info("agent node %d: %s, group %d %s, peer transport on %s", self.node, self.plan.label, self.gi,

@@ -21,13 +21,17 @@ layer for everything a round cannot handle:
   ``health.timeout_s`` of a round's start and hand the failure to torchrun.
 
 The job's store: ``MASTER_ADDR:MASTER_PORT`` of torchrun's attempt. ``megatron-ft launch`` has torchrun
-pick a fresh port per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), where its rank-0 trainer would
-host the store and take it along when it dies; with fast restarts the keeper of torchrun's rank 0 hosts
+make a fresh store per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), where its rank-0 trainer would
+host it and take it along when it dies; torchrun would put it on an ephemeral port, so the launcher
+names ``launch.trainer_port`` (``MFT_TRAINER_PORT``, :func:`adopt_trainer_port` makes it ``MASTER_PORT``)
+and every attempt's store listens there (the previous attempt's trainers are gone before torchrun
+starts the next: its rendezvous waits for every node to stop its workers). With fast restarts the keeper of torchrun's rank 0 hosts
 it instead (a forked process, :func:`host_round_store`) and every trainer is its client
 (``TORCHELASTIC_USE_AGENT_STORE=True``, ``MFT_FRESH_STORE=1``: no per-restart key prefix, since a
 replacement node's torchrun counts its restarts from 0). Keys, under ``mft/fast/``:
 ``round/<n>`` (created by whoever opens round ``n``; a counter, so two keepers opening the same round
-agree) and ``port/<n>`` (the port of round ``n``'s own store at ``MASTER_ADDR``). A round's trainers
+agree) and ``port/<n>`` (the port of round ``n``'s own store at ``MASTER_ADDR``: the job store's port
+``+ n``, :func:`round_port`). A round's trainers
 get ``MASTER_PORT`` = that port and ``MFT_FAST_ROUND`` = ``n``; nothing else of their environment
 changes.
 
@@ -39,8 +43,9 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Mapping, MutableMapping, Optional
 
 from ..fatal import EXIT_CODE as END_JOB
 from .lifetime import die_with_parent, set_process_name
@@ -49,6 +54,7 @@ REPORT, OPEN_NEXT = "report", "open-next"
 POLL_S = 0.05  # how often a keeper looks for a newer round
 STORE_PROCESS_NAME = "mft-store"  # the process name of a store host (psutil's name(), /proc/PID/comm)
 STORE_TIMEOUT_S = 10.0  # every request to torchrun's store
+BIND_WAIT_S = 10.0  # a store's port still held by the previous holder, going away
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,25 @@ def in_process_grace(env: dict) -> Optional[float]:
     return grace if grace > 0 else None
 
 
+def adopt_trainer_port(env: MutableMapping[str, str]) -> None:
+    """Make ``launch.trainer_port`` (``MFT_TRAINER_PORT``, set by ``megatron-ft launch``) the job store's
+    ``MASTER_PORT`` in ``env``, in place; once: the variable is removed, so a fast round's own
+    ``MASTER_PORT`` is left alone. Without it (a plain torchrun) ``env`` is unchanged.
+
+    >>> env = {"MASTER_PORT": "41234", "MFT_TRAINER_PORT": "29700"}
+    >>> adopt_trainer_port(env); env
+    {'MASTER_PORT': '29700'}
+    """
+    port = env.pop("MFT_TRAINER_PORT", None)
+    if port:
+        env["MASTER_PORT"] = port
+
+
+def round_port(env: Mapping[str, str], n: int) -> int:
+    """The port of fast restart round ``n``'s store: the job store's ``+ n`` (``launch.trainer_port + n``)."""
+    return int(env["MASTER_PORT"]) + n
+
+
 def budget(env: dict) -> int:
     """Fast rounds allowed for a worker with environment ``env`` (``MFT_FAST_RESTARTS``, set by
     ``megatron-ft launch``; 0 without torchrun's ``MASTER_ADDR``/``MASTER_PORT``)."""
@@ -145,10 +170,11 @@ class RoundStore:
         return int(self.store.get(f"port/{n}"))
 
 
-def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
-    """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, 0: a free one, reached
-    at ``addr``): (its pid, the port). It dies with its keeper; the keeper kills it when it is no
-    longer needed. The server's threads run in that process, so the keeper stays single-threaded."""
+def host_round_store(addr: str, port: int) -> tuple[int, int]:
+    """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, reached at ``addr``):
+    (its pid, the port). It dies with its keeper; the keeper kills it when it is no longer needed. The
+    server's threads run in that process, so the keeper stays single-threaded. A port still held (a
+    previous host not yet gone) is tried again for up to ``BIND_WAIT_S``; then a :class:`RuntimeError`."""
     rd, wr = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -158,8 +184,16 @@ def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
             set_process_name(STORE_PROCESS_NAME)
             from torch.distributed import TCPStore
 
-            store = TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            deadline = time.monotonic() + BIND_WAIT_S
+            while True:
+                try:
+                    store = TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                    break
+                except RuntimeError:  # DistNetworkError: the port is held
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
             os.write(wr, str(store.port).encode())
             os.close(wr)
             while True:
@@ -173,14 +207,15 @@ def host_round_store(addr: str, port: int = 0) -> tuple[int, int]:
         os.close(rd)
     if not data:
         os.waitpid(pid, 0)
-        raise RuntimeError(f"the round store at {addr} did not start")
+        raise RuntimeError(f"the store at {addr}:{port} did not start within {BIND_WAIT_S:g} s (the port is held "
+                           f"by another process: free it or move launch.trainer_port)")
     return pid, int(data)
 
 
 class VerdictWatch:
     """Has the root agent judged a node failed since ``since`` (wall clock: this torchrun attempt's
     start)? ``last_verdict`` in the agents' health store, ``<node>/<pid>/<time>``, changed by every
-    verdict; only with a health store, i.e. peer redundancy. A node lost during an attempt ends it
+    verdict; only with a health store (:func:`megatron_ft.health.store.store_needed`). A node lost during an attempt ends it
     (its replacement joins torchrun's rendezvous), so a round cannot heal it. Best effort: a store
     that does not answer is no news (each read bounded by 0.5 s, 5 s while the root moves)."""
 
@@ -190,10 +225,11 @@ class VerdictWatch:
         try:
             from .. import config as ftconfig
 
+            from ..health.store import StoreClient, store_needed
+
             cfg = ftconfig.load(env.get("MFT_CONFIG"))
-            if cfg.redundancy.scheme == "none":
+            if not store_needed(cfg):
                 return
-            from ..health.store import StoreClient
 
             self.client = StoreClient(cfg, timeout_s=0.5)
         except Exception:

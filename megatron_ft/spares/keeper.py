@@ -49,6 +49,7 @@ class Keeper:
     def __init__(self, conn: socket.socket, req: dict, fds: list[int]):
         self.conn, self.req, self.fds = conn, req, fds
         self.env = dict(req["env"])
+        fr.adopt_trainer_port(self.env)  # the job store at launch.trainer_port, for this keeper and its trainers
         self.round = fr.Round(0, fr.budget(self.env))
         self.trainer: Optional[int] = None
         self.joining: Optional[int] = None  # a round opened, its trainer not forked yet
@@ -156,7 +157,7 @@ class Keeper:
             return
         if self.env.get("RANK") == "0" and (self.host is None or self.host[0] != self.joining):
             self.stop_host()
-            pid, port = fr.host_round_store(self.env["MASTER_ADDR"])
+            pid, port = fr.host_round_store(self.env["MASTER_ADDR"], fr.round_port(self.env, self.joining))
             self.host = (self.joining, pid, port)
             store.publish_port(self.joining, port)
         port = store.port(self.joining)

@@ -31,7 +31,7 @@ import yaml
 from . import faults
 from .. import config as ftconfig
 from .. import tiers
-from .helpers import free_port, free_port_range, read_jsonl
+from .helpers import read_jsonl, with_free_ports
 from .hosts import HostBed
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
@@ -501,17 +501,11 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     each other on the bed's ``eth0``."""
     base = ftconfig.load(args.config)
     tag = f"demo-{args.fail}-{os.getpid()}"
-    cfg = ftconfig.replace(
-        base, run_id=tag,
-        persist={"dir": os.path.join(workdir, "persist")},
-        launch={"rdzv_port": free_port()},
-        health={"store_port": free_port_range(base.cluster.nodes + 8)},
-    )
+    cfg = ftconfig.replace(base, run_id=tag, persist={"dir": os.path.join(workdir, "persist")})
     if args.redundancy and args.config:  # the user's cluster, with this scheme (validated against it)
         cfg = ftconfig.replace(cfg, redundancy=DEMO_SHAPES[args.redundancy]["redundancy"])
     elif args.redundancy:  # the demo's own cluster for the scheme
-        cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy],
-                               health={"store_port": free_port_range(DEMO_SHAPES[args.redundancy]["cluster"]["nodes"])})
+        cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy])
     if args.transport == "scheduled":  # the config says why if the scheme is not replica
         # profile a few iterations, then plan: the first scheduled copy is complete well before --kill-at;
         # idle "auto": on CPU the bubbles while a core is free (none with 4 ranks on 2 cores)
@@ -519,9 +513,10 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     if getattr(args, "hosts", False):
-        cfg = ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
-                               network={"interface": "eth0"})
-    return cfg
+        # hosts of their own: every host has the default ports to itself
+        return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
+                                network={"interface": "eth0"})
+    return with_free_ports(cfg)
 
 
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
@@ -555,7 +550,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         shutil.rmtree(ref_dir, ignore_errors=True)
         t0 = time.time()
         # the same job started cold (no warm spares): the yardstick of a recovery's time
-        ref_cfg = ftconfig.replace(cfg, run_id=cfg.run_id + "-ref", launch={"rdzv_port": free_port(), "warm_spares": False})
+        ref_cfg = with_free_ports(cfg, run_id=cfg.run_id + "-ref", launch={"warm_spares": False})
         ref_log = ref_dir + ".log"
         p = launch_job(ref_cfg, ref_dir, targs, inmem=False, log_path=ref_log, program=program, bed=bed)
         wait_job(p, args.timeout, "reference run", ref_log)

@@ -9,7 +9,9 @@ import socket
 import time
 from typing import Any, Callable
 
+from .. import config as ftconfig
 from ..agent import shm
+from ..config import port_plan
 
 
 class WaitTimeout(RuntimeError):
@@ -59,6 +61,24 @@ def free_port_range(n: int) -> int:
         if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def with_free_ports(cfg: ftconfig.FTConfig, **sections: Any) -> ftconfig.FTConfig:
+    """``cfg`` with ``sections`` replaced and every port of its plan (:func:`megatron_ft.config.port_plan`:
+    rendezvous, agents' stores and peer transports, trainers' stores) moved into one block free on this
+    machine now, so jobs side by side do not meet. Apply it to the job's final shape (the plan's ranges
+    depend on its node count and restart budget)."""
+    shaped = ftconfig.replace(cfg, **sections) if sections else cfg
+    plan = port_plan(shaped)
+    port = free_port_range(sum(r.count for r in plan))
+    moved: dict = {name: dict(changes) for name, changes in sections.items() if name != "run_id"}
+    for r in plan:
+        section, key = r.setting.split(".")
+        moved.setdefault(section, {})[key] = port
+        port += r.count
+    if "run_id" in sections:
+        moved["run_id"] = sections["run_id"]
+    return ftconfig.replace(cfg, **moved)
 
 
 def wait_for(what: str, fn: Callable[[], Any], limit_s: float = 30.0, logs: Callable[[], str] = lambda: "") -> Any:

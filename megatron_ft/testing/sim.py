@@ -24,7 +24,7 @@ from ..agent.protocol import AgentClient, socket_path
 from ..capture.state import TorchStateAdapter
 from ..trainer.recovery import Restorer, RestoreResult
 from ..trainer.snapshot import SnapshotEngine
-from .helpers import WaitTimeout, free_port_range
+from .helpers import WaitTimeout, with_free_ports
 
 
 
@@ -115,11 +115,11 @@ class LocalCluster:
                  persist_interval: int = 0, config: Optional[dict] = None, **redundancy):
         self.run_id = f"t{uuid.uuid4().hex[:10]}"
         extra = dict(config or {})
-        self.cfg = ftconfig.replace(
+        self.cfg = with_free_ports(
             ftconfig.load(), run_id=self.run_id, cluster={"nodes": nodes, "ranks_per_node": 1},
             parallel={"tensor": 1, "pipeline": 1}, redundancy=redundancy,
             persist={"dir": os.path.join(workdir, "persist"), "interval": persist_interval, "on_failure": False},
-            health={"store_port": free_port_range(nodes + 1), **extra.pop("health", {})}, **extra)
+            **extra)
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, f"{self.run_id}.yaml")
         with open(self.path, "w") as f:

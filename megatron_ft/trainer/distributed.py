@@ -9,8 +9,9 @@ Two things differ from a plain ``init_process_group("env://")``:
 * **A fresh store per restart.** With torch 2.13's default (the rendezvous TCPStore shared with
   the workers), a restarted gloo group reads the *previous* round's peer addresses from the
   store and fails with "connectFullMesh ... Connection refused". The launcher therefore sets
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each round gets a new master port, and the worker with
-  torchrun rank 0 hosts a new TCPStore there. Under a plain torchrun that shares its store we
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: each round gets a new store, which the worker with
+  torchrun rank 0 hosts at ``launch.trainer_port`` (``MFT_TRAINER_PORT``; torchrun's own choice would
+  be an ephemeral port). Under a plain torchrun that shares its store we
   prefix the keys with the restart count instead (correct on a single node).
 """
 from __future__ import annotations
@@ -44,6 +45,9 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
     (``TORCHELASTIC_USE_AGENT_STORE`` alone: key-prefixed by the restart count). The first two are
     fresh per attempt and unprefixed, so a replacement node, whose torchrun counts its restarts from
     0, meets the others under the same keys."""
+    from ..spares.fast_restart import adopt_trainer_port
+
+    adopt_trainer_port(os.environ)  # launch.trainer_port, not torchrun's ephemeral MASTER_PORT
     world = int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -32,7 +32,7 @@ import yaml
 
 from megatron_ft import config as ftconfig
 from megatron_ft.testing import faults
-from megatron_ft.testing.helpers import free_port, read_jsonl
+from megatron_ft.testing.helpers import free_port, read_jsonl, with_free_ports
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
@@ -141,10 +141,9 @@ def reference(tmp, stage, pipeline):
 
 
 def job_config(tmp):
-    cfg = ftconfig.replace(ftconfig.load(), run_id=f"ds{uuid.uuid4().hex[:10]}",
-                           cluster={"nodes": 1, "ranks_per_node": 2}, parallel={"tensor": 1, "pipeline": 1},
-                           persist={"dir": str(tmp / "persist"), "interval": 0},
-                           launch={"rdzv_port": free_port(), "max_restarts": 2})
+    cfg = with_free_ports(ftconfig.load(), run_id=f"ds{uuid.uuid4().hex[:10]}",
+                          cluster={"nodes": 1, "ranks_per_node": 2}, parallel={"tensor": 1, "pipeline": 1},
+                          persist={"dir": str(tmp / "persist"), "interval": 0}, launch={"max_restarts": 2})
     path = str(tmp / "job.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)

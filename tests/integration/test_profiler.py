@@ -20,7 +20,7 @@ from megatron_ft import cli
 from megatron_ft import config as ftconfig
 from megatron_ft.schedule import profiler as prof_mod
 from megatron_ft.schedule.spans import LinkModel
-from megatron_ft.testing.helpers import free_port
+from megatron_ft.testing.helpers import free_port, with_free_ports
 
 from conftest import REPO
 
@@ -260,10 +260,10 @@ def test_timeline_draws_the_schedule_a_transport_ran(tmp_path, capsys):
 def test_launch_with_inmem_ckpt_and_profile_then_timeline(tmp_path, shm_cleanup):
     """The user's path: megatron-ft launch (agent + torchrun, PP=2) with snapshots and the profiler."""
     run_id = f"pf{uuid.uuid4().hex[:10]}"
-    cfg = ftconfig.replace(ftconfig.load(), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 2},
-                           parallel={"tensor": 1, "pipeline": 2},
-                           persist={"dir": str(tmp_path / "persist"), "interval": 0},
-                           launch={"rdzv_port": free_port(), "max_restarts": 0})
+    cfg = with_free_ports(ftconfig.load(), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 2},
+                          parallel={"tensor": 1, "pipeline": 2},
+                          persist={"dir": str(tmp_path / "persist"), "interval": 0},
+                          launch={"max_restarts": 0})
     cfg_path = tmp_path / "job.yaml"
     yaml.safe_dump(cfg.to_dict(), open(cfg_path, "w"))
     run_dir = tmp_path / "run"

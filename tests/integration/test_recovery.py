@@ -18,7 +18,7 @@ from conftest import run_demo
 from megatron_ft import config as ftconfig
 from megatron_ft.agent import persist
 from megatron_ft.schedule.modes import free_share_of_waits
-from megatron_ft.testing.helpers import read_jsonl, wait_for
+from megatron_ft.testing.helpers import read_jsonl, wait_for, with_free_ports
 
 ITERS, KILL_AT = 10, 5
 
@@ -107,14 +107,13 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     # make sure the shared reference exists (ITERS iterations; an earlier test usually made it)
     if not demo_mod.reference_matches(reference_dir, demo_mod.training_args(ftconfig.load(), ITERS, []), 4):
         demo(tmp_path / "r", reference_dir, "--fail=none")
-    cfg = ftconfig.replace(ftconfig.load(), run_id=f"cold{os.getpid()}",
-                           persist={"dir": str(tmp_path / "persist"), "interval": 4},
-                           launch={"rdzv_port": demo_mod.free_port()})
+    cfg = with_free_ports(ftconfig.load(), run_id=f"cold{os.getpid()}",
+                          persist={"dir": str(tmp_path / "persist"), "interval": 4})
     first = demo_mod.training_args(cfg, ITERS, ["--exit-interval", "6"])
     p = demo_mod.launch_job(cfg, str(tmp_path / "first"), first, inmem=True, log_path=str(tmp_path / "first.log"))
     demo_mod.wait_job(p, 600, "first run", str(tmp_path / "first.log"))
     assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 4) == [4]  # step 6 is not a multiple of 4
-    cfg = ftconfig.replace(cfg, launch={"rdzv_port": demo_mod.free_port()})
+    cfg = with_free_ports(cfg)
     run = tmp_path / "second"
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, ITERS, []), inmem=True,
                             log_path=str(tmp_path / "second.log"))
@@ -245,8 +244,7 @@ def test_an_agent_that_cannot_be_restarted_mid_job_ends_the_job_in_one_line(tmp_
     from megatron_ft.testing import demo as demo_mod
     from megatron_ft.testing.helpers import wait_for
 
-    cfg = ftconfig.replace(ftconfig.load(), run_id=f"agentfail{os.getpid()}",
-                           launch={"rdzv_port": demo_mod.free_port()})
+    cfg = with_free_ports(ftconfig.load(), run_id=f"agentfail{os.getpid()}")
     run = tmp_path / "run"
     log_path = str(tmp_path / "run.log")
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 400, []), inmem=True, log_path=log_path)
@@ -291,10 +289,8 @@ def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_end
     launch.start_timeout_s (60 s here) for a launcher that would not come."""
     from megatron_ft.testing import demo as demo_mod
 
-    cfg = ftconfig.replace(ftconfig.load(), run_id=f"orphan{os.getpid()}",
-                           persist={"dir": str(tmp_path / "persist"), "interval": 0},
-                           launch={"rdzv_port": demo_mod.free_port(), "start_timeout_s": 60},
-                           health={"store_port": demo_mod.free_port_range(4)})
+    cfg = with_free_ports(ftconfig.load(), run_id=f"orphan{os.getpid()}",
+                          persist={"dir": str(tmp_path / "persist"), "interval": 0}, launch={"start_timeout_s": 60})
     run = tmp_path / "run"
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 200, []), inmem=True,
                             log_path=str(tmp_path / "run.log"))
