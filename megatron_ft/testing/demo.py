@@ -32,7 +32,7 @@ from . import faults
 from .. import config as ftconfig
 from .. import tiers
 from .helpers import read_jsonl, with_free_ports
-from .hosts import HostBed
+from .hosts import HostBed, off_plan
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
 
@@ -519,6 +519,17 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     return with_free_ports(cfg)
 
 
+def host_listeners(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
+    """What listens on each host of ``bed`` now: megatron-ft's own servers as ``[host, owner, port]``, and
+    those off the configuration's port plan (:func:`megatron_ft.testing.hosts.off_plan`)."""
+    own, off = set(), []
+    for i in range(cfg.cluster.nodes):
+        found = bed.listeners(i)
+        own |= {(bed.plan.name(i), s.owner, s.port) for s in found if s.owner != "trainer"}
+        off += [f"{bed.plan.name(i)}: {x}" for x in off_plan(cfg, found)]
+    return {"own": [list(x) for x in sorted(own)], "off_plan": off}
+
+
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     workdir = os.path.abspath(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
@@ -579,6 +590,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
+    listeners: Optional[dict] = None  # hosts of their own: what listens where (host_listeners)
     # the settings the job runs with (the training command's --inmem-ckpt* flags applied), and the
     # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
     eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
@@ -654,6 +666,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                         f"the node is lost after iteration {reached + 1} instead of {args.kill_at}")
                     args.kill_at = reached + 1
             recs = wait_iteration(victims, args.kill_at)
+            if bed is not None:  # the job is up on every host: what listens where, before the failure
+                listeners = host_listeners(bed, cfg)
             if args.kill_delay > 0:
                 time.sleep(args.kill_delay)
                 recs = {v: _progress(run_dir, v) for v in victims}
@@ -750,6 +764,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
+    problems += [f"off the port plan: {x}" for x in (listeners or {}).get("off_plan", [])]
     promise = None
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in DAMAGE_POINTS else args.fail
@@ -823,6 +838,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         "problems": problems[:10],
         "workdir": workdir,
     }
+    if listeners is not None:  # hosts of their own: megatron-ft's servers seen before the failure
+        summary["listeners"] = listeners
     say("")
     say("=" * 72)
     say(f" scenario            : {args.fail}")

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
+
+from .. import config as ftconfig
 
 NETNS_DIR = "/var/run/netns"
 STATE_DIR = "/run/megatron-ft/hosts"
@@ -90,6 +93,83 @@ class BedPlan:
         lines += [f"{'127.0.1.1' if own_name_loopback and i == host else self.address(i)} {self.name(i)}"
                   for i in range(self.hosts)]
         return "\n".join(lines) + "\n"
+
+
+class Listener(NamedTuple):
+    """A listening TCP socket: its address, port and owning process (pid; 0 when ``ss`` names none)."""
+
+    address: str
+    port: int
+    pid: int
+    process: str  # the owner's command line ("" when gone)
+    name: str = ""  # the owner's /proc/PID/comm
+
+    @property
+    def owner(self) -> str:
+        """Which of a job's processes listens: ``agent``, ``launcher``, ``torchrun``, ``store host`` (a
+        warm-spare keeper's fork hosting the trainers' store) or ``trainer`` (everything else: the
+        trainers, whose collectives listen where torch picks)."""
+        from ..spares.fast_restart import STORE_PROCESS_NAME
+
+        if self.name == STORE_PROCESS_NAME:
+            return "store host"
+        if "megatron_ft.agent" in self.process:
+            return "agent"
+        if "torch.distributed.run" in self.process:
+            return "torchrun"
+        if " launch" in self.process and "megatron" in self.process and "spares" not in self.process:
+            return "launcher"
+        return "trainer"
+
+
+def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
+    """megatron-ft's own servers among ``listeners`` (one host's) that listen off the configuration's port
+    plan (:func:`megatron_ft.config.port_plan`), or where the peer transport should listen on the
+    interface's address only; the trainers' listeners are torch's and not judged. Empty: all as planned."""
+    ports = {p: r.setting for r in ftconfig.port_plan(cfg) for p in range(r.first, r.last + 1)}
+    out = []
+    for s in listeners:
+        if s.owner == "trainer":
+            continue
+        if s.port not in ports:
+            out.append(f"{s.owner} (pid {s.pid}) listens on {s.address}:{s.port}, a port of no setting")
+        elif ports[s.port] == "network.peer_port" and s.address in ("0.0.0.0", "*", "::"):
+            out.append(f"{s.owner} (pid {s.pid}) serves its peers on every interface ({s.address}:{s.port})")
+    return out
+
+
+def parse_listeners(ss_output: str) -> list[Listener]:
+    """``ss -H -ltnp`` lines as :class:`Listener` s (one per owning process).
+
+    >>> parse_listeners('LISTEN 0 128 10.77.0.10:29600 0.0.0.0:* users:(("python",pid=4242,fd=7))')[0][:3]
+    ('10.77.0.10', 29600, 4242)
+    """
+    out = []
+    for line in ss_output.splitlines():
+        parts = line.split()
+        if len(parts) < 4 or parts[0] != "LISTEN":
+            continue
+        address, _, port = parts[3].rpartition(":")
+        pids = [int(p) for p in re.findall(r"pid=(\d+)", line)] or [0]
+        for pid in dict.fromkeys(pids):
+            out.append(Listener(address.strip("[]"), int(port), pid, _cmdline(pid), _comm(pid)))
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _run(*argv: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
@@ -308,6 +388,11 @@ class HostBed:
 
     def processes(self, i: int) -> list[int]:
         return processes_in(self.plan.host_ns(i))
+
+    def listeners(self, i: int) -> list["Listener"]:
+        """Every TCP socket listening on host ``i`` now, with its process (``ss -ltnp`` in its namespace)."""
+        out = _run("ss", "-N", self.plan.host_ns(i), "-H", "-ltnp").stdout
+        return parse_listeners(out)
 
     def lose(self, i: int) -> list[int]:
         """Host ``i`` dies: every process on it SIGKILLed at once, its /dev/shm gone. Returns their pids."""

@@ -168,7 +168,9 @@ def test_a_node_whose_name_resolves_to_loopback_is_refused_at_launch(bed_allowed
 def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_path, argv, tier):
     """The demo with every node on a host of its own (--hosts): its own address, name, /dev/shm; the
     collectives and the agents on the bed's eth0; a lost node's host dies whole and a new one takes its
-    name. Bit-exact at the promised tier, nothing of the bed left."""
+    name. Bit-exact at the promised tier, nothing of the bed left. Before the failure, megatron-ft's own
+    servers listen on the default ports of the plan (hosts of their own: the same on every host) and
+    nowhere else."""
     from conftest import run_demo
 
     work = tmp_path / "w"
@@ -176,9 +178,15 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
                   "--iters=14", "--kill-at=7", *argv], timeout=600)
     assert s["recovered_from"] == tier and 5 <= s["resumed_step"] <= 7, s
     log = (work / "run.log").read_text()
-    assert "rendezvous generation 0 hosted by node 0 at node0:" in log
+    assert "rendezvous generation 0 hosted by node 0 at node0:29400" in log
+    assert s["listeners"]["off_plan"] == [] and not s["problems"], s
+    own = {tuple(x) for x in s["listeners"]["own"]}
+    assert {("node0", "torchrun", 29400), ("node0", "agent", 29500), ("node1", "agent", 29500)} <= own, own
+    # the trainers' store, hosted by torchrun rank 0's warm-spare keeper, on MASTER_ADDR's host
+    assert any(o == "store host" and p == 29700 for _, o, p in own), own
     if tier == "peer_memory":
         assert s["lost_nodes"] == [1]
+        assert {("node0", "agent", 29600), ("node1", "agent", 29600)} <= own, own
         agent_log = (work / "run" / "node0" / "agent.log").read_text()
-        assert "peer transport on 10.77.0.11:" in agent_log  # the interface's address, not a wildcard
+        assert "peer transport on 10.77.0.11:29600" in agent_log  # the interface's address, not a wildcard
     assert hosts.bed_namespaces() == []  # the demo's bed is gone with it

@@ -279,7 +279,9 @@ def test_node0s_launcher_lost_and_started_again_resumes_from_local_memory_withou
     assert (s["recovered_from"], s["promised_tier"]) == ("local_memory", "local_memory")
     assert s["resumed_step"] >= KILL_AT - 1
     log = (tmp_path / "demo" / "run.log").read_text() + (tmp_path / "demo" / "replacement.log").read_text()
-    assert "rendezvous generation 1 hosted by node 1" in log
+    cfg = ftconfig.load(str(tmp_path / "demo" / "run" / "job.yaml"))
+    # the next port of launch.rdzv_port's range, not one the kernel picked
+    assert f"rendezvous generation 1 hosted by node 1 at 127.0.0.1:{cfg.launch.rdzv_port + 1}" in log
 
 
 def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_ends(tmp_path):
