@@ -97,6 +97,7 @@ class Trial:
     config: Optional[str] = None  # a cluster file (its shape and scheme) instead of the demo's shapes
     lost_pair: Optional[tuple[int, int]] = None  # two-node kinds that draw which two nodes are lost
     hosts: bool = False  # every node on a host of its own (the multi-host test bed)
+    link_rate: Optional[str] = None  # hosts: every link's rate (tc tbf), e.g. "200mbit"
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
@@ -118,6 +119,8 @@ class Trial:
             out.append("--with-agent")
         if self.hosts:
             out.append("--hosts")
+            if self.link_rate:
+                out.append(f"--link-rate={self.link_rate}")
         if self.lost_pair is not None:
             out += [f"--victim-node={self.lost_pair[0]}", f"--other-node={self.lost_pair[1]}"]
         elif k.get("victim_node") is not None:
@@ -148,7 +151,7 @@ def _label(outcome: dict) -> str:
 
 
 def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optional[str] = None,
-         early: bool = False, hosts: bool = False) -> Trial:
+         early: bool = False, hosts: bool = False, link_rate: Optional[str] = None) -> Trial:
     """Trial ``index`` of campaign ``seed``: kinds in turn (a shuffled cycle, so every kind gets its
     share), the kill iteration uniform in [3, iters - 3], the delay half the time uniform over an
     iteration (~0.25 s here) and half the time in its first 30 ms, where the copy and the exchange run.
@@ -169,7 +172,7 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optio
     pair = None
     if KINDS[kind].get("pairs_of") and not config:
         pair = tuple(sorted(extra.sample(range(KINDS[kind]["pairs_of"]), 2)))
-    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair, hosts)
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair, hosts, link_rate)
 
 
 @dataclass
@@ -350,7 +353,7 @@ def main(args: argparse.Namespace) -> int:
         if i in done:
             continue
         trial = draw(args.seed, i, kinds, config=config, early=getattr(args, "early", False),
-                     hosts=getattr(args, "hosts", False))
+                     hosts=getattr(args, "hosts", False), link_rate=getattr(args, "link_rate", None))
         o = run_trial(trial, os.path.abspath(args.workdir), args.trial_timeout)
         with open(results, "a", encoding="utf-8") as f:
             f.write(json.dumps(asdict(o)) + "\n")
@@ -381,6 +384,8 @@ def add_parser(sub) -> None:
     p.add_argument("--trial-timeout", type=float, default=300.0, help="a trial past this is a hang")
     p.add_argument("--hosts", action="store_true",
                    help="every trial's nodes on hosts of their own (demo --hosts; root, namespaces)")
+    p.add_argument("--link-rate", default=None,
+                   help="with --hosts: every link's rate (tc tbf, e.g. 200mbit; checkpoint and training traffic share it)")
     p.add_argument("--early", action="store_true",
                    help="every node and two-node loss strikes within the first second after the first iteration "
                         "(else half of them)")
