@@ -183,7 +183,11 @@ class ScheduledHooks:
             pb = [IdleSpan(a, b) for a, b in peer.get(self.transport.dsts[0], [])]
             return plan_sends_every(every, mode, nbytes, len(self.transport.dsts), link, sc.reserved_bytes,
                                     sc.sub_buffers, sc.mu, spans, bubbles, pb)
-        except ValueError as e:  # e.g. no shared bubble: send at the end of the iteration instead
+        except ValueError as e:  # e.g. no bubble shared with the receiver
+            if mode != "pipelined" and spans:  # GEMINI's plan over the idle spans: training does not wait
+                log.warning("rank %d: %s plan impossible (%s): the pipelined plan over the idle spans instead",
+                            self.rank, mode, e)
+                return self._schedule("pipelined", nbytes, link, spans, bubbles, peer)
             log.warning("rank %d: %s plan impossible (%s): sending at the end of the iteration", self.rank, mode, e)
             try:
                 return plan_sends_every(every, "end", nbytes, len(self.transport.dsts), link, sc.reserved_bytes,

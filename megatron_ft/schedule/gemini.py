@@ -212,12 +212,14 @@ def fitting_interval(spans: Sequence[IdleSpan], checkpoint_bytes: int, replicas:
                      sub_buffers: int, link: LinkModel, mu: float = 0.9, max_iterations: int = 64) -> GeminiPlan:
     """The plan over the fewest iterations (<= ``max_iterations``) whose chunks all fit in mu times
     their spans - a checkpoint every ``plan.interval_iterations`` iterations, without interference.
-    When none fits (spans too short for even one chunk), the one-iteration plan that stalls in its
-    last span, as GEMINI does ("GEMINI can reduce the checkpoint frequency to amortize" it)."""
+    When none fits, the ``max_iterations`` plan: as much as its spans hold, the rest stalling in its
+    last span, once every ``max_iterations`` iterations ("GEMINI can reduce the checkpoint frequency
+    to amortize" it; a one-iteration plan would stall every iteration for the whole transfer)."""
     _check_int("max_iterations", max_iterations, 1)
     args = (spans, checkpoint_bytes, replicas, reserved_bytes, sub_buffers, link, mu)
+    plan = None
     for n in range(1, max_iterations + 1):
         plan = checkpoint_partition(*args, iterations=n)
         if plan.fits:
             return plan
-    return checkpoint_partition(*args, iterations=1)
+    return plan

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Checkpoint traffic on a rate-limited link: training alone, with the agent transport, and with the
+scheduled transport (GEMINI's pipelined mode, BAFT's bubbles), where the two compete for one link.
+
+Two hosts of the multi-host test bed (``megatron_ft/testing/hosts.py``: a network namespace each, named
+``node0``/``node1``, private /dev/shm), every link rate-limited with ``tc ... tbf`` at both ends (burst
+256 KiB, 100 ms of queue), one rank per host: PP=2 across the link (every micro-batch's activations
+and gradients cross it) and GEMINI replicas m = 2 (each host holds the other's copy, so every
+checkpoint byte crosses it as well). Per link rate, ``--reps`` repetitions, each running these
+jobs in turn (interleaved: the machine's drift reaches every kind alike):
+
+* ``none``: megatron-ft off (no snapshot, no traffic);
+* ``agent``: ``redundancy.transport: agent``: a snapshot every iteration, the agents exchange each
+  version as soon as it is clean (whenever the link is free of the previous one);
+* ``pipelined`` (GEMINI) and ``bubble`` (BAFT): ``redundancy.transport: scheduled`` in that
+  ``schedule.mode``, ``schedule.idle: network``, the link's rate as ``schedule.bandwidth_mib_s``
+  (an operator knows theirs), after ``--profile`` iterations profiled without checkpoint traffic.
+
+A figure is the median over the repetitions of a job's mean iteration time after the profile (the
+same iterations in every job). Targets, per rate: ``pipelined`` and ``bubble`` <= 3 % over ``none`` and <= half of the agent
+transport's overhead. They must be met where the profiled network idle time covers the checkpoint's
+bytes at that rate (the plan fits: ``fits``, idle left >= 0); elsewhere the table shows the idle time
+per iteration and the traffic time the bytes need, which explain the miss.
+
+    python3 benchmarks/link.py                             # 20 and 200 Mbit/s, 5 repetitions
+    python3 benchmarks/link.py --rates 100mbit --reps 1 --no-docs
+
+Needs root, iproute2 and the megatron extra (the test bed's requirements); writes its section of
+docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import scheduling  # noqa: E402  (this directory: the scheduled modes' job and transport records)
+from _docs import write_section  # noqa: E402
+
+from megatron_ft import config as ftconfig  # noqa: E402
+from megatron_ft.testing import demo  # noqa: E402
+from megatron_ft.testing.hosts import HostBed, unavailable_reason  # noqa: E402
+
+DOCS = scheduling.DOCS
+HEADING = "## Checkpoint traffic on a rate-limited link"
+OVERHEAD_MAX = 0.03  # scheduled over none
+RATIO_MAX = 0.5  # scheduled overhead / agent overhead
+KINDS = ("none", "agent", "pipelined", "bubble")
+
+
+def rate_bits(rate: str) -> float:
+    """tc's rate text as bits per second.
+
+    >>> rate_bits("100mbit"), rate_bits("1gbit"), rate_bits("500kbit")
+    (100000000.0, 1000000000.0, 500000.0)
+    """
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)?bit", rate.strip().lower())
+    if not m:
+        raise ValueError(f"--rates: {rate!r} is not a tc rate like 100mbit, 1gbit or 500kbit")
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9, None: 1.0}[m.group(2)]
+
+
+def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> ftconfig.FTConfig:
+    """The job of ``kind`` (one of :data:`KINDS`) on the bed's two hosts."""
+    cfg = scheduling.job_config(2, "none" if kind == "none" else "scheduled", workdir, args, [])
+    if kind == "agent":
+        cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "agent"})
+    elif kind != "none":  # the plan's link: the rate the bed gives it
+        cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
+    return ftconfig.replace(cfg, run_id=f"blink-{kind}-{os.getpid()}", launch={"master_addr": "node0"},
+                            health={"host_pattern": "node{node}"}, network={"interface": "eth0"})
+
+
+def run_job(bed: HostBed, kind: str, rate: str, iters: int, args: argparse.Namespace, tag: str) -> str:
+    run_dir = os.path.join(args.workdir, f"{kind}-{tag}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = job_config(kind, rate, args.workdir, args)
+    log_path = run_dir + ".log"
+    p = demo.launch_job(cfg, run_dir, scheduling.train_args(2, iters, args), inmem=kind != "none",
+                        log_path=log_path, bed=bed)
+    demo.wait_job(p, args.timeout, f"{kind} at {rate}", log_path)
+    return run_dir
+
+
+def mean_after(run_dir: str, first: int) -> float:
+    return statistics.mean(scheduling.iteration_times(run_dir, first))
+
+
+def plan_figures(run_dir: str, iterations: int) -> dict:
+    """A scheduled job's plan, over its ranks (``transport/rank*.json``): the mode it planned (a ``bubble``
+    job without a bubble shared with its receiver plans ``pipelined``), the idle time per iteration, the
+    copy's traffic time per iteration, the interval planned and achieved, training's wait per iteration,
+    the copy's bytes, and whether every send fits its span."""
+    trs = [json.load(open(os.path.join(run_dir, "transport", f))) for f in sorted(os.listdir(
+        os.path.join(run_dir, "transport")))]
+    scheds = [next((s for s in t["plan"]["schedules"].values() if s), None) for t in trs]
+    if not all(scheds):
+        return {}
+    idle = [sum(b - a for a, b in t["plan"]["spans"]) for t in trs]
+    transfer = [s["planned_transfer_s"] / s["interval_iterations"] for s in scheds]
+    sent = min(sum(1 for x in t["transfers"] if x["bytes"] > 0) for t in trs)
+    return {"planned_mode": "/".join(sorted({s["mode"] for s in scheds})),
+            "idle_s": min(idle), "transfer_s": max(transfer), "idle_left_s": min(i - x for i, x in zip(idle, transfer)),
+            "interval_planned": max(s["interval_iterations"] for s in scheds),
+            "interval_achieved": iterations / sent if sent else None,
+            "stall_s": max(sum(t.get("stall_by_mode", {}).values()) for t in trs) / max(1, iterations),
+            "container_bytes": max(t["plan"]["nbytes"] for t in trs), "fits": all(s["fits"] for s in scheds)}
+
+
+def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
+    """Every repetition's figures at ``rate``: rows of {rate, rep, mode, iteration_s, ...}."""
+    rows = []
+    first = args.profile + 1  # the first iteration measured (its predecessor's end is known)
+    iters = args.profile + args.measured
+    with HostBed(2, shm_mib=args.shm_mib, rate=rate) as bed:
+        for rep in range(args.reps):
+            for kind in args.kinds:
+                t0 = time.time()
+                d = run_job(bed, kind, rate, iters, args, f"{rate}-{rep}")
+                row = {"rate": rate, "rep": rep, "mode": kind, "iteration_s": mean_after(d, first), "run_dir": d}
+                if kind in ("pipelined", "bubble"):
+                    row.update(plan_figures(d, iters - args.profile))
+                rows.append(row)
+                print(f"[{rate} rep {rep}] {kind}: {row['iteration_s']:.3f} s/it"
+                      + (f" (planned {row.get('planned_mode')}, a copy every {row.get('interval_planned')} it)"
+                         if "planned_mode" in row else "") + f" ({time.time() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """Per (rate, mode): the median over repetitions, the repetitions' figures, and the plan's numbers."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        out.setdefault((r["rate"], r["mode"]), {"reps": []})["reps"].append(r)
+    for key, s in out.items():
+        s["iteration_s"] = statistics.median(r["iteration_s"] for r in s["reps"])
+        for k in ("idle_s", "transfer_s", "idle_left_s", "interval_planned", "interval_achieved", "container_bytes",
+                  "stall_s"):
+            vals = [r[k] for r in s["reps"] if r.get(k) is not None]
+            if vals:
+                s[k] = statistics.median(vals)
+        if any("fits" in r for r in s["reps"]):
+            s["fits"] = all(r.get("fits") for r in s["reps"])
+            s["planned_mode"] = "/".join(sorted({r.get("planned_mode", "?") for r in s["reps"]}))
+    return out
+
+
+def verdicts(summary: dict, rates: list[str]) -> list[str]:
+    """Per rate and scheduled mode: met, or missed with why (a miss where the idle time covers the bytes
+    is a failure of the transport)."""
+    out = []
+    for rate in rates:
+        none = summary.get((rate, "none"), {}).get("iteration_s")
+        agent = summary.get((rate, "agent"), {}).get("iteration_s")
+        if not none or not agent:
+            continue
+        agent_over = agent / none - 1
+        for mode in ("pipelined", "bubble"):
+            s = summary.get((rate, mode))
+            if s is None:
+                continue
+            over = s["iteration_s"] / none - 1
+            ok = over <= OVERHEAD_MAX and (agent_over <= 0 or over <= RATIO_MAX * agent_over)
+            covered = bool(s.get("fits")) and s.get("idle_left_s", -1) >= 0
+            why = (f"idle {s.get('idle_s', 0):.3f} s/it, the copy needs {s.get('transfer_s', 0):.3f} s/it "
+                   f"({s.get('container_bytes', 0) / 2**20:.1f} MiB every {s.get('interval_planned', '?')} it)")
+            if ok:
+                out.append(f"{rate} {mode}: met ({over:+.1%} vs none; agent {agent_over:+.1%})")
+            elif covered:
+                out.append(f"{rate} {mode}: MISSED although the idle time covers the bytes ({over:+.1%} vs none; "
+                           f"agent {agent_over:+.1%}; {why})")
+            else:
+                out.append(f"{rate} {mode}: missed, the idle time does not cover the bytes ({over:+.1%} vs none; "
+                           f"agent {agent_over:+.1%}; {why})")
+    return out
+
+
+def table(summary: dict, rates: list[str]) -> str:
+    lines = ["| link | job | iteration (s), median | vs none | repetitions (s) | planned | idle/it (s) | "
+             "copy traffic/it (s) | a copy every (it, planned / achieved) | MiB per copy | training waited/it (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rate in rates:
+        none = summary.get((rate, "none"), {}).get("iteration_s")
+        for mode in KINDS:
+            s = summary.get((rate, mode))
+            if s is None:
+                continue
+            it = s["iteration_s"]
+            vs_none = f"{it / none - 1:+.1%}" if none and mode != "none" else "-"
+            reps = ", ".join(f"{r['iteration_s']:.3f}" for r in s["reps"])
+            plan = ["-"] * 6
+            if "idle_s" in s:
+                achieved = f" / {s['interval_achieved']:.1f}" if s.get("interval_achieved") else ""
+                plan = [s["planned_mode"], f"{s['idle_s']:.3f}", f"{s['transfer_s']:.3f}",
+                        f"{s['interval_planned']:.0f}{achieved}", f"{s['container_bytes'] / 2**20:.1f}",
+                        f"{s.get('stall_s', 0.0):.4f}"]
+            lines.append(f"| {rate} | {mode} | {it:.3f} | {vs_none} | {reps} | " + " | ".join(plan) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rates", default="20mbit,200mbit", help="link rates (tc: 100mbit, 1gbit, ...)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"jobs of {KINDS}, in turn")
+    ap.add_argument("--measured", type=int, default=30, help="iterations measured after the profile")
+    ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--p", type=int, default=4, help="sub-buffers")
+    ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
+    ap.add_argument("--mu", type=float, default=0.9)
+    ap.add_argument("--shm-mib", type=int, default=512, help="each host's /dev/shm")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--workdir", default="/tmp/megatron-ft/bench-link")
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args()
+    args.idle = "network"  # GEMINI: the link's idle spans (the scheduled jobs' schedule.idle)
+    args.segment = 2  # scheduling.job_config's compare settings (no modes compared here)
+    rates = [r for r in args.rates.split(",") if r]
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if [k for k in args.kinds if k not in KINDS]:
+        ap.error(f"--kinds: {args.kinds} not among {KINDS}")
+    for r in rates:
+        rate_bits(r)
+    why = unavailable_reason()
+    if why:
+        print(f"link benchmark: no test bed here: {why}", file=sys.stderr)
+        return 2
+    os.makedirs(args.workdir, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    load0 = os.getloadavg()[0]
+    rows = []
+    for rate in rates:
+        rows += measure_rate(rate, args)
+    summary = summarize(rows)
+    text = table(summary, rates)
+    found = verdicts(summary, rates)
+    minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
+    print(text)
+    print("\n".join(found))
+    if not args.no_docs:
+        cmd = "python3 benchmarks/link.py " + " ".join(a for a in sys.argv[1:])
+        body = (f"Measured {started:%Y-%m-%d %H:%M} UTC with `{cmd.strip()}` ({minutes:.0f} min) on {os.cpu_count()} cores, "
+                f"Linux {platform.release()}, Python {platform.python_version()}; 1-min load average {load0:.1f} at the "
+                f"start, {os.getloadavg()[0]:.1f} at the end.\n\n"
+                + __doc__.split("\n\n", 1)[1].split("    python3")[0].strip() + "\n\n"
+                f"Model: megatron-core GPT, {args.layers_per_stage} layers per stage, hidden {args.hidden}, "
+                f"sequence {args.seq}, {args.micro_batches} micro-batches per iteration; R = {args.reserved_mib:g} MiB, "
+                f"p = {args.p}, mu = {args.mu}, {args.profile} profiled iterations.\n\n"
+                + text + "\n\n" + "\n".join(f"- {v}" for v in found) + "\n")
+        write_section(DOCS, HEADING, body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
