@@ -36,7 +36,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import psutil
 import yaml
@@ -209,6 +209,12 @@ class NodeLauncher:
         try:
             rc = self._run()
             return rc
+        except KeyboardInterrupt:  # stopped outside torchrun's watch (starting, between generations)
+            self._stop_torchrun()
+            self.rendezvous.record_end(130)
+            self.stop_agent()
+            rc = 130
+            return rc
         finally:
             self.stop_pool()
             if self.rendezvous is not None:
@@ -301,9 +307,10 @@ class NodeLauncher:
                                       record=fatal.read(self.run_dir) is None)
                         return None
                 time.sleep(0.2)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_sigterm): the job is stopped on this node
             self.torchrun.send_signal(signal.SIGINT)
             self.torchrun.wait()
+            self.rendezvous.record_end(130)  # while this node's agent (maybe the store's root) still runs
             self.stop_agent()
             return None
         return self.torchrun.returncode
@@ -626,6 +633,19 @@ def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
     return None
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM to a launcher (a supervisor's or scheduler's stop: systemd, Slurm's scancel, the kubelet)
+    takes Ctrl-C's path: torchrun stops its workers, the launcher records the job's end and shuts its
+    agent down cleanly (segments removed), instead of dying at once and leaving the agent waiting
+    ``launch.start_timeout_s`` for a launcher that will not come. A second SIGTERM is ignored (SIGKILL
+    still ends it)."""
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
     """Start one launcher per simulated node on this machine and wait for all of them."""
     procs = []
@@ -775,6 +795,7 @@ def main(args: argparse.Namespace) -> int:
     args.nodes, args.nproc_per_node = nodes, nproc
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
+    stop_on_sigterm()
     if args.standby:
         if args.node_rank is not None:
             raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid with --standby: a standby "

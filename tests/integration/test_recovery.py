@@ -314,3 +314,36 @@ def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_end
         assert "the job is over (node 1's launcher ended the job" in (run / "node0" / "agent.log").read_text()
     finally:
         demo_mod._kill_tree(p)
+
+
+def test_sigterm_to_every_launcher_stops_the_job_and_leaves_nothing(tmp_path):
+    """A scheduler's stop (Slurm's scancel, systemd, the kubelet: SIGTERM to each node's launcher) takes
+    Ctrl-C's path: torchrun stops its workers, each launcher records the end and shuts its agent down
+    cleanly. Nothing of the job is left 10 s later. Before, a launcher died at the signal and its agent,
+    with the node's slots, waited launch.start_timeout_s (60 s here) for a launcher that would not come."""
+    from megatron_ft.testing import demo as demo_mod
+
+    cfg = with_free_ports(ftconfig.load(), run_id=f"sigterm{os.getpid()}",
+                          persist={"dir": str(tmp_path / "persist"), "interval": 0}, launch={"start_timeout_s": 60})
+    run = tmp_path / "run"
+    p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 200, []), inmem=True,
+                            log_path=str(tmp_path / "run.log"))
+    try:
+        wait_for("rank 0 to train 3 iterations", lambda: len(read_jsonl(str(run / "progress" / "rank0.jsonl"))) >= 3,
+                 300)
+        pids = [demo_mod.node_pid(str(run), n, what) for n in range(2) for what in ("launcher", "agent")]
+        for n in range(2):
+            os.kill(demo_mod.node_pid(str(run), n, "launcher"), signal.SIGTERM)
+        stopped = time.time()
+
+        def gone(pid: int) -> bool:
+            return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+        wait_for("every launcher and agent of the job to end", lambda: all(gone(x) for x in pids), 10)
+        wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
+                                                                if n.startswith(f"mft.{cfg.run_id}.")], 10)
+        print(f"everything gone {time.time() - stopped:.1f} s after SIGTERM")
+        for n in range(2):
+            assert "waiting 60 s for a new launcher" not in (run / f"node{n}" / "agent.log").read_text()
+    finally:
+        demo_mod._kill_tree(p)
