@@ -26,6 +26,15 @@ def test_shipped_config_file_matches_embedded_default():
     ({"snapshot": {"chunk_mib": 4096}}, r"snapshot.chunk_mib=4096 is invalid: must be an integer >= 1 and <= 1024"),
     ({"persist": {"keep": 0}}, r"persist.keep=0"),
     ({"launch": {"rdzv_port": 80}}, r"launch.rdzv_port=80"),
+    ({"launch": {"rdzv_ports": 0}}, r"launch.rdzv_ports=0 is invalid: must be an integer >= 1 and <= 1000"),
+    ({"launch": {"trainer_port": 70000}}, r"launch.trainer_port=70000 is invalid: must be an integer >= 1024 and <= 65535"),
+    ({"network": {"peer_port": "any"}}, r"network.peer_port='any'"),
+    # the ranges of the port plan must not overlap (one machine: the agents' servers take port + node)
+    ({"network": {"peer_port": 29401}}, r"network.peer_port=29401 is invalid: its ports 29401-29402 \(the agents' "
+                                        r"peer transport\) overlap 29400-29407 of launch.rdzv_port=29400"),
+    ({"cluster": {"nodes": 150}, "parallel": {"pipeline": 1}},
+     r"network.peer_port=29600 is invalid: its ports 29600-29749 .* overlap 29500-29649 of health.store_port"),
+    ({"launch": {"trainer_port": 65534}}, r"launch.trainer_port=65534 is invalid: its ports 65534-65537 .* run past 65535"),
     ({"launch": {"start_timeout_s": 0}}, r"launch.start_timeout_s=0 is invalid: must be a number >= 1.0"),
     ({"agent": {"required": "yes"}}, r"agent.required='yes' is invalid: must be true or false"),
     ({"run_id": "bad id!"}, r"run_id='bad id!'"),
