@@ -530,8 +530,8 @@ def port_plan(cfg: "FTConfig") -> tuple[PortRange, ...]:
                   "every node's agent (the lowest live one is the store everyone uses)",
                   "every node's agent, launcher and trainers", "jobs of more than one node or with peer redundancy"),
         PortRange("network.peer_port", cfg.network.peer_port, per_node, "the agents' peer transport",
-                  "every node's agent", "the agents of the node's redundancy group (and, with the scheduled "
-                                        "transport, their trainers)", "redundancy.scheme other than none"),
+                  "every node's agent", "the agents of the node's redundancy group, the root's liveness probe",
+                  "redundancy.scheme other than none"),
         PortRange("launch.trainer_port", lc.trainer_port, rounds, "the trainers' store",
                   "torchrun's rank-0 trainer, or its warm-spare keeper (fast restart round n: trainer_port + n)",
                   "every trainer and keeper of the job", "every job under megatron-ft launch"),
