@@ -617,6 +617,12 @@ class AgentStartError(RuntimeError):
 
 def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
     """What keeps this node from protecting its trainers, checked before anything starts (None: fine)."""
+    from .transport.wire import private_directory
+
+    try:  # the agent's and the spare pool's sockets: private to the job's user
+        private_directory(cfg.agent.socket_dir)
+    except OSError as e:
+        return f"agent.socket_dir={cfg.agent.socket_dir!r} cannot hold the job's sockets: {e}"
     if not cfg.agent.required:
         return None
     d = cfg.agent.shm_dir

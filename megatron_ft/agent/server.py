@@ -662,7 +662,6 @@ class Agent:
     def serve_forever(self) -> None:
         """Serve trainers on the node's Unix socket (:mod:`megatron_ft.transport.wire`) until
         :meth:`shutdown`; starts the persist thread."""
-        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
         self._server = wire.Server(self.socket_path, self, name=f"agent-n{self.node}")
         self._persist_thread = threading.Thread(target=self._persist_loop, name="persist", daemon=True)
         self._persist_thread.start()

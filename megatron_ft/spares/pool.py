@@ -44,6 +44,7 @@ import sys
 import time
 from typing import Optional
 
+from ..transport.wire import bind_private, stranger
 from .lifetime import die_with_parent
 
 log = logging.getLogger("megatron_ft.spares")
@@ -173,13 +174,16 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
     except FileNotFoundError:
         pass
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    srv.bind(path + ".tmp")
-    srv.listen(64)
-    os.replace(path + ".tmp", path)  # a worker connects only to a pool that is warm
+    bind_private(srv, path, backlog=64)  # listening before its name appears: a worker connects to a warm pool
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
     log.warning("spares: warm in %.1f s (%s); serving on %s", time.time() - t0, ", ".join(done), path)
     while True:
         conn, _ = srv.accept()
+        who = stranger(conn)
+        if who is not None:  # never a fork, nor a read, for another user's process
+            log.error("spares: refused a connection from %s", who)
+            conn.close()
+            continue
         try:
             req, fds = recv_request(conn)
         except (OSError, ValueError) as e:

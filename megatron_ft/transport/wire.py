@@ -27,6 +27,12 @@ re-opened once, re-sending the client's greeting, and the request sent again; a 
 retried (the server may still be working on it) and is raised as ``TimeoutError`` naming the
 operation, the address and the limit.
 
+**Local sockets are private.** A Unix socket lives in a directory of mode 0700 owned by the job's
+user (:func:`private_directory`; one owned by another user is refused), the socket itself is 0600, and
+the server checks every caller's uid (``SO_PEERCRED``, :func:`stranger`): a process of another user
+is refused before its first frame is read, even where the permissions were loosened. The spare pool's
+socket gets the same treatment (``megatron_ft/spares/pool.py``).
+
 Lock order: a client's lock is the innermost lock of its caller; the server holds no lock while it
 reads or writes a socket.
 """
@@ -57,6 +63,55 @@ Address = Union[str, "tuple[str, int]"]
 
 class WireError(RuntimeError):
     """A frame that breaks the wire format (wrong version, too large, not a JSON object)."""
+
+
+# ---------------------------------------------------------------------------- local sockets
+def private_directory(path: str) -> None:
+    """Make ``path`` the home of this user's sockets: created with mode 0700 (its parents as the umask
+    says). An existing directory must be this process's user's and closed to everyone else: one owned by
+    another user, or open to others (``/tmp`` itself, a home directory), is refused with a
+    :class:`PermissionError` naming it and the fix; it is never chmod-ed behind the operator's back."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this job's uid {os.geteuid()}: another "
+                              f"user could read or replace the sockets in it; set agent.socket_dir to a directory "
+                              f"of your own")
+    if st.st_mode & 0o077:
+        raise PermissionError(f"{path} is open to other users (mode {st.st_mode & 0o7777:o}): they could reach the "
+                              f"sockets in it; chmod 700 {path}, or set agent.socket_dir to a new directory (it is "
+                              f"created with mode 700)")
+
+
+def bind_private(sock: socket.socket, path: str, backlog: Optional[int] = None) -> None:
+    """Bind Unix socket ``sock`` at ``path`` in a private directory, readable and writable by this user
+    only (0600) before anyone can connect: it is bound under a temporary name (and listening, with a
+    ``backlog``), then renamed."""
+    private_directory(os.path.dirname(path) or ".")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    sock.bind(tmp)
+    os.chmod(tmp, 0o600)
+    if backlog is not None:
+        sock.listen(backlog)
+    os.replace(tmp, path)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
+
+
+def stranger(sock: socket.socket) -> Optional[str]:
+    """Who is at the other end of Unix socket ``sock`` when it is not a process of this job's user (a
+    message naming its pid and uid); None when it is."""
+    pid, uid, _ = peer_credentials(sock)
+    return None if uid == os.geteuid() else f"pid {pid} of uid {uid} (this job runs as uid {os.geteuid()})"
 
 
 class RemoteError(RuntimeError):
@@ -213,13 +268,12 @@ class Server:
                 outer._serve(self.request)
 
         if isinstance(address, str):
-            try:
-                os.unlink(address)
-            except FileNotFoundError:
-                pass
-
             class _Unix(socketserver.ThreadingUnixStreamServer):
                 daemon_threads = True
+
+                def server_bind(self) -> None:  # 0600 in a private directory (a stale socket is replaced)
+                    bind_private(self.socket, address)
+                    self.server_address = address
 
             self._server: socketserver.BaseServer = _Unix(address, _Handler)
             self.address: Address = address
@@ -250,6 +304,9 @@ class Server:
     def _serve(self, sock: socket.socket) -> None:
         if not isinstance(self.address, str):
             _tune_tcp(sock)
+        elif (who := stranger(sock)) is not None:  # nothing is read from another user's process
+            log.warning("%s: refused a connection from %s", self.name, who)
+            return
         conn = Connection(sock)
         try:
             while True:
