@@ -49,6 +49,7 @@ from _docs import write_section  # noqa: E402
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.testing import demo  # noqa: E402
 from megatron_ft.testing.hosts import HostBed, unavailable_reason  # noqa: E402
+from megatron_ft.transport.credential import job_secret_file  # noqa: E402
 
 DOCS = scheduling.DOCS
 HEADING = "## Checkpoint traffic on a rate-limited link"
@@ -76,8 +77,10 @@ def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> 
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "agent"})
     elif kind != "none":  # the plan's link: the rate the bed gives it
         cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
+    secret = job_secret_file("", {}, workdir, multi_host=False)  # one file the bed's hosts all read
     return ftconfig.replace(cfg, run_id=f"blink-{kind}-{os.getpid()}", launch={"master_addr": "node0"},
-                            health={"host_pattern": "node{node}"}, network={"interface": "eth0"})
+                            health={"host_pattern": "node{node}"}, network={"interface": "eth0"},
+                            security={"secret_file": secret})
 
 
 def run_job(bed: HostBed, kind: str, rate: str, iters: int, args: argparse.Namespace, tag: str) -> str:

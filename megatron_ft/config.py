@@ -291,6 +291,20 @@ class NetworkConfig(_Section):
     peer_port: _int(1024, 65535) = 29600
 
 
+class SecurityConfig(_Section):
+    """Who may talk to the servers megatron-ft runs (docs/security.md).
+
+    ``secret_file``: a file holding the job's secret (at least 16 bytes), the same on every host (shared
+    storage, a Kubernetes Secret); every TCP connection to an agent's peer transport proves it both ways
+    (HMAC-SHA256 challenge and response) before anything else is read. Empty: ``MFT_JOB_SECRET_FILE``
+    from the environment; else, when every node runs on this machine, one the launchers generate in the
+    run directory (``job.secret``, mode 0600). A job of hosts of their own without one is refused at
+    launch.
+    """
+
+    secret_file: StrictStr = ""
+
+
 class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
@@ -460,6 +474,7 @@ class FTConfig(_Section):
     redundancy: RedundancyConfig = RedundancyConfig()
     health: HealthConfig = HealthConfig()
     network: NetworkConfig = NetworkConfig()
+    security: SecurityConfig = SecurityConfig()
     schedule: ScheduleConfig = ScheduleConfig()
 
     @model_validator(mode="after")

@@ -48,6 +48,7 @@ from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .spares import prestart
 from .spares.lifetime import die_with_parent
+from .transport import credential
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
@@ -61,6 +62,7 @@ class NodeLauncher:
     def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int, nodes: int, nproc: int,
                  script: list[str], run_dir: str, log=print):
         self.cfg, self.cfg_path, self.node, self.nodes, self.nproc = cfg, cfg_path, node, nodes, nproc
+        self.secret_file = ""  # the job's secret, for the agent (megatron_ft/transport/credential.py)
         self.script = script
         self.run_dir = run_dir
         self.node_dir = os.path.join(run_dir, f"node{node}")
@@ -135,6 +137,8 @@ class NodeLauncher:
         except FileNotFoundError:
             pass
         args = ["--config", self.cfg_path, "--node", str(self.node), "--launcher-pid", str(os.getpid())]
+        if self.secret_file:
+            args += ["--secret-file", self.secret_file]
         log_path = os.path.join(self.node_dir, "agent.log")
         waiting, self.waiting_agent = self.waiting_agent, None
         if waiting is not None and prestart.hand_over(waiting, args, log=log_path):
@@ -230,6 +234,12 @@ class NodeLauncher:
         problem = preflight(self.cfg) or network.node_address_problem(self.cfg, self.node)
         if problem:
             return self._end_job(problem)
+        if self.cfg.redundancy.scheme != "none":  # the peer transport serves holders of the job's secret only
+            try:
+                self.secret_file = credential.job_secret_file(self.cfg.security.secret_file, os.environ, self.run_dir,
+                                                              network.multi_host(self.cfg))
+            except ftconfig.ConfigError as e:
+                return self._end_job(str(e))
         try:
             self.start_agent()
         except AgentStartError as e:

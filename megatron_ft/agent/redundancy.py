@@ -80,7 +80,7 @@ class Redundancy:
         self.rebuild = PeerRebuild(self)
         port = network.peer_port(self.cfg, self.node)
         try:
-            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}").start()
+            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}", secret=agent.secret).start()
         except OSError as e:
             raise OSError(e.errno, f"node {self.node}'s peer transport cannot listen on {host}:{port} ({e.strerror}): "
                                    f"another process holds the port; free it or move network.peer_port") from None
@@ -225,10 +225,11 @@ class Redundancy:
         """A connection to ``node``'s agent (its address looked up at each (re)connect: a restarted
         agent listens on a new port); bounded by ``agent.request_timeout_s``, and with ``within_s`` its
         address lookup and every call by that too."""
+        secret = self.agent.secret
         if within_s is None:
-            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError)
+            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError, secret=secret)
         return wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
-                           error=PeerError)
+                           error=PeerError, secret=secret)
 
 
     # ------------------------------------------------------------------ sending (one version)

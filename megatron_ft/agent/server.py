@@ -104,9 +104,10 @@ class Agent:
     takes its own. Neither is held across network I/O, a store call or a shared-memory allocation
     (docs/architecture.md)."""
 
-    def __init__(self, cfg: ftconfig.FTConfig, node: int):
+    def __init__(self, cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes] = None):
         self.cfg = cfg
         self.node = node
+        self.secret = secret  # the job's: every peer-transport connection proves it (both ways)
         self.run_id = cfg.run_id
         self.lock = threading.RLock()
         self.table = VersionTable()  # slot states (pure; mirrored into the container headers)
@@ -869,6 +870,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--run-id", default=None)
     p.add_argument("--persist-interval", type=int, default=None)
     p.add_argument("--persist-dir", default=None)
+    p.add_argument("--secret-file", default=None,
+                   help="the job's secret (megatron_ft/transport/credential.py; default: security.secret_file, "
+                        "else MFT_JOB_SECRET_FILE); needed with peer redundancy")
     p.add_argument("--launcher-pid", type=int, default=None,
                    help="the node's launcher: when it dies, wait launch.start_timeout_s for a new one to adopt "
                         "this agent (its slots stay for the restarted trainers), else shut down and remove them")
@@ -890,7 +894,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         changes["persist"] = pers
     if changes:
         cfg = ftconfig.replace(cfg, **changes)
-    agent = Agent(cfg, args.node)
+    secret = None
+    if cfg.redundancy.scheme != "none":  # the peer transport serves only holders of the job's secret
+        from ..transport.credential import ENV, read_secret
+
+        path = args.secret_file or cfg.security.secret_file or os.environ.get(ENV, "")
+        try:
+            if not path:
+                raise ftconfig.ConfigError(f"the agent of a job with peer redundancy needs the job's secret: "
+                                           f"--secret-file, security.secret_file or {ENV}")
+            secret = read_secret(path)
+        except ftconfig.ConfigError as e:
+            log.error("agent node %d: %s", args.node, e)
+            return 2
+    agent = Agent(cfg, args.node, secret)
     agent.adopt_existing()
     agent.start_peers()
 

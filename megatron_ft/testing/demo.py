@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -491,7 +492,8 @@ def run_demo(args: argparse.Namespace) -> dict:
     if not getattr(args, "hosts", False):
         return _run_demo(args, None)
     cfg = demo_config(args, os.path.abspath(args.workdir))
-    with HostBed(cfg.cluster.nodes, shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
+    # one host more than the job has nodes: an outsider on the job's network (stranger_probe)
+    with HostBed(cfg.cluster.nodes + 1, shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
         return _run_demo(args, bed)
 
 
@@ -513,9 +515,13 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     if getattr(args, "hosts", False):
-        # hosts of their own: every host has the default ports to itself
+        # hosts of their own: every host has the default ports to itself; the job's secret is a file every
+        # host reads (the bed's hosts share this machine's file system but /dev/shm)
+        from ..transport.credential import job_secret_file
+
+        secret = cfg.security.secret_file or job_secret_file("", {}, workdir, multi_host=False)
         return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
-                                network={"interface": "eth0"})
+                                network={"interface": "eth0"}, security={"secret_file": secret})
     return with_free_ports(cfg)
 
 
@@ -528,6 +534,71 @@ def host_listeners(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
         own |= {(bed.plan.name(i), s.owner, s.port) for s in found if s.owner != "trainer"}
         off += [f"{bed.plan.name(i)}: {x}" for x in off_plan(cfg, found)]
     return {"own": [list(x) for x in sorted(own)], "off_plan": off}
+
+
+#: run on the outsider's host: every peer-transport request, without the job's secret and with a made-up
+#: answer to the challenge, to every node's peer port; prints what came back
+STRANGER_PROBE = r"""
+import json, socket, struct, sys
+addrs, requests = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+def frame(s, obj):
+    raw = json.dumps(dict(obj, v=1)).encode()
+    s.sendall(struct.pack(">I", len(raw)) + raw)
+def read(s):
+    head = b""
+    while len(head) < 4:
+        got = s.recv(4 - len(head))
+        if not got:
+            return None
+        head += got
+    n, = struct.unpack(">I", head)
+    body = b""
+    while len(body) < n:
+        got = s.recv(n - len(body))
+        if not got:
+            return None
+        body += got
+    return json.loads(body)
+out = []
+for host, port in addrs:
+    for op, fields in requests.items():
+        for answer in (False, True):
+            got = []
+            try:
+                s = socket.create_connection((host, port), timeout=5)
+                first = read(s)  # the server speaks first: its challenge
+                if answer:  # a guess at the response
+                    frame(s, {"op": "auth", "nonce": "00" * 16, "mac": "00" * 32})
+                    got.append(read(s))
+                frame(s, dict(fields, op=op))
+                got.append(read(s))
+                s.close()
+            except OSError as e:
+                got.append(repr(e))
+            served = [g for g in got if isinstance(g, dict) and g.get("ok")]
+            out.append({"to": f"{host}:{port}", "op": op, "answered_challenge": answer,
+                        "challenged": isinstance(first, dict) and first.get("op") == "challenge", "served": served})
+print(json.dumps(out))
+"""
+
+
+def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
+    """From the bed's last host (not one of the job's), every request of the agents' peer protocol to
+    every node's peer port, without the job's secret: {"probes": n, "served": [what was served]}. The
+    job's own connections prove the secret; these must all be refused before any effect."""
+    from ..agent.peer_protocol import PEER_MESSAGES
+    from ..network import peer_port
+
+    addrs = [[bed.plan.address(i), peer_port(cfg, i)] for i in range(cfg.cluster.nodes)]
+    requests = {"holds": {}, "announce": {"node": 0, "step": 10 ** 6},
+                "get": {"what": "primary", "step": 1, "lo": 0, "hi": 64, "rank": 0},
+                "put": {"key": "copy.r0", "kind": "copy", "step": 10 ** 6, "length": 0, "src": 0, "expect": 0,
+                        "meta": {}}}
+    assert set(requests) == set(PEER_MESSAGES.ops), PEER_MESSAGES.ops  # every op of the protocol
+    out = bed.run(cfg.cluster.nodes, [sys.executable, "-c", STRANGER_PROBE, json.dumps(addrs), json.dumps(requests)])
+    probes = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"probes": len(probes), "challenged": sum(p["challenged"] for p in probes),
+            "served": [p for p in probes if p["served"]]}
 
 
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
@@ -591,6 +662,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     kill_time = None
     killed_pids = []
     listeners: Optional[dict] = None  # hosts of their own: what listens where (host_listeners)
+    stranger: Optional[dict] = None  # hosts of their own, peer redundancy: an outsider's probes (stranger_probe)
     # the settings the job runs with (the training command's --inmem-ckpt* flags applied), and the
     # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
     eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
@@ -639,6 +711,21 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         kill_time = time.time()
         say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
 
+    def look_around() -> None:
+        """Hosts of their own: once the job trains, what listens where, and what an outsider on the
+        network gets from it (beside the run: the failure's timing is the demo's, not this look's)."""
+        nonlocal listeners, stranger
+        while not _progress(run_dir, 0) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        listeners = host_listeners(bed, cfg)
+        listened.set()
+        if cfg.redundancy.scheme != "none":
+            stranger = stranger_probe(bed, cfg)
+
+    listened = threading.Event()
+    looking = threading.Thread(target=look_around, name="look-around", daemon=True) if bed is not None else None
+    if looking is not None:
+        looking.start()
     try:
         if args.kill_agent and victims:  # two iterations before the trainers' failure
             wait_iteration(victims[:1], max(1, args.kill_at - 2))
@@ -666,8 +753,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                         f"the node is lost after iteration {reached + 1} instead of {args.kill_at}")
                     args.kill_at = reached + 1
             recs = wait_iteration(victims, args.kill_at)
-            if bed is not None:  # the job is up on every host: what listens where, before the failure
-                listeners = host_listeners(bed, cfg)
+            if looking is not None:  # every host's listeners seen before the failure (tens of ms)
+                listened.wait(30)
             if args.kill_delay > 0:
                 time.sleep(args.kill_delay)
                 recs = {v: _progress(run_dir, v) for v in victims}
@@ -760,11 +847,14 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     breakdown = recovery_breakdown(after, progress, kill_time) if kill_time is not None else None
     first_gen = [r["time"] for r in progress if kill_time is None or life(r) in first_lives]
     start_seconds = round(min(first_gen) - t0, 3) if first_gen else None
+    if looking is not None:
+        looking.join(60)
     identical, problems = compare(ref_dir, run_dir, world)
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
     problems += [f"off the port plan: {x}" for x in (listeners or {}).get("off_plan", [])]
+    problems += [f"an outsider was served: {x}" for x in (stranger or {}).get("served", [])]
     promise = None
     if kill_time is not None:
         failure = "corrupt" if args.kill_point in DAMAGE_POINTS else args.fail
@@ -840,6 +930,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     }
     if listeners is not None:  # hosts of their own: megatron-ft's servers seen before the failure
         summary["listeners"] = listeners
+    if stranger is not None:
+        summary["stranger"] = stranger
     say("")
     say("=" * 72)
     say(f" scenario            : {args.fail}")

@@ -121,6 +121,10 @@ class LocalCluster:
             persist={"dir": os.path.join(workdir, "persist"), "interval": persist_interval, "on_failure": False},
             **extra)
         os.makedirs(workdir, exist_ok=True)
+        if not self.cfg.security.secret_file:  # the job's secret, as a launcher of one machine makes it
+            from ..transport.credential import job_secret_file
+
+            self.cfg = ftconfig.replace(self.cfg, security={"secret_file": job_secret_file("", {}, workdir, False)})
         self.path = os.path.join(workdir, f"{self.run_id}.yaml")
         with open(self.path, "w") as f:
             yaml.safe_dump(self.cfg.to_dict(), f)

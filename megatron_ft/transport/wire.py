@@ -27,6 +27,15 @@ re-opened once, re-sending the client's greeting, and the request sent again; a 
 retried (the server may still be working on it) and is raised as ``TimeoutError`` naming the
 operation, the address and the limit.
 
+**TCP connections prove the job's secret.** A server given the job's secret (:class:`Server`'s
+``secret``; the agents' peer transport) opens every TCP connection with a challenge; the client
+(:class:`Client` with the same ``secret``) answers with an HMAC-SHA256 over both sides' nonces, and the
+server answers with its own, so each side knows the other holds the secret before any operation
+(:func:`answer_challenge`, :func:`check_client`). Until then a frame may be at most
+:data:`AUTH_FRAME_MAX` bytes and the exchange must end within :data:`AUTH_TIMEOUT_S`; a client that
+fails is logged and disconnected. The payloads' integrity rests on the containers' checksums; traffic
+is not encrypted (docs/security.md).
+
 **Local sockets are private.** A Unix socket lives in a directory of mode 0700 owned by the job's
 user (:func:`private_directory`; one owned by another user is refused), the socket itself is 0600, and
 the server checks every caller's uid (``SO_PEERCRED``, :func:`stranger`): a process of another user
@@ -38,9 +47,12 @@ reads or writes a socket.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import socketserver
 import struct
@@ -63,6 +75,58 @@ Address = Union[str, "tuple[str, int]"]
 
 class WireError(RuntimeError):
     """A frame that breaks the wire format (wrong version, too large, not a JSON object)."""
+
+
+# ------------------------------------------------------------------------ the job's credential
+AUTH_FRAME_MAX = 1024  # a frame before the peer proved the secret
+AUTH_TIMEOUT_S = 5.0  # the whole challenge and response
+
+
+class AuthError(WireError):
+    """The other side did not prove the job's secret."""
+
+
+def _mac(secret: bytes, role: str, first: str, second: str) -> str:
+    return hmac.new(secret, f"megatron-ft/1|{role}|{first}|{second}".encode(), hashlib.sha256).hexdigest()
+
+
+def _recv_small(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > AUTH_FRAME_MAX:
+        raise AuthError(f"a frame of {n} bytes before authentication (at most {AUTH_FRAME_MAX})")
+    try:
+        msg = json.loads(_recv_exact(sock, n))
+    except ValueError:
+        raise AuthError("a frame that is not JSON before authentication") from None
+    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
+        raise AuthError(f"not a wire-version-{WIRE_VERSION} frame")
+    return msg
+
+
+def check_client(sock: socket.socket, secret: bytes) -> None:
+    """Server side: challenge the client, check its answer, prove the secret back. Raises
+    :class:`AuthError` (or ``OSError``) when the client does not prove it; bounded by the socket's timeout."""
+    nonce = secrets.token_hex(16)
+    send_frame(sock, {"op": "challenge", "nonce": nonce})
+    msg = _recv_small(sock)
+    theirs = msg.get("nonce")
+    if msg.get("op") != "auth" or not isinstance(theirs, str) or not isinstance(msg.get("mac"), str) \
+            or not hmac.compare_digest(msg["mac"], _mac(secret, "client", nonce, theirs)):
+        raise AuthError("the client did not prove the job's secret")
+    send_frame(sock, {"op": "auth", "mac": _mac(secret, "server", theirs, nonce)})
+
+
+def answer_challenge(sock: socket.socket, secret: bytes) -> None:
+    """Client side of :func:`check_client`: answer the server's challenge and check its proof."""
+    msg = _recv_small(sock)
+    theirs = msg.get("nonce")
+    if msg.get("op") != "challenge" or not isinstance(theirs, str):
+        raise AuthError(f"the server sent no challenge (it asks for no secret, or is not this job's): {msg.get('op')!r}")
+    mine = secrets.token_hex(16)
+    send_frame(sock, {"op": "auth", "nonce": mine, "mac": _mac(secret, "client", theirs, mine)})
+    reply = _recv_small(sock)
+    if not isinstance(reply.get("mac"), str) or not hmac.compare_digest(reply["mac"], _mac(secret, "server", mine, theirs)):
+        raise AuthError("the server did not prove the job's secret")
 
 
 # ---------------------------------------------------------------------------- local sockets
@@ -186,6 +250,14 @@ def discard(sock: socket.socket, n: int) -> None:
         n -= got
 
 
+def _peer(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a client that left"
+
+
 def _tune_tcp(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
@@ -259,9 +331,9 @@ class Server:
     ``(host, port)``, port 0 picks one: see :attr:`address`). ``start()`` serves on a thread,
     ``serve_forever()`` on the caller's; ``close()`` stops accepting and returns."""
 
-    def __init__(self, address: Address, handler: Handler, name: str):
+    def __init__(self, address: Address, handler: Handler, name: str, secret: Optional[bytes] = None):
         outer = self
-        self.handler, self.name = handler, name
+        self.handler, self.name, self.secret = handler, name, secret
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
@@ -304,6 +376,15 @@ class Server:
     def _serve(self, sock: socket.socket) -> None:
         if not isinstance(self.address, str):
             _tune_tcp(sock)
+            if self.secret is not None:  # nothing is served before the client proved the job's secret
+                sock.settimeout(AUTH_TIMEOUT_S)
+                try:
+                    check_client(sock, self.secret)
+                except (AuthError, OSError, struct.error) as e:
+                    if not isinstance(e, ConnectionError):  # (a liveness probe connects and leaves)
+                        log.warning("%s: refused a connection from %s: %s", self.name, _peer(sock), e)
+                    return
+                sock.settimeout(None)
         elif (who := stranger(sock)) is not None:  # nothing is read from another user's process
             log.warning("%s: refused a connection from %s", self.name, who)
             return
@@ -355,7 +436,8 @@ class Client:
     """
 
     def __init__(self, address: Union[Address, Callable[[], Address]], timeout: float,
-                 greeting: Optional[dict] = None, error: type = RemoteError, reconnects: int = 1):
+                 greeting: Optional[dict] = None, error: type = RemoteError, reconnects: int = 1,
+                 secret: Optional[bytes] = None):
         if not timeout or timeout <= 0:
             raise ValueError(f"timeout={timeout!r}: a positive number of seconds is required")
         self._address = address
@@ -364,6 +446,7 @@ class Client:
         self.greeted: Optional[dict] = None
         self.error = error
         self.reconnects = reconnects
+        self.secret = secret  # a TCP server's challenge is answered with it (None: it asks for none)
         self._sock: Optional[socket.socket] = None
         self._lock = threading.Lock()
         self._where = "" if callable(address) else describe(address)  # for messages: the last address used
@@ -425,6 +508,8 @@ class Client:
         address = self._address() if callable(self._address) else self._address
         self._where = describe(address)
         self._sock = open_socket(address, self.timeout)
+        if self.secret is not None and not isinstance(address, str):
+            answer_challenge(self._sock, self.secret)
         if self.greeting is not None:
             self.greeted = self._exchange_locked(self.greeting, None, None, None)
 

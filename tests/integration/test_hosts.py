@@ -189,4 +189,10 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
         assert {("node0", "agent", 29600), ("node1", "agent", 29600)} <= own, own
         agent_log = (work / "run" / "node0" / "agent.log").read_text()
         assert "peer transport on 10.77.0.11:29600" in agent_log  # the interface's address, not a wildcard
+        # an outsider on the job's network (a third host): every peer op to every node, without the
+        # job's secret or with a guessed answer to the challenge, refused before any effect
+        # (node 1 may be lost while the probes run: node 0's are all answered with a challenge)
+        assert s["stranger"]["probes"] == 2 * 4 * 2 and s["stranger"]["challenged"] >= 8, s["stranger"]
+        assert s["stranger"]["served"] == [], s["stranger"]
+        assert "refused a connection from 10.77.0.13:" in agent_log
     assert hosts.bed_namespaces() == []  # the demo's bed is gone with it

@@ -254,3 +254,39 @@ def test_scheduled_transport_pins_are_released_when_the_trainer_dies(cluster):
         transport.request("sched_pin", rank=0, step=7)
     assert cluster.status(1)["redundancy"]["complete_step"] == -1  # nobody sent: no agent exchange
     transport.close()
+
+
+@pytest.mark.parametrize("cluster", [REPLICA], indirect=True)
+def test_a_stranger_without_the_jobs_secret_gets_nothing_from_the_peer_transport(cluster):
+    """An outsider connecting to an agent's peer port without the job's secret, or with a wrong one, is
+    refused before any operation - holds, get, put, announce - and logged; the job's own agents (which
+    prove the secret) go on exchanging. With the secret, holds answers what the agent holds: the probe
+    reaches a live agent."""
+    from megatron_ft.network import peer_port
+    from megatron_ft.transport import wire
+    from megatron_ft.transport.credential import read_secret
+
+    cluster.train(2)
+    addr = ("127.0.0.1", peer_port(cluster.cfg, 0))
+    secret = read_secret(cluster.cfg.security.secret_file)
+    held = wire.Client(addr, 5.0, secret=secret).request("holds", run_id=cluster.cfg.run_id)
+    assert held["primary"], held  # rank 0's clean steps: what a stranger must not learn
+    requests = {"holds": {}, "announce": {"node": 1, "step": 99},
+                "get": {"what": "primary", "step": 2, "lo": 0, "hi": 64, "rank": 0},
+                "put": {"key": "copy.r1", "kind": "copy", "step": 99, "length": 4, "src": 1, "expect": 4, "meta": {}}}
+    for wrong in (None, b"not-the-jobs-secret-at-all"):
+        for op, fields in requests.items():
+            c = wire.Client(addr, 2.0, secret=wrong, reconnects=0)
+            try:
+                reply = c.request(op, run_id=cluster.cfg.run_id, **fields)
+            except (wire.WireError, wire.RemoteError, OSError):
+                continue
+            finally:
+                c.close()
+            assert "primary" not in reply and "ok" not in reply, (op, wrong, reply)  # the challenge, no answer
+    def refusals() -> int:
+        with open(cluster.agents[0].log_path) as f:
+            return f.read().count("refused a connection from 127.0.0.1")
+
+    wait_for("the agent to log the refusals", lambda: refusals() >= 8, 10, lambda: cluster.logs([0]))
+    cluster.train(2, start=3)  # the job's own exchange goes on

@@ -170,3 +170,44 @@ def test_connect_waits_for_a_server_that_is_not_listening_yet(tmp_path):
             s.close()
     with pytest.raises(OSError):  # nobody listens within the wait: the last error
         wire.Client(path, timeout=5).connect({"op": "hello", "who": "r1"}, wait_s=0.2)
+
+
+def test_a_tcp_server_with_the_jobs_secret_serves_only_clients_that_prove_it(caplog):
+    """The challenge and response run both ways before the first request: a client without the secret,
+    with a wrong one, or one that sends a huge or malformed first frame is refused before the handler
+    sees anything (and logged); a client expecting a secret refuses a server that asks for none."""
+    import socket as _socket
+    import struct as _struct
+
+    seen = []
+
+    class H:
+        def handle(self, conn, msg):
+            seen.append(msg["op"])
+            return {"pong": True}
+
+        def closed(self, conn):
+            pass
+
+    secret = b"0123456789abcdef-the-job"
+    server = wire.Server(("127.0.0.1", 0), H(), name="peers-test", secret=secret).start()
+    try:
+        assert wire.Client(server.address, timeout=5, secret=secret).request("holds")["pong"] is True
+        assert seen == ["holds"]
+        for wrong in (None, b"0123456789abcdef-another"):
+            with pytest.raises((wire.WireError, OSError, wire.RemoteError)):
+                wire.Client(server.address, timeout=2, secret=wrong, reconnects=0).request("get")
+        raw = _socket.create_connection(server.address, timeout=5)  # a stranger's huge first frame
+        wire.recv_frame(raw)  # the challenge
+        raw.sendall(_struct.pack(">I", 16 << 20))
+        assert raw.recv(10) == b""  # closed, nothing allocated for it
+        assert seen == ["holds"]  # nothing of theirs was served
+        assert "refused a connection from 127.0.0.1" in caplog.text
+    finally:
+        server.close()
+    plain = wire.Server(("127.0.0.1", 0), H(), name="plain").start()
+    try:
+        with pytest.raises((wire.AuthError, OSError)):
+            wire.Client(plain.address, timeout=1, secret=secret, reconnects=0).request("holds")
+    finally:
+        plain.close()
