@@ -1,0 +1,102 @@
+"""Malformed input at the receiving edge (hypothesis, 2,600 examples): random bytes as a frame, as a
+first frame before authentication, and random JSON objects as the agents' and the peers' requests.
+Never a crash other than the documented refusals, never a hang: every read has a bound (a closed
+peer, a socket timeout), every refusal names what was wrong."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_ft.agent.peer_protocol import PEER_MESSAGES
+from megatron_ft.agent.protocol import MESSAGES as AGENT_MESSAGES
+from megatron_ft.transport import wire
+
+FAST = settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70) | st.floats() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+
+
+def _feed(data: bytes) -> socket.socket:
+    """A socket whose peer sent ``data`` and closed."""
+    a, b = socket.socketpair()
+    a.settimeout(2.0)
+    b.sendall(data)
+    b.close()
+    return a
+
+
+@FAST
+@given(st.binary(max_size=512) | st.builds(lambda n, body: struct.pack(">I", n) + body,
+                                          st.integers(0, 2**32 - 1), st.binary(max_size=256)))
+def test_random_bytes_as_a_frame_are_read_or_refused(data):
+    sock = _feed(data)
+    try:
+        msg = wire.recv_frame(sock)
+    except (wire.WireError, ConnectionError, UnicodeDecodeError):
+        return
+    finally:
+        sock.close()
+    assert isinstance(msg, dict) and msg.get("v") == wire.WIRE_VERSION
+
+
+@FAST
+@given(st.binary(max_size=256))
+def test_random_bytes_before_authentication_are_refused(data):
+    """The server's side of the challenge against a client that sends anything: refused, bounded."""
+    a, b = socket.socketpair()
+    a.settimeout(2.0)
+    errors = []
+
+    def client() -> None:
+        try:
+            wire.recv_frame(b)  # the challenge
+            b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            b.close()
+
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        wire.check_client(a, b"0123456789abcdef")
+    except (wire.AuthError, wire.WireError, ConnectionError, OSError, struct.error) as e:
+        errors.append(e)
+    finally:
+        t.join(5)
+        a.close()
+    assert errors and not t.is_alive()  # no random bytes prove the secret
+
+
+@FAST
+@given(st.sampled_from(sorted(PEER_MESSAGES.ops) + ["", "shutdown"]),
+       st.dictionaries(st.sampled_from(["key", "kind", "step", "length", "src", "expect", "meta", "node", "what",
+                                        "lo", "hi", "rank", "run_id", "nbytes", "x"]), json_values, max_size=8))
+def test_random_peer_requests_are_typed_or_refused_naming_the_problem(op, fields):
+    try:
+        req = PEER_MESSAGES.parse({"v": 1, "op": op, **fields})
+    except ValueError as e:
+        assert str(e).startswith("peer op"), e  # names the operation (and the field)
+        return
+    assert type(req) is PEER_MESSAGES.ops[op]
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(AGENT_MESSAGES.ops) + ["nope"]),
+       st.dictionaries(st.text(max_size=10), json_values, max_size=6))
+def test_random_agent_requests_are_typed_or_refused_naming_the_problem(op, fields):
+    try:
+        req = AGENT_MESSAGES.parse({"v": 1, "op": op, **fields})
+    except ValueError as e:
+        assert str(e).startswith("agent op"), e
+        return
+    assert type(req) is AGENT_MESSAGES.ops[op]
