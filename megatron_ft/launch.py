@@ -317,7 +317,7 @@ class NodeLauncher:
                                       record=fatal.read(self.run_dir) is None)
                         return None
                 time.sleep(0.2)
-        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_sigterm): the job is stopped on this node
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_signals): the job is stopped on this node
             self.torchrun.send_signal(signal.SIGINT)
             self.torchrun.wait()
             self.rendezvous.record_end(130)  # while this node's agent (maybe the store's root) still runs
@@ -649,17 +649,20 @@ def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
     return None
 
 
-def stop_on_sigterm() -> None:
+def stop_on_signals() -> None:
     """SIGTERM to a launcher (a supervisor's or scheduler's stop: systemd, Slurm's scancel, the kubelet)
     takes Ctrl-C's path: torchrun stops its workers, the launcher records the job's end and shuts its
     agent down cleanly (segments removed), instead of dying at once and leaving the agent waiting
     ``launch.start_timeout_s`` for a launcher that will not come. A second SIGTERM is ignored (SIGKILL
-    still ends it)."""
+    still ends it). SIGINT stops it the same way even where it started with SIGINT ignored (a
+    background command of a non-interactive shell inherits that, and Python then never raises
+    KeyboardInterrupt)."""
     def stop(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
@@ -677,9 +680,9 @@ def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
     try:
         for p in procs:
             rcs.append(p.wait())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every node's launcher stops its node (stop_on_signals)
         for p in procs:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)
         rcs = [p.wait() for p in procs]
     return max(rcs, default=0)
 
@@ -811,7 +814,7 @@ def main(args: argparse.Namespace) -> int:
     args.nodes, args.nproc_per_node = nodes, nproc
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
-    stop_on_sigterm()
+    stop_on_signals()
     if args.standby:
         if args.node_rank is not None:
             raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid with --standby: a standby "
