@@ -183,7 +183,9 @@ def test_node_lost_standby_takes_its_place(tmp_path, reference_dir):
     assert "torch.distributed.run: pre-started" in log, log[-2000:]
 
 
-@pytest.mark.parametrize("scheme", [pytest.param("xor", marks=pytest.mark.slow), "rs"])
+# both with the slow set (default-suite time, CI < 15 min); the default suite decodes through the agents in
+# test_peer_redundancy.py and loses a whole node end to end on hosts of their own (test_hosts.py)
+@pytest.mark.parametrize("scheme", [pytest.param("xor", marks=pytest.mark.slow), pytest.param("rs", marks=pytest.mark.slow)])
 def test_node_lost_recovers_by_decoding(tmp_path, scheme):
     """The lost node's ranks are decoded from the survivors; a parity node whose single slot holds a
     newer step the group never completed does not hide the group's complete step (the ranks agree
