@@ -536,52 +536,6 @@ def host_listeners(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
     return {"own": [list(x) for x in sorted(own)], "off_plan": off}
 
 
-#: run on the outsider's host: every peer-transport request, without the job's secret and with a made-up
-#: answer to the challenge, to every node's peer port; prints what came back
-STRANGER_PROBE = r"""
-import json, socket, struct, sys
-addrs, requests = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-def frame(s, obj):
-    raw = json.dumps(dict(obj, v=1)).encode()
-    s.sendall(struct.pack(">I", len(raw)) + raw)
-def read(s):
-    head = b""
-    while len(head) < 4:
-        got = s.recv(4 - len(head))
-        if not got:
-            return None
-        head += got
-    n, = struct.unpack(">I", head)
-    body = b""
-    while len(body) < n:
-        got = s.recv(n - len(body))
-        if not got:
-            return None
-        body += got
-    return json.loads(body)
-out = []
-for host, port in addrs:
-    for op, fields in requests.items():
-        for answer in (False, True):
-            got = []
-            try:
-                s = socket.create_connection((host, port), timeout=5)
-                first = read(s)  # the server speaks first: its challenge
-                if answer:  # a guess at the response
-                    frame(s, {"op": "auth", "nonce": "00" * 16, "mac": "00" * 32})
-                    got.append(read(s))
-                frame(s, dict(fields, op=op))
-                got.append(read(s))
-                s.close()
-            except OSError as e:
-                got.append(repr(e))
-            served = [g for g in got if isinstance(g, dict) and g.get("ok")]
-            out.append({"to": f"{host}:{port}", "op": op, "answered_challenge": answer,
-                        "challenged": isinstance(first, dict) and first.get("op") == "challenge", "served": served})
-print(json.dumps(out))
-"""
-
-
 def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
     """From the bed's last host (not one of the job's), every request of the agents' peer protocol to
     every node's peer port, without the job's secret: {"probes": n, "served": [what was served]}. The
@@ -595,7 +549,8 @@ def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
                 "put": {"key": "copy.r0", "kind": "copy", "step": 10 ** 6, "length": 0, "src": 0, "expect": 0,
                         "meta": {}}}
     assert set(requests) == set(PEER_MESSAGES.ops), PEER_MESSAGES.ops  # every op of the protocol
-    out = bed.run(cfg.cluster.nodes, [sys.executable, "-c", STRANGER_PROBE, json.dumps(addrs), json.dumps(requests)])
+    out = bed.run(cfg.cluster.nodes, [sys.executable, "-m", "megatron_ft.testing.hosts", "probe", json.dumps(addrs),
+                                      json.dumps(requests)])
     probes = json.loads(out.stdout.strip().splitlines()[-1])
     return {"probes": len(probes), "challenged": sum(p["challenged"] for p in probes),
             "served": [p for p in probes if p["served"]]}

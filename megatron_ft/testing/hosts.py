@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -425,6 +426,34 @@ def reap(tag: str, owner: int, poll_s: float = 0.2) -> None:
     teardown(tag)
 
 
+def outsider_probes(addrs: list, requests: dict) -> list[dict]:
+    """Run on a host that is not one of the job's (``python -m megatron_ft.testing.hosts probe``): each
+    request of ``requests`` (op -> fields) to each ``[host, port]`` of ``addrs`` in the wire's framing,
+    once without answering the server's challenge and once with a guessed answer. Per probe: whether
+    the server challenged it, and what it served (a reply with ``ok``)."""
+    from ..transport import wire
+
+    out = []
+    for host, port in addrs:
+        for op, fields in requests.items():
+            for answer in (False, True):
+                first, got = None, []
+                try:
+                    with socket.create_connection((host, port), timeout=5) as s:
+                        first = wire.recv_frame(s)  # the server speaks first: its challenge
+                        if answer:  # a guess at the response
+                            wire.send_frame(s, {"op": "auth", "nonce": "00" * 16, "mac": "00" * 32})
+                            got.append(wire.recv_frame(s))
+                        wire.send_frame(s, dict(fields, op=op))
+                        got.append(wire.recv_frame(s))
+                except (OSError, wire.WireError):
+                    pass  # refused: the server closed the connection
+                out.append({"to": f"{host}:{port}", "op": op, "answered_challenge": answer,
+                            "challenged": isinstance(first, dict) and first.get("op") == "challenge",
+                            "served": [g for g in got if g.get("ok")]})
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_ft.testing.hosts", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -432,7 +461,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     r.add_argument("tag")
     r.add_argument("owner", type=int)
     sub.add_parser("clean", help="tear down every bed whose owner is gone")
+    q = sub.add_parser("probe", help="outsider_probes: JSON [[host, port], ...] and {op: fields}; prints JSON")
+    q.add_argument("addrs")
+    q.add_argument("requests")
     args = p.parse_args(argv)
+    if args.cmd == "probe":
+        print(json.dumps(outsider_probes(json.loads(args.addrs), json.loads(args.requests))))
+        return 0
     if args.cmd == "reap":
         reap(args.tag, args.owner)
         return 0

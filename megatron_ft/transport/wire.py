@@ -91,16 +91,11 @@ def _mac(secret: bytes, role: str, first: str, second: str) -> str:
 
 
 def _recv_small(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > AUTH_FRAME_MAX:
-        raise AuthError(f"a frame of {n} bytes before authentication (at most {AUTH_FRAME_MAX})")
+    """A frame before authentication: at most :data:`AUTH_FRAME_MAX` bytes, else :class:`AuthError`."""
     try:
-        msg = json.loads(_recv_exact(sock, n))
-    except ValueError:
-        raise AuthError("a frame that is not JSON before authentication") from None
-    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
-        raise AuthError(f"not a wire-version-{WIRE_VERSION} frame")
-    return msg
+        return recv_frame(sock, AUTH_FRAME_MAX)
+    except WireError as e:
+        raise AuthError(f"before authentication: {e}") from None
 
 
 def check_client(sock: socket.socket, secret: bytes) -> None:
@@ -215,11 +210,12 @@ def send_frame(sock: socket.socket, msg: dict, payload: Optional[memoryview] = N
         sock.sendall(payload)
 
 
-def recv_frame(sock: socket.socket) -> dict:
-    """Read one frame's object (not its payload: see :func:`recv_into` and :func:`discard`)."""
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> dict:
+    """Read one frame's object (not its payload: see :func:`recv_into` and :func:`discard`); a frame
+    longer than ``max_bytes`` is refused before it is read."""
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_FRAME:
-        raise WireError(f"frame of {n} bytes exceeds the {MAX_FRAME}-byte limit")
+    if n > max_bytes:
+        raise WireError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
     raw = _recv_exact(sock, n)
     try:
         msg = json.loads(raw)

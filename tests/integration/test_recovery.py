@@ -286,14 +286,12 @@ def test_node0s_launcher_lost_and_started_again_resumes_from_local_memory_withou
     assert f"rendezvous generation 1 hosted by node 1 at 127.0.0.1:{cfg.launch.rdzv_port + 1}" in log
 
 
-def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_ends(tmp_path):
-    """Node 0's launcher dies and nobody starts it again; then the job is stopped (SIGINT to its other
-    launchers, as an operator's cancel). Node 0's orphaned agent learns from the store that the job is
-    over: nothing of the job is left 10 s after its end. Before, the agent and its slots waited out
-    launch.start_timeout_s (60 s here) for a launcher that would not come."""
+def _long_job(tmp_path, tag: str):
+    """A 2-node job (scheme none, 60 s for a lost launcher's replacement) training 200 iterations, once
+    rank 0 has trained 3: (config, run directory, the job's process)."""
     from megatron_ft.testing import demo as demo_mod
 
-    cfg = with_free_ports(ftconfig.load(), run_id=f"orphan{os.getpid()}",
+    cfg = with_free_ports(ftconfig.load(), run_id=f"{tag}{os.getpid()}",
                           persist={"dir": str(tmp_path / "persist"), "interval": 0}, launch={"start_timeout_s": 60})
     run = tmp_path / "run"
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 200, []), inmem=True,
@@ -301,6 +299,30 @@ def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_end
     try:
         wait_for("rank 0 to train 3 iterations", lambda: len(read_jsonl(str(run / "progress" / "rank0.jsonl"))) >= 3,
                  300)
+    except BaseException:
+        demo_mod._kill_tree(p)
+        raise
+    return cfg, run, p
+
+
+def _gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _wait_shared_memory_gone(cfg) -> None:
+    wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
+                                                            if n.startswith(f"mft.{cfg.run_id}.")], 10)
+
+
+def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_ends(tmp_path):
+    """Node 0's launcher dies and nobody starts it again; then the job is stopped (SIGINT to its other
+    launchers, as an operator's cancel). Node 0's orphaned agent learns from the store that the job is
+    over: nothing of the job is left 10 s after its end. Before, the agent and its slots waited out
+    launch.start_timeout_s (60 s here) for a launcher that would not come."""
+    from megatron_ft.testing import demo as demo_mod
+
+    cfg, run, p = _long_job(tmp_path, "orphan")
+    try:
         agent0 = demo_mod.node_pid(str(run), 0, "agent")
         os.kill(demo_mod.node_pid(str(run), 0, "launcher"), signal.SIGKILL)
         wait_for("node 0's agent to wait for a launcher", lambda: "waiting 60 s for a new launcher" in
@@ -308,10 +330,8 @@ def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_end
         p.send_signal(signal.SIGINT)  # the job is cancelled: its other launcher ends
         p.wait(timeout=120)
         ended = time.time()
-        wait_for("node 0's agent to end", lambda: not psutil.pid_exists(agent0) or
-                 psutil.Process(agent0).status() == psutil.STATUS_ZOMBIE, 10)
-        wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
-                                                                if n.startswith(f"mft.{cfg.run_id}.")], 10)
+        wait_for("node 0's agent to end", lambda: _gone(agent0), 10)
+        _wait_shared_memory_gone(cfg)
         print(f"node 0's agent gone {time.time() - ended:.1f} s after the job ended")
         assert "the job is over (node 1's launcher ended the job" in (run / "node0" / "agent.log").read_text()
     finally:
@@ -325,25 +345,14 @@ def test_sigterm_to_every_launcher_stops_the_job_and_leaves_nothing(tmp_path):
     with the node's slots, waited launch.start_timeout_s (60 s here) for a launcher that would not come."""
     from megatron_ft.testing import demo as demo_mod
 
-    cfg = with_free_ports(ftconfig.load(), run_id=f"sigterm{os.getpid()}",
-                          persist={"dir": str(tmp_path / "persist"), "interval": 0}, launch={"start_timeout_s": 60})
-    run = tmp_path / "run"
-    p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, 200, []), inmem=True,
-                            log_path=str(tmp_path / "run.log"))
+    cfg, run, p = _long_job(tmp_path, "sigterm")
     try:
-        wait_for("rank 0 to train 3 iterations", lambda: len(read_jsonl(str(run / "progress" / "rank0.jsonl"))) >= 3,
-                 300)
         pids = [demo_mod.node_pid(str(run), n, what) for n in range(2) for what in ("launcher", "agent")]
         for n in range(2):
             os.kill(demo_mod.node_pid(str(run), n, "launcher"), signal.SIGTERM)
         stopped = time.time()
-
-        def gone(pid: int) -> bool:
-            return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-        wait_for("every launcher and agent of the job to end", lambda: all(gone(x) for x in pids), 10)
-        wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
-                                                                if n.startswith(f"mft.{cfg.run_id}.")], 10)
+        wait_for("every launcher and agent of the job to end", lambda: all(_gone(x) for x in pids), 10)
+        _wait_shared_memory_gone(cfg)
         print(f"everything gone {time.time() - stopped:.1f} s after SIGTERM")
         for n in range(2):
             assert "waiting 60 s for a new launcher" not in (run / f"node{n}" / "agent.log").read_text()
