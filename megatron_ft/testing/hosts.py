@@ -59,6 +59,8 @@ NETNS_DIR = "/var/run/netns"
 STATE_DIR = "/run/megatron-ft/hosts"
 PREFIX = "mft"
 INTERFACE = "eth0"
+#: how long a process started on a host may take to join its namespaces
+ENTER_WAIT_S = 10.0
 #: what the bed needs from the machine (Debian packages: iproute2, util-linux, procps)
 TOOLS = ("ip", "tc", "nsenter", "unshare", "mount")
 
@@ -380,8 +382,24 @@ class HostBed:
         return ["nsenter", f"--target={self.holders[i].pid}", "--net", "--mount", "--uts", "--", *argv]
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:
-        """Start ``argv`` on host ``i`` (``kw`` as for :class:`subprocess.Popen`)."""
-        return subprocess.Popen(self.command(i, argv), **kw)
+        """Start ``argv`` on host ``i`` (``kw`` as for :class:`subprocess.Popen`) and return once it runs
+        there: ``nsenter`` joins the host's namespaces a moment after it starts, and a process still on
+        the machine's own network would escape :meth:`lose` (waits at most ``ENTER_WAIT_S``)."""
+        proc = subprocess.Popen(self.command(i, argv), **kw)
+        want = f"net:[{_netns_inode(self.plan.host_ns(i))}]"
+        deadline = time.monotonic() + ENTER_WAIT_S
+        while proc.poll() is None:
+            try:
+                if os.readlink(f"/proc/{proc.pid}/ns/net") == want:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait(timeout=10)
+                raise BedUnavailable(f"{argv[0]} did not enter host {self.plan.name(i)} within {ENTER_WAIT_S} s")
+            time.sleep(0.002)
+        return proc
 
     def run(self, i: int, argv: list[str], timeout: float = 120.0, **kw) -> subprocess.CompletedProcess:
         """Run ``argv`` on host ``i`` to its end (bounded by ``timeout``), capturing its output."""

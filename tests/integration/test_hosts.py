@@ -103,12 +103,14 @@ def test_a_harness_killed_in_the_middle_leaves_nothing_behind(bed_allowed, tmp_p
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    tag = proc.stdout.readline().strip()
-    assert tag and len(hosts.bed_namespaces(tag)) == 3
-    pids = [p for ns in hosts.bed_namespaces(tag) for p in hosts.processes_in(ns)]
-    assert len(pids) >= 4  # two holders, two sleepers
-    proc.kill()
-    proc.wait(timeout=10)
+    try:
+        tag = proc.stdout.readline().strip()
+        assert tag and len(hosts.bed_namespaces(tag)) == 3
+        pids = [p for ns in hosts.bed_namespaces(tag) for p in hosts.processes_in(ns)]
+        assert len(pids) >= 4  # two holders, two sleepers
+    finally:  # a failed check above still leaves the tear-down to the reaper, not to the next test
+        proc.kill()
+        proc.wait(timeout=10)
     wait_for("the reaper to tear the bed down", lambda: leftovers(tag) == {"namespaces": [], "mounts": [],
                                                                           "state": False, "reaper": []}, 30)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
@@ -174,6 +176,7 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
     from conftest import run_demo
 
     work = tmp_path / "w"
+    beds_before = set(hosts.bed_namespaces())
     s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--quiet", f"--workdir={work}",
                   "--iters=14", "--kill-at=7", *argv], timeout=600)
     assert s["recovered_from"] == tier and 5 <= s["resumed_step"] <= 7, s
@@ -195,4 +198,4 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
         assert s["stranger"]["probes"] == 2 * 4 * 2 and s["stranger"]["challenged"] >= 8, s["stranger"]
         assert s["stranger"]["served"] == [], s["stranger"]
         assert "refused a connection from 10.77.0.13:" in agent_log
-    assert hosts.bed_namespaces() == []  # the demo's bed is gone with it
+    assert set(hosts.bed_namespaces()) <= beds_before  # the demo's bed is gone with it
