@@ -223,9 +223,13 @@ class LaunchConfig(_Section):
 class HealthConfig(_Section):
     """Coordination among the agents: the key-value store, heartbeats, failure detection.
 
-    ``store``: ``embedded`` (a torch TCPStore hosted by the root agent; every agent runs one at
-    ``hosts[node]:store_port``, or ``127.0.0.1:store_port + node`` when ``hosts`` is empty, i.e.
-    all nodes simulated on one machine) or ``etcd://host:port`` (an external etcd cluster).
+    ``store``: ``embedded`` (served by the root agent on the project's authenticated wire; every agent
+    runs a server at ``hosts[node]:store_port``, or ``127.0.0.1:store_port + node`` when ``hosts`` is
+    empty, i.e. all nodes simulated on one machine) or ``etcd://host:port`` (an external etcd cluster).
+
+    ``etcd_ca_file``: etcd over TLS (HTTPS), its server certificate checked against this CA; with
+    ``etcd_cert_file`` and ``etcd_key_file`` the agents present a client certificate (etcd's
+    ``--client-cert-auth``). Empty: plain HTTP.
     """
 
     store: Annotated[StrictStr, Field(pattern=r"^(embedded|etcd://[A-Za-z0-9_.-]+:\d{1,5})$"),
@@ -236,9 +240,23 @@ class HealthConfig(_Section):
     hosts: Annotated[tuple[Annotated[StrictStr, Field(min_length=1)], ...],
                      Allowed("must be a list of host names, one per node (or empty: one machine)")] = ()
     host_pattern: StrictStr = ""  # e.g. "gpu-{node:04d}.cluster.internal", instead of listing hosts
+    etcd_ca_file: StrictStr = ""
+    etcd_cert_file: StrictStr = ""
+    etcd_key_file: StrictStr = ""
 
     @model_validator(mode="after")
     def _check(self) -> "HealthConfig":
+        tls = {"health.etcd_ca_file": self.etcd_ca_file, "health.etcd_cert_file": self.etcd_cert_file,
+               "health.etcd_key_file": self.etcd_key_file}
+        for name, value in tls.items():
+            if value and not self.store.startswith("etcd://"):
+                _fail(name, value, f"is for an etcd store; health.store is {self.store!r}")
+        if bool(self.etcd_cert_file) != bool(self.etcd_key_file):
+            given = "health.etcd_cert_file" if self.etcd_cert_file else "health.etcd_key_file"
+            _fail(given, tls[given], "needs its pair: give health.etcd_cert_file and health.etcd_key_file together")
+        if self.etcd_cert_file and not self.etcd_ca_file:
+            _fail("health.etcd_cert_file", self.etcd_cert_file, "needs health.etcd_ca_file (a client certificate is "
+                                                                "only sent over TLS)")
         if self.timeout_s <= self.heartbeat_s:
             _fail("health.timeout_s", self.timeout_s, f"must be larger than health.heartbeat_s={self.heartbeat_s}")
         if self.host_pattern and "{node" not in self.host_pattern:
@@ -295,7 +313,7 @@ class SecurityConfig(_Section):
     """Who may talk to the servers megatron-ft runs (docs/security.md).
 
     ``secret_file``: a file holding the job's secret (at least 16 bytes), the same on every host (shared
-    storage, a Kubernetes Secret); every TCP connection to an agent's peer transport proves it both ways
+    storage, a Kubernetes Secret); every TCP connection to an agent's store or peer transport proves it both ways
     (HMAC-SHA256 challenge and response) before anything else is read. Empty: ``MFT_JOB_SECRET_FILE``
     from the environment; else, when every node runs on this machine, one the launchers generate in the
     run directory (``job.secret``, mode 0600). A job of hosts of their own without one is refused at

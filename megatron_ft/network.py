@@ -8,8 +8,10 @@ and the check that refuses a node its peers could not reach.
   unless the environment already names them (the user's choice wins);
 * :func:`megatron_ft.config.port_plan` - every port megatron-ft's own processes listen on, each moved by
   one setting (``megatron-ft config FILE --ports`` prints it as a firewall table, :func:`describe_ports`;
-  a configuration whose ranges overlap is refused when it is read). None is picked by the kernel: torch's own listeners are the
-  exception (gloo's and NCCL's connections, and torch's TCPStore servers bind every interface);
+  a configuration whose ranges overlap is refused when it is read). None is picked by the kernel, and the
+  agents' servers (the store, the peer transport) listen on the node's own address only; torch's own
+  listeners are the exception (gloo's and NCCL's connections, and the TCPStores of torchrun's rendezvous
+  and of the trainers' process groups bind every interface: docs/security.md);
 * :func:`node_address_problem` - run by each launcher of a multi-host job before anything starts: a node
   whose own name resolves to a loopback address (Debian's installer writes ``127.0.1.1 <hostname>``
   into /etc/hosts), to nothing, or to no address of this host would advertise an address its peers

@@ -26,6 +26,7 @@ apt_optional() {  # apt_optional PACKAGE "what is missing without it"
 apt_optional libisal2 "Reed-Solomon will use the slower numpy codec"
 # etcd 3.4 for `health.store: etcd://HOST:PORT` and the tests that start a real etcd server
 apt_optional etcd-server "health.store etcd:// tests will be skipped"
+apt_optional openssl "the etcd-over-TLS test (its certificates) will be skipped"
 # the multi-host test bed (megatron_ft/testing/hosts.py): ip, tc (iproute2), nsenter, unshare (util-linux)
 apt_optional iproute2 "multi-host tests will be skipped (and fail under CI=true)"
 apt_optional util-linux "multi-host tests will be skipped (and fail under CI=true)"

@@ -169,6 +169,11 @@ class BlockStore:
                 sizes.update(v.meta.get("sizes", {}))
         return {"blocks": blocks, "codecs": codecs, "sizes": sizes}
 
+    def allocated(self) -> int:
+        """Bytes of shared memory the store's versions hold now."""
+        with self.lock:
+            return sum(v.segment.size for vs in self.blocks.values() for v in vs)
+
     def status(self) -> dict:
         with self.lock:
             return {"blocks": {k: [(v.step, v.complete, os.path.basename(v.segment.path)) for v in vs]

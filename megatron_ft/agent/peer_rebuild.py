@@ -77,6 +77,7 @@ class PeerRebuild:
             missing = f" (no answer from {', '.join(sorted(g.unanswered))})" if g.unanswered else ""
             raise PeerError(f"rank {rank} step {step} cannot be rebuilt from the surviving group members{missing}")
         source, rec = how
+        decode_peak = 0
         buf = np.zeros(sizes[rank], np.uint8)
         mv = memoryview(buf)
         if isinstance(rec, xch.CopyRecipe):
@@ -91,12 +92,15 @@ class PeerRebuild:
                     np.bitwise_xor(acc[: len(part)], part, out=acc[: len(part)])
                 buf[x.lo:x.hi] = acc[: x.hi - x.lo]
         else:
-            self._decode_rs(holds, rec, step, buf)
+            decode_peak = self._decode_rs(holds, rec, step, buf)
         owner.agent.install_recovered(rank, step, buf)
         dt = time.perf_counter() - t0
         log.warning("agent node %d: rebuilt rank %d step %d from the group (%s) in %.3f s", owner.node, rank, step,
                     source, dt)
-        return {"source": source, "seconds": dt}
+        out = {"source": source, "seconds": dt}
+        if isinstance(rec, xch.RsRecipe):
+            out["decode_buffers_peak"] = decode_peak
+        return out
 
     def _fetch(self, node: int, what: str, ident: Any, step: int, lo: int, hi: int, dst: memoryview) -> None:
         cl = self.owner.client(node)
@@ -113,28 +117,62 @@ class PeerRebuild:
         node, what, key = where
         self._fetch(node, what, rank if what == "primary" else key, step, lo, hi, dst)
 
-    def _decode_rs(self, holds: dict, rec: xch.RsRecipe, step: int, buf: np.ndarray) -> None:
+    def _decode_rs(self, holds: dict, rec: xch.RsRecipe, step: int, buf: np.ndarray) -> int:
+        """Data shard ``rec.index`` of the row into ``buf``, decoded piece by piece: each piece of
+        :func:`decode_piece_bytes` fetches the same range of k surviving shards (one connection per
+        source, kept for the whole decode), so the heap holds k + 1 pieces, never k shards. Returns the
+        largest number of bytes its buffers held at once."""
         desc = None
-        avail: dict[int, np.ndarray] = {}
+        sources: dict[int, Optional[tuple]] = {}  # shard index -> (node, what, ident, valid bytes) or None (zeros)
         for j, d in enumerate(rec.data):
-            if j == rec.index or len(avail) >= rec.k:
+            if j == rec.index or len(sources) >= rec.k:
                 continue
             if d is None:
-                avail[j] = np.zeros(rec.length, np.uint8)
-            elif rebuild.whole_at(holds, d[0], step):
-                a = np.zeros(rec.length, np.uint8)
-                self._fetch_whole(holds, d[0], step, 0, d[1], memoryview(a)[: d[1]])
-                avail[j] = a
+                sources[j] = None
+            elif (where := rebuild.whole_at(holds, d[0], step)) is not None:
+                node, what, key = where
+                sources[j] = (node, what, d[0] if what == "primary" else key, d[1])
         for i, b in enumerate(rec.parity):
-            if len(avail) >= rec.k:
+            if len(sources) >= rec.k:
                 break
             if b.holder in holds and rebuild.has_block(holds[b.holder], b.key, step):
-                a = np.zeros(rec.length, np.uint8)
-                self._fetch(b.holder, "block", b.key, step, 0, rec.length, memoryview(a))
-                avail[rec.k + i] = a
+                sources[rec.k + i] = (b.holder, "block", b.key, rec.length)
                 desc = holds[b.holder].get("codecs", {}).get(b.key) or desc
         # the codec recorded with the parity decodes it (a mismatching build refuses, by name)
         codec = get_codec(desc) if desc else self.owner.codec or get_codec("rs", rec.k, rec.m)
-        out = np.zeros(rec.length, np.uint8)
-        codec.decode(avail, [rec.index], {rec.index: out})
-        buf[:] = out[: rec.size]
+        piece = decode_piece_bytes(codec.piece_align)
+        clients = {n: self.owner.client(n) for n in {s[0] for s in sources.values() if s is not None}}
+        try:
+            peak = 0
+            for lo in range(0, rec.size, piece):
+                hi = min(lo + piece, rec.length)
+                avail = {j: np.zeros(hi - lo, np.uint8) for j in sources}
+                for j, src in sources.items():
+                    if src is None or src[3] <= lo:
+                        continue  # zero padding beyond the shard's bytes
+                    node, what, ident, valid = src
+                    get = Get(op="get", what=what, step=step, lo=lo, hi=min(hi, valid),
+                              **{"rank" if what == "primary" else "key": ident})
+                    clients[node].request(**get.fields(), into=memoryview(avail[j])[: min(hi, valid) - lo])
+                out = np.zeros(hi - lo, np.uint8)
+                codec.decode(avail, [rec.index], {rec.index: out})
+                peak = max(peak, (len(avail) + 1) * (hi - lo))
+                end = min(hi, rec.size)
+                buf[lo:end] = out[: end - lo]
+            return peak
+        finally:
+            for cl in clients.values():
+                cl.close()
+
+
+#: how much of each shard an rs rebuild decodes at a time (rounded up to the codec's piece alignment)
+DECODE_PIECE = 4 << 20
+
+
+def decode_piece_bytes(align: int) -> int:
+    """:data:`DECODE_PIECE` rounded up to a multiple of ``align`` (a bit-matrix codec's ``8 x packet``).
+
+    >>> decode_piece_bytes(1), decode_piece_bytes(8 * 3000)
+    (4194304, 4200000)
+    """
+    return -(-DECODE_PIECE // align) * align

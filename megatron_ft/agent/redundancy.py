@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from .block_store import BlockStore
+from .block_store import MAX_VERSIONS, BlockStore
 from .exchange_sender import ExchangeSender
 from .group_completion import GroupCompletion
 from .peer_protocol import PEER_MESSAGES, Announce, Get, Put
@@ -249,12 +249,21 @@ class Redundancy:
 
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange:
         """The group's exchange for these container sizes (cached: sizes change only when a rank's
-        layout does)."""
+        layout does). The first time for given sizes, the shared memory this node's blocks will take
+        (every version) is reserved in the agent's budget (:meth:`Agent.reserve_peer_blocks`), before
+        anything of that exchange is sent or received: a :class:`~.shm.SharedMemoryError` when it does
+        not fit."""
         key = tuple(sorted(sizes.items()))
         with self.lock:
-            if self._ex_cache is None or self._ex_cache[0] != key:
-                self._ex_cache = (key, xch.group_exchange(self.plan, self.gi, sizes))
-            return self._ex_cache[1]
+            cached = self._ex_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        ex = xch.group_exchange(self.plan, self.gi, sizes)
+        held = ex.held_by(self.node)
+        self.agent.reserve_peer_blocks(xch.held_bytes(ex, self.node, MAX_VERSIONS), len(held), self.blocks.allocated())
+        with self.lock:  # (never both locks: lock order, the class docstring)
+            self._ex_cache = (key, ex)
+        return ex
 
     def contributions_sent(self, step: int, ex: xch.GroupExchange, nbytes: int, seconds: float) -> None:
         """The sender sent every contribution of ``step``: announce it once this node's blocks are
@@ -279,6 +288,9 @@ class Redundancy:
         n = req.nbytes if payload is None else len(payload)
         if n > length:
             raise ValueError(f"contribution of {n} bytes to block {key} of {length} bytes")
+        sizes = {int(r): int(b) for r, b in (req.meta.get("sizes") or {}).items()}
+        if sizes:  # the sender's sizes: this node's blocks for them fit its budget, or the put is refused
+            self.exchange_for(sizes)
         v = self.blocks.version_for(key, step, length, req.expect, req.meta)
         if v is None:
             if conn is not None:
@@ -353,6 +365,7 @@ class Redundancy:
         if sizes.get(src_rank) != length:
             raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
                              f"{sizes.get(src_rank)}")
+        self.exchange_for(sizes)  # this node's blocks fit its budget (else refused)
         key = f"{xch.COPY}.r{src_rank}"
         v = self.blocks.version_for(key, step, length, 1, {"sizes": {str(r): n for r, n in sizes.items()},
                                                            "codec": None})

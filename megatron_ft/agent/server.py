@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import shm, persist
+from .block_store import MAX_VERSIONS as MAX_BLOCK_VERSIONS
 from .. import config as ftconfig
 from .. import network
 from ..capture import snapfile
@@ -97,6 +98,10 @@ class JobEndWatch:
         return None
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 class Agent:
     """One node's agent. Lock order: ``Agent.lock`` and ``Redundancy.lock`` are never held together:
     the redundancy calls into the agent (``pin_step``, ``clean_steps``, ``slot_sizes``,
@@ -107,7 +112,7 @@ class Agent:
     def __init__(self, cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes] = None):
         self.cfg = cfg
         self.node = node
-        self.secret = secret  # the job's: every peer-transport connection proves it (both ways)
+        self.secret = secret  # the job's: every store and peer-transport connection proves it (both ways)
         self.run_id = cfg.run_id
         self.lock = threading.RLock()
         self.table = VersionTable()  # slot states (pure; mirrored into the container headers)
@@ -115,6 +120,8 @@ class Agent:
         self.fingerprints: dict[int, str] = {}  # rank -> its layout's fingerprint
         self.layouts: dict[int, bytes] = {}  # rank -> its layout record (to re-initialise a repaired slot)
         self._reserved: dict[int, int] = {}  # rank -> shared memory being allocated for it (outside the lock)
+        self._peer_reserved = 0  # shared memory this node's blocks for its group take at most (reserve_peer_blocks)
+        self._peer_refusal = ""  # why they do not fit: every begin is refused with it
         self.connected: dict[int, int] = {}  # rank -> open trainer connections
         self.persisted: list[int] = []
         self.persist_errors: list[str] = []
@@ -145,7 +152,7 @@ class Agent:
         if not store_needed(self.cfg):
             return
         h = self.cfg.health
-        self.store = make_store(self.cfg, self.node)
+        self.store = make_store(self.cfg, self.node, self.secret)
         self.store.connect(self.cfg.agent.connect_timeout_s)
         if self.cfg.redundancy.scheme != "none":
             self.redundancy = Redundancy(self, self.store, network.listen_address(self.cfg, self.node))
@@ -283,7 +290,7 @@ class Agent:
                 if rv:
                     log.info("agent node %d: rank %d changed layout; dropping its old slots", self.node, rank)
                     self._drop_rank(rank)
-                used = sum(g.size for gs in self.segments.values() for g in gs) + sum(self._reserved.values())
+                used = self._slot_bytes() + self._peer_reserved
                 budget = max(0, limit - used) if limit else None
                 self._reserved[rank] = geom.total * nslots
         self._trained = True
@@ -317,6 +324,40 @@ class Agent:
         self._publish_size(rank, geom.total)
         log.info("agent node %d: rank %d registered, %d x %.1f MiB slots", self.node, rank, nslots, geom.total / 2**20)
         return {"slots": [g.path for g in created], "adopted": False}
+
+    def _slot_bytes(self) -> int:
+        """Shared memory of the slots, allocated or being allocated (under ``Agent.lock``)."""
+        return sum(g.size for gs in self.segments.values() for g in gs) + sum(self._reserved.values())
+
+    def reserve_peer_blocks(self, need: int, blocks: int, allocated: int) -> None:
+        """Count ``need`` bytes - every version of the ``blocks`` this node holds for its group, of
+        which ``allocated`` exist already - in ``agent.shm_limit_mib`` and against the free space of
+        ``agent.shm_dir``, once the group's container sizes are known and before any of them is sent or
+        received. When it does not fit, a :class:`~.shm.SharedMemoryError` naming both numbers and the
+        fix, and every later ``begin`` of this node's trainers is refused with it (a trainer with
+        ``agent.required`` ends the job: exit 2). Takes ``Agent.lock``; no I/O but a statvfs."""
+        limit = self.cfg.agent.shm_limit_mib << 20
+        d = self.cfg.agent.shm_dir
+        with self.lock:
+            slots = self._slot_bytes()
+            what = (f"node {self.node}'s blocks for its peers ({self.cfg.redundancy.scheme}: {blocks} block(s), "
+                    f"{MAX_BLOCK_VERSIONS} versions each) need {_mib(need)} of shared memory beside its slots' {_mib(slots)}")
+            problem = ""
+            if limit and slots + need > limit:
+                problem = (f"{what}, {_mib(slots + need)} in all, but agent.shm_limit_mib={self.cfg.agent.shm_limit_mib}: "
+                           f"raise it to at least {-(-(slots + need) // 2**20)}")
+            else:
+                free = shm.shm_free_bytes(d) - sum(self._reserved.values())
+                if need - allocated > free:
+                    problem = (f"{what}, but {d} has {_mib(free)} free: give it at least {_mib(need - allocated - free)} "
+                               f"more (docker --shm-size, a Kubernetes emptyDir with medium: Memory and a larger "
+                               f"sizeLimit) or point agent.shm_dir at a larger tmpfs")
+            if not problem:
+                self._peer_reserved, self._peer_refusal = need, ""
+                return
+            self._peer_refusal = f"shared memory too small: {problem}"
+        log.error("agent node %d: %s", self.node, self._peer_refusal)
+        raise shm.SharedMemoryError(self._peer_refusal)
 
     def _publish_size(self, rank: int, size: int) -> None:
         if self.redundancy is not None:  # a store call: never under Agent.lock
@@ -387,6 +428,8 @@ class Agent:
         if staging_only:
             keep = red.sending_steps()
         with self.lock:
+            if self._peer_refusal:  # the node cannot hold its peers' blocks: no snapshot it could protect
+                raise shm.SharedMemoryError(self._peer_refusal)
             self._check_intact(rank)
             slot = self.table.begin(rank, step, keep, staging_only)
             self._mirror(rank, [slot])
@@ -487,6 +530,8 @@ class Agent:
                 "persist_errors": list(self.persist_errors[-5:]),
                 "pending_persists": self._persist_q.qsize(),
                 "root": self.store.root if self.store is not None else None,
+                "shared_memory": {"slots": self._slot_bytes(), "peer_blocks_reserved": self._peer_reserved,
+                                  "limit": self.cfg.agent.shm_limit_mib << 20, "refused": self._peer_refusal},
             }
         out["redundancy"] = self.redundancy.status() if self.redundancy is not None else None
         return out
@@ -872,7 +917,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--persist-dir", default=None)
     p.add_argument("--secret-file", default=None,
                    help="the job's secret (megatron_ft/transport/credential.py; default: security.secret_file, "
-                        "else MFT_JOB_SECRET_FILE); needed with peer redundancy")
+                        "else MFT_JOB_SECRET_FILE); needed by a job of several nodes or with peer redundancy")
     p.add_argument("--launcher-pid", type=int, default=None,
                    help="the node's launcher: when it dies, wait launch.start_timeout_s for a new one to adopt "
                         "this agent (its slots stay for the restarted trainers), else shut down and remove them")
@@ -895,15 +940,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if changes:
         cfg = ftconfig.replace(cfg, **changes)
     secret = None
-    if cfg.redundancy.scheme != "none":  # the peer transport serves only holders of the job's secret
-        from ..transport.credential import ENV, read_secret
+    from ..health.store import store_needed
 
-        path = args.secret_file or cfg.security.secret_file or os.environ.get(ENV, "")
+    if store_needed(cfg):  # the store's and the peer transport's connections prove the job's secret
+        from ..transport.credential import ENV, configured_secret, read_secret
+
         try:
-            if not path:
-                raise ftconfig.ConfigError(f"the agent of a job with peer redundancy needs the job's secret: "
-                                           f"--secret-file, security.secret_file or {ENV}")
-            secret = read_secret(path)
+            secret = read_secret(args.secret_file) if args.secret_file else configured_secret(cfg, os.environ)
+            if secret is None:
+                raise ftconfig.ConfigError(f"the agent of a job of several nodes or with peer redundancy needs the "
+                                           f"job's secret: --secret-file, security.secret_file or {ENV}")
         except ftconfig.ConfigError as e:
             log.error("agent node %d: %s", args.node, e)
             return 2

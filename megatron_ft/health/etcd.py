@@ -14,16 +14,19 @@ verdicts) is elected, inside etcd:
   (it was only slow) stops acting as root at its next heartbeat.
 
 The client is `etcd3gw <https://opendev.org/openstack/etcd3gw>`_ (etcd's v3 gRPC-gateway HTTP API;
-``pip install 'megatron-ft[etcd]'``). Keys are UTF-8 strings under ``mft/<run_id>/``.
+``pip install 'megatron-ft[etcd]'``). Keys are UTF-8 strings under ``mft/<run_id>/``. With
+``health.etcd_ca_file`` it speaks HTTPS, checking etcd's certificate against that CA, and with
+``etcd_cert_file``/``etcd_key_file`` presents a client certificate (:class:`EtcdTLS`).
 """
 from __future__ import annotations
 
 import base64
 import logging
+import os
 import re
 import threading
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .kv import StoreUnavailable
 
@@ -46,11 +49,25 @@ def _unb64(s: str) -> str:
     return base64.b64decode(s).decode("utf-8")
 
 
+class EtcdTLS(NamedTuple):
+    """etcd over TLS: the CA that signed etcd's server certificate, and optionally this client's
+    certificate and key (all PEM file paths; empty: not used)."""
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    @classmethod
+    def of(cls, health) -> Optional["EtcdTLS"]:
+        """From ``cfg.health`` (None: plain HTTP)."""
+        return cls(health.etcd_ca_file, health.etcd_cert_file, health.etcd_key_file) if health.etcd_ca_file else None
+
+
 class EtcdKV:
     """A client of an etcd cluster: keys prefixed with ``prefix``, values UTF-8 strings. Every
-    error (unreachable, timeout, server error) is a :class:`StoreUnavailable` naming the endpoint."""
+    error (unreachable, timeout, server error, a certificate refused) is a :class:`StoreUnavailable`
+    naming the endpoint. ``tls``: HTTPS (:class:`EtcdTLS`); None: HTTP."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float = 5.0):
+    def __init__(self, url: str, prefix: str, timeout_s: float = 5.0, tls: Optional[EtcdTLS] = None):
         try:
             import etcd3gw
         except ImportError:
@@ -59,7 +76,26 @@ class EtcdKV:
         self.url = url
         self.host, self.port = parse_endpoint(url)
         self.prefix = prefix
-        self._client = etcd3gw.Etcd3Client(self.host, self.port, timeout=timeout_s)
+        if tls is None:
+            self._client = etcd3gw.Etcd3Client(self.host, self.port, timeout=timeout_s)
+        else:
+            for name, path in zip(("health.etcd_ca_file", "health.etcd_cert_file", "health.etcd_key_file"), tls):
+                if path and not os.path.isfile(path):
+                    raise StoreUnavailable(f"{name}={path!r}: no such file (etcd at {self.host}:{self.port} over TLS)")
+            import requests
+
+            # a session of its own that ignores the environment: with REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE
+            # set (common on clusters), requests would check etcd's certificate against that bundle
+            # instead of etcd_ca_file (requests issue 3829), and a proxy from the environment has no
+            # business between the agents and the job's etcd
+            session = requests.Session()
+            session.trust_env = False
+            session.verify = tls.ca_file
+            if tls.cert_file:
+                session.cert = (tls.cert_file, tls.key_file)
+            self._client = etcd3gw.Etcd3Client(self.host, self.port, protocol="https", timeout=timeout_s,
+                                               session=session)
+        self.scheme = "https" if tls else "http"
         self._errors = (etcd3gw.exceptions.Etcd3Exception, OSError, ValueError, KeyError)
         self._lock = threading.Lock()  # one requests.Session, used by several agent threads
 
@@ -116,10 +152,11 @@ class EtcdStore:
 
     elects_root_by_heartbeat = True  # the Monitor moves ``root`` when the root's heartbeat is stale
 
-    def __init__(self, url: str, run_id: str, node: int, nodes: int, timeout_s: float = 5.0):
+    def __init__(self, url: str, run_id: str, node: int, nodes: int, timeout_s: float = 5.0,
+                 tls: Optional[EtcdTLS] = None):
         self.node, self.nodes, self.timeout_s = node, nodes, timeout_s
         self.prefix = f"mft/{run_id}/"
-        self.kv = EtcdKV(url, self.prefix, timeout_s)
+        self.kv = EtcdKV(url, self.prefix, timeout_s, tls)
         self.url = url
         self._root = -1
 

@@ -1,7 +1,8 @@
 """The coordination key-value store the agents share (GEMINI's health KV store).
 
-Embedded default: every agent hosts a torch ``TCPStore`` server at ``endpoint(node)``; the
-*root* agent's server is the store. The root is node 0 at start; when the root's server stops
+Embedded default: every agent hosts a store server (:mod:`.wire_store`: the project's wire, every
+connection proving the job's secret) at ``endpoint(node)``, on that address only; the *root* agent's
+server is the store. The root is node 0 at start; when the root's server stops
 answering, every agent moves to the lowest-numbered other node whose server answers (all agents
 compute the same one), that node's agent makes itself root, and everyone re-publishes its keys.
 A node joining later (a replacement) asks the other nodes' servers which of them is root.
@@ -16,26 +17,26 @@ Keys (all under ``mft/<run_id>/``): ``root`` (node id), ``addr/<node>`` (peer tr
 """
 from __future__ import annotations
 
-import datetime
 import logging
+import os
 import random
 import socket
 import threading
 import time
 from typing import Optional
 
-from .etcd import EtcdKV, EtcdStore
+from .etcd import EtcdKV, EtcdStore, EtcdTLS
 from .kv import KV, StoreUnavailable
+from .wire_store import KVServer, WireKV
 
 __all__ = ["KV", "StoreUnavailable", "EmbeddedStore", "StoreClient", "make_store"]
 
 log = logging.getLogger("megatron_ft.health")
 
 
-#: how long asking another node's server whether it is the root may take. Short: while a process
-#: builds a TCPStore client, its own TCPStore server may not complete new clients' handshakes (seen on
-#: torch 2.13: two agents asking each other at once both waited out a 5 s timeout, and a failover took
-#: 18 s), so probes are short and retried with jitter instead of long and in lockstep
+#: how long asking another node's server whether it is the root may take: short, and retried with
+#: jitter (a loaded machine answers the next probe), so that agents asking each other at once during a
+#: failover do not wait out long timeouts in lockstep
 PROBE_TIMEOUT_S = 1.0
 
 
@@ -47,44 +48,6 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-class TCPStoreKV:
-    """A client of one TCPStore server (keys prefixed; values are UTF-8 strings)."""
-
-    def __init__(self, host: str, port: int, prefix: str, timeout_s: float = 5.0):
-        import torch.distributed as dist
-
-        if not port_open(host, port):  # fail fast: TCPStore's own connect retries until its timeout
-            raise StoreUnavailable(f"no store at {host}:{port}")
-        try:
-            self._s = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception as e:
-            raise StoreUnavailable(f"store at {host}:{port}: {e}") from None
-        self.host, self.port, self.prefix = host, port, prefix
-        self._lock = threading.Lock()
-
-    def _call(self, fn, *args):
-        with self._lock:
-            try:
-                return fn(*args)
-            except Exception as e:
-                raise StoreUnavailable(f"store at {self.host}:{self.port}: {str(e).splitlines()[0]}") from None
-
-    def set(self, key: str, value: str) -> None:
-        self._call(self._s.set, self.prefix + key, value)
-
-    def get(self, key: str) -> Optional[str]:
-        k = self.prefix + key
-        if not self._call(self._s.check, [k]):
-            return None
-        return self._call(self._s.get, k).decode()
-
-    def compare_set(self, key: str, expected: str, desired: str) -> str:
-        return self._call(self._s.compare_set, self.prefix + key, expected, desired).decode()
-
-    def delete(self, key: str) -> None:
-        self._call(self._s.delete_key, self.prefix + key)
-
-
 def endpoint(hosts, base_port: int, node: int) -> tuple[str, int]:
     """Node ``node``'s embedded store server: ``hosts[node]:port`` on real clusters; one machine
     (no hosts): ``127.0.0.1:port + node``."""
@@ -93,43 +56,56 @@ def endpoint(hosts, base_port: int, node: int) -> tuple[str, int]:
     return "127.0.0.1", base_port + node
 
 
-def root_claimed_by(hosts, base_port: int, node: int, prefix: str, timeout_s: float) -> Optional[int]:
+def root_claimed_by(hosts, base_port: int, node: int, prefix: str, timeout_s: float,
+                    secret: Optional[bytes]) -> Optional[int]:
     """The ``root`` value in node ``node``'s server (None: no answer or no root key)."""
     try:
-        v = TCPStoreKV(*endpoint(hosts, base_port, node), prefix, timeout_s).get("root")
-        return int(v) if v is not None else None
+        kv = WireKV(*endpoint(hosts, base_port, node), prefix, timeout_s, secret)
     except StoreUnavailable:
         return None
+    try:
+        v = kv.get("root")
+        return int(v) if v is not None else None
+    except (StoreUnavailable, ValueError):
+        return None
+    finally:
+        kv.close()
 
 
 class EmbeddedStore:
-    """This agent's own TCPStore server plus a client of the root's, with root failover."""
+    """This agent's own store server plus a client of the root's, with root failover. ``secret``: the
+    job's (every connection to every node's server proves it)."""
 
-    def __init__(self, run_id: str, node: int, nodes: int, hosts: list[str], port: int, timeout_s: float = 5.0):
-        import torch.distributed as dist
-
+    def __init__(self, run_id: str, node: int, nodes: int, hosts: list[str], port: int, timeout_s: float = 5.0,
+                 secret: Optional[bytes] = None):
         self.node, self.nodes, self.timeout_s = node, nodes, timeout_s
         self.hosts = hosts
         self.base_port = port
+        self.secret = secret
         self.prefix = f"mft/{run_id}/"
-        host, p = self.endpoint(node)
-        self._server = dist.TCPStore("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, p,
-                                     is_master=True, wait_for_workers=False,
-                                     timeout=datetime.timedelta(seconds=timeout_s))
+        # on the address the other nodes reach it at (its host's name; one machine: loopback), nowhere else
+        self._server = KVServer(self.endpoint(node), secret).start()
         self.root = -1
-        self.kv: Optional[TCPStoreKV] = None
+        self.kv: Optional[WireKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
 
     def endpoint(self, node: int) -> tuple[str, int]:
         return endpoint(self.hosts, self.base_port, node)
 
-    def _client(self, node: int) -> TCPStoreKV:
+    def _client(self, node: int) -> WireKV:
         host, p = self.endpoint(node)
-        return TCPStoreKV(host, p, self.prefix, self.timeout_s)
+        return WireKV(host, p, self.prefix, self.timeout_s, self.secret)
 
     def _root_claimed_by(self, node: int) -> Optional[int]:
-        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S))
+        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
+                               self.secret)
+
+    def _use(self, kv: WireKV) -> None:
+        """``kv`` is the client of the root's server from now on (the previous one closed)."""
+        if self.kv is not None and self.kv is not kv:
+            self.kv.close()
+        self.kv = kv
 
     def connect(self, deadline_s: float = 60.0) -> int:
         """Find (or become) the root; returns the root node id. A store that does not answer in time
@@ -164,8 +140,8 @@ class EmbeddedStore:
 
     def _become_root(self) -> int:
         with self._lock:
-            self.kv = self._client(self.node)
-            self.kv.set("root", str(self.node))
+            self._use(self._client(self.node))
+            self.kv.set("root", str(self.node))  # type: ignore[union-attr]
             self.root = self.node
             log.warning("node %d: this agent is the root (store at %s:%d)", self.node, *self.endpoint(self.node))
             self._republish()
@@ -173,7 +149,7 @@ class EmbeddedStore:
 
     def _follow(self, j: int) -> int:
         with self._lock:
-            self.kv = self._client(j)
+            self._use(self._client(j))
             if self.root != j:
                 log.info("node %d: root agent is node %d", self.node, j)
             self.root = j
@@ -248,6 +224,12 @@ class EmbeddedStore:
     def is_root(self) -> bool:
         return self.root == self.node
 
+    def close(self) -> None:
+        """Stop this node's server and close the client (the agent's end)."""
+        if self.kv is not None:
+            self.kv.close()
+        self._server.close()
+
 
 def store_needed(cfg) -> bool:
     """Whether the job's agents run the coordination store (heartbeats, failure verdicts, the rendezvous
@@ -257,28 +239,35 @@ def store_needed(cfg) -> bool:
     return cfg.cluster.nodes > 1 or cfg.redundancy.scheme != "none"
 
 
-def make_store(cfg, node: int):
-    """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`)."""
+def make_store(cfg, node: int, secret: Optional[bytes]):
+    """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`); ``secret``:
+    the job's (the embedded store's connections prove it)."""
     h = cfg.health
     if h.store.startswith("etcd://"):
-        return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s)
-    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, h.host_list(cfg.cluster.nodes), h.store_port, h.timeout_s)
+        return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s, EtcdTLS.of(h))
+    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, h.host_list(cfg.cluster.nodes), h.store_port, h.timeout_s,
+                         secret)
 
 
 class StoreClient:
     """A client of the job's store for a process that is no agent (a standby launcher, an
     operator's tool): with the embedded store it finds the root agent's server the way
     :meth:`EmbeddedStore.connect` does and finds it again when the root moves; with etcd it talks
-    to etcd. Methods: get, set, compare_set, delete (:class:`KV`)."""
+    to etcd. Methods: get, set, compare_set, delete (:class:`KV`). The job's secret comes from the
+    configuration (``security.secret_file``, else ``MFT_JOB_SECRET_FILE``: the launcher names it in the
+    node's configuration file)."""
 
     def __init__(self, cfg, timeout_s: Optional[float] = None):
+        from ..transport.credential import configured_secret
+
         h = cfg.health
         self.cfg, self.timeout_s = cfg, timeout_s if timeout_s is not None else h.timeout_s
+        self.secret = configured_secret(cfg, os.environ)
         self.prefix = f"mft/{cfg.run_id}/"
         self.kv: Optional[KV] = None
         self.root = -1
         if h.store.startswith("etcd://"):
-            self.kv = EtcdKV(h.store, self.prefix, self.timeout_s)
+            self.kv = EtcdKV(h.store, self.prefix, self.timeout_s, EtcdTLS.of(h))
         self.hosts = h.host_list(cfg.cluster.nodes)
         self.where = h.store if self.kv is not None else (
             f"embedded store (node servers from {':'.join(map(str, endpoint(self.hosts, h.store_port, 0)))})")
@@ -291,9 +280,10 @@ class StoreClient:
         h = self.cfg.health
         while True:
             for j in range(self.cfg.cluster.nodes):
-                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S)) == j:
-                    self.kv, self.root = TCPStoreKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
-                                                    self.timeout_s), j
+                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
+                                   self.secret) == j:
+                    self.kv, self.root = WireKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
+                                                self.timeout_s, self.secret), j
                     return self
             if time.time() > deadline:
                 raise StoreUnavailable(f"no root agent answered within {deadline_s:g} s ({self.where}, "
@@ -308,6 +298,8 @@ class StoreClient:
         except StoreUnavailable:
             if self.cfg.health.store.startswith("etcd://"):
                 raise
+            if self.kv is not None:
+                self.kv.close()  # type: ignore[union-attr]
             self.kv = None  # the root moved (embedded): find it again, once
             self.connect(10 * self.timeout_s)
             return fn(self.kv)

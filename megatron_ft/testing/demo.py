@@ -526,34 +526,45 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
 
 
 def host_listeners(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
-    """What listens on each host of ``bed`` now: megatron-ft's own servers as ``[host, owner, port]``, and
-    those off the configuration's port plan (:func:`megatron_ft.testing.hosts.off_plan`)."""
+    """What listens on each host of ``bed`` now: megatron-ft's own servers as ``[host, owner, port,
+    address]``, and those off the configuration's port plan (:func:`megatron_ft.testing.hosts.off_plan`)."""
     own, off = set(), []
     for i in range(cfg.cluster.nodes):
         found = bed.listeners(i)
-        own |= {(bed.plan.name(i), s.owner, s.port) for s in found if s.owner != "trainer"}
+        own |= {(bed.plan.name(i), s.owner, s.port, s.address) for s in found if s.owner != "trainer"}
         off += [f"{bed.plan.name(i)}: {x}" for x in off_plan(cfg, found)]
     return {"own": [list(x) for x in sorted(own)], "off_plan": off}
 
 
 def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
-    """From the bed's last host (not one of the job's), every request of the agents' peer protocol to
-    every node's peer port, without the job's secret: {"probes": n, "served": [what was served]}. The
-    job's own connections prove the secret; these must all be refused before any effect."""
+    """From the bed's last host (not one of the job's), without the job's secret: every operation of the
+    coordination store to every node's store port and, with peer redundancy, every request of the
+    agents' peer protocol to every node's peer port. {"probes": n, "challenged": n, "served": [what was
+    served]}: the job's own connections prove the secret; these must all be refused before any effect."""
     from ..agent.peer_protocol import PEER_MESSAGES
+    from ..health.wire_store import STORE_MESSAGES
     from ..network import peer_port
 
-    addrs = [[bed.plan.address(i), peer_port(cfg, i)] for i in range(cfg.cluster.nodes)]
-    requests = {"holds": {}, "announce": {"node": 0, "step": 10 ** 6},
+    nodes = range(cfg.cluster.nodes)
+    store = {"get": {"key": f"mft/{cfg.run_id}/root"}, "set": {"key": f"mft/{cfg.run_id}/failed/0", "value": "{}"},
+             "compare_set": {"key": f"mft/{cfg.run_id}/root", "expected": "0", "desired": "1"},
+             "delete": {"key": f"mft/{cfg.run_id}/root"}}
+    assert set(store) == set(STORE_MESSAGES.ops), STORE_MESSAGES.ops  # every op of each protocol
+    probes = [([[bed.plan.address(i), cfg.health.store_port] for i in nodes], store)]
+    if cfg.redundancy.scheme != "none":
+        peer = {"holds": {}, "announce": {"node": 0, "step": 10 ** 6},
                 "get": {"what": "primary", "step": 1, "lo": 0, "hi": 64, "rank": 0},
                 "put": {"key": "copy.r0", "kind": "copy", "step": 10 ** 6, "length": 0, "src": 0, "expect": 0,
                         "meta": {}}}
-    assert set(requests) == set(PEER_MESSAGES.ops), PEER_MESSAGES.ops  # every op of the protocol
-    out = bed.run(cfg.cluster.nodes, [sys.executable, "-m", "megatron_ft.testing.hosts", "probe", json.dumps(addrs),
-                                      json.dumps(requests)])
-    probes = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"probes": len(probes), "challenged": sum(p["challenged"] for p in probes),
-            "served": [p for p in probes if p["served"]]}
+        assert set(peer) == set(PEER_MESSAGES.ops), PEER_MESSAGES.ops
+        probes.append(([[bed.plan.address(i), peer_port(cfg, i)] for i in nodes], peer))
+    results = []
+    for addrs, requests in probes:
+        out = bed.run(cfg.cluster.nodes, [sys.executable, "-m", "megatron_ft.testing.hosts", "probe",
+                                          json.dumps(addrs), json.dumps(requests)])
+        results += json.loads(out.stdout.strip().splitlines()[-1])
+    return {"probes": len(results), "challenged": sum(p["challenged"] for p in results),
+            "served": [p for p in results if p["served"]]}
 
 
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
@@ -617,7 +628,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     kill_time = None
     killed_pids = []
     listeners: Optional[dict] = None  # hosts of their own: what listens where (host_listeners)
-    stranger: Optional[dict] = None  # hosts of their own, peer redundancy: an outsider's probes (stranger_probe)
+    stranger: Optional[dict] = None  # hosts of their own: an outsider's probes (stranger_probe)
     # the settings the job runs with (the training command's --inmem-ckpt* flags applied), and the
     # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
     eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
@@ -674,8 +685,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
             time.sleep(0.05)
         listeners = host_listeners(bed, cfg)
         listened.set()
-        if cfg.redundancy.scheme != "none":
-            stranger = stranger_probe(bed, cfg)
+        stranger = stranger_probe(bed, cfg)
 
     listened = threading.Event()
     looking = threading.Thread(target=look_around, name="look-around", daemon=True) if bed is not None else None

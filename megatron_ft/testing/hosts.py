@@ -127,8 +127,9 @@ class Listener(NamedTuple):
 
 def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
     """megatron-ft's own servers among ``listeners`` (one host's) that listen off the configuration's port
-    plan (:func:`megatron_ft.config.port_plan`), or where the peer transport should listen on the
-    interface's address only; the trainers' listeners are torch's and not judged. Empty: all as planned."""
+    plan (:func:`megatron_ft.config.port_plan`), or on every interface where they should listen on the
+    node's own address only (the agent's store and peer transport); the trainers' listeners are torch's
+    and not judged. Empty: all as planned."""
     ports = {p: r.setting for r in ftconfig.port_plan(cfg) for p in range(r.first, r.last + 1)}
     out = []
     for s in listeners:
@@ -136,8 +137,8 @@ def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
             continue
         if s.port not in ports:
             out.append(f"{s.owner} (pid {s.pid}) listens on {s.address}:{s.port}, a port of no setting")
-        elif ports[s.port] == "network.peer_port" and s.address in ("0.0.0.0", "*", "::"):
-            out.append(f"{s.owner} (pid {s.pid}) serves its peers on every interface ({s.address}:{s.port})")
+        elif s.owner == "agent" and s.address in ("0.0.0.0", "*", "::"):
+            out.append(f"{s.owner} (pid {s.pid}) serves {ports[s.port]} on every interface ({s.address}:{s.port})")
     return out
 
 

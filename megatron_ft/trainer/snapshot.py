@@ -114,7 +114,12 @@ class SnapshotEngine:
                                   f"(agent.required: false trains unprotected instead)")
                 self._register_retry_step = step + REGISTER_RETRY_STEPS
                 raise
-            slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
+            try:
+                slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
+            except Exception as e:
+                if self.required and getattr(e, "kind", "") == "SharedMemoryError":  # the node's peers' blocks
+                    fatal.end_job(f"rank {self.rank}: {e} (agent.required: false trains unprotected instead)")
+                raise
         except Exception as e:  # no snapshot this step; training goes on
             stats.error = f"not started: {e}"
             if not str(e).startswith("registration failed earlier"):

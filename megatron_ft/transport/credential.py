@@ -1,6 +1,7 @@
 """The job's secret: where it comes from, checked before anything starts.
 
-Every TCP connection megatron-ft serves itself (the agents' peer transport) proves the job's secret
+Every TCP connection megatron-ft serves itself (the agents' coordination store and peer transport)
+proves the job's secret
 (:mod:`megatron_ft.transport.wire`: an HMAC-SHA256 challenge and response, both ways). The secret is
 read from, in this order:
 
@@ -13,7 +14,9 @@ read from, in this order:
 A job of hosts of their own with neither 1 nor 2 is refused at launch (:func:`job_secret_file` raises
 :class:`~megatron_ft.config.ConfigError`): a secret each host made up alone would not match the others'.
 The file must hold at least :data:`MIN_BYTES` bytes and be closed to other users (mode 0600 or 0400):
-the launcher checks that too. The launcher hands the path to its agent as ``MFT_JOB_SECRET_FILE``.
+the launcher checks that too. The launcher names the path in every node's configuration file
+(``security.secret_file``: :func:`megatron_ft.launch.with_job_secret`), which its agent, trainers and
+a standby read (:func:`configured_secret`).
 
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Mapping
+import tempfile
+from typing import Mapping, Optional
 
 from ..config import ConfigError
 
@@ -48,15 +52,26 @@ def job_secret_file(configured: str, env: Mapping[str, str], run_dir: str, multi
                 "/shared/job.secret; chmod 600 /shared/job.secret`, named by security.secret_file or " + ENV)
         path = os.path.join(run_dir, GENERATED)
         os.makedirs(run_dir, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another launcher of this machine made it (or an earlier attempt of this run)
-        else:
+        if not os.path.exists(path):  # written whole, then linked into place: never seen half-written
+            fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{GENERATED}.")  # mode 0600, a name of its own
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(32))
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another launcher of this machine made it first: theirs is the job's
+            finally:
+                os.unlink(tmp)
     read_secret(path)  # readable, long enough, private
     return path
+
+
+def configured_secret(cfg, env: Mapping[str, str]) -> Optional[bytes]:
+    """The job's secret as a process of the job finds it: ``security.secret_file`` of its configuration
+    (the launcher writes the path it resolved into each node's file), else :data:`ENV`; None when
+    neither names one."""
+    path = cfg.security.secret_file or env.get(ENV, "")
+    return read_secret(path) if path else None
 
 
 def read_secret(path: str) -> bytes:

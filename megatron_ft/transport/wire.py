@@ -1,9 +1,9 @@
 """The wire layer of the agents' connections: a trainer, a launcher or the CLI to its node's agent
 (Unix socket) and an agent to its peers (TCP). Framing, versioned messages, the server loop, the
 client, the error carried back, and the retry and timeout policy of those connections live here.
-(The spares' keeper, worker, in-process and pool sockets still speak small JSON protocols of their
-own, and the coordination store its client's; they are to move onto this layer with authenticated
-connections: docs/architecture.md, "The wire".)
+The embedded coordination store is served on it too (:mod:`megatron_ft.health.wire_store`). (The
+spares' keeper, worker, in-process and pool sockets still speak small JSON protocols of their own;
+they are to move onto this layer: docs/architecture.md, "The wire".)
 
 **Frame.** A 4-byte big-endian length, then a UTF-8 JSON object carrying ``"v"`` (this module's
 :data:`WIRE_VERSION`) and ``"op"``; a frame whose object has ``"nbytes": N`` is followed by exactly
@@ -28,7 +28,7 @@ retried (the server may still be working on it) and is raised as ``TimeoutError`
 operation, the address and the limit.
 
 **TCP connections prove the job's secret.** A server given the job's secret (:class:`Server`'s
-``secret``; the agents' peer transport) opens every TCP connection with a challenge; the client
+``secret``; the agents' peer transport and the coordination store) opens every TCP connection with a challenge; the client
 (:class:`Client` with the same ``secret``) answers with an HMAC-SHA256 over both sides' nonces, and the
 server answers with its own, so each side knows the other holds the secret before any operation
 (:func:`answer_challenge`, :func:`check_client`). Until then a frame may be at most
@@ -119,7 +119,10 @@ def answer_challenge(sock: socket.socket, secret: bytes) -> None:
         raise AuthError(f"the server sent no challenge (it asks for no secret, or is not this job's): {msg.get('op')!r}")
     mine = secrets.token_hex(16)
     send_frame(sock, {"op": "auth", "nonce": mine, "mac": _mac(secret, "client", theirs, mine)})
-    reply = _recv_small(sock)
+    try:
+        reply = _recv_small(sock)
+    except ConnectionError:  # the server hung up on the answer: it holds another secret
+        raise AuthError("the server refused this process's answer (the job's secrets differ)") from None
     if not isinstance(reply.get("mac"), str) or not hmac.compare_digest(reply["mac"], _mac(secret, "server", mine, theirs)):
         raise AuthError("the server did not prove the job's secret")
 

@@ -1,5 +1,6 @@
-"""The agents' health store and monitor: the embedded TCPStore and a real etcd server
-(the ``etcd`` binary of Debian's etcd-server, started here on free loopback ports), root election
+"""The agents' health store and monitor: the embedded store (on the wire) and a real etcd server
+(the ``etcd`` binary of Debian's etcd-server, started here on free loopback ports; one over TLS with
+client certificates), root election
 and re-election after the root agent's process is SIGKILLed, heartbeat failure verdicts, standby
 claims, and a node (the root's too) lost and rebuilt from its peers bit for bit."""
 import json
@@ -52,6 +53,86 @@ def etcd(tmp_path_factory):
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+def _openssl(*args, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certificates(d, name: str = "ca") -> dict:
+    """A CA (``name``), a server certificate for 127.0.0.1 and a client certificate it signed (openssl)."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+    out = {"ca": str(d / f"{name}.pem")}
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n"),
+                     ("client", "extendedKeyUsage=clientAuth\n")):
+        (d / f"{who}.ext").write_text(ext)
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", f"{name}-{who}.key",
+                 "-out", f"{name}-{who}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}-{who}.csr", "-CA", f"{name}.pem", "-CAkey", f"{name}.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", f"{who}.ext", "-out", f"{name}-{who}.pem", cwd=d)
+        out[who] = (str(d / f"{name}-{who}.pem"), str(d / f"{name}-{who}.key"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def etcd_tls(tmp_path_factory):
+    """A one-member etcd that speaks only TLS and asks every client for a certificate its CA signed
+    (``--client-cert-auth``); yields (``etcd://127.0.0.1:PORT``, its certificates, another CA's)."""
+    if ETCD is None or shutil.which("openssl") is None:
+        why = "no etcd or openssl binary on PATH (scripts/setup.sh installs both as root)"
+        if os.environ.get("CI") == "true":  # CI must test etcd over TLS, not skip it
+            pytest.fail(f"the etcd-over-TLS test skipped under CI=true: {why}")
+        pytest.skip(why)
+    pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed (pip install -e '.[etcd]')")
+    d = tmp_path_factory.mktemp("etcd-tls")
+    certs, stranger = make_certificates(d), make_certificates(d, "other")
+    client, peer = free_port(), free_port()
+    log = open(d / "etcd.log", "wb")
+    proc = subprocess.Popen([ETCD, "--name", "t", "--data-dir", str(d / "data"),
+                             "--listen-client-urls", f"https://127.0.0.1:{client}",
+                             "--advertise-client-urls", f"https://127.0.0.1:{client}",
+                             "--cert-file", certs["server"][0], "--key-file", certs["server"][1],
+                             "--client-cert-auth", "--trusted-ca-file", certs["ca"],
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"etcd://127.0.0.1:{client}"
+    from megatron_ft.health.etcd import EtcdKV, EtcdTLS
+
+    try:
+        EtcdKV(url, "probe/", tls=EtcdTLS(certs["ca"], *certs["client"])).wait_ready(30)
+    except StoreUnavailable:
+        proc.kill()
+        pytest.fail(f"etcd did not become healthy:\n{(d / 'etcd.log').read_text()[-3000:]}")
+    yield url, certs, stranger
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_etcd_over_tls_serves_a_client_certificate_of_its_ca_and_refuses_others(etcd_tls, tmp_path):
+    """health.etcd_ca_file / etcd_cert_file / etcd_key_file: the store client of a configuration speaks
+    HTTPS with its certificate and is served; plain HTTP, no client certificate, or one of another CA is
+    refused with the endpoint named."""
+    from megatron_ft.health.etcd import EtcdKV, EtcdTLS
+
+    url, certs, other = etcd_tls
+    cfg = ftconfig.replace(ftconfig.load(), run_id=f"t{uuid.uuid4().hex[:8]}",
+                           health={"store": url, "etcd_ca_file": certs["ca"], "etcd_cert_file": certs["client"][0],
+                                   "etcd_key_file": certs["client"][1]})
+    client = StoreClient(cfg).connect(10)
+    assert client.compare_set("root", "", "0") == "0" and client.get("root") == "0"
+    for tls in (None, EtcdTLS(certs["ca"]), EtcdTLS(certs["ca"], *other["client"])):
+        kv = EtcdKV(url, f"mft/{cfg.run_id}/", 2.0, tls)
+        with pytest.raises(StoreUnavailable, match=r"etcd at 127\.0\.0\.1:\d+"):
+            kv.get("root")
+    with pytest.raises(StoreUnavailable, match="health.etcd_ca_file='/nope.pem': no such file"):
+        EtcdKV(url, "x/", 2.0, EtcdTLS("/nope.pem"))
+    with pytest.raises(ftconfig.ConfigError, match="health.etcd_cert_file=.* needs its pair"):
+        ftconfig.replace(cfg, health={"etcd_key_file": ""})
+    with pytest.raises(ftconfig.ConfigError, match="health.etcd_ca_file=.* is for an etcd store"):
+        ftconfig.replace(ftconfig.load(), health={"etcd_ca_file": certs["ca"]})
 
 
 def etcd_store(url, node, nodes=3, run_id=None):
@@ -373,19 +454,19 @@ def test_a_root_store_that_does_not_answer_in_time_is_asked_again_not_fatal(monk
 
     port = free_port()
     s = st.EmbeddedStore(f"t{uuid.uuid4().hex[:8]}", 0, 2, [], port, timeout_s=2.0)
-    real, calls = st.TCPStoreKV, []
+    real, calls = st.WireKV, []
 
-    def flaky(host, p, prefix, timeout_s):
+    def flaky(host, p, prefix, timeout_s, secret):
         calls.append((host, p))
         if calls.count((host, port)) == 1 and p == port:  # the first connection to its own server
             raise StoreUnavailable(f"store at {host}:{p}: The client socket has timed out after 2000ms")
-        return real(host, p, prefix, timeout_s)
+        return real(host, p, prefix, timeout_s, secret)
 
-    monkeypatch.setattr(st, "TCPStoreKV", flaky)
+    monkeypatch.setattr(st, "WireKV", flaky)
     with caplog.at_level(logging.WARNING, logger="megatron_ft"):
         assert s.connect(deadline_s=10) == 0
     assert calls.count(("127.0.0.1", port)) == 2 and "timed out after 2000ms; asking again" in caplog.text
     assert s.kv.get("root") == "0"
-    monkeypatch.setattr(st, "TCPStoreKV", lambda *a: (_ for _ in ()).throw(StoreUnavailable("store at x: down")))
+    monkeypatch.setattr(st, "WireKV", lambda *a: (_ for _ in ()).throw(StoreUnavailable("store at x: down")))
     with pytest.raises(StoreUnavailable, match=r"node 0: no root agent within 0.5 s: store at x: down"):
         s.connect(deadline_s=0.5)

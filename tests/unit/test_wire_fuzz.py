@@ -1,5 +1,5 @@
-"""Malformed input at the receiving edge (hypothesis, 2,600 examples): random bytes as a frame, as a
-first frame before authentication, and random JSON objects as the agents' and the peers' requests.
+"""Malformed input at the receiving edge (hypothesis, 2,900 examples): random bytes as a frame, as a
+first frame before authentication, and random JSON objects as the agents', the peers' and the store's requests.
 Never a crash other than the documented refusals, never a hang: every read has a bound (a closed
 peer, a socket timeout), every refusal names what was wrong."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from megatron_ft.agent.peer_protocol import PEER_MESSAGES
 from megatron_ft.agent.protocol import MESSAGES as AGENT_MESSAGES
+from megatron_ft.health.wire_store import STORE_MESSAGES
 from megatron_ft.transport import wire
 
 FAST = settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -100,3 +101,16 @@ def test_random_agent_requests_are_typed_or_refused_naming_the_problem(op, field
         assert str(e).startswith("agent op"), e
         return
     assert type(req) is AGENT_MESSAGES.ops[op]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(STORE_MESSAGES.ops) + ["keys"]),
+       st.dictionaries(st.sampled_from(["key", "value", "expected", "desired", "x"]),
+                       json_values | st.text(min_size=500, max_size=600), max_size=4))
+def test_random_store_requests_are_typed_or_refused_naming_the_problem(op, fields):
+    try:
+        req = STORE_MESSAGES.parse({"v": 1, "op": op, **fields})
+    except ValueError as e:
+        assert str(e).startswith("store op"), e
+        return
+    assert type(req) is STORE_MESSAGES.ops[op] and 0 < len(req.key) <= 512
