@@ -16,7 +16,6 @@ reports the trainer's failure to torchrun instead.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import runpy
@@ -29,7 +28,9 @@ import time
 from typing import Optional
 
 from . import fast_restart as fr
+from ..transport import wire
 from .lifetime import die_with_parent
+from .messages import FROM_TRAINER, FROM_WORKER, Failed, Rejoinable, Restarting
 
 log = logging.getLogger("megatron_ft.spares")
 
@@ -39,8 +40,9 @@ VERDICT_POLL_S = 0.25  # how often a keeper reads the root's newest verdict whil
 
 
 def send(conn: socket.socket, obj: dict) -> None:
+    """One message to the worker (best effort: a worker that is gone hears nothing)."""
     try:
-        conn.send(json.dumps(obj).encode())
+        wire.send_packet(conn, obj)
     except OSError:
         pass
 
@@ -98,7 +100,7 @@ class Keeper:
         if self.ctl is None:
             return False
         try:
-            self.ctl.send(json.dumps(obj).encode())
+            wire.send_packet(self.ctl, obj)
             return True
         except OSError:
             return False
@@ -166,7 +168,7 @@ class Keeper:
         n, self.joining = self.joining, None
         self.round = fr.Round(n, self.round.budget, self.round.stopping)
         env = dict(self.env, MASTER_PORT=str(port), MFT_FAST_ROUND=str(n))
-        if self.trainer is not None and self.ctl_ready and self.tell({"round": n, "port": port}):
+        if self.trainer is not None and self.ctl_ready and self.tell({"op": "round", "round": n, "port": port}):
             self.asked = (n, time.monotonic() + (self.in_process or 0.0), env)  # it rejoins in place, or
         else:  # is replaced once the grace is over (see check_asked)
             self.kill_trainer()
@@ -195,37 +197,34 @@ class Keeper:
     def from_trainer(self) -> None:
         """Handle one message of the trainer's control socket."""
         try:
-            data = self.ctl.recv(4096)  # type: ignore[union-attr]
-        except OSError:
-            data = b""
-        if not data:  # the trainer ended (its exit is collected by waitpid)
+            msg, _ = wire.recv_packet(self.ctl, FROM_TRAINER)  # type: ignore[arg-type]
+        except wire.WireError as e:
+            log.error("spares: rank %s: trainer control: %s", self.env.get("RANK"), e)
+            return
+        except OSError:  # the trainer ended (its exit is collected by waitpid)
             self.close_ctl()
             return
-        try:
-            msg = json.loads(data)
-        except ValueError:
-            return
-        if msg.get("in_process"):
+        if isinstance(msg, Rejoinable):
             self.ctl_ready = True
-        elif "restarting" in msg:
-            if self.asked is not None and int(msg["restarting"]) == self.asked[0]:
+        elif isinstance(msg, Restarting):
+            if self.asked is not None and msg.round == self.asked[0]:
                 self.asked = None
             log.warning("spares: rank %s: trainer %s rejoins round %s in place", self.env.get("RANK"),
-                        self.trainer, msg["restarting"])
-        elif "failed" in msg and self.joining is None and self.asked is None:
+                        self.trainer, msg.round)
+        elif isinstance(msg, Failed) and self.joining is None and self.asked is None:
             # the trainer's own failure (a peer's death reached it first), as if it had exited with 1
             lost = self.round.number > 0 and self.node_lost()
             if fr.after_exit(self.round, 1, lost) == fr.REPORT:
-                self.tell({"exit": True})  # it raises and exits; its exit is reported
+                self.tell({"op": "exit"})  # it raises and exits; its exit is reported
                 return
             try:
                 self.open_next()
             except Exception as e:
                 log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
-                self.tell({"exit": True})
+                self.tell({"op": "exit"})
                 return
             log.warning("spares: rank %s: trainer failed in place (%s); round %d opened", self.env.get("RANK"),
-                        msg["failed"], self.joining)
+                        msg.reason, self.joining)
 
     def node_lost(self) -> bool:
         """A node verdict since the rounds began, while this round's trainers may still wait for a
@@ -244,11 +243,11 @@ class Keeper:
         if self.round.budget:
             self.env = self.job_store()
         self.trainer = self.fork_trainer(self.env)
-        send(self.conn, {"pid": self.trainer})
+        send(self.conn, {"op": "started", "pid": self.trainer})
         try:
             code = self._loop()
             if code is not None:
-                send(self.conn, {"exit": code})
+                send(self.conn, {"op": "exited", "code": code})
         finally:
             self.kill_trainer()
             self.stop_host()
@@ -302,16 +301,13 @@ class Keeper:
                 self.from_trainer()
             if self.conn not in ready:
                 continue
-            try:
-                data = self.conn.recv(4096)
-            except OSError:
-                data = b""
-            if not data:  # the worker was killed: so is its trainer
-                return None
             try:  # a signal the worker forwards (torchrun stopping its workers)
-                sig = int(json.loads(data).get("signal", 0))
-            except (ValueError, AttributeError):
+                sig = wire.recv_packet(self.conn, FROM_WORKER)[0].signal
+            except wire.WireError as e:
+                log.error("spares: rank %s: worker: %s", self.env.get("RANK"), e)
                 continue
+            except OSError:  # the worker was killed: so is its trainer
+                return None
             if sig in STOPS:
                 self.round = self.round.stop()
                 if self.trainer is None:  # between rounds: nothing to stop

@@ -20,10 +20,11 @@ Processes (all on one node)::
 
 Contracts:
 
-* one request per connection on a ``SOCK_SEQPACKET`` Unix socket (message boundaries kept, file
-  descriptors passed with ``SCM_RIGHTS``): ``{"format": "megatron-ft-spare/1", "argv", "env", "cwd"}``
-  with the worker's stdin, stdout and stderr; replies ``{"pid"}`` (the trainer is running), then
-  ``{"exit": code}`` (a signal as ``-N``). JSON only; nothing is pickled.
+* one request per connection on a ``SOCK_SEQPACKET`` Unix socket in the wire's packet form
+  (:mod:`megatron_ft.spares.messages`: versioned, typed, at most 1 MiB; file descriptors passed with
+  ``SCM_RIGHTS``): ``spawn`` (argv, env, cwd) with the worker's stdin, stdout and stderr; replies
+  ``started`` (pid: the trainer is running), then ``exited`` (code; a signal as ``-N``). JSON only;
+  nothing is pickled.
 * the keeper kills its trainer (SIGKILL) when the worker's connection closes without an answer
   (the worker was killed), so no trainer outlives the worker torchrun watches; keepers and
   trainers die with the pool (``PR_SET_PDEATHSIG``), and the pool with its launcher.
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import os
 import signal
@@ -44,13 +44,13 @@ import sys
 import time
 from typing import Optional
 
+from ..transport import wire
 from ..transport.wire import bind_private, stranger
 from .lifetime import die_with_parent
+from .messages import POOL
 
 log = logging.getLogger("megatron_ft.spares")
 
-FORMAT = "megatron-ft-spare/1"
-MAX_REQUEST = 1 << 20  # the request (argv, environment) in one datagram
 #: imported before any fork, for every job; a module missing here is skipped
 BASE_IMPORTS = ("numpy", "yaml", "pydantic", "psutil", "torch", "torch.distributed", "megatron_ft.config",
                 "megatron_ft.trainer.checkpointer")
@@ -146,13 +146,14 @@ def warm_up(modules: tuple[str, ...]) -> list[str]:
 
 
 def recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    msg, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST, 3)
-    req = json.loads(msg)
-    if not isinstance(req, dict) or req.get("format") != FORMAT:
+    """A worker's ``spawn`` request (its fields) and its three standard streams; a ``WireError`` (the
+    descriptors closed) for anything else."""
+    req, fds = wire.recv_packet(conn, POOL, max_fds=3)
+    if len(fds) != 3:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"not a {FORMAT} request: {str(req)[:200]}")
-    return req, fds
+        raise wire.WireError(f"a spawn request with {len(fds)} standard streams, 3 expected")
+    return req.model_dump(include={"argv", "env", "cwd"}), fds
 
 
 def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[str, ...] = ()) -> None:
@@ -186,7 +187,7 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
             continue
         try:
             req, fds = recv_request(conn)
-        except (OSError, ValueError) as e:
+        except (OSError, wire.WireError) as e:
             log.error("spares: bad request: %s", e)
             conn.close()
             continue

@@ -4,20 +4,22 @@
 It asks the node's pool (``MFT_SPARES_SOCKET``) for a trainer with its own environment, arguments,
 working directory and standard streams, then stands in for it: torchrun's signals are forwarded,
 and it exits with the trainer's status (a trainer killed by signal N ends this process by the same
-signal). Imports only the standard library, so it starts in tens of milliseconds. Without a pool
+signal). Imports only the standard library and the wire layer (which needs nothing else), so it
+starts in tens of milliseconds; the pool's two replies are checked by :data:`REPLIES`, not pydantic. Without a pool
 (none configured, not warm, or gone) it replaces itself with ``python SCRIPT ARGS`` - the cold
 start - so a job never depends on the pool.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import sys
 
-from .pool import FORMAT, MAX_REQUEST
+from ..transport import wire
 
+#: what the keeper sends its worker (megatron_ft/spares/messages.py has the whole table)
+REPLIES = wire.FieldTable("worker", {"started": {"pid": int}, "exited": {"code": int}})
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -36,18 +38,18 @@ def main() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(path)
-        req = {"format": FORMAT, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
-        socket.send_fds(conn, [json.dumps(req).encode()], [0, 1, 2])
-        first = json.loads(conn.recv(MAX_REQUEST) or b"{}")
-        int(first["pid"])  # the trainer runs
-    except (OSError, ValueError, KeyError):  # the pool is gone or refused: start cold
+        wire.send_packet(conn, {"op": "spawn", "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}, (0, 1, 2))
+        first, _ = wire.recv_packet(conn, REPLIES)
+        if first["op"] != "started":
+            raise ValueError(f"the pool answered {first['op']!r}")
+    except (OSError, ValueError, wire.WireError):  # the pool is gone or refused: start cold
         conn.close()
         cold(argv)
         return
 
     def forward(sig: int, _frame: object) -> None:
         try:
-            conn.send(json.dumps({"signal": int(sig)}).encode())
+            wire.send_packet(conn, {"op": "signal", "signal": int(sig)})
         except OSError:
             pass
 
@@ -56,19 +58,15 @@ def main() -> None:
     code = 1
     while True:
         try:
-            data = conn.recv(MAX_REQUEST)
+            msg, _ = wire.recv_packet(conn, REPLIES)
         except InterruptedError:
             continue
-        except OSError:
-            data = b""
-        if not data:  # the pool died: its trainer died with it
-            break
-        try:
-            msg = json.loads(data)
-        except ValueError:
+        except wire.WireError:
             continue
-        if "exit" in msg:
-            code = int(msg["exit"])
+        except OSError:  # the pool died (ConnectionError): its trainer died with it
+            break
+        if msg["op"] == "exited":
+            code = msg["code"]
             break
     if code < 0:  # killed by a signal: end the same way, so torchrun sees what happened to the trainer
         if -code not in (signal.SIGKILL, signal.SIGSTOP):

@@ -37,13 +37,15 @@ every wait is bounded (``REPLY_TIMEOUT_S`` for the keeper's answer). Messages ar
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import threading
 import time
 from typing import Callable, Optional
+
+from ..spares.messages import TO_TRAINER, RoundOpened
+from ..transport import wire
 
 log = logging.getLogger("megatron_ft.in_process")
 
@@ -169,27 +171,26 @@ class Channel:
         threading.Thread(target=self._read, name="mft-in-process", daemon=True).start()
 
     def send(self, obj: dict) -> None:
+        """One message to the keeper (:data:`megatron_ft.spares.messages.FROM_TRAINER`), best effort."""
         try:
-            self.sock.send(json.dumps(obj).encode())
+            wire.send_packet(self.sock, obj)
         except OSError:
             pass
 
     def _read(self) -> None:
         while True:
             try:
-                data = self.sock.recv(4096)
+                got, _ = wire.recv_packet(self.sock, TO_TRAINER)
+            except wire.WireError as e:
+                log.error("in-process restart: the keeper's control socket: %s", e)
+                continue
             except OSError:
-                data = b""
-            if not data:
                 with self.cond:
                     self.closed = True
                     self.cond.notify_all()
                 return
-            try:
-                msg = json.loads(data)
-            except ValueError:
-                continue
-            if "round" in msg:
+            if isinstance(got, RoundOpened):
+                msg = got.model_dump(include={"round", "port"})
                 with self.cond:
                     if self.round is None or int(msg["round"]) > int(self.round["round"]):
                         self.round = msg
@@ -198,7 +199,7 @@ class Channel:
                 _abort_nccl()
                 log.warning("in-process restart: round %s opened: %d connections of the old round shut down",
                             msg["round"], shut)
-            elif msg.get("exit"):
+            else:  # exit: no round
                 with self.cond:
                     self.exit = True
                     self.cond.notify_all()
@@ -239,7 +240,7 @@ def run(train_fn: Callable[[int], int]) -> int:
     if fd is None or not fd.isdigit():
         return train_fn(0)
     channel = Channel(int(fd))
-    channel.send({"in_process": True, "pid": os.getpid()})
+    channel.send({"op": "rejoinable", "pid": os.getpid()})
     number, _ATTEMPT = 0, (0, None)
     while True:
         _UNINITIALISED = False
@@ -251,7 +252,7 @@ def run(train_fn: Callable[[int], int]) -> int:
             here = current_round()
             nxt = channel.next_round(here, 0.0)
             if nxt is None:  # not aborted by a new round: this failure asks for one
-                channel.send({"failed": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
+                channel.send({"op": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]})
                 nxt = channel.next_round(here, REPLY_TIMEOUT_S)
             if nxt is None:
                 raise
@@ -260,6 +261,6 @@ def run(train_fn: Callable[[int], int]) -> int:
                         str(e).splitlines()[0][:200] if str(e) else "")
             os.environ["MASTER_PORT"] = str(nxt["port"])
             os.environ["MFT_FAST_ROUND"] = str(nxt["round"])
-            channel.send({"restarting": int(nxt["round"])})
+            channel.send({"op": "restarting", "round": int(nxt["round"])})
             number += 1
             _ATTEMPT = (number, time.time())

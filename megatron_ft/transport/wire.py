@@ -1,9 +1,10 @@
 """The wire layer of the agents' connections: a trainer, a launcher or the CLI to its node's agent
 (Unix socket) and an agent to its peers (TCP). Framing, versioned messages, the server loop, the
 client, the error carried back, and the retry and timeout policy of those connections live here.
-The embedded coordination store is served on it too (:mod:`megatron_ft.health.wire_store`). (The
-spares' keeper, worker, in-process and pool sockets still speak small JSON protocols of their own;
-they are to move onto this layer: docs/architecture.md, "The wire".)
+The embedded coordination store is served on it too (:mod:`megatron_ft.health.wire_store`), and the
+spares' control sockets speak its packet form (:func:`send_packet`, :func:`recv_packet`: the same
+versioned object, one per ``SOCK_SEQPACKET`` packet, descriptors passed along;
+:mod:`megatron_ft.spares.messages`).
 
 **Frame.** A 4-byte big-endian length, then a UTF-8 JSON object carrying ``"v"`` (this module's
 :data:`WIRE_VERSION`) and ``"op"``; a frame whose object has ``"nbytes": N`` is followed by exactly
@@ -219,7 +220,10 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> dict:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > max_bytes:
         raise WireError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
-    raw = _recv_exact(sock, n)
+    return _decode(_recv_exact(sock, n))
+
+
+def _decode(raw: bytes) -> dict:
     try:
         msg = json.loads(raw)
     except ValueError as e:
@@ -227,6 +231,70 @@ def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> dict:
     if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
         raise WireError(f"unsupported message (wire version {WIRE_VERSION} expected): {str(msg)[:200]}")
     return msg
+
+
+# ------------------------------------------------------------------- packets (the spares' sockets)
+#: the largest message on a packet socket (a trainer's request: its arguments and environment)
+PACKET_MAX = 1 << 20
+
+
+def send_packet(sock: socket.socket, msg: dict, fds: tuple[int, ...] = ()) -> None:
+    """One message as one packet of a ``SOCK_SEQPACKET`` Unix socket (the spares' control sockets, which
+    pass standard streams along): the frame's JSON object with the wire version, ``fds`` passed with it
+    (``SCM_RIGHTS``). No length prefix: the socket keeps message boundaries."""
+    raw = json.dumps({"v": WIRE_VERSION, **msg}, separators=(",", ":")).encode()
+    if len(raw) > PACKET_MAX:
+        raise WireError(f"message of {len(raw)} bytes exceeds the {PACKET_MAX}-byte packet limit")
+    if fds:
+        socket.send_fds(sock, [raw], list(fds))
+    else:
+        sock.send(raw)
+
+
+class FieldTable:
+    """A protocol's table checked with the standard library only (for a process that must start in
+    milliseconds, where pydantic's import would cost more than its start): ``ops`` maps each op to its
+    fields' types; :meth:`parse` returns the message, or raises ``ValueError`` naming what is wrong.
+
+    >>> FieldTable("worker", {"exited": {"code": int}}).parse({"v": 1, "op": "exited", "code": "1"})
+    Traceback (most recent call last):
+    ValueError: worker op 'exited': code='1' is invalid: an int is required
+    """
+
+    def __init__(self, name: str, ops: dict[str, dict[str, type]]):
+        self.name, self.ops = name, ops
+
+    def parse(self, msg: dict) -> dict:
+        op = msg.get("op")
+        fields = self.ops.get(op) if isinstance(op, str) else None
+        if fields is None:
+            raise ValueError(f"{self.name} op {op!r} is unknown; allowed: {sorted(self.ops)}")
+        for name, kind in fields.items():
+            value = msg.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{self.name} op {op!r}: {name}={value!r} is invalid: an {kind.__name__} is required")
+        return msg
+
+
+def recv_packet(sock: socket.socket, table: Any, max_fds: int = 0) -> tuple[Any, list[int]]:
+    """The next packet's message, typed by ``table`` (a :class:`~.messages.Messages`), and the file
+    descriptors that came with it (at most ``max_fds``). A closed socket is a ``ConnectionError``; a
+    packet that is not this wire's, or a request its table refuses, a :class:`WireError` naming why
+    (its descriptors closed)."""
+    raw, fds, _, _ = socket.recv_fds(sock, PACKET_MAX + 1, max_fds) if max_fds else (sock.recv(PACKET_MAX + 1), [], 0, 0)
+    if not raw:
+        raise ConnectionError("the other side closed the connection")
+    try:
+        if len(raw) > PACKET_MAX:
+            raise WireError(f"a packet of more than {PACKET_MAX} bytes")
+        try:
+            return table.parse(_decode(raw)), list(fds)
+        except ValueError as e:
+            raise WireError(str(e)) from None
+    except WireError:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def recv_into(sock: socket.socket, dst: memoryview) -> None:

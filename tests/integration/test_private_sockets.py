@@ -121,7 +121,8 @@ def test_the_spare_pool_never_forks_for_another_users_process(shared_tmp):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         os.chmod(os.path.dirname(path), 0o777)
         os.chmod(path, 0o666)
-        request = json.dumps({"format": 1, "argv": ["-c", "open('/tmp/owned', 'w')"], "env": {}, "cwd": "/"}).encode()
+        request = json.dumps({"v": 1, "op": "spawn", "argv": ["-c", "open('/tmp/owned', 'w')"], "env": {},
+                              "cwd": "/"}).encode()  # a well-formed request (megatron_ft/spares/messages.py)
         got = as_stranger(CONNECT.format(kind="SOCK_SEQPACKET", path=path, frame=request))
         assert got["connected"] and refused(got["reply"]), got
         wait_for("the pool to log the refusal", lambda: "refused a connection from pid" in open(log_path).read(), 10)

@@ -1,13 +1,14 @@
 """In-process restart, the trainer's side (megatron_ft/trainer/in_process.py), with real sockets and
 threads: the keeper's end of the control socket is played by the test."""
-import json
 import os
 import socket
 import threading
 
 import pytest
 
+from megatron_ft.spares.messages import FROM_TRAINER
 from megatron_ft.trainer import in_process
+from megatron_ft.transport import wire
 
 
 @pytest.fixture
@@ -22,7 +23,8 @@ def keeper(monkeypatch):
 
 
 def recv(sock):
-    return json.loads(sock.recv(4096))
+    """The trainer's next message to its keeper, typed (megatron_ft/spares/messages.py)."""
+    return wire.recv_packet(sock, FROM_TRAINER)[0]
 
 
 def with_keeper(play, run):
@@ -57,10 +59,10 @@ def test_a_failed_attempt_rejoins_the_round_the_keeper_opens(keeper):
         return 7
 
     def play_keeper():
-        assert recv(keeper)["in_process"] is True
-        assert recv(keeper)["failed"].startswith("RuntimeError: Connection closed by peer")
-        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
-        assert recv(keeper) == {"restarting": 1}
+        assert recv(keeper).op == "rejoinable"
+        assert recv(keeper).reason.startswith("RuntimeError: Connection closed by peer")
+        wire.send_packet(keeper, {"op": "round", "round": 1, "port": 2345})
+        assert recv(keeper).round == 1
 
     assert with_keeper(play_keeper, lambda: in_process.run(train)) == 7
     assert seen == [(0, "1000", "0", 0), (1, "2345", "1", 1)]
@@ -73,7 +75,7 @@ def test_the_failure_ends_the_process_when_the_keeper_says_exit(keeper):
 
     def play_keeper():
         recv(keeper), recv(keeper)
-        keeper.send(json.dumps({"exit": True}).encode())
+        wire.send_packet(keeper, {"op": "exit"})
 
     with pytest.raises(ValueError, match="attempt 0"):
         with_keeper(play_keeper, lambda: in_process.run(train))
@@ -85,7 +87,7 @@ def test_a_clean_exit_is_never_restarted(keeper):
 
     with pytest.raises(SystemExit):
         in_process.run(train)
-    assert recv(keeper)["in_process"] is True
+    assert recv(keeper).op == "rejoinable"
     keeper.setblocking(False)  # run() sends on its own thread before it returns: nothing more was sent
     with pytest.raises(BlockingIOError):  # no "failed": SystemExit is not a failure to restart from
         keeper.recv(4096)
@@ -118,8 +120,8 @@ def test_a_round_message_aborts_the_rounds_connections_so_a_blocked_receive_ends
 
     def play_keeper():
         recv(keeper)
-        keeper.send(json.dumps({"round": 1, "port": 9}).encode())
-        assert recv(keeper) == {"restarting": 1}
+        wire.send_packet(keeper, {"op": "round", "round": 1, "port": 9})
+        assert recv(keeper).round == 1
 
     assert with_keeper(play_keeper, lambda: in_process.run(train)) == 0
     assert got == [b""] and not reader.is_alive()  # the read ended: shut down
@@ -156,8 +158,8 @@ def test_weights_are_built_uninitialised_only_in_a_later_attempt_whose_agent_hol
 
     def play_keeper():
         recv(keeper), recv(keeper)
-        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
-        assert recv(keeper) == {"restarting": 1}
+        wire.send_packet(keeper, {"op": "round", "round": 1, "port": 2345})
+        assert recv(keeper).round == 1
 
     with pytest.raises(in_process.NothingRestored, match="attempt 1 built its model without initialising"):
         with_keeper(play_keeper, lambda: in_process.run(train))
@@ -177,7 +179,7 @@ def test_a_later_attempt_initialises_when_its_agent_holds_nothing(keeper):
 
     def play_keeper():
         recv(keeper), recv(keeper)
-        keeper.send(json.dumps({"round": 1, "port": 2345}).encode())
+        wire.send_packet(keeper, {"op": "round", "round": 1, "port": 2345})
         recv(keeper)
 
     assert with_keeper(play_keeper, lambda: in_process.run(train)) == 4

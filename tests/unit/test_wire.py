@@ -211,3 +211,50 @@ def test_a_tcp_server_with_the_jobs_secret_serves_only_clients_that_prove_it(cap
             wire.Client(plain.address, timeout=1, secret=secret, reconnects=0).request("holds")
     finally:
         plain.close()
+
+
+def test_a_packet_socket_carries_typed_versioned_messages_and_refuses_others():
+    """The spares' packet form: a message with its standard streams passed along; a packet that is not
+    the wire's, of another version, or refused by the table is a WireError and its descriptors closed."""
+    import os
+
+    from megatron_ft.spares.messages import POOL
+
+    before = _pipes()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    try:
+        wire.send_packet(a, {"op": "spawn", "argv": ["x.py"], "env": {"A": "1"}, "cwd": "/"}, (r,))
+        req, fds = wire.recv_packet(b, POOL, max_fds=3)
+        assert (req.argv, req.env, len(fds)) == (["x.py"], {"A": "1"}, 1)
+        os.close(fds[0])
+        for bad, why in ((b"not json", "not JSON"), (b'{"v": 2, "op": "spawn"}', "wire version 1 expected"),
+                         (b'{"v": 1, "op": "spawn", "argv": [], "env": {}, "cwd": "/"}', "argv=.* is invalid")):
+            socket.send_fds(a, [bad], [r])
+            with pytest.raises(wire.WireError, match=why):
+                wire.recv_packet(b, POOL, max_fds=3)
+        with pytest.raises(wire.WireError, match="exceeds the 1048576-byte packet limit"):
+            wire.send_packet(a, {"op": "spawn", "argv": ["x" * (1 << 20)], "env": {}, "cwd": "/"})
+        a.close()
+        with pytest.raises(ConnectionError):
+            wire.recv_packet(b, POOL)
+        # every descriptor that came with a refused packet was closed: only ours remain
+        assert _pipes() == before | {r, w}
+    finally:
+        b.close()
+        os.close(r)
+        os.close(w)
+
+
+def _pipes() -> set[int]:
+    """This process's open pipe descriptors."""
+    import os
+
+    out = set()
+    for f in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{f}").startswith("pipe:"):
+                out.add(int(f))
+        except FileNotFoundError:  # the listing's own descriptor
+            pass
+    return out

@@ -1,5 +1,5 @@
-"""Malformed input at the receiving edge (hypothesis, 2,900 examples): random bytes as a frame, as a
-first frame before authentication, and random JSON objects as the agents', the peers' and the store's requests.
+"""Malformed input at the receiving edge (hypothesis, 3,200 examples): random bytes as a frame, as a
+first frame before authentication, and random JSON objects as the agents', the peers', the store's and the spares' requests.
 Never a crash other than the documented refusals, never a hang: every read has a bound (a closed
 peer, a socket timeout), every refusal names what was wrong."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from megatron_ft.agent.peer_protocol import PEER_MESSAGES
 from megatron_ft.agent.protocol import MESSAGES as AGENT_MESSAGES
 from megatron_ft.health.wire_store import STORE_MESSAGES
+from megatron_ft.spares.messages import FROM_TRAINER, FROM_WORKER, POOL, TO_TRAINER
 from megatron_ft.transport import wire
 
 FAST = settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -114,3 +115,17 @@ def test_random_store_requests_are_typed_or_refused_naming_the_problem(op, field
         assert str(e).startswith("store op"), e
         return
     assert type(req) is STORE_MESSAGES.ops[op] and 0 < len(req.key) <= 512
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([POOL, FROM_WORKER, FROM_TRAINER, TO_TRAINER]),
+       st.sampled_from(["spawn", "signal", "rejoinable", "restarting", "failed", "round", "exit", "x"]),
+       st.dictionaries(st.sampled_from(["argv", "env", "cwd", "signal", "pid", "round", "port", "reason", "x"]),
+                       json_values, max_size=5))
+def test_random_spares_messages_are_typed_or_refused_naming_the_problem(table, op, fields):
+    try:
+        req = table.parse({"v": 1, "op": op, **fields})
+    except ValueError as e:
+        assert str(e).startswith(f"{table.name} op"), e
+        return
+    assert type(req) is table.ops[op]
