@@ -59,7 +59,10 @@ CPU_FLAGS: tuple[tuple[str, str | None], ...] = (
 )
 
 #: Modules of megatron-core that import Triton at import time; stood in for on CPU.
-TRITON_MODULES = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
+TRITON_MODULES = (
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels",  # core_v0.16.1 (guarded from 0.17 on)
+    "megatron.core.transformer.moe.ops.paged_stash",  # core_v0.19.0: via pipeline_parallel.schedules
+)
 
 _done: set[str] = set()
 
@@ -256,12 +259,12 @@ def _no_warm_up_of_disabled_fusions() -> None:
     import megatron.training.initialize as initialize
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def _warmup_jit_function() -> Any:
+        def _warmup_jit_function(*a: Any, **k: Any) -> Any:  # core_v0.19.0: (tp_size=None)
             from megatron.training.global_vars import get_args
 
             args = get_args()
             if args.bias_gelu_fusion or args.bias_swiglu_fusion or args.bias_dropout_fusion:
-                return orig()
+                return orig(*a, **k)
             return None
 
         return _warmup_jit_function
@@ -293,11 +296,24 @@ def _in_process_restart() -> list[str]:
     is off, the answer becomes ``pretrain`` run through :func:`megatron_ft.trainer.in_process.run`, each
     later attempt after upstream's own reset of its global state (``destroy_global_state``: its global
     variables, the micro-batch calculator, memory buffers, megatron-core's parallel state, the rerun
-    state machine) and of the default process group. Called once ``megatron.training`` is imported."""
+    state machine) and of the default process group. Called once ``megatron.training`` is imported.
+
+    Not offered where ``pretrain`` takes a configuration container the script built once from the
+    arguments it parsed before (core_v0.17 on): an attempt after upstream's reset would find no
+    arguments, and a container a failed attempt changed. There the keeper forks a fresh trainer from the
+    warm pool for each round instead (as when a trainer does not say it can rejoin)."""
     from ..trainer import in_process
 
     if not in_process.offered():
         return []
+    import inspect
+
+    import megatron.training.training as training
+
+    if next(iter(inspect.signature(training.pretrain).parameters), "") == "cfg_container":
+        os.environ.pop(in_process.ENV_FD, None)  # never says it can rejoin: each round a fresh trainer
+        return ["in-process restart not offered (pretrain takes a configuration container built once, "
+                "core_v0.17 on): a fresh trainer from the warm pool for each round"]
     try:
         import megatron.training.inprocess_restart as upstream_inprocess
     except ImportError:  # a tree without it: its scripts cannot be wrapped here
@@ -371,6 +387,31 @@ def _in_a_forked_trainer() -> None:
     _say(["megatron.training from the spare pool", *for_this_process(), *_in_process_restart()])
 
 
+def _typing_override() -> bool:
+    """Python < 3.12: ``typing.override`` (megatron/training/models/{gpt,hybrid}.py of core_v0.19.0)."""
+    import typing
+
+    if hasattr(typing, "override"):
+        return False
+    from typing_extensions import override
+
+    typing.override = override  # type: ignore[attr-defined]
+    return True
+
+
+def before_core_import() -> None:
+    """First statement of the patched ``megatron/core/__init__.py`` (and of :func:`before_training_import`):
+    what must exist before megatron-core's first import. Any machine: ``typing.override`` on Python < 3.12;
+    without CUDA: the Triton stand-ins (megatron-core 0.19 imports Triton kernels at import time, and
+    ``pretrain_gpt.py`` imports megatron.core before megatron.training)."""
+    if "core" in _done:
+        return
+    _done.add("core")
+    _typing_override()
+    if not torch.cuda.is_available():
+        _stand_in_triton_modules()
+
+
 def before_training_import() -> None:
     """First statement of the patched ``megatron/training/__init__.py``. Process-wide set-up (the CPU
     layer) once, then :func:`for_this_process`; the latter again in every trainer a warm spare pool
@@ -379,12 +420,14 @@ def before_training_import() -> None:
         return
     _done.add("before")
     said = []
+    before_core_import()
     if not torch.cuda.is_available():
+        stood_in = [n.rsplit(".", 1)[-1] for n in TRITON_MODULES if n in sys.modules
+                    and getattr(sys.modules[n], "__file__", None) is None]
         from .cpu_compat import install_upstream_cpu
 
         install_upstream_cpu()
         _done.add("cpu")
-        stood_in = _stand_in_triton_modules()
         helpers = _dataset_helpers()
         said.append("no CUDA: megatron-ft CPU layer installed"
                     + (f", Triton modules stood in ({', '.join(stood_in)})" if stood_in else "")
@@ -437,11 +480,15 @@ def after_training_import() -> None:
     _say(_in_process_restart())
     if torch.cuda.is_available():
         return
-    import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
-    fused_kernels.load = lambda args: None  # CUDA kernels; CPU runs use the unfused paths
+    try:  # core_v0.16.1 builds them in _compile_dependencies; megatron.legacy is gone from 0.17 on
+        import megatron.legacy.fused_kernels as fused_kernels
+
+        fused_kernels.load = lambda args: None  # CUDA kernels; CPU runs use the unfused paths
+    except ImportError:
+        pass
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
         def initialize_megatron(*args: Any, **kwargs: Any) -> Any:

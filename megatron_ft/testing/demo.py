@@ -577,12 +577,15 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         from . import megatron_lm
 
         program = upstream_program(args.megatron_lm, workdir)
+        series = megatron_lm.series_of(os.path.join(workdir, "megatron-lm"))
         targs = megatron_lm.demo_args(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data_parallel, args.iters,
                                       "{run_dir}") + (args.train_arg or [])
     else:
         program = PROJECT_SCRIPT
         targs = training_args(cfg, args.iters, args.train_arg or [])
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
+    if args.megatron_lm:
+        say(f"[demo] Megatron-LM from {args.megatron_lm}: the {series} patch series applied")
     victims, lost_nodes = choose_victims(args, cfg)  # refused before anything runs
 
     # 1. reference (or an earlier one with the same arguments)
@@ -852,6 +855,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                         f"before the failure")
     summary = {
         "scenario": args.fail,
+        "megatron_lm_series": series if args.megatron_lm else None,
         "promised_tier": promise,
         "tier_ok": bool(promise in (None, "none") or (recovered_from != "none" and tiers.meets(recovered_from, promise)))
         and step_ok and not unprotected,

@@ -1,7 +1,8 @@
 """Upstream Megatron-LM as the demo's and the tests' training program (harness only).
 
-* :func:`patched_tree` copies an unpatched Megatron-LM tree (a directory or the project's archive)
-  and applies ``patches/megatron-lm/<tag>`` with ``scripts/apply_megatron_patches.sh``.
+* :func:`patched_tree` copies an unpatched Megatron-LM tree (a directory or the project's archive of
+  one of :data:`TAGS`) and applies the series of ``patches/megatron-lm/`` that matches it with
+  ``scripts/apply_megatron_patches.sh`` (:func:`series_of` says which).
 * :func:`demo_args` are upstream ``pretrain_gpt.py`` arguments for the demo's tiny GPT (mock data,
   NullTokenizer) on a given cluster shape.
 * Run as a script (``python megatron_lm.py PRETRAIN_SCRIPT ARGS...``, the launcher's training
@@ -28,10 +29,12 @@ from typing import Any, Optional
 from megatron_ft.trainer import in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TAG = "core_v0.16.1"
+#: the releases with a patch series (patches/megatron-lm/<tag>), the newest first
+TAGS = tuple(sorted(os.listdir(os.path.join(REPO, "patches", "megatron-lm")), reverse=True))
+TAG = TAGS[0]  # the release the demo and the default tests run
 
 
-def _archives() -> list[str]:
+def _archives(tag: str) -> list[str]:
     """Where the shared archive may be: beside this checkout, or beside the checkout it was cloned
     from (a clean clone elsewhere, as CI makes)."""
     roots = [os.path.dirname(REPO)]
@@ -42,31 +45,42 @@ def _archives() -> list[str]:
             roots.append(os.path.dirname(os.path.abspath(origin)))
     except (OSError, subprocess.SubprocessError):
         pass
-    return [os.path.join(r, "shared", "upstream", f"megatron-lm-{TAG}.tar.gz") for r in roots]
+    return [os.path.join(r, "shared", "upstream", f"megatron-lm-{tag}.tar.gz") for r in roots]
 
 
-def source() -> Optional[str]:
-    """An unpatched upstream tree or archive: ``MEGATRON_LM_DIR``, else ``MEGATRON_LM_ARCHIVE``, else
-    the shared archive (:func:`_archives`), else None."""
-    for var in ("MEGATRON_LM_DIR", "MEGATRON_LM_ARCHIVE"):
-        if os.environ.get(var):
-            return os.environ[var]
-    return next((a for a in _archives() if os.path.exists(a)), None)
+def source(tag: str = TAG) -> Optional[str]:
+    """An unpatched upstream tree or archive of release ``tag``: ``MEGATRON_LM_DIR`` (``tag`` is the
+    newest release) else the shared archive (:func:`_archives`), else None. ``MEGATRON_LM_ARCHIVE``
+    overrides the newest release's archive."""
+    if tag == TAG:
+        for var in ("MEGATRON_LM_DIR", "MEGATRON_LM_ARCHIVE"):
+            if os.environ.get(var):
+                return os.environ[var]
+    return next((a for a in _archives(tag) if os.path.exists(a)), None)
+
+
+def series_of(tree: str) -> str:
+    """The release whose series :func:`patched_tree` applied to ``tree``."""
+    with open(os.path.join(tree, ".megatron-ft-patched"), encoding="utf-8") as f:
+        return f.read().split()[0]
 
 
 def patched_tree(src: str, dst: str) -> str:
     """An unpatched Megatron-LM ``src`` (directory or ``.tar.gz`` of ``Megatron-LM/``) copied to ``dst``
-    with the patch series applied; reused when ``dst`` already holds it. Returns ``dst``."""
+    with the patch series of its release applied (the script picks it; :func:`series_of`); reused when
+    ``dst`` already holds it from the same source and series. Returns ``dst``."""
     stamp = os.path.join(dst, ".megatron-ft-patched")
-    series = os.path.join(REPO, "patches", "megatron-lm", TAG)
-    want = hashlib.sha256(b"".join(open(os.path.join(series, p), "rb").read()
-                                   for p in sorted(os.listdir(series)))).hexdigest()
-    if os.path.exists(stamp) and open(stamp).read() == want:
+    root = os.path.join(REPO, "patches", "megatron-lm")
+    want = hashlib.sha256(os.path.abspath(src).encode() + b"".join(
+        open(os.path.join(root, t, p), "rb").read() for t in TAGS for p in sorted(os.listdir(os.path.join(root, t)))
+    )).hexdigest()
+    if os.path.exists(stamp) and open(stamp).read().split()[-1] == want:
         return dst
     shutil.rmtree(dst, ignore_errors=True)
     if os.path.isdir(src):
         if not os.path.exists(os.path.join(src, "pretrain_gpt.py")):
-            raise FileNotFoundError(f"--megatron-lm {src}: no pretrain_gpt.py there (a Megatron-LM tree at {TAG})")
+            raise FileNotFoundError(f"--megatron-lm {src}: no pretrain_gpt.py there (a Megatron-LM tree of one of "
+                                    f"{', '.join(TAGS)})")
         shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".git", "__pycache__"))
     else:
         tmp = dst + ".extract"
@@ -76,12 +90,13 @@ def patched_tree(src: str, dst: str) -> str:
         inner = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
         shutil.move(os.path.join(tmp, inner[0]) if len(inner) == 1 else tmp, dst)
         shutil.rmtree(tmp, ignore_errors=True)
-    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patches.sh"), dst, TAG],
+    out = subprocess.run(["bash", os.path.join(REPO, "scripts", "apply_megatron_patches.sh"), dst],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"the patch series does not apply to {src}:\n{out.stdout}{out.stderr}")
+        raise RuntimeError(f"no patch series applies to {src}:\n{out.stdout}{out.stderr}")
+    applied = re.search(r"megatron-ft patch series (\S+) applied", out.stdout)
     with open(stamp, "w") as f:
-        f.write(want)
+        f.write(f"{applied.group(1) if applied else '?'} {want}")
     return dst
 
 
