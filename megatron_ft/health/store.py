@@ -179,14 +179,15 @@ class EmbeddedStore:
             raise StoreUnavailable(f"node {self.node}: no new root after node {old} failed")
 
     def _reconnect(self) -> None:
-        """The root's connection broke: the same root again if its server answers (a restarted or
-        replacement root agent on the same endpoint), else elect a new one."""
+        """The root's connection broke: the same root again if its server still says it is the root
+        (a restarted root agent that took the role back), else elect a new one. An answer on the root's
+        address alone is not enough: a replacement agent serves its own store there and follows the
+        new root."""
         with self._lock:
-            if self.root >= 0 and port_open(*self.endpoint(self.root)):
-                if self.root == self.node:
-                    self._become_root()
-                else:
-                    self._follow(self.root)
+            if self.root == self.node:
+                self._become_root()
+            elif self.root >= 0 and self._root_claimed_by(self.root) == self.root:
+                self._follow(self.root)
             else:
                 self.failover()
 

@@ -132,12 +132,16 @@ class KVServer:
 
 class WireKV:
     """A client of one store server (keys prefixed; thread-safe). It connects when made, so that a
-    server that is not there (or refuses this process) shows at once; every failure afterwards is a
-    :class:`StoreUnavailable` naming the server. Each operation is bounded by ``timeout_s``."""
+    server that is not there (or refuses this process) shows at once; every failure afterwards - a
+    broken connection included: it is not re-opened - is a :class:`StoreUnavailable` naming the
+    server. Each operation is bounded by ``timeout_s``."""
 
     def __init__(self, host: str, port: int, prefix: str, timeout_s: float = 5.0, secret: Optional[bytes] = None):
         self.host, self.port, self.prefix = host, port, prefix
-        self._client = wire.Client((host, port), timeout_s, secret=secret)
+        # never re-opened behind the caller's back: a new server at this address (a replacement agent
+        # taking a lost node's port) is not the store this client was connected to, and its caller
+        # (EmbeddedStore, StoreClient) looks for the root again when a call fails
+        self._client = wire.Client((host, port), timeout_s, secret=secret, reconnects=0)
         self._call(self._client.connect)
 
     def _call(self, fn, *args, **kw):

@@ -470,3 +470,48 @@ def test_a_root_store_that_does_not_answer_in_time_is_asked_again_not_fatal(monk
     monkeypatch.setattr(st, "WireKV", lambda *a: (_ for _ in ()).throw(StoreUnavailable("store at x: down")))
     with pytest.raises(StoreUnavailable, match=r"node 0: no root agent within 0.5 s: store at x: down"):
         s.connect(deadline_s=0.5)
+
+
+OLD_ROOT = """
+import sys, time
+from megatron_ft.health.store import EmbeddedStore
+s = EmbeddedStore(sys.argv[1], 0, 2, [], int(sys.argv[2]), timeout_s=2.0)
+assert s.connect(deadline_s=10) == 0
+print("root", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_client_of_a_lost_root_finds_the_new_root_not_the_replacement_on_its_address(tmp_path):
+    """Node 0's agent (the store's root) is SIGKILLed; node 1 becomes root; a replacement agent of node 0
+    serves a store of its own on the lost root's address and follows node 1. A client that was connected
+    to the lost root (a launcher's) must find node 1's store - not re-open its connection to the same
+    address and read the replacement's empty map (in a chaos trial, a launcher waited out its deadline
+    for a verdict it was reading from the wrong store and ended the job)."""
+    from megatron_ft.health.store import EmbeddedStore
+
+    run, port = f"t{uuid.uuid4().hex[:8]}", helpers.free_port_range(2)
+    cfg = ftconfig.replace(ftconfig.load(), run_id=run, cluster={"nodes": 2},
+                           health={"store_port": port, "timeout_s": 2.0, "heartbeat_s": 0.1})
+    old = subprocess.Popen([sys.executable, "-c", OLD_ROOT, run, str(port)], stdout=subprocess.PIPE, text=True)
+    stores = []
+    try:
+        assert old.stdout.readline().strip() == "root"
+        s1 = EmbeddedStore(run, 1, 2, [], port, timeout_s=2.0)
+        stores.append(s1)
+        assert s1.connect(deadline_s=10) == 0
+        client = StoreClient(cfg).connect(10)
+        assert client.root == 0 and client.get("failed/0") is None
+        old.kill()
+        old.wait(timeout=10)
+        assert s1.failover() == 1
+        s1.set("failed/0", "the verdict")
+        replacement = EmbeddedStore(run, 0, 2, [], port, timeout_s=2.0)  # the lost root's address again
+        stores.append(replacement)
+        assert replacement.connect(deadline_s=10) == 1
+        assert client.get("failed/0") == "the verdict" and client.root == 1
+    finally:
+        old.kill()
+        old.wait(timeout=10)
+        for s in stores:
+            s.close()
