@@ -355,8 +355,9 @@ class Agent:
             if not problem:
                 self._peer_reserved, self._peer_refusal = need, ""
                 return
-            self._peer_refusal = f"shared memory too small: {problem}"
-        log.error("agent node %d: %s", self.node, self._peer_refusal)
+            said, self._peer_refusal = self._peer_refusal, f"shared memory too small: {problem}"
+        if said != self._peer_refusal:  # once (every peer's put asks again)
+            log.error("agent node %d: %s", self.node, self._peer_refusal)
         raise shm.SharedMemoryError(self._peer_refusal)
 
     def _publish_size(self, rank: int, size: int) -> None:
