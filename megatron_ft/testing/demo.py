@@ -636,6 +636,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     # complete persisted steps when a node was lost: a recovery from disk must take the newest of them
     eff_cfg = ftconfig.apply_flags(cfg, ftconfig.command_flags(targs))
     persisted_at_kill: list[int] = []
+    # per lost node, the steps its agent had logged complete in its group when the node died: with none, the
+    # group holds no version to rebuild from (a loss during the first exchange) and a fresh start is right
+    complete_at_loss: dict[int, list[int]] = {}
     agent_killed = None
     protected_from = None  # --fail agent: the first step the restarted agent must hold
     second = None
@@ -648,6 +651,12 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
             killed_pids += kill_node(cfg, run_dir, n, trainer_pids, bed)
             trainer_pids = []
         persisted_at_kill = persisted_steps(eff_cfg)
+        for n in lost_nodes:  # read once the agent is dead: its log is final (the replacement appends later)
+            try:
+                with open(os.path.join(run_dir, f"node{n}", "agent.log"), errors="replace") as f:
+                    complete_at_loss[n] = sorted(int(x) for x in GROUP_COMPLETE.findall(f.read()))[-3:]
+            except OSError:
+                complete_at_loss[n] = []
         say(f"[demo] node(s) {lost_nodes} lost: SIGKILL -> their launchers, torchrun, trainers {victims} and agents "
             f"(pids {killed_pids}); their shared memory removed. "
             + ("The standby takes the place of one once the root agent declares it failed" if args.standby
@@ -831,6 +840,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
 
             promise = tiers.promised("node", cfg.redundancy.scheme,
                                      beyond_tolerance=not plan_from_config(cfg).survives(lost_nodes))
+            if promise in ("peer_memory", "decoded") and not any(complete_at_loss.values()):
+                promise = "none"  # lost before its group completed any version: nothing in memory to rebuild
         else:
             promise = tiers.promised(failure, cfg.redundancy.scheme)
     unprotected = False
@@ -860,6 +871,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         "tier_ok": bool(promise in (None, "none") or (recovered_from != "none" and tiers.meets(recovered_from, promise)))
         and step_ok and not unprotected,
         "newest_persisted_before_failure": want_step,
+        "group_complete_at_loss": {str(n): v for n, v in complete_at_loss.items()} if lost_nodes else None,
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,
