@@ -217,4 +217,8 @@ class LocalCluster:
                 pass
         for a in self.agents:
             a.stop()
+            try:  # a node lost and not replaced left its agent's socket file (a killed process cannot unlink it)
+                os.unlink(a.sock)
+            except FileNotFoundError:
+                pass
         remove_run_segments(self.cfg.agent.shm_dir, self.run_id)
