@@ -42,6 +42,7 @@ def agent(job_config):
     a = AgentProc(cfg, path).start()
     yield a
     a.kill()
+    a.forget_socket()
 
 
 def run_demo(cmd: list, timeout: float = 1200) -> dict:

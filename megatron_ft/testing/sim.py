@@ -81,6 +81,13 @@ class AgentProc:
             self.proc.terminate()
             self.proc.wait(timeout=60)
 
+    def forget_socket(self) -> None:
+        """Remove the socket file a killed agent left (it cannot unlink it); once the agent is gone."""
+        try:
+            os.unlink(self.sock)
+        except FileNotFoundError:
+            pass
+
     def dump_threads(self) -> None:
         """A live agent writes every thread's stack into its log (SIGUSR1, faulthandler)."""
         if self.proc and self.proc.poll() is None:
@@ -217,8 +224,5 @@ class LocalCluster:
                 pass
         for a in self.agents:
             a.stop()
-            try:  # a node lost and not replaced left its agent's socket file (a killed process cannot unlink it)
-                os.unlink(a.sock)
-            except FileNotFoundError:
-                pass
+            a.forget_socket()  # a node lost and not replaced left it
         remove_run_segments(self.cfg.agent.shm_dir, self.run_id)

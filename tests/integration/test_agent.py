@@ -201,6 +201,7 @@ def test_periodic_persist_and_retention(job_config, tmp_path):
         assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
     finally:
         a.kill()
+        a.forget_socket()
 
 
 def test_cold_start_with_nothing_starts_fresh(agent):
@@ -254,6 +255,7 @@ def test_shared_memory_limit_refuses_registration_and_training_goes_on(job_confi
         assert "retrying at step" in eng.history[1].error  # no second attempt right away
     finally:
         a.kill()
+        a.forget_socket()
 
 
 def test_corrupt_only_version_is_invalidated_and_restore_fails_loudly(agent):
