@@ -260,7 +260,7 @@ class Redundancy:
             return cached[1]
         ex = xch.group_exchange(self.plan, self.gi, sizes)
         held = ex.held_by(self.node)
-        self.agent.reserve_peer_blocks(xch.held_bytes(ex, self.node, MAX_VERSIONS), len(held), self.blocks.allocated())
+        self.agent.reserve_peer_blocks(xch.held_bytes(held, MAX_VERSIONS), len(held), self.blocks.allocated())
         with self.lock:  # (never both locks: lock order, the class docstring)
             self._ex_cache = (key, ex)
         return ex

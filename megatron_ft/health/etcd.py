@@ -85,9 +85,9 @@ class EtcdKV:
             import requests
 
             # a session of its own that ignores the environment: with REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE
-            # set (common on clusters), requests would check etcd's certificate against that bundle
-            # instead of etcd_ca_file (requests issue 3829), and a proxy from the environment has no
-            # business between the agents and the job's etcd
+            # set (common on clusters), requests checks etcd's certificate against that bundle instead of
+            # the session's CA (the environment's bundle wins over Session.verify), and a proxy from the
+            # environment has no business between the agents and the job's etcd
             session = requests.Session()
             session.trust_env = False
             session.verify = tls.ca_file

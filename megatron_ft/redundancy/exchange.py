@@ -100,16 +100,17 @@ class GroupExchange:
         return self._by_key[(key, holder)]
 
 
-def held_bytes(ex: GroupExchange, node: int, versions: int) -> int:
-    """Shared memory ``node`` needs for the blocks it holds in exchange ``ex``, ``versions`` of each (the
-    agent's block store keeps up to three: the complete one, an announced one, the one receiving).
+def held_bytes(held: tuple[BlockSpec, ...], versions: int) -> int:
+    """Shared memory the blocks ``held`` by one node take, ``versions`` of each (the agent's block store
+    keeps up to three: the complete one, an announced one, the one receiving).
 
     >>> from .plan import make_plan
     >>> from .topology import Topology
-    >>> held_bytes(group_exchange(make_plan(Topology(2, 1), "replica", replicas=2), 0, {0: 64, 1: 96}), 0, 3)
+    >>> ex = group_exchange(make_plan(Topology(2, 1), "replica", replicas=2), 0, {0: 64, 1: 96})
+    >>> held_bytes(ex.held_by(0), 3)
     288
     """
-    return versions * sum(max(b.length, 1) for b in ex.held_by(node))
+    return versions * sum(max(b.length, 1) for b in held)
 
 
 def _sizes_of(sizes: Mapping[int, int], ranks) -> dict[int, int]:

@@ -3,6 +3,7 @@
 client certificates), root election
 and re-election after the root agent's process is SIGKILLed, heartbeat failure verdicts, standby
 claims, and a node (the root's too) lost and rebuilt from its peers bit for bit."""
+import contextlib
 import json
 import os
 import shutil
@@ -33,26 +34,38 @@ def etcd(tmp_path_factory):
         pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server; scripts/setup.sh does it as root)")
     pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed (pip install -e '.[etcd]')")
     d = tmp_path_factory.mktemp("etcd")
+    with running_etcd(d) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def running_etcd(d, tls=None, server_args=()):
+    """A one-member etcd with its data and log in ``d``, healthy (``tls``: the client's
+    :class:`~megatron_ft.health.etcd.EtcdTLS`, and etcd serves HTTPS with ``server_args``); yields its
+    ``etcd://127.0.0.1:PORT`` and stops it."""
+    from megatron_ft.health.etcd import EtcdKV
+
     client, peer = free_port(), free_port()
+    scheme = "https" if tls else "http"
     log = open(d / "etcd.log", "wb")
     proc = subprocess.Popen([ETCD, "--name", "t", "--data-dir", str(d / "data"),
-                             "--listen-client-urls", f"http://127.0.0.1:{client}",
-                             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                             "--listen-client-urls", f"{scheme}://127.0.0.1:{client}",
+                             "--advertise-client-urls", f"{scheme}://127.0.0.1:{client}", *server_args,
                              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                              "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"etcd://127.0.0.1:{client}"
-    from megatron_ft.health.etcd import EtcdKV
-
     try:
-        EtcdKV(url, "probe/").wait_ready(30)
-    except StoreUnavailable:
-        proc.kill()
-        pytest.fail(f"etcd did not become healthy:\n{(d / 'etcd.log').read_text()[-3000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+        try:
+            EtcdKV(url, "probe/", tls=tls).wait_ready(30)
+        except StoreUnavailable:
+            pytest.fail(f"etcd did not become healthy:\n{(d / 'etcd.log').read_text()[-3000:]}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
 
 
 def _openssl(*args, cwd) -> None:
@@ -87,28 +100,12 @@ def etcd_tls(tmp_path_factory):
     pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed (pip install -e '.[etcd]')")
     d = tmp_path_factory.mktemp("etcd-tls")
     certs, stranger = make_certificates(d), make_certificates(d, "other")
-    client, peer = free_port(), free_port()
-    log = open(d / "etcd.log", "wb")
-    proc = subprocess.Popen([ETCD, "--name", "t", "--data-dir", str(d / "data"),
-                             "--listen-client-urls", f"https://127.0.0.1:{client}",
-                             "--advertise-client-urls", f"https://127.0.0.1:{client}",
-                             "--cert-file", certs["server"][0], "--key-file", certs["server"][1],
-                             "--client-cert-auth", "--trusted-ca-file", certs["ca"],
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"etcd://127.0.0.1:{client}"
-    from megatron_ft.health.etcd import EtcdKV, EtcdTLS
+    from megatron_ft.health.etcd import EtcdTLS
 
-    try:
-        EtcdKV(url, "probe/", tls=EtcdTLS(certs["ca"], *certs["client"])).wait_ready(30)
-    except StoreUnavailable:
-        proc.kill()
-        pytest.fail(f"etcd did not become healthy:\n{(d / 'etcd.log').read_text()[-3000:]}")
-    yield url, certs, stranger
-    proc.terminate()
-    proc.wait(timeout=30)
+    with running_etcd(d, EtcdTLS(certs["ca"], *certs["client"]),
+                      ("--cert-file", certs["server"][0], "--key-file", certs["server"][1],
+                       "--client-cert-auth", "--trusted-ca-file", certs["ca"])) as url:
+        yield url, certs, stranger
 
 
 def test_etcd_over_tls_serves_a_client_certificate_of_its_ca_and_refuses_others(etcd_tls, tmp_path):

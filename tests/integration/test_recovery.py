@@ -309,15 +309,20 @@ def _gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+#: a hang bound, not a performance figure: well below launch.start_timeout_s (60 s in these jobs), which
+#: an agent without a launcher waited out before (measured now: about 2 s, printed by the tests)
+ENDS_WITHIN_S = 40
+
+
 def _wait_shared_memory_gone(cfg) -> None:
     wait_for("the job's shared memory to go", lambda: not [n for n in os.listdir(cfg.agent.shm_dir)
-                                                            if n.startswith(f"mft.{cfg.run_id}.")], 10)
+                                                            if n.startswith(f"mft.{cfg.run_id}.")], ENDS_WITHIN_S)
 
 
 def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_ends(tmp_path):
     """Node 0's launcher dies and nobody starts it again; then the job is stopped (SIGINT to its other
     launchers, as an operator's cancel). Node 0's orphaned agent learns from the store that the job is
-    over: nothing of the job is left 10 s after its end. Before, the agent and its slots waited out
+    over: nothing of the job is left soon after its end (well within launch.start_timeout_s). Before, the agent and its slots waited out
     launch.start_timeout_s (60 s here) for a launcher that would not come."""
     from megatron_ft.testing import demo as demo_mod
 
@@ -330,7 +335,7 @@ def test_an_agent_whose_launcher_never_comes_back_is_gone_soon_after_the_job_end
         p.send_signal(signal.SIGINT)  # the job is cancelled: its other launcher ends
         p.wait(timeout=120)
         ended = time.time()
-        wait_for("node 0's agent to end", lambda: _gone(agent0), 10)
+        wait_for("node 0's agent to end", lambda: _gone(agent0), ENDS_WITHIN_S)
         _wait_shared_memory_gone(cfg)
         print(f"node 0's agent gone {time.time() - ended:.1f} s after the job ended")
         assert "the job is over (node 1's launcher ended the job" in (run / "node0" / "agent.log").read_text()
@@ -351,7 +356,7 @@ def test_sigterm_to_every_launcher_stops_the_job_and_leaves_nothing(tmp_path):
         for n in range(2):
             os.kill(demo_mod.node_pid(str(run), n, "launcher"), signal.SIGTERM)
         stopped = time.time()
-        wait_for("every launcher and agent of the job to end", lambda: all(_gone(x) for x in pids), 10)
+        wait_for("every launcher and agent of the job to end", lambda: all(_gone(x) for x in pids), ENDS_WITHIN_S)
         _wait_shared_memory_gone(cfg)
         print(f"everything gone {time.time() - stopped:.1f} s after SIGTERM")
         for n in range(2):
