@@ -136,6 +136,9 @@ class SnapshotConfig(_Section):
     enabled: Flag = True
     auto: Flag = False  # set by "interval: auto"
     measure_iterations: _int(1) = 5  # snapshots measured before "auto" decides
+    #: finish each snapshot before training goes on (its copy and the ranks' agreement become training
+    #: time). Off: the copy runs during the next forward/backward and the optimizer step waits for it.
+    synchronous: Flag = False
 
     @model_validator(mode="before")
     @classmethod

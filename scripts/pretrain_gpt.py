@@ -62,6 +62,7 @@ from megatron.core.distributed import (  # noqa: E402
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
@@ -127,6 +128,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations, fp32 main parameters and gradients in the "
+                        "distributed optimizer (as Megatron-LM's --bf16)")
+
+    g = p.add_argument_group("data-parallel communication (megatron-core DDP)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce-scatter each bucket's gradients while the backward pass goes on")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather each bucket's updated parameters during the next forward pass "
+                        "(needs --overlap-grad-reduce, as in Megatron-LM)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
+                   help="elements per DDP bucket (megatron-core's default: one bucket per buffer "
+                        "without --overlap-grad-reduce, else max(40M, 1M x DP))")
 
     g = p.add_argument_group("logging and output")
     g.add_argument("--log-interval", type=int, default=1)
@@ -159,6 +173,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     f"(each model chunk gets the same number of layers)")
         if vpp == 1:
             args.virtual_pipeline_model_parallel_size = None
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        p.error("--overlap-param-gather needs --overlap-grad-reduce (as Megatron-LM requires)")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        p.error(f"--ddp-bucket-size {args.ddp_bucket_size}: needs a positive number of elements")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
     return args
@@ -227,6 +245,11 @@ class TrainingObjects:
     dataset: Optional[SyntheticTokenDataset] = field(repr=False, default=None)
 
 
+def param_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The model parameters' dtype: bf16 with ``--bf16`` (fp32 main parameters in the optimizer)."""
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
 def build_transformer_config(args: argparse.Namespace, initialise: bool = True) -> TransformerConfig:
     """``initialise``: False builds the weights uninitialised (megatron-core's
     ``perform_initialization``), for a model a restore overwrites whole."""
@@ -243,13 +266,14 @@ def build_transformer_config(args: argparse.Namespace, initialise: bool = True) 
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        bf16=args.bf16,
+        params_dtype=param_dtype(args),
+        pipeline_dtype=param_dtype(args),
         # As Megatron-LM sets it; also makes the schedules call the autograd engine directly.
         deallocate_pipeline_outputs=True,
     )
     if not torch.cuda.is_available():
-        kwargs.update(cpu_config_overrides())
+        kwargs.update(cpu_config_overrides(param_dtype(args)))
     config = TransformerConfig(**kwargs)
     # Without this there is silently no data-parallel gradient reduction
     # (megatron.training normally sets it).
@@ -263,9 +287,10 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[Dis
     vpp = args.virtual_pipeline_model_parallel_size
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=True,
+        bucket_size=args.ddp_bucket_size,
     )
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
@@ -282,8 +307,9 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[Dis
         )
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
+        module = Float16Module(config, gpt) if args.bf16 else gpt  # as Megatron-LM wraps a bf16 model
         # as Megatron-LM: only the first chunk's gradients go in buckets of their own
-        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt,
+        chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                               disable_bucketing=bool(chunks)))
     return chunks
 
@@ -304,7 +330,8 @@ def build_training_objects(args: argparse.Namespace, initialise: bool = True) ->
         adam_eps=args.adam_eps,
         clip_grad=args.clip_grad,
         use_distributed_optimizer=True,
-        params_dtype=torch.float32,
+        bf16=args.bf16,
+        params_dtype=param_dtype(args),
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     # Megatron counts scheduler steps in samples.
@@ -595,6 +622,9 @@ def dump_final_state(objs: TrainingObjects, path: str, progress: Optional[Dict[s
     state tensor, the scheduler state and all RNG states, so two runs can be compared bit
     for bit. The file format may be replaced by the checkpointing code later.
     """
+    if objs.args.overlap_param_gather:  # the last step's all-gather waits for a forward pass that never comes
+        for chunk in objs.model:
+            chunk.start_param_sync(force_sync=True)
     params: Dict[str, str] = {}
     buffers: Dict[str, str] = {}
     for c, chunk in enumerate(objs.model):

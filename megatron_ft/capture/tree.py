@@ -53,6 +53,7 @@ import dataclasses
 import enum
 import importlib
 import math
+import operator
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -123,6 +124,48 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: values that stand for themselves in a tree (``float`` only when finite)
+_PLAIN = frozenset({type(None), bool, int, str})
+
+
+def _plain_items(v: "list | tuple") -> Optional[list]:
+    """``v``'s items as a list when every one stands for itself (exact ``None``, ``bool``,
+    ``int``, ``str``, finite ``float``), else None: long runs of scalars (a Python RNG state's 625
+    ints, Megatron's list arguments) skip the per-item walk.
+
+    >>> _plain_items((1, "a", None, 2.5)), _plain_items([1, float("nan")]), _plain_items([1, (2,)])
+    ([1, 'a', None, 2.5], None, None)
+    """
+    kinds = set(map(type, v))
+    if kinds <= _PLAIN:
+        return list(v)
+    if kinds <= _PLAIN | {float} and all(map(math.isfinite, (x for x in v if type(x) is float))):
+        return list(v)
+    return None
+
+
+_DOLLAR = operator.methodcaller("startswith", "$")
+
+
+def _json_keys(v: dict) -> bool:
+    """Every key a ``str`` not starting with ``$`` (the dict is then a JSON object in the tree).
+
+    >>> _json_keys({"a": 1}), _json_keys({}), _json_keys({"$t": 1}), _json_keys({1: 2})
+    (True, True, False, False)
+    """
+    return set(map(type, v)) <= {str} and not any(map(_DOLLAR, v))
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # dataclass -> its field names (dataclasses.fields is slow)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 class Encoder:
     """Collects tensors while turning one or more structures into trees (shared tensors once)."""
 
@@ -141,10 +184,20 @@ class Encoder:
         return i
 
     def encode(self, v: Any, path: str = "state", lenient: bool = False) -> Any:
-        if v is None or type(v) in (bool, int, str):
+        cls = type(v)
+        if cls in _PLAIN:
             return v
-        if type(v) is float:
+        if cls is float:
             return v if math.isfinite(v) else {"$float": repr(v)}
+        if cls is dict and _json_keys(v):  # the common containers first, by exact type
+            return self._object(v, path, lenient)
+        if cls is list or cls is tuple:
+            items = _plain_items(v)
+            if items is None:
+                items = [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+            return items if cls is list else {"$tuple": items}
+        if cls is torch.dtype:
+            return {"$dtype": str(v).removeprefix("torch.")}
         if isinstance(v, torch.Tensor):
             node: dict = {"$t": self._tensor(v, path), "device": v.device.type}
             if v.requires_grad:
@@ -166,7 +219,7 @@ class Encoder:
             how = ALLOWED[tag][2] if tag in ALLOWED else "enum"
             if how == "enum":
                 return {"$obj": tag, "state": self.encode(v.value, f"{path}.value")}
-            state = ({f.name: getattr(v, f.name) for f in dataclasses.fields(v)} if how == "fields" else vars(v))
+            state = ({name: getattr(v, name) for name in _field_names(type(v))} if how == "fields" else vars(v))
             return {"$obj": tag, "state": self.encode(dict(state), f"{path}.<{tag}>", lenient)}
         if isinstance(v, enum.Enum):
             if lenient:
@@ -180,13 +233,14 @@ class Encoder:
             return str(v)
         if isinstance(v, float):
             return self.encode(float(v), path)
-        if isinstance(v, tuple):
-            return {"$tuple": [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]}
-        if isinstance(v, list):
-            return [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+        if isinstance(v, (tuple, list)):
+            items = _plain_items(v)
+            if items is None:
+                items = [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+            return {"$tuple": items} if isinstance(v, tuple) else items
         if isinstance(v, dict):
-            if type(v) is dict and all(type(k) is str and not k.startswith("$") for k in v):
-                return {k: self.encode(x, f"{path}.{k}", lenient) for k, x in v.items()}
+            if type(v) is dict and _json_keys(v):
+                return self._object(v, path, lenient)
             pairs = [[self.encode(k, f"{path}.<key>"), self.encode(x, f"{path}.{k}", lenient)] for k, x in v.items()]
             return {"$odict" if isinstance(v, OrderedDict) else "$dict": pairs}
         if isinstance(v, slice):
@@ -202,6 +256,11 @@ class Encoder:
                          f"a snapshot (no pickle); allowed: None, bool, int, float, str, bytes, list, tuple, dict, "
                          f"slice, torch.Tensor/dtype/Size, numpy arrays and scalars, namespaces, and the classes "
                          f"of megatron_ft.capture.tree.ALLOWED")
+
+    def _object(self, v: dict, path: str, lenient: bool) -> dict:
+        """A dict whose keys are JSON object keys (:func:`_json_keys`) as a JSON object."""
+        plain = _PLAIN  # a scalar value stands for itself: no call, no path
+        return {k: x if type(x) in plain else self.encode(x, f"{path}.{k}", lenient) for k, x in v.items()}
 
     def _omit(self, v: Any, path: str) -> dict:
         self.omitted.append(path)

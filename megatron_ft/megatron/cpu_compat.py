@@ -350,18 +350,24 @@ def install_cpu_compat() -> bool:
         return True
 
 
-def cpu_config_overrides() -> Dict[str, Any]:
+def cpu_config_overrides(params_dtype: torch.dtype = torch.float32) -> Dict[str, Any]:
     """``TransformerConfig`` keyword arguments a CPU run needs. CPU ONLY.
 
-    fp32 parameters and pipeline communication, and every fused kernel off (the fused
-    kernels need CUDA, apex or Transformer Engine). Apply these last, after the user's
-    settings: ``TransformerConfig(**user_kwargs, **cpu_config_overrides())``.
+    fp32 (or, asked for, bf16) parameters and pipeline communication - never fp16, whose loss
+    scaler needs CUDA - and every fused kernel off (the fused kernels need CUDA, apex or
+    Transformer Engine). Apply these last, after the user's settings:
+    ``TransformerConfig(**user_kwargs, **cpu_config_overrides())``.
+
+    >>> cpu_config_overrides(torch.bfloat16)["bf16"], cpu_config_overrides()["params_dtype"]
+    (True, torch.float32)
     """
+    if params_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"params_dtype {params_dtype} on CPU: allowed are torch.float32 and torch.bfloat16")
     return {
         "fp16": False,
-        "bf16": False,
-        "params_dtype": torch.float32,
-        "pipeline_dtype": torch.float32,
+        "bf16": params_dtype == torch.bfloat16,
+        "params_dtype": params_dtype,
+        "pipeline_dtype": params_dtype,
         "use_cpu_initialization": True,
         "bias_activation_fusion": False,
         "masked_softmax_fusion": False,

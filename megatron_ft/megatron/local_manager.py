@@ -28,7 +28,9 @@ reference, the rest as a versioned JSON record - no pickle) and hands it to the 
 engine copies the tensors into this rank's agent slot in the background (fused copy + checksum),
 commits, and all ranks agree on the newest complete step. A global optimizer step pre-hook waits
 for that copy before the next ``optimizer.step()`` modifies the tensors - the only point where it
-can block training. ``find_latest`` runs megatron-ft's restore (newest step every rank holds,
+can block training, with Megatron's ``--async-save`` or without: parameters and optimizer state
+are taken by reference, anything else in the state dict (which may change before that step) is
+copied when ``save`` is called. ``find_latest`` runs megatron-ft's restore (newest step every rank holds,
 verified by checksum and run/rank/topology identity; local memory, then the agents' persisted
 copies) into freshly allocated tensors, so a torn or corrupt snapshot is never offered; ``load``
 rebuilds the tensor-aware state dict from those tensors. A failed snapshot is logged and costs only
@@ -51,7 +53,7 @@ import os
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,7 @@ from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
 from .loop import TrainingLoop
+from .state import step_only_storages
 from .profiling import LoopProfiler, profile_dir
 
 log = logging.getLogger("megatron_ft")
@@ -105,21 +108,36 @@ class _StateDictAdapter:
         self.state_dict: Optional[MCoreTensorAwareStateDict] = None
         self.iteration = -1
         self.loaded: dict[str, torch.Tensor] = {}
+        # the storages only the optimizer step writes (state.step_only_storages), or None: then every
+        # snapshot is finished before save() returns
+        self.step_only: Optional[Callable[[], set[int]]] = None
+        self._told_copied = False
+        self._told_omitted = False
 
     def capture(self) -> tuple[list[StateTensor], dict]:
+        """The state dict's tensors by reference where only the optimizer step writes them (the
+        snapshot is finished before that step), the others copied now; the rest as a JSON record."""
         sd = self.state_dict
         assert sd is not None
         record, tensors = treecodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict}, "state_dict")
-        if record["omitted"]:
+        if record["omitted"] and not self._told_omitted:
+            self._told_omitted = True
             log.info("in-memory checkpoint: args attributes that are not data are not kept: %s",
                      ", ".join(record["omitted"][:10]))
+        stable = self.step_only() if self.step_only is not None else None
         out = []
+        copied = 0
         for i, (path, t) in enumerate(zip(record["names"], tensors)):
             if not t.is_contiguous():
                 t = t.contiguous()
-            if t.dim() == 0:  # scalars such as Adam's step are tiny: own them
-                t = t.clone()
+            elif t.dim() == 0 or (stable is not None and t.untyped_storage().data_ptr() not in stable):
+                t = t.clone()  # e.g. Adam's step (updated in place) or a module buffer: own it
+                copied += t.nbytes
             out.append(StateTensor(tensor_name(i, path), t))
+        if not self._told_copied and stable is not None:
+            self._told_copied = True
+            log.info("in-memory checkpoint: %d of %d bytes copied when taken (not parameters or optimizer state), "
+                     "the rest in the background", copied, sum(t.tensor.nbytes for t in out))
         return out, {"state_dict": record, "iteration": self.iteration}
 
     def targets(self, layout: Layout) -> dict[str, StateTensor]:
@@ -181,6 +199,8 @@ class InMemoryLocalCheckpointManager:
         if self._loop is None:
             objs = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
             self._loop = TrainingLoop(self.cfg, self._ckpt, objs, self._profiler)
+            # with the model and optimizer known, snapshots copy in the background (see save())
+            self._adapter.step_only = lambda: step_only_storages(model, optimizer)
         return self._loop
 
     def _check_loop_hooks(self) -> None:
@@ -200,8 +220,13 @@ class InMemoryLocalCheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, state_dict: MCoreTensorAwareStateDict, iteration: int, is_async: bool = False) -> Any:
         """Snapshot ``state_dict`` as ``iteration``. Collective. Returns an ``AsyncRequest`` with
-        ``is_async`` (nothing for Megatron's async caller to run: the copy is already under way on
-        megatron-ft's worker thread), else ``None`` once the snapshot is committed and agreed."""
+        ``is_async`` (nothing for Megatron's async caller to run), else ``None``.
+
+        Asynchronous whether or not Megatron's ``--async-save`` is given: the copy runs on megatron-ft's
+        worker thread during the next forward/backward, and the optimizer step pre-hook waits for it
+        before the step modifies parameters or optimizer state; tensors that something else may modify
+        sooner are copied here (:meth:`_StateDictAdapter.capture`). Only a tree without the training-loop
+        hooks (which tell the manager the model and optimizer) finishes the snapshot before returning."""
         if not isinstance(state_dict, MCoreTensorAwareStateDict) or state_dict.is_hollow:
             raise TypeError(f"save() takes the MCoreTensorAwareStateDict (with tensors) that "
                             f"tensor_aware_state_dict_cls.from_state_dict built, got {type(state_dict).__name__}"
@@ -216,8 +241,9 @@ class InMemoryLocalCheckpointManager:
             log.warning("rank %d: in-memory checkpoint of iteration %d failed: %s", self.rank, iteration, e)
         finally:
             self._adapter.state_dict = None
-        if not is_async:
+        if self._adapter.step_only is None:
             self._ckpt.before_optimizer_step()
+        if not is_async:
             return None
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 

@@ -2,9 +2,14 @@
 
 Per rank, following REFT's sharding:
 
-* ``model.c{chunk}.b{buffer}.param_data`` - each DDP buffer's contiguous parameter storage is
-  replicated across the data-parallel group, so this rank saves only its 1/DP slice; on
-  restore every replica all-gathers the slices (one full copy per sharding group).
+* ``model.c{chunk}.b{buffer}.k{bucket}.param_data`` - each DDP bucket's contiguous parameter
+  storage is replicated across the data-parallel group, so this rank saves only its 1/DP slice
+  of every bucket; on restore every replica all-gathers the slices (one full copy per sharding
+  group). Per bucket, not per buffer: with the distributed optimizer a bucket's slice ``r`` is
+  exactly what rank ``r``'s optimizer step writes, synchronously, while the other slices arrive by
+  megatron-core's all-gather - which ``--overlap-param-gather`` defers into the next forward pass,
+  after the snapshot has started. A 1/DP slice of the whole buffer would span other ranks' slices
+  of its buckets and copy them while they change (torn) or before they arrive (stale).
 * ``optim.o{k}.g{group}.p{index}.{param|exp_avg|exp_avg_sq|step|...}`` - the distributed
   optimizer's shard (already 1/DP), taken as is from the inner torch optimizer. A main param
   that is a view of a parameter buffer (fp32 training) is not saved twice: the buffer slice
@@ -14,8 +19,9 @@ Per rank, following REFT's sharding:
 * JSON: Python and numpy RNG, the LR scheduler's state, the inner optimizer's param-group
   hyper-parameters, and the job's progress (iteration, consumed samples).
 
-Parameters and optimizer state change only in ``optimizer.step()``, so the views stay valid
-while the background copy runs during the next forward/backward.
+Parameters and optimizer state change only in ``optimizer.step()`` (the slices saved here; the
+rest of a bucket also in the deferred all-gather), so the views stay valid while the background
+copy runs during the next forward/backward.
 """
 from __future__ import annotations
 
@@ -36,13 +42,17 @@ def _dp_group_and_rank():
         with_context_parallel=True)
 
 
-def _param_buffers(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
+def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
+    """Every DDP bucket's parameter storage (a view into its buffer), named by chunk, buffer
+    (``b``, or ``e`` for expert-parallel ones) and bucket."""
     out = []
     for c, chunk in enumerate(model_chunks):
         for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
             for b, buf in enumerate(bufs):
-                if buf.param_data is not None:
-                    out.append((f"model.c{c}.{kind}{b}.param_data", buf.param_data))
+                if buf.param_data is None:
+                    continue
+                for k, bucket in enumerate(buf.buckets):
+                    out.append((f"model.c{c}.{kind}{b}.k{k}.param_data", bucket.param_data))
     if not out:
         raise ValueError("no megatron DDP parameter buffers found: wrap the model chunks in "
                          "megatron.core.distributed.DistributedDataParallel")
@@ -52,6 +62,25 @@ def _param_buffers(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
 def _inner_optimizers(optimizer: Any) -> list[Any]:
     opts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [getattr(o, "optimizer", o) for o in opts]
+
+
+def step_only_storages(model_chunks: list, optimizer: Any) -> set[int]:
+    """The storages (``untyped_storage().data_ptr()``) that only the optimizer step writes (and
+    megatron-core's parameter all-gather after it): every model parameter (with megatron's DDP, its
+    buffers' storage), and the inner torch optimizers' parameters (the main parameters) and state tensors. A snapshot
+    may copy these in the background until the next optimizer step; anything else in a state dict
+    (module buffers such as a MoE router's expert bias, which the gradient finalisation updates before
+    the step) must be copied when the snapshot is taken."""
+    out: set[int] = set()
+    for chunk in model_chunks:  # under megatron's DDP, parameters are views into its buffers' storage
+        out.update(p.untyped_storage().data_ptr() for p in chunk.parameters())
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                out.add(p.untyped_storage().data_ptr())
+                out.update(v.untyped_storage().data_ptr() for v in inner.state.get(p, {}).values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out
 
 
 class MegatronStateAdapter:
@@ -67,7 +96,7 @@ class MegatronStateAdapter:
 
     # ------------------------------------------------------------------ capture
     def _buffer_storages(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for _, t in _param_buffers(self.model)}
+        return {t.untyped_storage().data_ptr() for _, t in _param_buckets(self.model)}
 
     def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor, Any, str]]:
         """(name, tensor, param, key) for the optimizer shard, in a deterministic order."""
@@ -101,7 +130,7 @@ class MegatronStateAdapter:
     def capture(self) -> tuple[list[StateTensor], dict]:
         group, dp_rank, dp_size = _dp_group_and_rank()
         tensors = [StateTensor(name, t, ShardSpec(dp_rank, dp_size, t.numel()), group)
-                   for name, t in _param_buffers(self.model)]
+                   for name, t in _param_buckets(self.model)]
         for name, t, _, key in self._optimizer_tensors():
             if t.dim() == 0:  # e.g. Adam's step counter: tiny, and updated in place -> own it
                 t = t.detach().clone()
@@ -130,7 +159,7 @@ class MegatronStateAdapter:
     def targets(self, layout: Layout) -> dict[str, StateTensor]:
         group, _, _ = _dp_group_and_rank()
         out: dict[str, StateTensor] = {}
-        for name, t in _param_buffers(self.model):
+        for name, t in _param_buckets(self.model):
             out[name] = StateTensor(name, t, None, group)
         # optimizer state: map saved names onto this process's optimizer, creating missing state
         inners = _inner_optimizers(self.optimizer)

@@ -337,6 +337,51 @@ def recovery_breakdown(restores: list[dict], progress: list[dict], kill_time: fl
     return phases
 
 
+def raw_copy_seconds(nbytes: int, reps: int = 5) -> float:
+    """The fastest of ``reps`` plain copies of ``nbytes`` bytes into memory already touched (one
+    thread): what a snapshot's stall is measured against."""
+    import torch
+
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best
+
+
+def snapshot_stall(run_dir: str) -> Optional[dict]:
+    """What training saw of its snapshots (every trainer life that closed: the survivors and the
+    restarted ones): the slowest rank's median stall per snapshot, the largest single stall, one
+    rank's snapshot bytes, and - measured here, now - a raw copy of those bytes, so that the stall
+    can be read against it."""
+    lives = [e for e in _all_records(run_dir, "events") if e.get("event") == "snapshots"
+             and e.get("stall_median_s") is not None]
+    if not lives:
+        return None
+    nbytes = max(e["nbytes"] for e in lives)
+    raw = raw_copy_seconds(nbytes)
+    stall = max(e["stall_median_s"] for e in lives)
+    out = {"snapshots": sum(e["taken"] for e in lives), "failed": sum(e["failed"] for e in lives),
+           "stall_median_s": round(stall, 6), "stall_max_s": round(max(e["stall_max_s"] for e in lives), 6),
+           "bytes_per_rank": nbytes, "raw_copy_s": round(raw, 6), "stall_vs_raw_copy": round(stall / raw, 4)}
+    saves = []  # upstream Megatron-LM: its whole save call per snapshot (the harness times it)
+    for path in glob.glob(os.path.join(run_dir, "saves", "rank*.json")):
+        with open(path) as f:
+            secs = sorted(json.load(f)["seconds"])
+        saves.append(secs[len(secs) // 2])
+    if saves:
+        out["megatron_save_median_s"] = round(max(saves), 6)
+    return out
+
+
 def restarted_by(restores: list[dict]) -> Optional[str]:
     """``'fast round N'`` or ``'torchrun restart N'`` (or both, e.g. a round then a node's loss):
     the newest of each among the restores after the kill."""
@@ -893,6 +938,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         "recovery_vs_cold_start": round(recovery_seconds / cold_start_seconds, 3)
         if recovery_seconds and cold_start_seconds else None,
         "bitwise_identical": identical,
+        # the training-visible stall per snapshot against a raw copy of the same bytes
+        "snapshot_stall": snapshot_stall(run_dir),
         "false_verdicts": false_verdicts,
         "kill_point": args.kill_point if kill_time is not None else None,
         "agent_killed": agent_killed is not None,
@@ -935,6 +982,13 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                                                    if v is not None))
     say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
         f"every iteration's loss)")
+    st = summary["snapshot_stall"]
+    if st:
+        say(f" snapshot stall      : {st['stall_median_s'] * 1e3:.2f} ms per snapshot (median, slowest rank; largest "
+            f"{st['stall_max_s'] * 1e3:.1f} ms) for {st['bytes_per_rank']} bytes per rank, a raw copy of which takes "
+            f"{st['raw_copy_s'] * 1e3:.2f} ms: {st['stall_vs_raw_copy']}x"
+            + (f"; Megatron's whole save call {st['megatron_save_median_s'] * 1e3:.1f} ms (its state dict and ours)"
+               if "megatron_save_median_s" in st else ""))
     for pr in problems[:10]:
         say(f"   ! {pr}")
     say("=" * 72)

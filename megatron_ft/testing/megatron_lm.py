@@ -166,6 +166,8 @@ class _Recorder:
         self.run_dir = run_dir
         self.last: Optional[dict] = None
         self._file: Any = None
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.saves: list[float] = []
 
     def record(self, iteration: int, model: list, loss_dict: Any) -> None:
         import torch.distributed as dist
@@ -185,7 +187,14 @@ class _Recorder:
         self._file.write(json.dumps(self.last) + "\n")
         self._file.flush()
 
+    def timed_save(self, seconds: float) -> None:
+        self.saves.append(seconds)
+
     def write_final(self) -> None:
+        if self.saves:  # Megatron's whole in-memory save calls (its state dict + megatron-ft's part)
+            os.makedirs(os.path.join(self.run_dir, "saves"), exist_ok=True)
+            with open(os.path.join(self.run_dir, "saves", f"rank{self.rank}.pid{os.getpid()}.json"), "w") as f:
+                json.dump({"rank": self.rank, "seconds": self.saves}, f)
         if self.last is None:
             return
         os.makedirs(os.path.join(self.run_dir, "final"), exist_ok=True)
@@ -212,7 +221,17 @@ def run(script: str, args: list[str]) -> None:
             recorder.record(int(iteration) + 1, model, out[0])
         return out
 
+    orig_save = training.save_checkpoint_and_time
+
+    def save_checkpoint_and_time(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = orig_save(*a, **kw)
+        if kw.get("non_persistent_ckpt"):
+            recorder.timed_save(time.perf_counter() - t0)
+        return out
+
     training.train_step = train_step
+    training.save_checkpoint_and_time = save_checkpoint_and_time
     try:
         runpy.run_path(script, run_name="__main__")
     finally:

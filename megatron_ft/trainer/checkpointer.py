@@ -31,7 +31,7 @@ from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
 from . import in_process
 from .recovery import Restorer, RestoreResult
-from .snapshot import SnapshotEngine
+from .snapshot import SnapshotEngine, stall_summary
 
 log = logging.getLogger("megatron_ft")
 
@@ -131,8 +131,11 @@ class InMemoryCheckpointer:
         if self.engine is not None:
             t0 = time.perf_counter()
             st = self.engine.wait()
+            waited = time.perf_counter() - t0
             if self.auto is not None:
-                self.auto.waited(time.perf_counter() - t0, st)
+                self.auto.waited(waited, st)
+            if st is not None:
+                st.stall_s += waited
             if st is not None and not st.ok:
                 log.warning("rank %d: snapshot of step %d not taken: %s", self.rank, st.step, st.error)
 
@@ -143,15 +146,19 @@ class InMemoryCheckpointer:
         if self.engine is None or iteration % every:
             return
         faultpoints.reached("before-snapshot", iteration, self.rank)
+        t0 = time.perf_counter()
         if hasattr(self.adapter, "progress"):
             self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
         try:
             tensors, extra = self.adapter.capture()
         except Exception as e:  # a state we cannot capture costs this snapshot, never the training
             log.warning("rank %d: could not capture the state of step %d: %s", self.rank, iteration, e)
-            self.engine.skip(iteration, f"capture failed: {e}")
-            return
-        self.engine.snapshot(iteration, tensors, extra)
+            stats = self.engine.skip(iteration, f"capture failed: {e}")
+        else:
+            stats = self.engine.snapshot(iteration, tensors, extra)
+        stats.stall_s = time.perf_counter() - t0  # and, in before_optimizer_step, the wait for the copy
+        if self.cfg.snapshot.synchronous:
+            self.before_optimizer_step()
 
     def _auto_intervals(self) -> None:
         """Let the policy measure / decide; ask the agent to persist when it is due."""
@@ -175,6 +182,8 @@ class InMemoryCheckpointer:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+            if self.engine.history:  # what training saw of its snapshots (the demo reports it)
+                self._events.write({"event": "snapshots", **stall_summary(self.engine.history)})
         if self.client is not None:
             self.client.close(orderly=True)
         self._events.close()

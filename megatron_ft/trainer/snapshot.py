@@ -52,10 +52,37 @@ class SnapshotStats:
     ok: bool
     error: str = ""
     capture_s: float = 0.0  # time snapshot() spent on the training thread
+    stall_s: float = 0.0  # training-visible: the checkpointer's capture + its wait before the next optimizer step
     copy_s: float = 0.0  # worker: begin .. commit
     clean_at: float = 0.0  # wall clock when the agent marked it clean
     agreed_step: int = -1
     nbytes: int = 0
+
+
+def stall_summary(history: list[SnapshotStats]) -> dict:
+    """What training saw of its snapshots: how many were taken (committed) and failed, the
+    training-visible stall per snapshot (median and largest), the worker's copy time (median) and
+    the bytes of one snapshot. The median leaves out the first snapshot's one-time registration.
+
+    >>> h = [SnapshotStats(1, True, stall_s=0.5, copy_s=0.2, nbytes=64), SnapshotStats(2, True, stall_s=0.01, copy_s=0.1,
+    ...      nbytes=64), SnapshotStats(3, False, error="not started: x", stall_s=0.02), SnapshotStats(4, True, stall_s=0.03,
+    ...      copy_s=0.1, nbytes=64)]
+    >>> stall_summary(h)
+    {'taken': 3, 'failed': 1, 'stall_median_s': 0.025, 'stall_max_s': 0.5, 'copy_median_s': 0.1, 'nbytes': 64}
+    """
+    def median(xs: list[float]) -> Optional[float]:
+        xs = sorted(xs)
+        if not xs:
+            return None
+        mid = len(xs) // 2
+        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+    ok = [h for h in history if h.ok]
+    return {"taken": len(ok), "failed": len(history) - len(ok),
+            "stall_median_s": median([h.stall_s for h in history]),
+            "stall_max_s": max((h.stall_s for h in history), default=None),
+            "copy_median_s": median([h.copy_s for h in ok]),
+            "nbytes": max((h.nbytes for h in ok), default=0)}
 
 
 @dataclass
@@ -67,6 +94,7 @@ class _Job:
     started: float
     stats: SnapshotStats
     ready: Any = None  # GPU path: event after the optimizer step, which the device-to-host copies wait for
+    begin: bool = False  # the worker asks the agent for a slot first
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -97,41 +125,36 @@ class SnapshotEngine:
         self._worker.start()
 
     # ------------------------------------------------------------------ training thread
-    def snapshot(self, step: int, tensors: list[StateTensor], extra: dict) -> None:
-        """Start a snapshot of ``tensors``/``extra`` as step ``step``. Returns quickly."""
+    def snapshot(self, step: int, tensors: list[StateTensor], extra: dict) -> SnapshotStats:
+        """Start a snapshot of ``tensors``/``extra`` as step ``step``. Returns quickly, with the
+        snapshot's statistics (filled in by the worker until :meth:`wait` returns them)."""
         t0 = time.perf_counter()
         self.wait()
         stats = SnapshotStats(step, False)
-        slot: Optional[int] = None
+        registered = False
         try:
             if step < self._register_retry_step:
                 raise RuntimeError(f"registration failed earlier; retrying at step {self._register_retry_step}")
-            try:
-                self._ensure_registered(tensors)
-            except Exception as e:
-                if self.required and getattr(e, "kind", "") == "SharedMemoryError":
-                    fatal.end_job(f"rank {self.rank}: no shared memory for its snapshot slots: {e} "
-                                  f"(agent.required: false trains unprotected instead)")
-                self._register_retry_step = step + REGISTER_RETRY_STEPS
-                raise
-            try:
-                slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
-            except Exception as e:
-                if self.required and getattr(e, "kind", "") == "SharedMemoryError":  # the node's peers' blocks
-                    fatal.end_job(f"rank {self.rank}: {e} (agent.required: false trains unprotected instead)")
-                raise
+            self._ensure_registered(tensors)
+            registered = True
         except Exception as e:  # no snapshot this step; training goes on
-            stats.error = f"not started: {e}"
+            if self.required and getattr(e, "kind", "") == "SharedMemoryError":
+                fatal.end_job(f"rank {self.rank}: no shared memory for its snapshot slots: {e} "
+                              f"(agent.required: false trains unprotected instead)")
             if not str(e).startswith("registration failed earlier"):
+                self._register_retry_step = step + REGISTER_RETRY_STEPS
                 log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
-        job = _Job(step, tensors, extra, slot, time.time(), stats)
-        if slot is not None and self._staging is not None:
+            stats.error = f"not started: {e}"
+        # the worker asks the agent for a slot (``begin``): a round trip training need not wait for
+        job = _Job(step, tensors if registered else [], extra, None, time.time(), stats, begin=registered)
+        if registered and self._staging is not None:
             job.ready = self._staging.ready_point()
         stats.capture_s = time.perf_counter() - t0
         self._pending = job
         self._q.put(job)
+        return stats
 
-    def skip(self, step: int, reason: str) -> None:
+    def skip(self, step: int, reason: str) -> SnapshotStats:
         """Take part in step ``step``'s agreement without a snapshot (e.g. the state could not be
         captured): the other ranks' collective never hangs, and the agreed step stays older."""
         self.wait()
@@ -139,6 +162,7 @@ class SnapshotEngine:
         job = _Job(step, [], {}, None, time.time(), stats)
         self._pending = job
         self._q.put(job)
+        return stats
 
     def wait(self) -> Optional[SnapshotStats]:
         """Block until the pending snapshot (if any) is committed and agreed."""
@@ -189,6 +213,8 @@ class SnapshotEngine:
             if job is None:
                 return
             try:
+                if job.begin:
+                    job.slot = self._begin(job)
                 if job.slot is not None:
                     self._write(job)
             except Exception as e:
@@ -206,6 +232,18 @@ class SnapshotEngine:
             if len(self.history) > 1000:
                 del self.history[:500]
             job.done.set()
+
+    def _begin(self, job: _Job) -> Optional[int]:
+        """The agent's slot for ``job`` (it keeps the other slot's version intact), or None: no
+        snapshot this step (logged; training goes on)."""
+        try:
+            return int(self.client.request("begin", rank=self.rank, step=job.step)["slot"])
+        except Exception as e:
+            if self.required and getattr(e, "kind", "") == "SharedMemoryError":  # the node's peers' blocks
+                fatal.end_job(f"rank {self.rank}: {e} (agent.required: false trains unprotected instead)")
+            job.stats.error = f"not started: {e}"
+            log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, job.step, e)
+            return None
 
     def _write(self, job: _Job) -> None:
         assert self.layout is not None and job.slot is not None

@@ -13,9 +13,13 @@ megatron-core GPT with the distributed optimizer (scripts/pretrain_gpt.py builds
   ``to_state_dict(sharded_state_dict, ...)``, then ``load_state_dict`` of model, optimizer and
   scheduler, RNG and args as ``load_checkpoint`` does.
 
-``--phase save``: train iterations 1..N; after each, dump digests (``save.it{i}``), then save
-(1..N/2 synchronously, the rest asynchronously); then train iteration N+1 (its optimizer step must
-wait for the last copy) and dump ``save.it{N+1}``.
+``--phase save``: call ``training_loop`` as the patched ``train()`` does (the manager then knows model
+and optimizer, and copies in the background); train iterations 1..N; after each, dump digests
+(``save.it{i}``), then save (1..N/2 as Megatron's synchronous caller, the rest as its ``--async-save``
+caller); then train iteration N+1 (its optimizer step must wait for the last copy) and dump
+``save.it{N+1}``. The state dict also holds ``probe``, a tensor that is neither a parameter nor
+optimizer state, set to the iteration before each save and overwritten right after it returns (as
+a MoE router's expert bias changes before the next step): the snapshot must hold the value at save.
 ``--phase load``: fresh model, scrambled (random parameters, other RNG seeds); restore; write ``found.json``; dump ``load.it{F}``;
 train one iteration; dump ``load.it{F+1}``.
 """
@@ -57,7 +61,11 @@ def state_dict(objs, iteration, is_loading=False):
                                     (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
                                     replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
     sd["num_floating_point_operations_so_far"] = 1.5e12
+    sd["probe"] = PROBE
     return sd
+
+
+PROBE = torch.zeros(1024)
 
 
 def init_optimizer_state(objs):
@@ -130,14 +138,17 @@ def main() -> int:
     for chunk in objs.model:
         chunk.train()
     if a.phase == "save":
+        mgr.training_loop(objs.model, objs.optimizer, objs.scheduler, objs.config)
         iteration, consumed = 0, 0
         while iteration < a.iters:
             iteration, consumed = train_one(objs, iteration, consumed)
             args.consumed_train_samples = consumed
             dump(objs, a.out, f"save.it{iteration}", iteration, consumed)
+            PROBE.fill_(iteration)
             tasd, _ = mgr.tensor_aware_state_dict_cls.from_state_dict(
                 state_dict(objs, iteration), algo="fully_parallel", parallelization_group=dp)
             req = mgr.save(tasd, iteration, is_async=iteration > a.iters // 2)
+            PROBE.fill_(-1.0)
             assert (req is None) == (iteration <= a.iters // 2), req
         iteration, consumed = train_one(objs, iteration, consumed)
         dump(objs, a.out, f"save.it{iteration}", iteration, consumed)
@@ -151,6 +162,7 @@ def main() -> int:
             tasd, name = mgr.load()
             common = tasd.to_state_dict(None, algo="fully_parallel", parallelization_group=dp)  # rank0 pass
             assert common["iteration"] == found and common["args"].attention_backend is AttnBackend.auto, common
+            assert torch.equal(common["probe"], torch.full((1024,), float(found))), common["probe"][:4]
             tasd, name = mgr.load()
             init_optimizer_state(objs)
             sd = tasd.to_state_dict(state_dict(objs, None, is_loading=True), algo="fully_parallel",

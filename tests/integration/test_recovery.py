@@ -53,6 +53,19 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     assert "rejoins round 1 in place" in log and "[keeper " in log, log[-3000:]
 
 
+def test_overlapped_param_gather_bf16_snapshots_what_each_step_wrote(tmp_path):
+    """Production options on the project's script: bf16 parameters with fp32 main parameters,
+    ``--overlap-grad-reduce`` and ``--overlap-param-gather`` with several buckets per buffer. The
+    all-gather of each bucket's updated slices runs in the next forward pass, after the snapshot
+    began; a snapshot of this rank's slice of the whole buffer (other ranks' slices of its buckets
+    among it) restored them stale or torn - not bit-exact. Each bucket's own slice is what the step
+    wrote."""
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=trainer", f"--kill-at={KILL_AT}", "--train-arg=--bf16",
+             "--train-arg=--overlap-grad-reduce", "--train-arg=--overlap-param-gather",
+             "--train-arg=--ddp-bucket-size=3000")
+    assert s["recovered_from"] == "local_memory" and s["resumed_step"] >= KILL_AT - 1, s
+
+
 def test_all_trainers_of_a_node_killed_before_snapshot(tmp_path, reference_dir):
     s = demo(tmp_path, reference_dir, "--fail=all-trainers", f"--kill-at={KILL_AT}", "--kill-point=before-snapshot")
     # the victims never snapshotted step KILL_AT: the newest step every rank holds is KILL_AT - 1
