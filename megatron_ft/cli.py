@@ -1,4 +1,4 @@
-"""The ``megatron-ft`` command: launch, demo, chaos, status, config, simulate, plan, timeline, shm-mount."""
+"""The ``megatron-ft`` command: launch, demo, chaos, status, config, simulate, plan, deploy, timeline, shm-mount."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +73,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo.add_parser(sub)
     chaos.add_parser(sub)
     plan.add_parser(sub)
+    from . import deploy
+
+    deploy.add_parser(sub)  # manifests for Kubernetes
     from .policy import simulate
 
     simulate.add_parser(sub)  # goodput simulation

@@ -43,7 +43,7 @@ import yaml
 
 from . import config as ftconfig
 from . import fatal
-from . import network
+from . import network, scheduler
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .spares import prestart
@@ -817,6 +817,13 @@ def main(args: argparse.Namespace) -> int:
     if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
         cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
     args.nodes, args.nproc_per_node = nodes, nproc
+    alloc = scheduler.allocation(os.environ) if args.node_rank is None and not args.standby else None
+    if alloc is not None:  # a Slurm step or a Kubernetes indexed Job says which node this host is
+        cfg = scheduler.placed(cfg, alloc)
+        args.node_rank = alloc.node_rank(nodes)
+        print(f"[megatron-ft launch] {alloc.scheduler}: this host is node {args.node_rank} of {nodes} ({alloc.said_by}); "
+              f"nodes {', '.join(cfg.health.host_list(nodes)) or 'simulated here'}, rendezvous on "
+              f"{cfg.launch.master_addr}", flush=True)
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
     cfg = with_job_secret(cfg, args.run_dir)

@@ -180,3 +180,35 @@ def test_settings_that_differ_are_named_with_both_values():
     b = dict(a, **{"persist.dir": "/elsewhere", "persist.interval": 7})
     assert config.settings_differ(a, b) == [f"persist.dir: {a['persist.dir']!r} vs '/elsewhere'",
                                             f"persist.interval: {a['persist.interval']!r} vs 7"]
+
+
+def test_launch_takes_its_node_from_a_slurm_step(tmp_path, capsys, monkeypatch):
+    """Under srun the launcher places itself by the step's environment (no --node-rank): node 1 of the
+    step's hosts, the first as the rendezvous. Here the hosts do not exist, so the launcher then refuses
+    to start (exit 2, before anything runs) - after saying where it stood."""
+    from megatron_ft import cli
+
+    for k in [k for k in os.environ if k.startswith("SLURM") or k == "JOB_COMPLETION_INDEX"]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "mft-absent-a[1-2]")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+    monkeypatch.setenv("SLURMD_NODENAME", "mft-absent-a2")
+    rc = cli.main(["launch", "--nodes", "2", "--run-dir", str(tmp_path), "--", "train.py"])
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert ("slurm: this host is node 1 of 2 (SLURMD_NODENAME=mft-absent-a2 in SLURM_STEP_NODELIST); nodes "
+            "mft-absent-a1, mft-absent-a2, rendezvous on mft-absent-a1") in out.out, out.out
+    monkeypatch.setenv("SLURMD_NODENAME", "mft-absent-b7")  # not among the step's hosts, and no SLURM_NODEID
+    assert cli.main(["launch", "--nodes", "2", "--run-dir", str(tmp_path), "--", "train.py"]) == 2
+    assert "cannot tell this host's place" in capsys.readouterr().err
+
+
+def test_a_pod_beyond_the_nodes_is_refused(tmp_path, capsys, monkeypatch):
+    from megatron_ft import cli
+
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "2")
+    rc = cli.main(["launch", "--nodes", "2", "--run-dir", str(tmp_path), "--", "train.py"])
+    assert rc == 2
+    assert "this host is number 2 of the kubernetes allocation (JOB_COMPLETION_INDEX=2), but cluster.nodes=2" in \
+        capsys.readouterr().err
