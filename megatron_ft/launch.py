@@ -138,7 +138,8 @@ class NodeLauncher:
         args = ["--config", self.cfg_path, "--node", str(self.node), "--launcher-pid", str(os.getpid())]
         log_path = os.path.join(self.node_dir, "agent.log")
         waiting, self.waiting_agent = self.waiting_agent, None
-        if waiting is not None and prestart.hand_over(waiting, args, log=log_path):
+        # the launcher's environment as a cold start would inherit it (a standby's MFT_NODE_HOST among it)
+        if waiting is not None and prestart.hand_over(waiting, args, env=dict(os.environ), log=log_path):
             self.agent = waiting
         else:
             with open(log_path, "ab") as logf:
@@ -678,18 +679,29 @@ def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
     return max(rcs, default=0)
 
 
+class JobEnded(Exception):
+    """The job a standby waits on ended (a launcher recorded ``ended``) before any node failed."""
+
+
 def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout_s: float = 0.0,
-                      log=print) -> tuple[int, dict]:
+                      log=print, since: Optional[float] = None) -> tuple[int, dict]:
     """A standby's wait: poll the store (a :class:`~megatron_ft.health.store.StoreClient`) for a
     root verdict ``failed/<node>`` and claim that node with a compare-and-set of
     ``claim/<node>/<failed agent pid>`` from absent to ``who``; a node another standby claimed
-    first is skipped. Returns (node, verdict). ``timeout_s`` 0: wait for ever."""
+    first is skipped. Returns (node, verdict). ``timeout_s`` 0: wait for ever. ``since``: raise
+    :class:`JobEnded` once a launcher records the job's end (``ended``) no earlier than this time (an
+    older record is an earlier job's on a store that outlives jobs)."""
     from .health.store import StoreUnavailable
 
     deadline = time.time() + timeout_s if timeout_s > 0 else float("inf")
     warned = False
     while True:
         try:
+            if since is not None:
+                ended = client.get("ended")
+                rec = json.loads(ended) if ended else None
+                if isinstance(rec, dict) and float(rec.get("time", 0)) >= since:
+                    raise JobEnded(f"node {rec.get('node')}'s launcher ended the job (exit {rec.get('rc')})")
             for n in range(nodes):
                 v = client.get(f"failed/{n}")
                 if v is None:
@@ -708,6 +720,9 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
         if time.time() > deadline:
             raise TimeoutError(f"standby {who}: no failed node to take over within {timeout_s:g} s")
         time.sleep(poll_s)
+
+
+STARTED = time.time()  # this launcher's start (a standby heeds only job ends recorded after it, less a timeout)
 
 
 def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]) -> int:
@@ -747,10 +762,21 @@ def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]
 
     client = StoreClient(cfg)
     print(f"[standby {who}] waiting for a failed node of run {cfg.run_id} ({client.where})", flush=True)
-    node, verdict = claim_failed_node(client, args.nodes, who, timeout_s=args.standby_timeout,
-                                      log=lambda m: print(m, flush=True))
+    try:
+        node, verdict = claim_failed_node(client, args.nodes, who, timeout_s=args.standby_timeout,
+                                          log=lambda m: print(m, flush=True), since=STARTED - cfg.health.timeout_s)
+    except JobEnded as e:  # nothing to take over: the standby's part of the job is done
+        print(f"[standby {who}] {e} with no failed node to take over; standing down", flush=True)
+        return 0
+    own = socket.gethostname()
+    if network.multi_host(cfg) and not cfg.health.one_machine and own != cfg.health.host_of(node):
+        # a host of its own: the node's agent serves under this host's name (the others find its store and
+        # peer address through the root's store; network.node_host)
+        os.environ[network.NODE_HOST_VARIABLE] = own
     print(f"[standby {who}] node {node} failed ({verdict.get('kind')}, agent pid {verdict['pid']}, detected by "
-          f"node {verdict.get('detected_by')}); claimed it, starting as node {node}", flush=True)
+          f"node {verdict.get('detected_by')}); claimed it, starting as node {node}"
+          + (f" on this host ({own}, not {cfg.health.host_of(node)})" if network.NODE_HOST_VARIABLE in os.environ
+             else ""), flush=True)
     cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{node}", "config.yaml"))
     launcher = NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir)
     if pool is not None:
@@ -821,9 +847,17 @@ def main(args: argparse.Namespace) -> int:
     if alloc is not None:  # a Slurm step or a Kubernetes indexed Job says which node this host is
         cfg = scheduler.placed(cfg, alloc)
         args.node_rank = alloc.node_rank(nodes)
-        print(f"[megatron-ft launch] {alloc.scheduler}: this host is node {args.node_rank} of {nodes} ({alloc.said_by}); "
-              f"nodes {', '.join(cfg.health.host_list(nodes)) or 'simulated here'}, rendezvous on "
-              f"{cfg.launch.master_addr}", flush=True)
+        args.standby = args.node_rank is None
+        what = (f"node {args.node_rank} of {nodes}" if not args.standby else
+                f"a standby (host {alloc.index} of the allocation, beyond its {nodes} nodes)")
+        print(f"[megatron-ft launch] {alloc.scheduler}: this host is {what} ({alloc.said_by}); nodes "
+              f"{', '.join(cfg.health.host_list(nodes)) or 'simulated here'}, rendezvous on {cfg.launch.master_addr}",
+              flush=True)
+        if args.standby and cfg.redundancy.scheme == "none":
+            print("[megatron-ft launch] redundancy.scheme is none: no agent declares a node lost and no memory "
+                  "holds its state, so a standby has nothing to take over; this host does nothing (a lost node "
+                  "is replaced by relaunching its rank, which restores from persist.dir)", flush=True)
+            return 0
     args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
     os.makedirs(args.run_dir, exist_ok=True)
     cfg = with_job_secret(cfg, args.run_dir)

@@ -1,9 +1,10 @@
 """The job's network: where megatron-ft's own servers listen, what the trainers' collectives are told,
 and the check that refuses a node its peers could not reach.
 
-* :func:`listen_address` - the address node ``node``'s servers (the agent's peer transport, a rendezvous
-  generation its launcher hosts) bind: ``network.interface``'s address when set, else the node's host
-  (``health.host_of``);
+* :func:`listen_address` - the address node ``node``'s servers (the agent's store server and peer
+  transport, a rendezvous generation its launcher hosts) bind: ``network.interface``'s address when
+  set, else the node's host (``health.host_of``; :func:`node_host`: a standby's own name when it took
+  the node's place on a host of its own);
 * :func:`trainer_env` - ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` from ``network.interface``,
   unless the environment already names them (the user's choice wins);
 * :func:`megatron_ft.config.port_plan` - every port megatron-ft's own processes listen on, each moved by
@@ -73,11 +74,29 @@ def interface_address(name: str) -> str:
     return addrs[0]
 
 
+#: set by a standby launcher that took a node's place on a host of its own, for the node's agent: the
+#: name this host serves the node under (the cluster file's name for the node is the lost host's)
+NODE_HOST_VARIABLE = "MFT_NODE_HOST"
+
+
+def node_host(cfg: FTConfig, node: int, env: Optional[dict] = None) -> str:
+    """The name node ``node`` is served under from this host: :data:`NODE_HOST_VARIABLE` when set, else
+    the cluster file's name for it (``health.host_of``)."""
+    env = os.environ if env is None else env
+    return env.get(NODE_HOST_VARIABLE) or cfg.health.host_of(node)
+
+
+def adopted(cfg: FTConfig, node: int, env: Optional[dict] = None) -> bool:
+    """Whether node ``node`` runs here on a host other than the one the cluster file names for it (a
+    standby took its place): the other nodes cannot reach it under its configured name."""
+    return not cfg.health.one_machine and node_host(cfg, node, env) != cfg.health.host_of(node)
+
+
 def listen_address(cfg: FTConfig, node: int) -> str:
     """Where node ``node``'s own servers listen (see the module docstring)."""
     if cfg.network.interface:
         return interface_address(cfg.network.interface)
-    host = cfg.health.host_of(node)
+    host = node_host(cfg, node)
     return "127.0.0.1" if host == "localhost" else host
 
 
@@ -180,7 +199,10 @@ def node_address_problem(cfg: FTConfig, node: int, env: Optional[dict] = None) -
         except ConfigError as e:
             return str(e)
     checks = []
-    if not cfg.health.one_machine:
+    if adopted(cfg, node, env):
+        checks.append((node_host(cfg, node, env), f"this host's name, under which it took node {node}'s place "
+                                                  f"({NODE_HOST_VARIABLE})"))
+    elif not cfg.health.one_machine:
         where = "health.hosts" if cfg.health.hosts else "health.host_pattern"
         checks.append((cfg.health.host_of(node), f"node {node}'s name in {where}"))
     if not cfg.network.interface and not all(v in env for v in IFNAME_VARIABLES[:1]):

@@ -8,7 +8,9 @@ environment it is given) and, inside a scheduler's allocation, runs as the node 
   their count checked against ``SLURM_STEP_NUM_NODES`` (else ``SLURM_NNODES``); this host's place is
   ``SLURMD_NODENAME``'s position among them (else ``SLURM_NODEID``). The first ``cluster.nodes``
   hosts are the job's nodes, in order (node 0: the rendezvous); :func:`placed` names them in
-  ``health.hosts`` and node 0 in ``launch.master_addr`` unless the cluster file set either.
+  ``health.hosts`` and node 0 in ``launch.master_addr`` unless the cluster file set either. The hosts
+  after them are standbys (``launch --standby``): each takes the place of a node the root agent declares
+  lost, under its own name.
 * **Kubernetes** - a pod of an indexed Job (``JOB_COMPLETION_INDEX``): the index is the node rank.
   The hosts are the pods' names under the job's headless Service, which the rendered cluster file
   gives as ``health.host_pattern`` (``megatron-ft deploy kubernetes``).
@@ -41,16 +43,9 @@ class Allocation:
     hosts: tuple[str, ...]  # every host of the allocation in order (Kubernetes: () - the cluster file names them)
     said_by: str  # the variables that said so, for the launcher's log line
 
-    def node_rank(self, nodes: int) -> int:
-        """This host's node rank in a job of ``nodes`` nodes; a :class:`ConfigError` when the allocation
-        gives it none (more hosts than nodes: standby hosts are not offered by the scheduler path yet)."""
-        if self.index < nodes:
-            return self.index
-        raise ConfigError(
-            f"this host is number {self.index} of the {self.scheduler} allocation ({self.said_by}), but "
-            f"cluster.nodes={nodes}: allocate exactly cluster.nodes hosts (standby hosts of their own are not "
-            f"supported yet: a lost node is replaced by a host that takes its name - a Kubernetes Job's pod of "
-            f"the same index - or by relaunching its rank, docs/deploy.md)")
+    def node_rank(self, nodes: int) -> Optional[int]:
+        """This host's node rank in a job of ``nodes`` nodes, or None: a host beyond the nodes, a standby."""
+        return self.index if self.index < nodes else None
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -30,6 +30,10 @@ apt_optional openssl "the etcd-over-TLS test (its certificates) will be skipped"
 # the multi-host test bed (megatron_ft/testing/hosts.py): ip, tc (iproute2), nsenter, unshare (util-linux)
 apt_optional iproute2 "multi-host tests will be skipped (and fail under CI=true)"
 apt_optional util-linux "multi-host tests will be skipped (and fail under CI=true)"
+# a real Slurm on the test bed (megatron_ft/testing/slurm.py): munge, controller, node daemon, clients
+for pkg in munge slurmctld slurmd slurm-client; do
+    apt_optional "$pkg" "the Slurm tests will be skipped (and fail under CI=true)"
+done
 
 if [ ! -x "$VENV/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$VENV"

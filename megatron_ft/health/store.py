@@ -77,14 +77,19 @@ class EmbeddedStore:
     job's (every connection to every node's server proves it)."""
 
     def __init__(self, run_id: str, node: int, nodes: int, hosts: list[str], port: int, timeout_s: float = 5.0,
-                 secret: Optional[bytes] = None):
+                 secret: Optional[bytes] = None, bind: Optional[str] = None, adopted: bool = False):
         self.node, self.nodes, self.timeout_s = node, nodes, timeout_s
         self.hosts = hosts
         self.base_port = port
         self.secret = secret
         self.prefix = f"mft/{run_id}/"
-        # on the address the other nodes reach it at (its host's name; one machine: loopback), nowhere else
-        self._server = KVServer(self.endpoint(node), secret).start()
+        # a node served from a host other than its configured one (a standby took its place): the others
+        # look for the store only under the configured names, so it never becomes the root
+        self.adopted = adopted
+        # on the address the other nodes reach it at (its host's name or its interface's address; one
+        # machine: loopback), nowhere else
+        host, p = self.endpoint(node)
+        self._server = KVServer((bind or host, p), secret).start()
         self.root = -1
         self.kv: Optional[WireKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
@@ -117,7 +122,7 @@ class EmbeddedStore:
                 for j in range(self.nodes):
                     if j != self.node and self._root_claimed_by(j) == j:
                         return self._follow(j)
-                if self.node == 0 or (self.root >= 0 and self._next_root_is_me()):
+                if not self.adopted and (self.node == 0 or (self.root >= 0 and self._next_root_is_me())):
                     return self._become_root()
             except StoreUnavailable as e:
                 why = str(e)
@@ -130,7 +135,7 @@ class EmbeddedStore:
         """After the root failed: am I the lowest-numbered node (other than the failed root)
         whose server answers?"""
         for j in range(self.nodes):
-            if j == self.root:
+            if j == self.root or (j == self.node and self.adopted):
                 continue
             if j == self.node:
                 return True
@@ -243,11 +248,15 @@ def store_needed(cfg) -> bool:
 def make_store(cfg, node: int, secret: Optional[bytes]):
     """The store an agent of node ``node`` joins, from ``cfg.health`` (an :class:`FTConfig`); ``secret``:
     the job's (the embedded store's connections prove it)."""
+    from .. import network
+
     h = cfg.health
     if h.store.startswith("etcd://"):
         return EtcdStore(h.store, cfg.run_id, node, cfg.cluster.nodes, h.timeout_s, EtcdTLS.of(h))
-    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, h.host_list(cfg.cluster.nodes), h.store_port, h.timeout_s,
-                         secret)
+    hosts = h.host_list(cfg.cluster.nodes)
+    return EmbeddedStore(cfg.run_id, node, cfg.cluster.nodes, hosts, h.store_port, h.timeout_s, secret,
+                         bind=network.listen_address(cfg, node) if hosts else None,
+                         adopted=network.adopted(cfg, node))
 
 
 class StoreClient:

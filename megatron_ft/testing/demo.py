@@ -155,7 +155,8 @@ def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int],
     """A new machine takes the lost node's place: its launcher, a fresh agent (empty memory), torchrun.
     ``node`` None: a standby launcher (``launch --standby``) that waits for the root agent's verdict
     on a failed node and takes that node's place. On the multi-host bed the launcher runs on host
-    ``node``: a new one brought up under the lost one's name (``new_host``), or the live one."""
+    ``node``: a new one brought up under the lost one's name (``new_host``), or the live one; a
+    standby on host ``cluster.nodes``, under its own name."""
     cfg_path = os.path.join(run_dir, "job.yaml")
     cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}",
            "--standby" if node is None else f"--node-rank={node}", "--",
@@ -165,6 +166,8 @@ def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int],
         if new_host:
             bed.replace(node)
         return bed.popen(node, cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    if bed is not None:  # the standby: a host of its own beside the job's (the bed's next one)
+        return bed.popen(cfg.cluster.nodes, cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -212,7 +215,40 @@ def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inm
     return JobOnHosts(procs)
 
 
+def slurm_job(slurm, cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], log_path: str,
+              fault: Optional[str], program: Program, hosts: int):
+    """The job as one Slurm batch job on the bed: ``srun`` runs ``megatron-ft launch`` (no ``--node-rank``:
+    each takes its node from the step, :mod:`megatron_ft.scheduler`) on each of ``hosts`` hosts."""
+    from .slurm import SlurmJob
+
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_path = os.path.join(run_dir, "job.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    argv = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
+            *program.command(script_args, run_dir, cfg_path, True, fault)]
+    return SlurmJob(slurm, run_dir, argv, hosts, log_path)
+
+
+def watch_slurm_node(slurm, node: int, out: dict, deadline: float) -> None:
+    """Until ``deadline``: when Slurm marks lost host ``node`` DOWN (``sinfo``), in ``out`` its state and
+    the seconds since the loss."""
+    t0, name = time.time(), slurm.name(node)
+    while time.time() < deadline:
+        try:
+            state = slurm.node_states().get(name, "")
+        except Exception:  # the controller busy: ask again
+            state = ""
+        if state.startswith("down"):
+            out.update({"name": name, "state": state, "down_after_s": round(time.time() - t0, 1)})
+            return
+        time.sleep(0.5)
+
+
 def _kill_tree(p: "subprocess.Popen | JobOnHosts") -> None:
+    if hasattr(p, "cancel"):  # a Slurm job: its processes are slurmd's children on the bed's hosts
+        p.cancel()
+        return
     if isinstance(p, JobOnHosts):
         for proc in p.procs:
             _kill_tree(proc)
@@ -537,9 +573,19 @@ def run_demo(args: argparse.Namespace) -> dict:
     if not getattr(args, "hosts", False):
         return _run_demo(args, None)
     cfg = demo_config(args, os.path.abspath(args.workdir))
-    # one host more than the job has nodes: an outsider on the job's network (stranger_probe)
-    with HostBed(cfg.cluster.nodes + 1, shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
-        return _run_demo(args, bed)
+    # one host more than the job has nodes: an outsider on the job's network (stranger_probe), the last
+    # (with --slurm also the Slurm controller's); with --standby one more before it, the standby's
+    with HostBed(cfg.cluster.nodes + 1 + bool(args.standby), shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
+        if not args.slurm:
+            return _run_demo(args, bed)
+        from .slurm import SlurmOnBed
+
+        slurm = SlurmOnBed(bed, os.path.join(os.path.abspath(args.workdir) + ".slurm"),
+                           list(range(cfg.cluster.nodes + bool(args.standby))))
+        try:
+            return _run_demo(args, bed, slurm.start())
+        finally:
+            slurm.stop()
 
 
 def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
@@ -612,7 +658,7 @@ def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
             "served": [p for p in results if p["served"]]}
 
 
-def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
+def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> dict:
     workdir = os.path.abspath(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
@@ -667,11 +713,18 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
     if victims and args.kill_point != "after-iteration":
         fault = (f"{args.kill_point}{faults.WITH_AGENT if args.with_agent else ''}:{args.kill_at}:"
                  f"{','.join(map(str, victims))}")
-    p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program, bed=bed)
+    if slurm is not None:  # one batch job: srun starts a launcher on every host of the allocation
+        p = slurm_job(slurm, cfg, run_dir, targs, log_path, fault, program, hosts=cfg.cluster.nodes + bool(args.standby))
+        say(f"[demo] submitted Slurm job {p.job_id}: {cfg.cluster.nodes + bool(args.standby)} hosts"
+            + (", the last a standby" if args.standby else ""))
+    else:
+        p = launch_job(cfg, run_dir, targs, inmem=True, log_path=log_path, fault=fault, program=program, bed=bed)
     replacements: list[tuple[subprocess.Popen, str]] = []  # (launcher, its log)
     replacement_log = os.path.join(workdir, "standby.log" if args.standby else "replacement.log")
-    if args.standby:
-        replacements.append((start_replacement(cfg, run_dir, None, targs, replacement_log, program), replacement_log))
+    slurm_lost: dict = {}  # --slurm: what Slurm made of the lost host (watch_slurm_node)
+    if args.standby and slurm is None:
+        replacements.append((start_replacement(cfg, run_dir, None, targs, replacement_log, program, bed),
+                             replacement_log))
         say(f"[demo] a standby node waits for the root agent's failure verdict (log {replacement_log})")
     kill_time = None
     killed_pids = []
@@ -702,11 +755,14 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
                     complete_at_loss[n] = sorted(int(x) for x in GROUP_COMPLETE.findall(f.read()))[-3:]
             except OSError:
                 complete_at_loss[n] = []
+        if slurm is not None:
+            threading.Thread(target=watch_slurm_node, args=(slurm, lost_nodes[0], slurm_lost, deadline),
+                             name="slurm-node", daemon=True).start()
         say(f"[demo] node(s) {lost_nodes} lost: SIGKILL -> their launchers, torchrun, trainers {victims} and agents "
             f"(pids {killed_pids}); their shared memory removed. "
             + ("The standby takes the place of one once the root agent declares it failed" if args.standby
                else f"Starting replacement node(s) {lost_nodes}"))
-        if not args.standby:
+        if not args.standby and slurm is None:
             for n in lost_nodes:
                 log = replacement_log if len(lost_nodes) == 1 else os.path.join(workdir, f"replacement{n}.log")
                 replacements.append((start_replacement(cfg, run_dir, n, targs, log, program, bed), log))
@@ -956,6 +1012,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed]) -> dict:
         "problems": problems[:10],
         "workdir": workdir,
     }
+    if slurm is not None:
+        summary["slurm"] = {"job": p.job_id, "lost_node": slurm_lost or None}
     if listeners is not None:  # hosts of their own: megatron-ft's servers seen before the failure
         summary["listeners"] = listeners
     if stranger is not None:
@@ -1070,6 +1128,10 @@ def add_parser(sub) -> None:
     p.add_argument("--hosts", action="store_true",
                    help="run every node on a host of its own (root: network, mount and UTS namespaces; "
                         "megatron_ft/testing/hosts.py): its own address and name, /dev/shm and link")
+    p.add_argument("--slurm", action="store_true",
+                   help="with --hosts: a real Slurm on the hosts (munge, slurmctld on an extra host, a slurmd per "
+                        "host; megatron_ft/testing/slurm.py) runs the job as one sbatch job, srun starting a "
+                        "launcher per host (with --standby the allocation's extra host is the standby)")
     p.add_argument("--host-shm-mib", type=int, default=512, help="--hosts: each host's /dev/shm")
     p.add_argument("--link-rate", default=None, help="--hosts: every link's rate (tc tbf, e.g. 100mbit)")
     p.set_defaults(func=main)
@@ -1089,9 +1151,17 @@ def main(args: argparse.Namespace) -> int:
         raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
     if args.second_delay < 0:
         raise ftconfig.ConfigError(f"--second-delay={args.second_delay} is invalid: must be >= 0 seconds")
-    if args.hosts and args.standby:
-        raise ftconfig.ConfigError("--standby is invalid with --hosts: a standby host would take a lost node's rank "
-                                   "under its own name, which the node's peers do not resolve yet")
+    if args.slurm and not args.hosts:
+        raise ftconfig.ConfigError("--slurm is invalid without --hosts: Slurm's daemons run on the hosts of the bed")
+    if args.slurm and args.fail in ("node", "two-nodes") and not args.standby:
+        raise ftconfig.ConfigError(f"--slurm --fail {args.fail} needs --standby: the allocation's extra host takes "
+                                   f"the lost node's place (the demo starts no replacement outside Slurm)")
+    if args.slurm and args.fail in ("node", "two-nodes") and args.victim_node == 0:
+        raise ftconfig.ConfigError("--slurm --victim-node 0 is invalid: node 0's host runs the job's batch script, "
+                                   "and Slurm ends a job whose batch host dies (lose another node)")
+    if args.slurm and args.fail in ("launcher", "agent"):
+        raise ftconfig.ConfigError(f"--slurm is invalid with --fail={args.fail}: the demo restarts that process "
+                                   f"itself, outside the Slurm step")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")

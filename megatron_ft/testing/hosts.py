@@ -110,10 +110,13 @@ class Listener(NamedTuple):
     @property
     def owner(self) -> str:
         """Which of a job's processes listens: ``agent``, ``launcher``, ``torchrun``, ``store host`` (a
-        warm-spare keeper's fork hosting the trainers' store) or ``trainer`` (everything else: the
-        trainers, whose collectives listen where torch picks)."""
+        warm-spare keeper's fork hosting the trainers' store), ``slurm`` (Slurm's own: ``srun`` and the
+        daemons, whose command line may name the launcher they start) or ``trainer`` (everything else:
+        the trainers, whose collectives listen where torch picks)."""
         from ..spares.fast_restart import STORE_PROCESS_NAME
 
+        if self.name in ("srun", "slurmstepd", "slurmd", "slurmctld"):
+            return "slurm"
         if self.name == STORE_PROCESS_NAME:
             return "store host"
         if "megatron_ft.agent" in self.process:
@@ -129,11 +132,11 @@ def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
     """megatron-ft's own servers among ``listeners`` (one host's) that listen off the configuration's port
     plan (:func:`megatron_ft.config.port_plan`), or on every interface where they should listen on the
     node's own address only (the agent's store and peer transport); the trainers' listeners are torch's
-    and not judged. Empty: all as planned."""
+    and Slurm's are Slurm's: not judged. Empty: all as planned."""
     ports = {p: r.setting for r in ftconfig.port_plan(cfg) for p in range(r.first, r.last + 1)}
     out = []
     for s in listeners:
-        if s.owner == "trainer":
+        if s.owner in ("trainer", "slurm"):
             continue
         if s.port not in ports:
             out.append(f"{s.owner} (pid {s.pid}) listens on {s.address}:{s.port}, a port of no setting")

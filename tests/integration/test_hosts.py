@@ -208,3 +208,25 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
         assert "peer transport on 10.77.0.11:29600" in agent_log  # the interface's address, not a wildcard
         assert "peers-n0: refused a connection from 10.77.0.13:" in agent_log
     assert set(hosts.bed_namespaces()) <= beds_before  # the demo's bed is gone with it
+
+
+def test_a_standby_host_takes_a_lost_nodes_place_under_its_own_name(bed_allowed, tmp_path):
+    """Node 0 (the store's first root, the rendezvous host) is lost with its host; a standby on a host of
+    its own (node2: no node's name in the cluster file) claims its rank and serves it under its own name:
+    the other nodes find its store and peer address through the root's store, it never becomes the root
+    (they could not reach it under node 0's name), and node 0's ranks come back from their replica."""
+    from conftest import run_demo
+
+    work = tmp_path / "w"
+    beds_before = set(hosts.bed_namespaces())
+    s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--quiet", f"--workdir={work}",
+                  "--iters=8", "--kill-at=4", "--fail=node", "--victim-node=0", "--redundancy=replica", "--standby"],
+                 timeout=600)
+    assert s["standby"] and s["lost_nodes"] == [0] and s["recovered_from"] == "peer_memory", s
+    assert 3 <= s["resumed_step"] <= 4 and not s["problems"], s
+    assert "claimed it, starting as node 0 on this host (node2, not node0)" in (work / "standby.log").read_text()
+    node0 = (work / "run" / "node0" / "agent.log").read_text()  # the lost agent's lines, then the standby's
+    assert node0.count("node 0: this agent is the root") == 1, node0[-3000:]
+    assert "node 1: this agent is the root" in (work / "run" / "node1" / "agent.log").read_text()
+    assert s["stranger"]["served"] == [], s["stranger"]  # the outsider is the bed's last host
+    assert set(hosts.bed_namespaces()) <= beds_before

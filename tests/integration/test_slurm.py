@@ -1,0 +1,55 @@
+"""A real Slurm (munge, slurmctld, one slurmd per host) on the multi-host test bed runs the job as one
+``sbatch`` job: ``srun`` starts ``megatron-ft launch`` on every host of the allocation, each takes its node
+from the step, and the allocation's extra host is a standby. One host dies mid-run: Slurm marks it DOWN,
+the standby takes the lost node's place under its own name, and the job ends bit-exact at peer_memory."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import run_demo
+from megatron_ft.testing import hosts, slurm
+
+
+@pytest.fixture
+def slurm_allowed():
+    why = hosts.unavailable_reason() or slurm.unavailable_reason()
+    if why:
+        if os.environ.get("CI") == "true":  # CI must run it, not skip it
+            pytest.fail(f"Slurm test skipped under CI=true: {why}")
+        pytest.skip(why)
+
+
+def test_slurm_conf_names_the_hosts_and_keeps_everything_in_its_directory():
+    conf = slurm.slurm_conf("/w", "node3", ["node0", "node1", "node2"], 2)
+    lines = dict(line.split("=", 1) for line in conf.splitlines() if "=" in line and not line.startswith(("Node", "Part")))
+    assert lines["SlurmctldHost"] == "node3" and lines["AuthInfo"] == "socket=/w/munge.sock"
+    assert lines["SlurmdTimeout"] == str(slurm.SLURMD_TIMEOUT_S) and lines["ProctrackType"] == "proctrack/linuxproc"
+    assert all(v.startswith("/w/") for k, v in lines.items() if k.endswith(("File", "Location", "Dir")))
+    assert "NodeName=node0,node1,node2 CPUs=2 State=UNKNOWN" in conf
+
+
+def test_a_lost_host_under_slurm_is_replaced_by_the_allocations_standby(slurm_allowed, tmp_path):
+    work = tmp_path / "w"
+    beds_before = set(hosts.bed_namespaces())
+    s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--slurm", "--quiet",
+                  f"--workdir={work}", "--iters=8", "--kill-at=4", "--fail=node", "--redundancy=replica",
+                  "--standby"], timeout=600)
+    assert (s["lost_nodes"], s["recovered_from"]) == ([1], "peer_memory") and 3 <= s["resumed_step"] <= 4, s
+    assert not s["problems"], s["problems"]
+    # Slurm saw the host die: DOWN within SlurmdTimeout and its ping interval
+    lost = s["slurm"]["lost_node"]
+    assert lost and lost["name"] == "node1" and lost["state"].startswith("down"), s["slurm"]
+    assert lost["down_after_s"] <= 4 * slurm.SLURMD_TIMEOUT_S, lost
+    # every launcher took its node from the step; the third host waited as the standby and took node 1
+    log = (work / "run.log").read_text()
+    for i in (0, 1):
+        assert f"slurm: this host is node {i} of 2 (SLURMD_NODENAME=node{i} in SLURM_STEP_NODELIST)" in log
+    assert "slurm: this host is a standby (host 2 of the allocation, beyond its 2 nodes)" in log
+    assert "claimed it, starting as node 1 on this host (node2, not node1)" in log
+    # the launchers that ran to the end said so: the survivor and the standby, each exit 0
+    exits = {p.name: p.read_text().strip() for p in (work / "run" / "slurm-exit").iterdir()}
+    assert exits == {"node0": "0", "node2": "0"}, exits
+    assert set(hosts.bed_namespaces()) <= beds_before  # the daemons and the hosts are gone
