@@ -28,8 +28,8 @@
   that outlives the pods; without one the directory is the pod's own and dies with it (a loss beyond
   the redundancy then starts from iteration 0).
 
-Standby pods (``failure.standby_nodes``) are not rendered: a standby on a host of its own is not
-supported yet; the Job controller's replacement takes the lost node's place instead.
+Standby pods are not rendered: the Job controller already replaces a lost pod by one of the same index
+(the node's own name), and a standby claiming the same node would race that replacement.
 
     >>> from megatron_ft.config import from_dict
     >>> m = kubernetes_manifests(from_dict({"run_id": "gpt", "cluster": {"nodes": 2, "ranks_per_node": 4}}),

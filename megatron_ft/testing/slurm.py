@@ -24,6 +24,8 @@ from typing import Optional
 
 from .hosts import HostBed
 
+#: job states of a job that has not ended
+ACTIVE = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "UNKNOWN")
 #: what the bed's Slurm needs on this machine
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
 SLURMD_TIMEOUT_S = 10
@@ -105,9 +107,21 @@ class SlurmOnBed:
         self.procs.append(self.bed.popen(host, argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True))
 
-    def run(self, argv: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
-        """A Slurm client command, from the controller's host."""
-        return self.bed.run(self.controller, argv, timeout=timeout, env=self.env)
+    def run(self, argv: list[str], timeout: float = 30.0, env: Optional[dict] = None,
+            cwd: Optional[str] = None) -> subprocess.CompletedProcess:
+        """A Slurm client command, from the controller's host (``env``: more variables; ``cwd``: its working
+        directory, where ``sbatch`` has the job's output written - entering the host's namespaces leaves
+        a process in ``/``)."""
+        cmd = ["env", "-C", cwd, *argv] if cwd else argv
+        return self.bed.run(self.controller, cmd, timeout=timeout, env={**self.env, **(env or {})})
+
+    def job_state(self, job_id: str) -> str:
+        """``JobState`` of job ``job_id`` (``RUNNING``, ``COMPLETED``, ...; ``UNKNOWN`` when not found)."""
+        out = self.run(["scontrol", "show", "job", job_id, "-o"])
+        for field in out.stdout.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return "UNKNOWN"
 
     def node_states(self) -> dict[str, str]:
         """Each compute host's state as ``sinfo`` reports it (``idle``, ``alloc``, ``down*``, ...)."""
@@ -160,16 +174,12 @@ class SlurmJob:
         self.pid = 0  # no process of ours: scancel ends it
 
     def state(self) -> str:
-        out = self.slurm.run(["scontrol", "show", "job", self.job_id, "-o"])
-        for field in out.stdout.split():
-            if field.startswith("JobState="):
-                return field.split("=", 1)[1]
-        return "UNKNOWN"
+        return self.slurm.job_state(self.job_id)
 
     def poll(self) -> Optional[int]:
         if self.returncode is not None:
             return self.returncode
-        if self.state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "UNKNOWN"):
+        if self.state() in ACTIVE:
             return None
         rcs = []
         for name in os.listdir(self.exits):

@@ -210,6 +210,7 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
     assert set(hosts.bed_namespaces()) <= beds_before  # the demo's bed is gone with it
 
 
+@pytest.mark.slow  # default-suite time: tests/integration/test_slurm.py runs a standby host of its own under Slurm
 def test_a_standby_host_takes_a_lost_nodes_place_under_its_own_name(bed_allowed, tmp_path):
     """Node 0 (the store's first root, the rendezvous host) is lost with its host; a standby on a host of
     its own (node2: no node's name in the cluster file) claims its rank and serves it under its own name:

@@ -4,13 +4,25 @@ from the step, and the allocation's extra host is a standby. One host dies mid-r
 the standby takes the lost node's place under its own name, and the job ends bit-exact at peer_memory."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
+import time
 
 import pytest
 
-from conftest import run_demo
+from conftest import REPO, run_demo
 from megatron_ft.testing import hosts, slurm
+
+DOC = os.path.join(REPO, "docs", "deploy.md")
+EXAMPLE = os.path.join(REPO, "examples", "slurm", "megatron-ft-demo.sbatch")
+
+
+def doc_recipe() -> str:
+    """The sbatch script of docs/deploy.md's Slurm section (its first bash block)."""
+    section = open(DOC, encoding="utf-8").read().split("## Slurm", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
 @pytest.fixture
@@ -53,3 +65,39 @@ def test_a_lost_host_under_slurm_is_replaced_by_the_allocations_standby(slurm_al
     exits = {p.name: p.read_text().strip() for p in (work / "run" / "slurm-exit").iterdir()}
     assert exits == {"node0": "0", "node2": "0"}, exits
     assert set(hosts.bed_namespaces()) <= beds_before  # the daemons and the hosts are gone
+
+
+def test_the_docs_recipe_is_the_example():
+    assert doc_recipe() == open(EXAMPLE, encoding="utf-8").read()
+
+
+def test_the_docs_slurm_recipe_runs_as_written(slurm_allowed, tmp_path):
+    """The doc's script, submitted with sbatch to a real Slurm of three hosts: two nodes train to the end
+    (each took its node from the step), the third waits as the standby and stands down when the job ends."""
+    script = tmp_path / "recipe.sbatch"
+    script.write_text(doc_recipe())
+    run_dir = tmp_path / "run"
+    env = {"MFT": REPO, "RUN_DIR": str(run_dir), "ITERS": "6",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    with hosts.HostBed(4) as bed:
+        cluster = slurm.SlurmOnBed(bed, str(tmp_path / "slurm"), [0, 1, 2]).start()
+        try:
+            out = cluster.run(["sbatch", "--parsable", str(script)], env=env, cwd=str(tmp_path))
+            assert out.returncode == 0, out.stderr
+            job = out.stdout.strip().split(";")[0]
+            deadline = time.monotonic() + 400
+            while (state := cluster.job_state(job)) in slurm.ACTIVE and time.monotonic() < deadline:
+                time.sleep(1)
+        finally:
+            cluster.stop()
+    log = next(tmp_path.glob("megatron-ft-demo-*.log")).read_text(errors="replace")
+    assert state == "COMPLETED", f"{state}\n{log[-4000:]}"
+    for i in (0, 1):
+        assert f"slurm: this host is node {i} of 2 (SLURMD_NODENAME=node{i} in SLURM_STEP_NODELIST)" in log
+    assert "slurm: this host is a standby (host 2 of the allocation, beyond its 2 nodes)" in log
+    assert "with no failed node to take over; standing down" in log, log[-3000:]
+    last = {}
+    for path in (run_dir / "progress").glob("rank*.jsonl"):
+        last[path.name] = json.loads(path.read_text().splitlines()[-1])["iteration"]
+    assert last == {f"rank{r}.jsonl": 6 for r in range(4)}, last
+    assert (run_dir / "job.secret").stat().st_mode & 0o077 == 0  # the recipe's secret: the user's alone
