@@ -240,7 +240,7 @@ def watch_slurm_node(slurm, node: int, out: dict, deadline: float) -> None:
         except Exception:  # the controller busy: ask again
             state = ""
         if state.startswith("down"):
-            out.update({"name": name, "state": state, "down_after_s": round(time.time() - t0, 1)})
+            out.update({"name": name, "state": state, "down_after_s": round(time.time() - t0, 1), "at": time.time()})
             return
         time.sleep(0.5)
 
@@ -740,6 +740,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     agent_killed = None
     protected_from = None  # --fail agent: the first step the restarted agent must hold
     second = None
+    job_ended = float("inf")  # when the megatron-ft run ended
     deadline = time.time() + args.timeout
 
     def lose_nodes(trainer_pids: list[int]) -> None:
@@ -888,6 +889,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             say(f"[demo] second failure during the recovery: SIGKILL -> restarted trainer pid {second[1]} on node "
                 f"{second[0]}, {args.second_delay} s after it started")
         wait_job(p, args.timeout, "megatron-ft run", log_path)
+        job_ended = time.time()
         for r, rlog in replacements:
             wait_job(r, args.timeout, "standby node" if args.standby else "replacement node", rlog)
     finally:
@@ -1013,7 +1015,10 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         "workdir": workdir,
     }
     if slurm is not None:
-        summary["slurm"] = {"job": p.job_id, "lost_node": slurm_lost or None}
+        lost = dict(slurm_lost)
+        if lost:  # the host was DOWN while the job still ran (srun waits for a lost task until Slurm says so)
+            lost["during_the_job"] = lost.pop("at") <= job_ended
+        summary["slurm"] = {"job": p.job_id, "lost_node": lost or None}
     if listeners is not None:  # hosts of their own: megatron-ft's servers seen before the failure
         summary["listeners"] = listeners
     if stranger is not None:
