@@ -34,6 +34,13 @@ def release_source(release):
     return source
 
 
+def test_ci_runs_upstream_megatron_lm_not_skips_it():
+    """Under CI=true the upstream tests must run: the newest release's archive (or MEGATRON_LM_DIR) is there."""
+    if os.environ.get("CI") != "true":
+        pytest.skip("only CI must have the archive")
+    assert SOURCE, f"no upstream Megatron-LM {megatron_lm.TAG} archive: CI would skip the upstream tests"
+
+
 def test_cpu_flags_are_added_only_where_absent():
     argv = ["pretrain_gpt.py", "--transformer-impl=transformer_engine", "--no-rope-fusion", "--lr", "1"]
     out = upstream.cpu_argv(argv)
