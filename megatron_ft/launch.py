@@ -769,7 +769,7 @@ def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]
         print(f"[standby {who}] {e} with no failed node to take over; standing down", flush=True)
         return 0
     own = socket.gethostname()
-    if network.multi_host(cfg) and not cfg.health.one_machine and own != cfg.health.host_of(node):
+    if not cfg.health.one_machine and own != cfg.health.host_of(node):
         # a host of its own: the node's agent serves under this host's name (the others find its store and
         # peer address through the root's store; network.node_host)
         os.environ[network.NODE_HOST_VARIABLE] = own
