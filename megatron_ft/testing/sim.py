@@ -67,8 +67,11 @@ class AgentProc:
         return self
 
     def client(self, rank: int = 0) -> AgentClient:
+        """A client of this agent; a connection refused a moment after its socket file appeared (bound,
+        not yet listening) is tried again, as a trainer's is (``agent.connect_timeout_s``)."""
         c = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
-        c.connect({"rank": rank, "local_rank": rank, "pid": os.getpid(), "run_id": self.cfg.run_id})
+        c.connect({"rank": rank, "local_rank": rank, "pid": os.getpid(), "run_id": self.cfg.run_id},
+                  self.cfg.agent.connect_timeout_s)
         return c
 
     def kill(self) -> None:
