@@ -240,7 +240,8 @@ def watch_slurm_node(slurm, node: int, out: dict, deadline: float) -> None:
         except Exception:  # the controller busy: ask again
             state = ""
         if state.startswith("down"):
-            out.update({"name": name, "state": state, "down_after_s": round(time.time() - t0, 1), "at": time.time()})
+            out.update({"name": name, "state": state, "down_after_s": round(time.time() - t0, 1),
+                        "since": slurm.down_since(name)})
             return
         time.sleep(0.5)
 
@@ -740,7 +741,6 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     agent_killed = None
     protected_from = None  # --fail agent: the first step the restarted agent must hold
     second = None
-    job_ended = float("inf")  # when the megatron-ft run ended
     deadline = time.time() + args.timeout
 
     def lose_nodes(trainer_pids: list[int]) -> None:
@@ -889,7 +889,6 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             say(f"[demo] second failure during the recovery: SIGKILL -> restarted trainer pid {second[1]} on node "
                 f"{second[0]}, {args.second_delay} s after it started")
         wait_job(p, args.timeout, "megatron-ft run", log_path)
-        job_ended = time.time()
         for r, rlog in replacements:
             wait_job(r, args.timeout, "standby node" if args.standby else "replacement node", rlog)
     finally:
@@ -1016,8 +1015,10 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     }
     if slurm is not None:
         lost = dict(slurm_lost)
-        if lost:  # the host was DOWN while the job still ran (srun waits for a lost task until Slurm says so)
-            lost["during_the_job"] = lost.pop("at") <= job_ended
+        if lost:  # Slurm's own clock: the host was marked DOWN no later than the job ended
+            end = slurm.job_end(p.job_id)
+            lost["job_end"] = end
+            lost["during_the_job"] = bool(lost["since"] and end and lost["since"] <= end)
         summary["slurm"] = {"job": p.job_id, "lost_node": lost or None}
     if listeners is not None:  # hosts of their own: megatron-ft's servers seen before the failure
         summary["listeners"] = listeners

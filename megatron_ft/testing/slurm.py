@@ -17,6 +17,7 @@ status as ``<run_dir>/slurm-exit/<host>``; the job's status is the largest of th
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -117,16 +118,28 @@ class SlurmOnBed:
 
     def job_state(self, job_id: str) -> str:
         """``JobState`` of job ``job_id`` (``RUNNING``, ``COMPLETED``, ...; ``UNKNOWN`` when not found)."""
-        out = self.run(["scontrol", "show", "job", job_id, "-o"])
-        for field in out.stdout.split():
-            if field.startswith("JobState="):
-                return field.split("=", 1)[1]
-        return "UNKNOWN"
+        return self._show("job", job_id).get("JobState", "UNKNOWN")
 
     def node_states(self) -> dict[str, str]:
         """Each compute host's state as ``sinfo`` reports it (``idle``, ``alloc``, ``down*``, ...)."""
         out = self.run(["sinfo", "-h", "-N", "-o", "%N %t"])
         return dict(line.split() for line in out.stdout.splitlines() if len(line.split()) == 2)
+
+    def _show(self, kind: str, name: str) -> dict[str, str]:
+        """``scontrol show KIND NAME`` as its ``key=value`` fields (one line each: ``-o``)."""
+        out = self.run(["scontrol", "show", kind, name, "-o"])
+        return dict(f.split("=", 1) for f in out.stdout.split() if "=" in f)
+
+    def down_since(self, node: str) -> Optional[str]:
+        """When Slurm marked ``node`` down (the ``[user@YYYY-MM-DDTHH:MM:SS]`` of its reason), or None."""
+        out = self.run(["scontrol", "show", "node", node, "-o"]).stdout
+        m = re.search(r"Reason=.*?\[[^@\]]*@(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\]", out)
+        return m.group(1) if m else None
+
+    def job_end(self, job_id: str) -> Optional[str]:
+        """Job ``job_id``'s ``EndTime`` (``YYYY-MM-DDTHH:MM:SS``), or None while it runs."""
+        end = self._show("job", job_id).get("EndTime", "")
+        return end if re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", end) else None
 
     def wait_idle(self) -> None:
         deadline = time.monotonic() + UP_TIMEOUT_S
