@@ -197,12 +197,7 @@ def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inm
                log_path: str, fault: Optional[str] = None, program: Program = PROJECT_SCRIPT,
                bed: Optional[HostBed] = None) -> "subprocess.Popen | JobOnHosts":
     """The job: ``megatron-ft launch`` simulating every node here, or on the bed one launcher per host."""
-    os.makedirs(run_dir, exist_ok=True)
-    cfg_path = os.path.join(run_dir, "job.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    launch = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}"]
-    script = ["--", *program.command(script_args, run_dir, cfg_path, inmem, fault)]
+    launch, script = launch_command(cfg, run_dir, script_args, inmem, fault, program)
     logf = open(log_path, "wb")
     if bed is None:
         return subprocess.Popen(launch + script, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
@@ -215,19 +210,26 @@ def launch_job(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inm
     return JobOnHosts(procs)
 
 
+def launch_command(cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], inmem: bool,
+                   fault: Optional[str], program: Program) -> tuple[list[str], list[str]]:
+    """``cfg`` written to ``run_dir/job.yaml``; the ``megatron-ft launch`` command of a node without its
+    node rank, and its ``-- training command`` part."""
+    os.makedirs(run_dir, exist_ok=True)
+    cfg_path = os.path.join(run_dir, "job.yaml")
+    with open(cfg_path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    launch = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}"]
+    return launch, ["--", *program.command(script_args, run_dir, cfg_path, inmem, fault)]
+
+
 def slurm_job(slurm, cfg: ftconfig.FTConfig, run_dir: str, script_args: list[str], log_path: str,
               fault: Optional[str], program: Program, hosts: int):
     """The job as one Slurm batch job on the bed: ``srun`` runs ``megatron-ft launch`` (no ``--node-rank``:
     each takes its node from the step, :mod:`megatron_ft.scheduler`) on each of ``hosts`` hosts."""
     from .slurm import SlurmJob
 
-    os.makedirs(run_dir, exist_ok=True)
-    cfg_path = os.path.join(run_dir, "job.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-    argv = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--config={cfg_path}", f"--run-dir={run_dir}", "--",
-            *program.command(script_args, run_dir, cfg_path, True, fault)]
-    return SlurmJob(slurm, run_dir, argv, hosts, log_path)
+    launch, script = launch_command(cfg, run_dir, script_args, True, fault, program)
+    return SlurmJob(slurm, run_dir, launch + script, hosts, log_path)
 
 
 def watch_slurm_node(slurm, node: int, out: dict, deadline: float) -> None:
