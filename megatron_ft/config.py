@@ -326,6 +326,17 @@ class SecurityConfig(_Section):
     secret_file: StrictStr = ""
 
 
+class RecoveryConfig(_Section):
+    """What a restore checks before training goes on (megatron_ft/trainer/guard.py, docs/recovery-time.md).
+
+    ``guard``: every rank checks that the values it restored are finite; a version that fails on any rank
+    is invalidated and every rank rolls back to the next older one. ``max_rollbacks``: at most this many
+    rollbacks in one restore; one more ends the job (exit 3) instead of restarting into garbage."""
+
+    guard: Flag = True
+    max_rollbacks: _int(0) = 2
+
+
 class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
@@ -497,6 +508,7 @@ class FTConfig(_Section):
     network: NetworkConfig = NetworkConfig()
     security: SecurityConfig = SecurityConfig()
     schedule: ScheduleConfig = ScheduleConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "FTConfig":

@@ -53,7 +53,7 @@ import yaml
 
 from . import config as ftconfig
 from .agent.block_store import MAX_VERSIONS
-from .fatal import EXIT_CODE
+from .fatal import JOB_ENDING
 
 #: the slots' headers and page rounding, on top of the state's bytes
 SHM_MARGIN = 0.10
@@ -160,7 +160,7 @@ def kubernetes_manifests(cfg: ftconfig.FTConfig, *, image: str, command: list[st
         "completionMode": "Indexed", "completions": nodes, "parallelism": nodes,
         "backoffLimitPerIndex": replacements, "maxFailedIndexes": 0,
         "podFailurePolicy": {"rules": [
-            {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": [EXIT_CODE]}},
+            {"action": "FailJob", "onExitCodes": {"containerName": "node", "operator": "In", "values": list(JOB_ENDING)}},
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
         "template": {"metadata": {"labels": labels}, "spec": {
             "subdomain": name, "restartPolicy": "Never", "containers": [container], "volumes": volumes}}}}

@@ -3,10 +3,11 @@
 A trainer that finds protection it was asked for unavailable (no agent, no shared memory for its
 slots: ``agent.required: true``) or a configuration error calls :func:`end_job`. It writes the
 message to ``<run dir>/node<N>/fatal.json`` (atomically, a versioned JSON record) and exits with
-:data:`EXIT_CODE`. Every node's launcher watches the run directory (simulated nodes share it; on a
-cluster a shared run directory, else each node's own), stops torchrun and its agent, prints the
-message and exits with the same code: an error that would repeat is not retried ``max_restarts``
-times.
+its code: :data:`EXIT_CODE`, or the guard's when restores rolled back more often than allowed
+(:data:`EXIT_ROLLBACKS_EXHAUSTED`). Every node's launcher watches the run
+directory (simulated nodes share it; on a cluster a shared run directory, else each node's own),
+stops torchrun and its agent, prints the message and exits with the recorded code: an error that
+would repeat is not retried ``max_restarts`` times.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from typing import NoReturn, Optional
 log = logging.getLogger("megatron_ft")
 
 EXIT_CODE = 2
+#: every rank of a restore rolled back past ``recovery.max_rollbacks`` (megatron_ft/trainer/guard.py)
+EXIT_ROLLBACKS_EXHAUSTED = 3
+#: the exit codes that end the whole job: never restarted (torchrun, fast restarts, a Kubernetes Job)
+JOB_ENDING = (EXIT_CODE, EXIT_ROLLBACKS_EXHAUSTED)
 FORMAT = "megatron-ft-fatal/1"
 
 
@@ -27,19 +32,18 @@ def record_path(run_dir: str, node: int) -> str:
     return os.path.join(run_dir, f"node{node}", "fatal.json")
 
 
-def write(run_dir: str, node: int, message: str) -> str:
-    """Record that ``node`` ends the job with ``message``; returns the file's path."""
+def write(run_dir: str, node: int, message: str, code: int = EXIT_CODE) -> str:
+    """Record that ``node`` ends the job with ``message`` and exit code ``code``; returns the file's path."""
     path = record_path(run_dir, node)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format": FORMAT, "node": node, "pid": os.getpid(), "message": message}, f)
+        json.dump({"format": FORMAT, "node": node, "pid": os.getpid(), "message": message, "code": code}, f)
     os.replace(tmp, path)
     return path
 
 
-def read(run_dir: str) -> Optional[tuple[int, str]]:
-    """(node, message) of the first node that ended the job, or None."""
+def _first(run_dir: str) -> Optional[dict]:
     for path in sorted(glob.glob(os.path.join(run_dir, "node*", "fatal.json"))):
         try:
             with open(path, encoding="utf-8") as f:
@@ -47,17 +51,30 @@ def read(run_dir: str) -> Optional[tuple[int, str]]:
         except (OSError, ValueError):
             continue
         if isinstance(rec, dict) and rec.get("format") == FORMAT:
-            return int(rec.get("node", -1)), str(rec.get("message", ""))
+            return rec
     return None
 
 
-def end_job(message: str) -> NoReturn:
+def read(run_dir: str) -> Optional[tuple[int, str]]:
+    """(node, message) of the first node that ended the job, or None."""
+    rec = _first(run_dir)
+    return None if rec is None else (int(rec.get("node", -1)), str(rec.get("message", "")))
+
+
+def exit_code(run_dir: str) -> int:
+    """The exit code the first node that ended the job recorded (:data:`EXIT_CODE` if none did)."""
+    rec = _first(run_dir)
+    code = rec.get("code", EXIT_CODE) if rec is not None else EXIT_CODE
+    return code if isinstance(code, int) and 0 < code < 126 else EXIT_CODE
+
+
+def end_job(message: str, code: int = EXIT_CODE) -> NoReturn:
     """In a trainer under ``megatron-ft launch``: record ``message`` for the launchers and exit
-    with :data:`EXIT_CODE` (outside a launcher: just exit with it, saying why)."""
+    with ``code`` (outside a launcher: just exit with it, saying why)."""
     run_dir, node = os.environ.get("MFT_RUN_DIR"), os.environ.get("MFT_NODE_RANK")
     if run_dir and node is not None:
-        write(run_dir, int(node), message)
+        write(run_dir, int(node), message, code)
     log.error("megatron-ft: %s", message)
     print(f"[megatron-ft] fatal: {message}", file=sys.stderr, flush=True)
     sys.stderr.flush()
-    os._exit(EXIT_CODE)  # not SystemExit: no atexit handler or thread may hang the exit
+    os._exit(code)  # not SystemExit: no atexit handler or thread may hang the exit

@@ -258,7 +258,7 @@ class NodeLauncher:
             self.rendezvous.begin(self.rdzv)
             rc = self._run_torchrun(env)
             if rc is None:  # fatal or interrupted: the job is over
-                return fatal.EXIT_CODE if fatal.read(self.run_dir) is not None else 130
+                return fatal.exit_code(self.run_dir) if fatal.read(self.run_dir) is not None else 130
             if rc == 0 or fatal.read(self.run_dir) is not None:
                 break
             nxt = self.rendezvous.after_failure(self.rdzv, self.log)
@@ -330,11 +330,11 @@ class NodeLauncher:
 
     def _end_job(self, message: str, record: bool = True) -> int:
         """This node cannot run (or another node said so): record it for the other launchers, say
-        why, and return :data:`megatron_ft.fatal.EXIT_CODE`."""
+        why, and return the recorded exit code (:func:`megatron_ft.fatal.exit_code`)."""
         if record:
             fatal.write(self.run_dir, self.node, message)
         self.log(f"[launch n{self.node}] job ended: {message}")
-        return fatal.EXIT_CODE
+        return fatal.exit_code(self.run_dir)
 
 
 @dataclass(frozen=True)

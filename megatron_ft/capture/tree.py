@@ -156,14 +156,19 @@ def _json_keys(v: dict) -> bool:
     return set(map(type, v)) <= {str} and not any(map(_DOLLAR, v))
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}  # dataclass -> its field names (dataclasses.fields is slow)
+#: A place in the structure being encoded: the root's name, or ``(parent, separator, key)`` -
+#: built without formatting, since only a tensor's name, an omitted value or an error needs the text.
+Path = Any
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
+def path_text(path: Path) -> str:
+    """``path`` as text: ``path_text((("state", ".", "w"), "[", 2))`` -> ``'state.w[2]'``."""
+    parts = []
+    while type(path) is tuple:
+        path, sep, key = path
+        parts.append(f"{sep}{key}]" if sep == "[" else f"{sep}{key}")
+    parts.append(str(path))
+    return "".join(reversed(parts))
 
 
 class Encoder:
@@ -175,15 +180,15 @@ class Encoder:
         self.omitted: list[str] = []
         self._index: dict[int, int] = {}  # id(tensor) -> index (kept alive in self.tensors)
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
+    def _tensor(self, t: torch.Tensor, path: Path) -> int:
         i = self._index.get(id(t))
         if i is None:
             i = self._index[id(t)] = len(self.tensors)
             self.tensors.append(t)
-            self.names.append(path)
+            self.names.append(path_text(path))
         return i
 
-    def encode(self, v: Any, path: str = "state", lenient: bool = False) -> Any:
+    def encode(self, v: Any, path: Path = "state", lenient: bool = False) -> Any:
         cls = type(v)
         if cls in _PLAIN:
             return v
@@ -194,10 +199,14 @@ class Encoder:
         if cls is list or cls is tuple:
             items = _plain_items(v)
             if items is None:
-                items = [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+                items = [self.encode(x, (path, "[", i), lenient) for i, x in enumerate(v)]
             return items if cls is list else {"$tuple": items}
         if cls is torch.dtype:
             return {"$dtype": str(v).removeprefix("torch.")}
+        how = _FIELDS_OF_ALLOWED.get(cls)
+        if how is not None:  # an allow-listed dataclass (ShardedTensor, ...): its fields, no dict built
+            tag, names = how
+            return {"$obj": tag, "state": self._fields(v, names, (path, ".", f"<{tag}>"), lenient)}
         if isinstance(v, torch.Tensor):
             node: dict = {"$t": self._tensor(v, path), "device": v.device.type}
             if v.requires_grad:
@@ -218,14 +227,16 @@ class Encoder:
         if tag is not None:
             how = ALLOWED[tag][2] if tag in ALLOWED else "enum"
             if how == "enum":
-                return {"$obj": tag, "state": self.encode(v.value, f"{path}.value")}
-            state = ({name: getattr(v, name) for name in _field_names(type(v))} if how == "fields" else vars(v))
-            return {"$obj": tag, "state": self.encode(dict(state), f"{path}.<{tag}>", lenient)}
+                return {"$obj": tag, "state": self.encode(v.value, (path, ".", "value"))}
+            if how == "fields":
+                _FIELDS_OF_ALLOWED[cls] = (tag, tuple(f.name for f in dataclasses.fields(cls)))  # the fast path above from now on
+                return self.encode(v, path, lenient)
+            return {"$obj": tag, "state": self.encode(dict(vars(v)), (path, ".", f"<{tag}>"), lenient)}
         if isinstance(v, enum.Enum):
             if lenient:
                 return self._omit(v, path)
-            raise CodecError(f"{path}: enum {type(v).__module__}.{type(v).__qualname__} is not allowed; allowed: "
-                             f"{sorted(ALLOWED)} and enums of {list(ALLOWED_ENUM_PACKAGES)} "
+            raise CodecError(f"{path_text(path)}: enum {type(v).__module__}.{type(v).__qualname__} is not allowed; "
+                             f"allowed: {sorted(ALLOWED)} and enums of {list(ALLOWED_ENUM_PACKAGES)} "
                              f"(megatron_ft.capture.tree.ALLOWED)")
         if isinstance(v, (bool, int)):  # subclasses that are not enums
             return int(v)
@@ -236,12 +247,13 @@ class Encoder:
         if isinstance(v, (tuple, list)):
             items = _plain_items(v)
             if items is None:
-                items = [self.encode(x, f"{path}[{i}]", lenient) for i, x in enumerate(v)]
+                items = [self.encode(x, (path, "[", i), lenient) for i, x in enumerate(v)]
             return {"$tuple": items} if isinstance(v, tuple) else items
         if isinstance(v, dict):
             if type(v) is dict and _json_keys(v):
                 return self._object(v, path, lenient)
-            pairs = [[self.encode(k, f"{path}.<key>"), self.encode(x, f"{path}.{k}", lenient)] for k, x in v.items()]
+            pairs = [[self.encode(k, (path, ".", "<key>")), self.encode(x, (path, ".", k), lenient)]
+                     for k, x in v.items()]
             return {"$odict" if isinstance(v, OrderedDict) else "$dict": pairs}
         if isinstance(v, slice):
             return {"$slice": [self.encode(v.start, path), self.encode(v.stop, path), self.encode(v.step, path)]}
@@ -252,24 +264,50 @@ class Encoder:
             return {"$ns": kind, "attrs": self.encode(dict(vars(v)), path, lenient=True)}
         if lenient:
             return self._omit(v, path)
-        raise CodecError(f"{path}: a value of type {type(v).__module__}.{type(v).__qualname__} cannot be stored in "
-                         f"a snapshot (no pickle); allowed: None, bool, int, float, str, bytes, list, tuple, dict, "
-                         f"slice, torch.Tensor/dtype/Size, numpy arrays and scalars, namespaces, and the classes "
+        raise CodecError(f"{path_text(path)}: a value of type {type(v).__module__}.{type(v).__qualname__} cannot be "
+                         f"stored in a snapshot (no pickle); allowed: None, bool, int, float, str, bytes, list, tuple, "
+                         f"dict, slice, torch.Tensor/dtype/Size, numpy arrays and scalars, namespaces, and the classes "
                          f"of megatron_ft.capture.tree.ALLOWED")
 
-    def _object(self, v: dict, path: str, lenient: bool) -> dict:
+    def _object(self, v: dict, path: Path, lenient: bool) -> dict:
         """A dict whose keys are JSON object keys (:func:`_json_keys`) as a JSON object."""
         plain = _PLAIN  # a scalar value stands for itself: no call, no path
-        return {k: x if type(x) in plain else self.encode(x, f"{path}.{k}", lenient) for k, x in v.items()}
+        return {k: x if type(x) in plain else self.encode(x, (path, ".", k), lenient) for k, x in v.items()}
 
-    def _omit(self, v: Any, path: str) -> dict:
-        self.omitted.append(path)
+    def _fields(self, v: Any, names: tuple[str, ...], path: Path, lenient: bool) -> dict:
+        """A dataclass's fields as a JSON object (field names are identifiers: no key check)."""
+        plain = _PLAIN
+        out = {}
+        for k in names:
+            x = getattr(v, k)
+            cls = type(x)
+            if cls in plain:
+                out[k] = x
+            elif cls is tuple and (items := _plain_items(x)) is not None:  # shapes, offsets, replica ids
+                out[k] = {"$tuple": items}
+            elif cls is torch.Tensor:  # exactly a tensor: no subclass (Parameter) to tell apart
+                node = {"$t": self._tensor(x, (path, ".", k)), "device": x.device.type}
+                if x.requires_grad:
+                    node["rg"] = True
+                out[k] = node
+            elif cls is slice and type(x.start) in plain and type(x.stop) in plain and type(x.step) in plain:
+                out[k] = {"$slice": [x.start, x.stop, x.step]}  # a flattened range
+            else:
+                out[k] = self.encode(x, (path, ".", k), lenient)
+        return out
+
+    def _omit(self, v: Any, path: Path) -> dict:
+        self.omitted.append(path_text(path))
         return {"$omitted": f"{type(v).__module__}.{type(v).__qualname__}", "repr": repr(v)[:200]}
 
     def record(self, body: Any) -> dict:
         """The versioned record of an encoded ``body``."""
         return {"format": FORMAT, "version": VERSION, "body": body, "names": list(self.names),
                 "omitted": list(self.omitted)}
+
+
+#: allow-listed dataclasses met so far -> (tag, field names): encoded without the type tests
+_FIELDS_OF_ALLOWED: dict[type, tuple[str, tuple[str, ...]]] = {}
 
 
 def encode(state: Any, path: str = "state") -> tuple[dict, list[torch.Tensor]]:

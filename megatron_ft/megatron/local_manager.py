@@ -53,7 +53,7 @@ import os
 import re
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from .checkpointing import checked_topology
 from .loop import TrainingLoop
-from .state import step_only_storages
+from .state import StepOnlyStorages
 from .profiling import LoopProfiler, profile_dir
 
 log = logging.getLogger("megatron_ft")
@@ -108,9 +108,9 @@ class _StateDictAdapter:
         self.state_dict: Optional[MCoreTensorAwareStateDict] = None
         self.iteration = -1
         self.loaded: dict[str, torch.Tensor] = {}
-        # the storages only the optimizer step writes (state.step_only_storages), or None: then every
+        # the storages only the optimizer step writes (state.StepOnlyStorages), or None: then every
         # snapshot is finished before save() returns
-        self.step_only: Optional[Callable[[], set[int]]] = None
+        self.step_only: Optional[Callable[[], Collection[int]]] = None
         self._told_copied = False
         self._told_omitted = False
 
@@ -200,7 +200,7 @@ class InMemoryLocalCheckpointManager:
             objs = SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler, config=config)
             self._loop = TrainingLoop(self.cfg, self._ckpt, objs, self._profiler)
             # with the model and optimizer known, snapshots copy in the background (see save())
-            self._adapter.step_only = lambda: step_only_storages(model, optimizer)
+            self._adapter.step_only = StepOnlyStorages(model, optimizer)
         return self._loop
 
     def _check_loop_hooks(self) -> None:

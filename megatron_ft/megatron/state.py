@@ -64,23 +64,53 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return [getattr(o, "optimizer", o) for o in opts]
 
 
-def step_only_storages(model_chunks: list, optimizer: Any) -> set[int]:
-    """The storages (``untyped_storage().data_ptr()``) that only the optimizer step writes (and
-    megatron-core's parameter all-gather after it): every model parameter (with megatron's DDP, its
-    buffers' storage), and the inner torch optimizers' parameters (the main parameters) and state tensors. A snapshot
-    may copy these in the background until the next optimizer step; anything else in a state dict
-    (module buffers such as a MoE router's expert bias, which the gradient finalisation updates before
-    the step) must be copied when the snapshot is taken."""
-    out: set[int] = set()
-    for chunk in model_chunks:  # under megatron's DDP, parameters are views into its buffers' storage
-        out.update(p.untyped_storage().data_ptr() for p in chunk.parameters())
+def _step_only_tensors(model_chunks: list, optimizer: Any):
+    """Every model parameter (under megatron's DDP, views into its buffers' storage), and the inner
+    torch optimizers' parameters (the main parameters) and state tensors."""
+    for chunk in model_chunks:
+        yield from chunk.parameters()
     for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
-                out.add(p.untyped_storage().data_ptr())
-                out.update(v.untyped_storage().data_ptr() for v in inner.state.get(p, {}).values()
-                           if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return out
+                yield p
+                yield from (v for v in inner.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class StepOnlyStorages:
+    """The storages (``untyped_storage().data_ptr()``) that only the optimizer step writes (and
+    megatron-core's parameter all-gather after it): the model's parameters and the optimizer's
+    parameters and state. A snapshot may copy these in the background until the next optimizer
+    step; anything else in a state dict (module buffers such as a MoE router's expert bias, which
+    the gradient finalisation updates before the step) must be copied when the snapshot is taken.
+
+    Calling it returns the set. It is computed again only when the optimizers' state changes
+    shape (the first step creates Adam's moments, a load may replace the state): walking every
+    parameter's storage costs a few tenths of a millisecond on each snapshot's training-thread
+    path. The cached storages are held, so while cached no other tensor can be given one of their
+    addresses: a tensor that is not step-only is never mistaken for one (a stale entry can only
+    make a step-only tensor be copied when taken, which is safe)."""
+
+    def __init__(self, model_chunks: list, optimizer: Any) -> None:
+        self._model, self._optimizer = model_chunks, optimizer
+        self._key: Optional[tuple] = None
+        self._held: list = []  # the cached storages
+        self._ptrs: frozenset[int] = frozenset()
+        self._states: list = []  # the optimizers' state dicts the key names by id (held: ids stay unique)
+
+    def _shape(self) -> tuple:
+        inners = _inner_optimizers(self._optimizer)
+        return tuple((id(o), id(o.state), len(o.state), tuple(len(g["params"]) for g in o.param_groups))
+                     for o in inners) + tuple(map(id, self._model))
+
+    def __call__(self) -> frozenset[int]:
+        key = self._shape()
+        if key != self._key:
+            storages = (t.untyped_storage() for t in _step_only_tensors(self._model, self._optimizer))
+            self._held = list(storages)
+            self._ptrs = frozenset(s.data_ptr() for s in self._held)
+            self._states = [o.state for o in _inner_optimizers(self._optimizer)]
+            self._key = key
+        return self._ptrs
 
 
 class MegatronStateAdapter:

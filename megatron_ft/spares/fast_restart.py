@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Mapping, MutableMapping, Optional
 
-from ..fatal import EXIT_CODE as END_JOB
+from ..fatal import JOB_ENDING
 from .lifetime import die_with_parent, set_process_name
 
 REPORT, OPEN_NEXT = "report", "open-next"
@@ -80,7 +80,7 @@ def after_exit(r: Round, code: int, node_lost: bool = False) -> str:
     >>> after_exit(Round(0, budget=3).stop(), -15), after_exit(Round(1, budget=3), 1, node_lost=True)
     ('report', 'report')
     """
-    if code == 0 or code == END_JOB or r.stopping or node_lost or r.number >= r.budget:
+    if code == 0 or code in JOB_ENDING or r.stopping or node_lost or r.number >= r.budget:
         return REPORT
     return OPEN_NEXT
 

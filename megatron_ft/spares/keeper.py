@@ -153,6 +153,9 @@ class Keeper:
         target = fr.joins(self.round, store.newest(max(self.round.number, self.joining or 0), self.round.budget))
         if target is not None and target != self.joining:
             if not self.ctl_ready:  # alive in an older round: blocked on a failed peer, or fine
+                if self.trainer is not None:
+                    log.warning("spares: rank %s: trainer %s cannot rejoin round %d in place (not ready to be asked): "
+                                "replaced", self.env.get("RANK"), self.trainer, target)
                 self.kill_trainer()
             self.joining = target
         if self.joining is None:

@@ -51,6 +51,8 @@ KINDS: dict[str, dict] = {
     "node-rs": {"fail": "node", "redundancy": "rs"},
     "corrupt": {"fail": "trainer", "kill_point": "corrupt-after-commit"},
     "truncated": {"fail": "trainer", "kill_point": "truncate-after-commit"},
+    # the newest committed slot holds NaN and checksums that match it: restore's guard must refuse it
+    "poisoned": {"fail": "trainer", "kill_point": "poison-after-commit", "rollbacks": 1},
     # the node's agent dies first, then the newest committed slot is cut: to zero bytes, inside its
     # header or inside its data; the restarted agent finds it so (the rank's older clean slot stays)
     "cut-empty+agent": {"fail": "trainer", "kill_point": "truncate-empty-after-commit", "with_agent": True},
@@ -77,7 +79,7 @@ KINDS: dict[str, dict] = {
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
 #: restart limit of their own, so the file's hold
 CONFIG_KINDS = ("trainer", "all-trainers", "agent-then-trainer", "launcher", "launcher0", "node", "node0",
-                "two-nodes", "corrupt", "truncated", "cut-empty+agent", "cut-header+agent", "cut-data+agent",
+                "two-nodes", "corrupt", "truncated", "poisoned", "cut-empty+agent", "cut-header+agent", "cut-data+agent",
                 "mid-copy", "second-failure")
 #: node and two-node losses: half the trials strike after the first iteration, within the first second
 #: (the first versions still being exchanged and completed)
@@ -190,6 +192,7 @@ class Outcome:
     when: str = ""
     restarted_by: Optional[str] = None  # "fast round N", "torchrun restart N" (the demo's summary)
     kept_in_place: list = field(default_factory=list)  # ranks that rejoined in their own processes
+    rollbacks: int = 0  # restored versions the guard refused
 
 
 def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers: list[str], output: str) -> tuple[str, str]:
@@ -209,6 +212,9 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
         return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
     if summary.get("false_verdicts"):
         return "wrong", f"false verdict: {summary['false_verdicts'][:2]}"
+    rollbacks, want = summary.get("rollbacks", 0), KINDS[trial.kind].get("rollbacks", 0)
+    if rollbacks != want:  # a poisoned version restored, or a false alarm of the guard
+        return "wrong", f"rollbacks: {rollbacks}, want {want}"
     promised = summary.get("promised_tier")
     reached = summary.get("recovered_from") or "none"
     if promised == "none" and summary.get("newest_persisted_before_failure") is None and rc == 0:
@@ -278,7 +284,7 @@ def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/s
                    (summary or {}).get("promised_tier"), (summary or {}).get("resumed_step"),
                    round(time.time() - t0, 1), round(load0, 2), round(os.getloadavg()[0], 2), left,
                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), (summary or {}).get("restarted_by"),
-                   list((summary or {}).get("kept_in_place") or []))
+                   list((summary or {}).get("kept_in_place") or []), int((summary or {}).get("rollbacks") or 0))
 
 
 def _restart_kind(restarted_by: str) -> str:
@@ -302,8 +308,8 @@ def report(outcomes: list[dict], command: str) -> str:
              "classified against the promised tiers (`megatron_ft/tiers.py`, `docs/architecture.md`): right means",
              "bit-exact at the promised tier or better with nothing left in /dev/shm or running.", "",
              f"Command: `{command}`", "",
-             "| kind | trials | right | wrong | tiers reached | resumed steps | restarted by |",
-             "|---|---|---|---|---|---|---|"]
+             "| kind | trials | right | wrong | tiers reached | resumed steps | restarted by | rollbacks |",
+             "|---|---|---|---|---|---|---|---|"]
     for kind in sorted(t):
         r = t[kind]
         mine = [o for o in outcomes if _label(o) == kind]
@@ -312,10 +318,12 @@ def report(outcomes: list[dict], command: str) -> str:
         how = sorted({_restart_kind(o.get("restarted_by")) + (" (survivors in place)" if o.get("kept_in_place") else "")
                       for o in mine if o.get("restarted_by")})
         lines.append(f"| {kind} | {r['right'] + r['wrong']} | {r['right']} | {r['wrong']} | {', '.join(reached)} "
-                     f"| {', '.join(map(str, steps)) or '-'} | {', '.join(how) or '-'} |")
+                     f"| {', '.join(map(str, steps)) or '-'} | {', '.join(how) or '-'} "
+                     f"| {sum(o.get('rollbacks', 0) for o in mine)} |")
     total_r = sum(r["right"] for r in t.values())
     total_w = sum(r["wrong"] for r in t.values())
-    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} | | | |")
+    lines.append(f"| **all** | {total_r + total_w} | {total_r} | {total_w} | | | | "
+                 f"{sum(o.get('rollbacks', 0) for o in outcomes)} |")
     if loads:
         lines += ["", f"Load average (1 min) before each trial: min {min(loads):.2f}, median "
                       f"{sorted(loads)[len(loads) // 2]:.2f}, max {max(loads):.2f}; "

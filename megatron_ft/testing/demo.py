@@ -97,7 +97,7 @@ DEMO_SHAPES = {
 }
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
 #: injected kill points that damage the committed slot first: restore must reject that version
-DAMAGE_POINTS = ("corrupt-after-commit", *faults.TRUNCATE_TO)
+DAMAGE_POINTS = ("corrupt-after-commit", "poison-after-commit", *faults.TRUNCATE_TO)
 
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:
@@ -983,6 +983,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         (last_before_kill if kill_time is not None else 0),
         "recovery_seconds": recovery_seconds,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
+        # restored versions the guard refused (NaN or Inf in bytes that verified): every rank rolled back
+        "rollbacks": max((e.get("rollbacks", 0) for e in after), default=0),
         "recovery_breakdown": breakdown,
         # how the restarted trainers came: a fast restart round beneath torchrun (warm spares), or
         # torchrun's own restart of its workers (its restart count)
@@ -1035,6 +1037,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         say(f" recovered from      : {summary['recovered_from']} (step {resumed}, "
             f"{summary['lost_iterations']} iteration(s) lost); promised: {promise} or better -> "
             f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
+        if summary["rollbacks"]:
+            say(f" rolled back         : {summary['rollbacks']} restored version(s) refused by the guard "
+                f"(NaN or Inf in bytes that verified)")
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
             f"(restore itself {summary['restore_seconds']} s); the job's cold start (reference run, no warm "
             f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")

@@ -6,6 +6,10 @@ A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and t
 * ``before-snapshot``, ``mid-copy``, ``after-commit``, ``mid-exchange`` - kill at that point;
 * ``corrupt-after-commit`` - at ``after-commit``, first flip a byte of the committed data (a
   corrupted snapshot that restore must reject);
+* ``poison-after-commit`` - at ``after-commit``, first write NaN into the snapshot's first
+  floating-point tensor and recompute the checksums of the chunks it touched: the snapshot verifies,
+  its values are garbage (what a replica written from a model that already held NaN looks like);
+  restore's guard must refuse it and roll back to the rank's older version;
 * ``truncate-after-commit``, ``truncate-header-after-commit``, ``truncate-empty-after-commit`` - at
   ``after-commit``, first cut the committed slot's file inside its data (to half its size), inside its
   4 KiB header (to 100 bytes) or to zero bytes (no reader may map past its end; restore must reject
@@ -47,7 +51,7 @@ TRUNCATE_TO = {
     "truncate-empty-after-commit": lambda size: 0,
 }
 #: action -> the runtime point it fires at
-ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit",
+ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", "poison-after-commit": "after-commit",
            **{a: "after-commit" for a in TRUNCATE_TO}}
 #: an action with this suffix kills the node's agent first
 WITH_AGENT = "+agent"
@@ -98,6 +102,8 @@ class KillAt:
         if f.action == "corrupt-after-commit":
             area = context["area"]
             area[len(area) // 2] ^= 0xFF
+        elif f.action == "poison-after-commit":
+            poison(context["path"])
         elif f.action in TRUNCATE_TO:
             os.truncate(context["path"], TRUNCATE_TO[f.action](context["size"]))
         if self.run_dir:
@@ -135,6 +141,35 @@ class KillAt:
             return True
         except FileExistsError:
             return False  # fired in an earlier attempt
+
+
+def poison(path: str, value: float = float("nan")) -> str:
+    """Write ``value`` into every element of the first floating-point tensor of the committed
+    snapshot in ``path`` and store the new checksums of the chunks it spans, so that the snapshot
+    still verifies. Returns the tensor's name."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    from ..capture import checksum, snapfile
+    from ..capture.layout import dtype_from_name
+
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
+        hdr = snapfile.read_header(mm)
+        layout, version = snapfile.read_layout(mm, hdr), snapfile.read_version(mm, hdr)
+        entry = next(e for e in layout.entries if e.spec.numel and dtype_from_name(e.spec.dtype).is_floating_point)
+        base = hdr.geometry.data_off
+        data = np.frombuffer(mm, np.uint8, count=layout.data_nbytes, offset=base)
+        torch.frombuffer(mm, dtype=dtype_from_name(entry.spec.dtype), count=entry.spec.numel,
+                         offset=base + entry.offset).fill_(value)
+        first, last = entry.offset // layout.chunk_size, (entry.end - 1) // layout.chunk_size
+        for i in range(first, last + 1):
+            lo, hi = layout.chunk_bounds(i)
+            version["chunks"][i] = f"{checksum.checksum_numpy(data[lo:hi], version['checksum']):016x}"
+        del data
+        snapfile.write_version(mm, hdr.step, {k: v for k, v in version.items() if k not in ("format", "version", "step")})
+    return entry.spec.name
 
 
 def wrap(script: list[str], fault: str, run_dir: Optional[str] = None) -> list[str]:

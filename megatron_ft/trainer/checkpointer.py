@@ -30,6 +30,7 @@ from ..agent.protocol import AgentClient, socket_path
 from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
 from . import in_process
+from .guard import RollbacksExhausted
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine, stall_summary
 
@@ -104,8 +105,13 @@ class InMemoryCheckpointer:
     def restore(self) -> RestoreResult:
         started = time.time()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
-                            self.client, self.coord_group, self.cfg.health.group_answer_s)
-        res = restorer.restore(self.adapter)
+                            self.client, self.coord_group, self.cfg.health.group_answer_s,
+                            self.cfg.recovery.guard, self.cfg.recovery.max_rollbacks)
+        try:
+            res = restorer.restore(self.adapter)
+        except RollbacksExhausted as e:  # every rank together: end the job, never restart into garbage
+            self._events.write({"event": "restore", "source": "none", "step": -1, "rollbacks_exhausted": str(e)})
+            fatal.end_job(str(e), fatal.EXIT_ROLLBACKS_EXHAUSTED)
         self.last_restore = res
         if res.source == "none":
             msg = "no valid in-memory or persisted snapshot: starting fresh"
@@ -116,7 +122,8 @@ class InMemoryCheckpointer:
         if self.rank == 0:
             print(f"[megatron-ft] {msg}", flush=True)
         self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
-                            "rejected": res.rejected, "timeline": _start_timeline(self._ready_at, started),
+                            "rejected": res.rejected, "rollbacks": res.rollbacks,
+                            "timeline": _start_timeline(self._ready_at, started),
                             "weights_initialised": not in_process.uninitialised()})
         if res.source != "none" and self.engine is not None:
             # every rank holds this step: tell the agent so it protects it until a newer one is agreed

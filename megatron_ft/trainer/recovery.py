@@ -16,9 +16,10 @@ again) instead of going down to disk or a fresh start while a newer copy may be 
 
 Agreement uses a fixed-size int64 all-gather on the coordination group (no pickle): each rank
 contributes the steps it holds; the candidates are the steps every rank holds, newest first.
-For each candidate every rank verifies its chunks; an all-reduce(MIN) of the verdicts decides.
-Only then are bytes copied into the training state, so a failed candidate never leaves the
-model half overwritten.
+For each candidate every rank verifies its chunks and checks the values it restored (the guard,
+:mod:`megatron_ft.trainer.guard`); an all-reduce of the verdicts decides. A version the guard refuses
+on any rank is invalidated on every rank and all roll back to the next older one together, at most
+``recovery.max_rollbacks`` times.
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout
 from ..capture.state import StateAdapter
-from . import device_staging
+from . import device_staging, guard
+from .guard import RollbacksExhausted
 
 log = logging.getLogger("megatron_ft.trainer.recovery")
 MAX_CANDIDATES = 4
@@ -91,6 +93,7 @@ class RestoreResult:
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
     rejected: list[str] = field(default_factory=list)
+    rollbacks: int = 0  # versions the guard refused (every rank rolled back past them together)
 
 
 class Container:
@@ -325,11 +328,15 @@ def _gather_shard(t) -> None:
 
 class Restorer:
     """``group_wait_s``: how long the agent may wait for its group's members to say what they hold
-    (``health.group_answer_s``); each such request is bounded by that plus the client's timeout."""
+    (``health.group_answer_s``); each such request is bounded by that plus the client's timeout.
+    ``check_values``: the guard (``recovery.guard``); ``max_rollbacks``: ``recovery.max_rollbacks``."""
 
     def __init__(self, rank: int, world_size: int, identity: dict, run_id: str, persist_dir: str,
-                 client: Optional[AgentClient], coord_group: Any = None, group_wait_s: float = 15.0):
+                 client: Optional[AgentClient], coord_group: Any = None, group_wait_s: float = 15.0,
+                 check_values: bool = True, max_rollbacks: int = 2):
         self.rank = rank
+        self.check_values = check_values
+        self.max_rollbacks = max_rollbacks
         self.group_wait_s = group_wait_s
         #: why this rank cannot tell what the memory tiers hold (None: it can)
         self.memory_unknown: Optional[str] = None
@@ -407,11 +414,15 @@ class Restorer:
         return sorted(common or (), reverse=True)
 
     def _all_ok(self, ok: bool) -> bool:
+        return self._agree(ok, False)[0]
+
+    def _agree(self, ok: bool, refused: bool) -> tuple[bool, bool]:
+        """Collective: (every rank ok, some rank's guard refused its values)."""
         if not self.distributed:
-            return ok
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            return ok, refused
+        t = torch.tensor([1 if ok else 0, 0 if refused else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
-        return bool(t.item())
+        return bool(t[0].item()), not bool(t[1].item())
 
     # ------------------------------------------------------------------ restore
     def restore(self, adapter: StateAdapter) -> RestoreResult:
@@ -424,13 +435,14 @@ class Restorer:
         t0 = time.perf_counter()
         rejected: list[str] = []
         touched = False
+        refused: set[int] = set()  # steps the guard refused: skipped in every tier (a peer holds the same values)
         # local memory first (every rank agrees from its own agent's versions, no peer traffic); when
         # no step is common, local and peer holdings together; then disk
         tiers = (("local", self.local_candidates), ("memory", self.memory_candidates), ("disk", self.disk_candidates))
         for tier, cands in tiers:
             if tier == "disk":
                 self._check_memory_known()
-            by_step = {c.step: c for c in cands()}
+            by_step = {c.step: c for c in cands() if c.step not in refused}
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
                             "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
@@ -456,6 +468,7 @@ class Restorer:
                     continue
                 assert cont is not None
                 touched = True
+                bad_values: list[str] = []
                 try:
                     cont.load_verified(targets)
                     ok = True
@@ -464,20 +477,49 @@ class Restorer:
                     rejected.append(f"{tier} step {step}: {e}")
                     log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
                     self._invalidate(by_step[step])
-                if self._all_ok(ok):
+                if ok and self.check_values:
+                    bad_values = guard.non_finite({n: t.saved_view() for n, t in targets.items()})
+                    if bad_values:
+                        ok = False
+                        rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "
+                                        f"({', '.join(bad_values[:3])})")
+                        log.error("rank %d: %s step %d passed its checksums but holds NaN or Inf in %s: refused",
+                                  self.rank, tier, step, ", ".join(bad_values[:5]))
+                all_ok, any_refused = self._agree(ok, bool(bad_values))
+                if all_ok:
                     finish_load(cont, adapter, targets)
                     extra = cont.version.get("extra", {})
                     cont.close()
                     self._rewind(step)
-                    return RestoreResult(by_step[step].source, step, time.perf_counter() - t0, extra, rejected)
+                    return RestoreResult(by_step[step].source, step, time.perf_counter() - t0, extra, rejected,
+                                         len(refused))
                 cont.close()
-                if ok:
+                if any_refused:  # a bad version, not a bad copy: every rank drops its copy and rolls back
+                    refused.add(step)
+                    if not bad_values:
+                        rejected.append(f"{tier} step {step}: refused by the guard on another rank")
+                    if ok or bad_values:  # (a corrupt copy was invalidated above)
+                        self._invalidate(by_step[step])
+                    self._check_rollbacks(refused, rejected)
+                elif ok:
                     rejected.append(f"{tier} step {step}: corrupt on another rank")
         if touched:
             raise RestoreFailed(f"rank {self.rank}: every snapshot candidate failed after loading began "
                                 f"({rejected}); the corrupt copies were invalidated, restart to begin fresh")
         self._rewind(-1)
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
+
+    def _check_rollbacks(self, refused: set[int], rejected: list[str]) -> None:
+        """Every rank, after the same collective verdicts: past ``max_rollbacks`` refused versions the
+        job has nothing trustworthy to resume from."""
+        if len(refused) <= self.max_rollbacks:
+            log.warning("rank %d: rolling back past step %d (rollback %d of at most %d)", self.rank, max(refused),
+                        len(refused), self.max_rollbacks)
+            return
+        raise RollbacksExhausted(f"rank {self.rank}: {len(refused)} restored versions (steps "
+                                 f"{sorted(refused, reverse=True)}) failed the guard, more than "
+                                 f"recovery.max_rollbacks={self.max_rollbacks}: nothing trustworthy is left to resume "
+                                 f"from ({'; '.join(rejected[-3:])})")
 
     def _check_memory_known(self) -> None:
         """Collective: before any rank goes below the memory tiers, every rank must know they hold

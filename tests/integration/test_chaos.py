@@ -69,7 +69,7 @@ def test_a_campaign_on_a_cluster_file_keeps_its_scheme_and_reports_per_file(tmp_
             {"trial": {**chaos.Trial(1, 1, "node", 4, 0, 12).__dict__}, "verdict": "right", "why": "",
              "load_before": 1.0, "when": "2026-11-25T17:00:00Z", "recovered_from": "disk", "resumed_step": 2}]
     text = chaos.report(outs, "megatron-ft chaos")
-    assert "| node @ rs-k3-m2-5x1 | 1 | 1 | 0 | decoded | 3 | - |" in text and "| node | 1 | 1 | 0 | disk | 2 | - |" in text
+    assert "| node @ rs-k3-m2-5x1 | 1 | 1 | 0 | decoded | 3 | - | 0 |" in text and "| node | 1 | 1 | 0 | disk | 2 | - | 0 |" in text
     args = argparse.Namespace(config=cfg, kinds="node-rs", seed=1, results=str(tmp_path / "r.jsonl"))
     with pytest.raises(chaos.ftconfig.ConfigError, match=r"--kinds: \['node-rs'\] not among .* \(with --config\)"):
         chaos.main(args)
@@ -100,6 +100,12 @@ GOOD = {"bitwise_identical": True, "recovered_from": "decoded", "promised_tier":
      [], "", ("wrong", "lower-tier: none < None")),  # no failure recorded at all: never right
     ("max-restarts-0", 1, None, [], "megatron-ft run failed with exit code 1", ("right", "the job ended non-zero, cleanly")),
     ("max-restarts-0", 0, GOOD, [], "", ("wrong", "max_restarts 0 should end the job non-zero (exit 0)")),
+    # the guard: a poisoned version must be refused (one rollback); anywhere else a rollback is a false alarm
+    ("poisoned", 0, {**GOOD, "recovered_from": "local_memory", "promised_tier": "local_memory", "rollbacks": 1}, [], "",
+     ("right", "")),
+    ("poisoned", 0, {**GOOD, "recovered_from": "local_memory", "promised_tier": "local_memory", "rollbacks": 0}, [], "",
+     ("wrong", "rollbacks: 0, want 1")),
+    ("node-rs", 0, {**GOOD, "rollbacks": 1}, [], "", ("wrong", "rollbacks: 1, want 0")),
 ])
 def test_classification(kind, rc, summary, left, out, want):
     """Pure rules: a hang, a leak, a mismatch, a false failure verdict, a lower tier are wrong."""
@@ -113,7 +119,7 @@ def test_report_tallies_kinds_and_load():
     outs[0]["restarted_by"] = "fast round 2"  # how it came back: a fast round or torchrun (older records: none)
     outs.append({**outs[0], "restarted_by": "torchrun restart 1"})
     text = chaos.report(outs, "megatron-ft chaos --seed 1")
-    assert "| trainer | 3 | 2 | 1 | local_memory, none (clean exit) | 3 | fast round, torchrun restart |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
+    assert "| trainer | 3 | 2 | 1 | local_memory, none (clean exit) | 3 | fast round, torchrun restart | 0 |" in text and "trial 1 (trainer, kill at 4 +0.1 s): hang" in text
     assert "max 2.00" in text
 
 

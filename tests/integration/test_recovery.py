@@ -43,13 +43,18 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     # beneath torchrun, torchrun never restarted: the killed rank's trainer replaced from the warm
     # spares, the three survivors rejoined in their own processes (in-process restart, the default)
     assert s["restarted_by"] == "fast round 1", s["restarted_by"]
-    assert s["kept_in_place"] == [0, 1, 2], s
+    # a survivor is replaced instead only when its keeper says why (not unwound within the grace, or not
+    # ready to be asked: possible on an overloaded machine), never silently
+    log = (tmp_path / "demo" / "run.log").read_text()
+    replaced = {r for r in (0, 1, 2) for ln in log.splitlines()
+                if f"spares: rank {r}: trainer" in ln and ln.rstrip().endswith("in place within 2.0 s: replaced")
+                or f"spares: rank {r}: trainer" in ln and ln.rstrip().endswith("(not ready to be asked): replaced")}
+    assert s["kept_in_place"] == sorted({0, 1, 2} - replaced) and len(replaced) < 3, (s, replaced)
     # the survivors' agents held their versions: their weights were not initialised again, the
     # replacement (a first attempt) initialised its own; all were overwritten by the restore
-    assert s["built_uninitialised"] == [0, 1, 2], s
+    assert set(s["kept_in_place"]) <= set(s["built_uninitialised"]) <= {0, 1, 2}, s
     assert s["lost_iterations"] == s["last_iteration_before_kill"] - s["resumed_step"]
     # the keepers' own lines are in the job's run log, beside the trainers'
-    log = (tmp_path / "demo" / "run.log").read_text()
     assert "rejoins round 1 in place" in log and "[keeper " in log, log[-3000:]
 
 
@@ -97,13 +102,19 @@ def test_all_trainers_killed_right_after_commit(tmp_path, reference_dir):
     assert s["resumed_step"] in (KILL_AT - 1, KILL_AT)
 
 
-def test_corrupted_snapshot_is_never_restored(tmp_path, reference_dir):
-    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--kill-point=corrupt-after-commit")
-    # the victim's step KILL_AT fails its checksum; all ranks agree on the older clean version
-    assert (s["recovered_from"], s["resumed_step"]) == ("local_memory", KILL_AT - 1)
+# the poisoned one in the default suite (its path passes the checksums too); corrupt with the slow set
+@pytest.mark.parametrize("damage,why,rollbacks", [
+    pytest.param("corrupt", "checksum mismatch", 0, marks=pytest.mark.slow),
+    ("poison", "non-finite values", 1)])
+def test_a_corrupted_or_poisoned_snapshot_is_never_restored(tmp_path, reference_dir, damage, why, rollbacks):
+    """corrupt: a byte of the victim's newest snapshot flipped (its checksum fails). poison: NaN written
+    into it and its checksums recomputed, so it verifies: the guard refuses its values and every rank
+    rolls back. Either way all ranks agree on the older version and end bit-exact."""
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", f"--kill-point={damage}-after-commit")
+    assert (s["recovered_from"], s["resumed_step"], s["rollbacks"]) == ("local_memory", KILL_AT - 1, rollbacks), s
     events = [json.loads(ln) for f in os.listdir(os.path.join(s["workdir"], "run", "events"))
               for ln in open(os.path.join(s["workdir"], "run", "events", f)) if '"restore"' in ln]
-    assert any("checksum mismatch" in r for e in events for r in e["rejected"])
+    assert any(f"step {KILL_AT}: " in r and why in r for e in events for r in e["rejected"]), events
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
@@ -376,3 +387,25 @@ def test_sigterm_to_every_launcher_stops_the_job_and_leaves_nothing(tmp_path):
             assert "waiting 60 s for a new launcher" not in (run / f"node{n}" / "agent.log").read_text()
     finally:
         demo_mod._kill_tree(p)
+
+
+@pytest.mark.slow  # default-suite time; the rule itself: tests/integration/test_restore_guard.py
+def test_rollbacks_past_the_limit_end_the_job_with_exit_3_never_a_restart_loop(tmp_path, reference_dir):
+    """recovery.max_rollbacks: 0 and a poisoned newest version: the restore's one rollback is already too
+    many, every trainer ends the job (exit 3), the launchers exit 3 and nothing is restarted."""
+    import subprocess
+
+    import yaml
+
+    cfg = ftconfig.replace(ftconfig.load(), recovery={"max_rollbacks": 0})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--iters={ITERS}", f"--workdir={tmp_path / 'demo'}",
+           f"--reference-dir={reference_dir}", "--fail=trainer", f"--kill-at={KILL_AT}",
+           "--kill-point=poison-after-commit", f"--config={path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "failed with exit code 3" in text, text[-3000:]
+    assert f"(steps [{KILL_AT}]) failed the guard, more than recovery.max_rollbacks=0" in text, text[-3000:]
+    log = (tmp_path / "demo" / "run.log").read_text()
+    assert "round 2, trainer pid" not in log and "will restart worker group" not in log, log[-3000:]

@@ -8,6 +8,7 @@ def test_a_keeper_reports_what_torchrun_must_handle_and_opens_a_round_for_the_re
     assert fr.after_exit(r, -9) == fr.after_exit(r, 1) == fr.OPEN_NEXT  # a crash, or a peer's crash felt
     assert fr.after_exit(r, 0) == fr.REPORT  # done
     assert fr.after_exit(r, 2) == fr.REPORT  # megatron_ft.fatal: end the job, do not retry
+    assert fr.after_exit(r, 3) == fr.REPORT  # the guard's rollbacks exhausted: never a restart loop
     assert fr.after_exit(r.stop(), 1) == fr.REPORT  # torchrun is stopping its workers
     assert fr.after_exit(fr.Round(1, budget=2), 1, node_lost=True) == fr.REPORT  # its ranks cannot come back
     assert fr.after_exit(fr.Round(1, budget=2), 1) == fr.OPEN_NEXT
@@ -35,3 +36,14 @@ def test_a_verdict_counts_only_when_it_came_during_this_attempt():
     assert not w.node_lost()
     assert fr.verdict_time("2/77/150.25") == 150.25  # the verdict's wall-clock field, parsed
     assert fr.verdict_time("garbage") == float("-inf")
+
+
+def test_the_job_ends_with_the_code_its_first_fatal_record_gives(tmp_path):
+    from megatron_ft import fatal
+
+    assert fatal.read(str(tmp_path)) is None and fatal.exit_code(str(tmp_path)) == fatal.EXIT_CODE
+    fatal.write(str(tmp_path), 1, "rank 2: 3 restored versions failed the guard", fatal.EXIT_ROLLBACKS_EXHAUSTED)
+    assert fatal.read(str(tmp_path)) == (1, "rank 2: 3 restored versions failed the guard")
+    assert fatal.exit_code(str(tmp_path)) == 3
+    fatal.write(str(tmp_path), 0, "rank 0: a configuration error")  # node0 sorts first: its code
+    assert fatal.exit_code(str(tmp_path)) == 2
