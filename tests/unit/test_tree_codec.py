@@ -147,3 +147,27 @@ def test_rng_capture_and_restore_put_every_generator_back():
     rng.restore(dict(tensors), record)
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(expect[0], got[0]) and expect[1:] == got[1:]
+
+
+def test_allow_listed_dataclasses_encode_as_their_field_dicts_would():
+    """The dataclass fast path (no type tests per field; tuples of scalars, exact tensors and flattened
+    ranges inline) writes exactly the record the general walk writes for the same fields as a dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    flat = torch.arange(8, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.ones(2, 2))
+    sts = [ShardedTensor.from_rank_offsets(k, t, (0, 0, 1)) for k, t in
+           (("w", torch.ones(4, 2)), ("p", param), ("f", flat), ("g", flat))]
+    sts[0].replica_id = (0, 1, 0)
+    sts[2].flattened_range, sts[3].flattened_range = slice(8, 16), slice(0, 8.0)  # as older releases' optimizers
+    fast, fast_tensors = tree.encode(sts, "s")
+    fields = [{f: getattr(st, f) for f in tree._FIELDS_OF_ALLOWED[ShardedTensor][1]} for st in sts]
+    general, general_tensors = tree.encode(fields, "s")
+    for f, g in zip(fast["body"], general["body"]):
+        assert f == {"$obj": "ShardedTensor", "state": g}
+    assert [n.replace("].", "].<ShardedTensor>.") for n in general["names"]] == fast["names"] == [
+        "s[0].<ShardedTensor>.data", "s[1].<ShardedTensor>.data", "s[2].<ShardedTensor>.data"]
+    assert all(a is b for a, b in zip(fast_tensors, general_tensors))
+    rec, tensors = tree.encode(sts[:2], "s")  # this release refuses to build one with a flattened range
+    back = tree.decode(through_json(rec), tensors)
+    assert back[0].replica_id == (0, 1, 0) and isinstance(back[1].data, torch.nn.Parameter)
