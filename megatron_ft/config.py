@@ -330,11 +330,19 @@ class RecoveryConfig(_Section):
     """What a restore checks before training goes on (megatron_ft/trainer/guard.py, docs/recovery-time.md).
 
     ``guard``: every rank checks that the values it restored are finite; a version that fails on any rank
-    is invalidated and every rank rolls back to the next older one. ``max_rollbacks``: at most this many
-    rollbacks in one restore; one more ends the job (exit 3) instead of restarting into garbage."""
+    is invalidated and every rank rolls back to the next older one. Then, where the training loop reports
+    its loss, for ``guard_iterations`` iterations each loss is compared with the losses recorded before
+    the failure: a replayed step within ``loss_tolerance`` (relative) of its recorded loss, a new step at
+    most ``loss_spike`` times the largest recent recorded loss; an anomaly rolls every rank back to the
+    version before the restored one. ``max_rollbacks``: at most this many rollbacks (in one restore, and
+    counted by the agents across the restarts that loss rollbacks make); one more ends the job (exit 3)
+    instead of restarting into garbage."""
 
     guard: Flag = True
     max_rollbacks: _int(0) = 2
+    guard_iterations: _int(0) = 3  # 0: no loss check
+    loss_tolerance: _num(0.0, strict=True) = 0.05
+    loss_spike: _num(1.0, strict=True) = 2.0
 
 
 class FailureConfig(_Section):

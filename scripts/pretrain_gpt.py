@@ -24,7 +24,7 @@ Checkpointing hooks in at four marked places (search for ``HOOK``), through a
 (b) ``before_optimizer_step``: after forward/backward and the gradient reduction, just
     before ``optimizer.step()``;
 (c) ``after_iteration``: after a completed iteration (optimizer step, scheduler step,
-    ``iteration`` and ``consumed_samples`` updated);
+    ``iteration`` and ``consumed_samples`` updated), with its loss where the rank has it;
 (d) ``before_iteration``: at the start of each iteration (optional: called when the hooks
     object has it; the profiler of ``--inmem-ckpt-profile-iterations`` uses it).
 
@@ -418,8 +418,10 @@ class TrainingHooks:
     def before_optimizer_step(self, objs: TrainingObjects, iteration: int) -> None:
         """HOOK (b) "before_optimizer_step": grads are reduced; params not yet updated."""
 
-    def after_iteration(self, objs: TrainingObjects, iteration: int, consumed_samples: int) -> None:
-        """HOOK (c) "after_iteration": ``iteration`` iterations are complete."""
+    def after_iteration(self, objs: TrainingObjects, iteration: int, consumed_samples: int,
+                        loss: Optional[float] = None) -> None:
+        """HOOK (c) "after_iteration": ``iteration`` iterations are complete; ``loss`` is the last
+        one's (on the last pipeline stage, else None)."""
 
     def before_iteration(self, objs: TrainingObjects, iteration: int) -> None:
         """HOOK (d) "before_iteration": iteration ``iteration`` (0-based) is about to start."""
@@ -558,7 +560,7 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
                        for it in (data_iterator if chunks else [data_iterator]))
 
             # ---- HOOK (c) "after_iteration" ----------------------------------------
-            hooks.after_iteration(objs, iteration, consumed_samples)
+            hooks.after_iteration(objs, iteration, consumed_samples, loss=result.loss)
 
             progress.write(iteration, consumed_samples, result)
             if args.exit_interval and iteration % args.exit_interval == 0 and iteration < args.train_iters:

@@ -59,6 +59,10 @@ def run_demo(cmd: list, timeout: float = 1200) -> dict:
     assert summary["bitwise_identical"], summary["problems"]
     assert summary["tier_ok"], (summary["recovered_from"], summary["promised_tier"])
     assert out.returncode == 0, out.stderr[-3000:]
+    # the guard after a restore never refuses a good version (no false alarm): it rolls back only where a
+    # version was made bad on purpose
+    if not any(f"--kill-point={a}" in cmd for a in ("poison-after-commit", "scale-optimizer-after-commit")):
+        assert summary.get("rollbacks", 0) == 0, summary
     if summary.get("recovery_seconds") is not None:  # the breakdown accounts for the recovery, phase by phase
         phases = summary["recovery_breakdown"]
         assert phases and all(v is None or v >= -0.02 for v in phases.values()), phases

@@ -14,11 +14,14 @@ op              request                                     reply
 hello           rank, local_rank, pid, run_id[, role]       node, agent_pid, settings
 register        rank, layout                                slots: [path, ...], adopted
 begin           rank, step                                  slot (index) | refused, busy
-commit          rank, slot, step                            -
+commit          rank, slot, step[, loss] (step's loss)      -
 abort           rank, slot                                  -
 global          rank, step (consistent on every rank)       -
 rewind          rank, step (the job resumes from it)        -
 invalidate      rank, step (found corrupt at restore)       invalidated (bool)
+refuse          rank, step (restored, then failed the       rollbacks (this rank's, counted)
+                guard's loss check: it and newer dropped)
+losses          rank                                        losses: {step: loss}, rollbacks
 list            rank                                        versions: [{slot, step, state, path}]
 peer_list       rank, wait_s (for the group's answers)      versions rebuildable from peers,
                                                             unanswered: {node: why}
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import Field, StrictFloat, StrictInt, StrictStr
 
 from ..transport.messages import Bytes, Messages, Rank, Request, Step
 from ..transport.wire import Client, RemoteError
@@ -56,11 +59,11 @@ class Register(Request):
     layout: StrictStr  # the layout record (JSON, megatron_ft.capture.layout)
 
 
-class RankOnly(Request):  # list, peer_list, sched_unpin
+class RankOnly(Request):  # list, peer_list, losses, sched_unpin
     rank: Rank
 
 
-class RankStep(Request):  # begin, global, rewind, invalidate, recover, sched_pin
+class RankStep(Request):  # begin, global, rewind, invalidate, refuse, recover, sched_pin
     rank: Rank
     step: Step
 
@@ -69,6 +72,7 @@ class Commit(Request):
     rank: Rank
     slot: Annotated[StrictInt, Field(ge=0)]
     step: Step
+    loss: Optional[Annotated[StrictFloat, Field(allow_inf_nan=False)]] = None  # the step's training loss
 
 
 class Abort(Request):
@@ -102,7 +106,8 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 
 MESSAGES = Messages("agent", {
     "hello": Hello, "register": Register, "begin": RankStep, "commit": Commit, "abort": Abort,
-    "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "list": RankOnly, "peer_list": RankOnly,
+    "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
+    "list": RankOnly, "peer_list": RankOnly,
     "recover": RankStep, "sched_pin": RankStep, "sched_unpin": RankOnly, "sched_recv_begin": SchedRecvBegin,
     "sched_recv_done": SchedRecvDone, "status": NoFields, "adopt": Adopt, "persist": Persist,
     "wait_persisted": NoFields, "bye": NoFields, "shutdown": NoFields,

@@ -42,6 +42,8 @@ from .versions import TransitionError, VersionTable
 log = logging.getLogger("megatron_ft.agent")
 
 SLOTS_PER_RANK = 2
+#: losses kept per rank for the guard after a restore (the newest committed steps')
+LOSS_HISTORY = 64
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,9 @@ class Agent:
         self._launcher = 0  # the launcher pid watch_launcher follows (0: none)
         self._orphan = False  # that launcher is gone and no new one adopted this agent yet
         self._trained = False  # a trainer registered (or slots were adopted): the job is past its start
+        # the guard's memory (megatron_ft.trainer.guard), kept across trainer restarts, lost with the agent:
+        self.losses: dict[int, dict[int, float]] = {}  # rank -> {step: loss} of its newest committed steps
+        self.rollbacks: dict[int, int] = {}  # rank -> versions refused after a restore
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -436,7 +441,7 @@ class Agent:
             self._mirror(rank, [slot])
             return slot.index
 
-    def commit(self, rank: int, slot_idx: int, step: int) -> None:
+    def commit(self, rank: int, slot_idx: int, step: int, loss: Optional[float] = None) -> None:
         with self.lock:
             seg = self.segments[rank][slot_idx] if rank in self.segments and 0 <= slot_idx < len(self.segments[rank]) \
                 else None
@@ -451,6 +456,26 @@ class Agent:
             others = [o for o in self.table.get(rank).slots if o is not s]
             self.table.commit(rank, slot_idx, step)
             self._mirror(rank, [s, *others])
+            if loss is not None:
+                history = self.losses.setdefault(rank, {})
+                history[step] = loss
+                for old in sorted(history)[:-LOSS_HISTORY]:
+                    del history[old]
+
+    def refuse(self, rank: int, step: int) -> dict:
+        """The job restored ``step`` and its losses then failed the guard: drop it and every newer
+        version (as :meth:`rewind` to the step before), count the rollback; its count."""
+        self.rewind(rank, step - 1)
+        with self.lock:
+            self.rollbacks[rank] = self.rollbacks.get(rank, 0) + 1
+            log.error("agent node %d: rank %d refused step %d after restoring it (rollback %d)", self.node, rank, step,
+                      self.rollbacks[rank])
+            return {"rollbacks": self.rollbacks[rank]}
+
+    def loss_history(self, rank: int) -> dict:
+        with self.lock:
+            return {"losses": {str(k): v for k, v in sorted(self.losses.get(rank, {}).items())},
+                    "rollbacks": self.rollbacks.get(rank, 0)}
 
     def abort(self, rank: int, slot_idx: int) -> None:
         with self.lock:
@@ -759,13 +784,17 @@ class Agent:
         if op == "begin":
             return {"slot": self.begin(r.rank, r.step)}
         if op == "commit":
-            self.commit(r.rank, r.slot, r.step)
+            self.commit(r.rank, r.slot, r.step, r.loss)
             return {}
         if op == "abort":
             self.abort(r.rank, r.slot)
             return {}
         if op == "invalidate":
             return {"invalidated": self.invalidate(r.rank, r.step)}
+        if op == "refuse":
+            return self.refuse(r.rank, r.step)
+        if op == "losses":
+            return self.loss_history(r.rank)
         if op == "global":
             self.mark_global(r.rank, r.step)
             return {}

@@ -70,11 +70,13 @@ class MegatronCheckpointHooks:
         if self.ckpt is not None:
             self.ckpt.before_optimizer_step()
 
-    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
+    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int, loss: Optional[float] = None) -> None:
+        """``loss``: the iteration's training loss on the ranks that have it (the last pipeline stage),
+        recorded with the snapshot and judged by the guard after a restore."""
         if self.loop is not None:  # before the snapshot of this step starts: the engine is idle
             self.loop.after_iteration(iteration)
         if self.ckpt is not None and not (self.loop is not None and self.loop.snapshots_off):
-            self.ckpt.after_iteration(iteration, consumed_samples)
+            self.ckpt.after_iteration(iteration, consumed_samples, loss)
 
     def close(self) -> None:
         try:

@@ -139,8 +139,8 @@ class ProfilingHooks:
     def before_optimizer_step(self, objs: Any, iteration: int) -> None:
         self.inner.before_optimizer_step(objs, iteration)
 
-    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int) -> None:
-        self.inner.after_iteration(objs, iteration, consumed_samples)
+    def after_iteration(self, objs: Any, iteration: int, consumed_samples: int, loss: Optional[float] = None) -> None:
+        self.inner.after_iteration(objs, iteration, consumed_samples, loss=loss)
         self.loop.end()
 
     def close(self) -> None:

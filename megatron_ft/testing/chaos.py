@@ -53,6 +53,8 @@ KINDS: dict[str, dict] = {
     "truncated": {"fail": "trainer", "kill_point": "truncate-after-commit"},
     # the newest committed slot holds NaN and checksums that match it: restore's guard must refuse it
     "poisoned": {"fail": "trainer", "kill_point": "poison-after-commit", "rollbacks": 1},
+    # Adam's first moments x 1e4, checksums recomputed: finite, verifies; the losses after the restore spike
+    "scaled-optimizer": {"fail": "trainer", "kill_point": "scale-optimizer-after-commit", "rollbacks": 1},
     # the node's agent dies first, then the newest committed slot is cut: to zero bytes, inside its
     # header or inside its data; the restarted agent finds it so (the rank's older clean slot stays)
     "cut-empty+agent": {"fail": "trainer", "kill_point": "truncate-empty-after-commit", "with_agent": True},
@@ -79,8 +81,8 @@ KINDS: dict[str, dict] = {
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
 #: restart limit of their own, so the file's hold
 CONFIG_KINDS = ("trainer", "all-trainers", "agent-then-trainer", "launcher", "launcher0", "node", "node0",
-                "two-nodes", "corrupt", "truncated", "poisoned", "cut-empty+agent", "cut-header+agent", "cut-data+agent",
-                "mid-copy", "second-failure")
+                "two-nodes", "corrupt", "truncated", "poisoned", "scaled-optimizer", "cut-empty+agent",
+                "cut-header+agent", "cut-data+agent", "mid-copy", "second-failure")
 #: node and two-node losses: half the trials strike after the first iteration, within the first second
 #: (the first versions still being exchanged and completed)
 EARLY_FAILS = ("node", "two-nodes")

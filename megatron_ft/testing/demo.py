@@ -97,7 +97,7 @@ DEMO_SHAPES = {
 }
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
 #: injected kill points that damage the committed slot first: restore must reject that version
-DAMAGE_POINTS = ("corrupt-after-commit", "poison-after-commit", *faults.TRUNCATE_TO)
+DAMAGE_POINTS = ("corrupt-after-commit", *faults.REWRITES, *faults.TRUNCATE_TO)
 
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:
@@ -287,12 +287,17 @@ def wait_job(p: subprocess.Popen, timeout: float, what: str, log_path: str) -> N
         raise RuntimeError(f"{what} failed with exit code {rc}; log {log_path}:\n{tail}")
 
 
-def losses(run_dir: str) -> dict[tuple[int, int], set[str]]:
-    """(rank, iteration) -> loss hex strings seen (several when an iteration was re-run)."""
+def losses(run_dir: str, discarded: Optional[dict] = None) -> dict[tuple[int, int], set[str]]:
+    """(rank, iteration) -> loss hex strings seen (several when an iteration was re-run). ``discarded``:
+    trainer life -> the restored step its guard refused; what that life trained after it was rolled
+    back, and is not compared."""
     out: dict[tuple[int, int], set[str]] = {}
     prog = os.path.join(run_dir, "progress")
+    discarded = discarded or {}
     for name in sorted(os.listdir(prog)) if os.path.isdir(prog) else []:
         for rec in read_jsonl(os.path.join(prog, name)):
+            if life(rec) in discarded and rec["iteration"] > discarded[life(rec)]:
+                continue
             # the project's script logs the loss; upstream's runner also a digest of the parameters
             value = "|".join(str(rec[k]) for k in ("loss_hex", "state_digest") if rec.get(k) is not None)
             if value:
@@ -309,9 +314,9 @@ def final_states(run_dir: str, world: int) -> dict[int, dict]:
     return out
 
 
-def compare(ref_dir: str, run_dir: str, world: int) -> tuple[bool, list[str]]:
+def compare(ref_dir: str, run_dir: str, world: int, discarded: Optional[dict] = None) -> tuple[bool, list[str]]:
     problems = []
-    ref_l, run_l = losses(ref_dir), losses(run_dir)
+    ref_l, run_l = losses(ref_dir), losses(run_dir, discarded)
     if not ref_l:
         problems.append("reference run logged no losses")
     for key, want in sorted(ref_l.items()):
@@ -914,9 +919,12 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     after = [e for e in _all_records(run_dir, "events")
              if e.get("event") == "restore" and kill_time is not None and life(e) not in first_lives]
     # what the failed ranks recovered from (the others restore their own local copy)
+    # the guard's loss check rolled back these lives' restored steps (they exited; their restarts restored older ones)
+    rollback_events = [e for e in _all_records(run_dir, "events") if e.get("event") == "rollback"]
+    refused = {e["step"] for e in rollback_events}
     sources = sorted({e["source"] for e in after if not victims or e["rank"] in victims})
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
-    resumed = max((e["step"] for e in after), default=-1)
+    resumed = max((e["step"] for e in after if e["step"] not in refused), default=-1)
     recovery_seconds = None
     # the restarted processes are those whose restore came after the kill (a rank that had not yet
     # logged progress when the kill landed is not a restarted one)
@@ -930,7 +938,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     start_seconds = round(min(first_gen) - t0, 3) if first_gen else None
     if looking is not None:
         looking.join(60)
-    identical, problems = compare(ref_dir, run_dir, world)
+    identical, problems = compare(ref_dir, run_dir, world, {life(e): e["step"] for e in rollback_events})
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
@@ -984,7 +992,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         "recovery_seconds": recovery_seconds,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         # restored versions the guard refused (NaN or Inf in bytes that verified): every rank rolled back
-        "rollbacks": max((e.get("rollbacks", 0) for e in after), default=0),
+        # or whose losses after the restore failed it (every rank dropped the version and restarted)
+        "rollbacks": max((e.get("rollbacks", 0) for e in after), default=0) + len(refused),
         "recovery_breakdown": breakdown,
         # how the restarted trainers came: a fast restart round beneath torchrun (warm spares), or
         # torchrun's own restart of its workers (its restart count)
@@ -1039,7 +1048,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
         if summary["rollbacks"]:
             say(f" rolled back         : {summary['rollbacks']} restored version(s) refused by the guard "
-                f"(NaN or Inf in bytes that verified)")
+                f"(NaN or Inf in bytes that verified, or losses after the restore)")
         say(f" recovery            : {recovery_seconds} s kill -> first iteration after restart "
             f"(restore itself {summary['restore_seconds']} s); the job's cold start (reference run, no warm "
             f"spares) {cold_start_seconds} s launch -> first iteration, so {summary['recovery_vs_cold_start']}x")

@@ -10,6 +10,9 @@ A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and t
   floating-point tensor and recompute the checksums of the chunks it touched: the snapshot verifies,
   its values are garbage (what a replica written from a model that already held NaN looks like);
   restore's guard must refuse it and roll back to the rank's older version;
+* ``scale-optimizer-after-commit`` - the same with Adam's first moments multiplied by
+  :data:`OPTIMIZER_SCALE`: finite values that verify, and a loss spike after the next optimizer step;
+  the guard's loss check after the restore must roll the job back to the version before;
 * ``truncate-after-commit``, ``truncate-header-after-commit``, ``truncate-empty-after-commit`` - at
   ``after-commit``, first cut the committed slot's file inside its data (to half its size), inside its
   4 KiB header (to 100 bytes) or to zero bytes (no reader may map past its end; restore must reject
@@ -51,7 +54,9 @@ TRUNCATE_TO = {
     "truncate-empty-after-commit": lambda size: 0,
 }
 #: action -> the runtime point it fires at
-ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", "poison-after-commit": "after-commit",
+#: actions that change the committed snapshot's values, its checksums recomputed (it still verifies)
+REWRITES = ("poison-after-commit", "scale-optimizer-after-commit")
+ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", **{a: "after-commit" for a in REWRITES},
            **{a: "after-commit" for a in TRUNCATE_TO}}
 #: an action with this suffix kills the node's agent first
 WITH_AGENT = "+agent"
@@ -104,6 +109,8 @@ class KillAt:
             area[len(area) // 2] ^= 0xFF
         elif f.action == "poison-after-commit":
             poison(context["path"])
+        elif f.action == "scale-optimizer-after-commit":
+            scale_optimizer(context["path"])
         elif f.action in TRUNCATE_TO:
             os.truncate(context["path"], TRUNCATE_TO[f.action](context["size"]))
         if self.run_dir:
@@ -143,10 +150,27 @@ class KillAt:
             return False  # fired in an earlier attempt
 
 
-def poison(path: str, value: float = float("nan")) -> str:
-    """Write ``value`` into every element of the first floating-point tensor of the committed
-    snapshot in ``path`` and store the new checksums of the chunks it spans, so that the snapshot
-    still verifies. Returns the tensor's name."""
+def poison(path: str, value: float = float("nan")) -> list[str]:
+    """Fill the first floating-point tensor of the committed snapshot in ``path`` with ``value`` and
+    store the new checksums of the chunks it spans, so that the snapshot still verifies. Returns the
+    tensor's name (in a list)."""
+    return _rewrite(path, lambda names, floats: floats[:1], lambda t: t.fill_(value))
+
+
+#: the factor ``scale-optimizer-after-commit`` multiplies Adam's first moments by
+OPTIMIZER_SCALE = 1e4
+
+
+def scale_optimizer(path: str, factor: float = OPTIMIZER_SCALE) -> list[str]:
+    """Multiply every Adam first moment (a tensor named ``*exp_avg``) of the committed snapshot in
+    ``path`` by ``factor``, checksums recomputed: finite values that verify, and an update ``factor``
+    times too large at the first optimizer step after a restore. Returns the tensors' names."""
+    return _rewrite(path, lambda names, floats: [n for n in floats if n.endswith("exp_avg")], lambda t: t.mul_(factor))
+
+
+def _rewrite(path: str, pick, change) -> list[str]:
+    """Apply ``change`` (in place) to the tensors ``pick(all names, floating-point names)`` names in the
+    committed snapshot in ``path``, then store the checksums of the chunks they span."""
     import mmap
 
     import numpy as np
@@ -158,18 +182,24 @@ def poison(path: str, value: float = float("nan")) -> str:
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         hdr = snapfile.read_header(mm)
         layout, version = snapfile.read_layout(mm, hdr), snapfile.read_version(mm, hdr)
-        entry = next(e for e in layout.entries if e.spec.numel and dtype_from_name(e.spec.dtype).is_floating_point)
+        entries = layout.by_name()
+        floats = [e.spec.name for e in layout.entries if e.spec.numel and dtype_from_name(e.spec.dtype).is_floating_point]
+        names = pick([e.spec.name for e in layout.entries], floats)
+        if not names:
+            raise ValueError(f"{path}: no tensor to change (floating-point tensors: {floats[:5]}...)")
         base = hdr.geometry.data_off
+        chunks: set[int] = set()
+        for name in names:
+            e = entries[name]
+            change(torch.frombuffer(mm, dtype=dtype_from_name(e.spec.dtype), count=e.spec.numel, offset=base + e.offset))
+            chunks.update(range(e.offset // layout.chunk_size, (e.end - 1) // layout.chunk_size + 1))
         data = np.frombuffer(mm, np.uint8, count=layout.data_nbytes, offset=base)
-        torch.frombuffer(mm, dtype=dtype_from_name(entry.spec.dtype), count=entry.spec.numel,
-                         offset=base + entry.offset).fill_(value)
-        first, last = entry.offset // layout.chunk_size, (entry.end - 1) // layout.chunk_size
-        for i in range(first, last + 1):
+        for i in sorted(chunks):
             lo, hi = layout.chunk_bounds(i)
             version["chunks"][i] = f"{checksum.checksum_numpy(data[lo:hi], version['checksum']):016x}"
         del data
         snapfile.write_version(mm, hdr.step, {k: v for k, v in version.items() if k not in ("format", "version", "step")})
-    return entry.spec.name
+    return names
 
 
 def wrap(script: list[str], fault: str, run_dir: Optional[str] = None) -> list[str]:

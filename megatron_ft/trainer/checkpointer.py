@@ -20,16 +20,18 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.distributed as dist
 
 from .. import config as ftconfig
 from .. import fatal, faultpoints
+from ..agent import persist
 from ..agent.protocol import AgentClient, socket_path
 from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
-from . import in_process
+from . import guard, in_process
 from .guard import RollbacksExhausted
 from .recovery import Restorer, RestoreResult
 from .snapshot import SnapshotEngine, stall_summary
@@ -98,6 +100,8 @@ class InMemoryCheckpointer:
         self._events = _EventLog(rank)
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
+        self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
+        self._any_rank = _max_over_ranks(self.coord_group)
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, _max_over_ranks(self.coord_group))
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
@@ -132,7 +136,71 @@ class InMemoryCheckpointer:
                 self.client.request("global", rank=self.rank, step=res.step)  # type: ignore[union-attr]
             except Exception:
                 pass
+            self._watch = self._start_watch(res.step)
         return res
+
+    def _start_watch(self, step: int) -> "Optional[_Watch]":
+        """Collective: after restoring ``step``, whether (and against which recorded losses) the next
+        ``recovery.guard_iterations`` iterations' losses are checked - only in a job that reports its
+        losses (some rank's agent recorded one), so every rank decides the same."""
+        rec = self.cfg.recovery
+        if not rec.guard or not rec.guard_iterations or self.client is None:
+            return None
+        try:
+            held = self.client.request("losses", rank=self.rank)
+            history = {int(k): float(v) for k, v in held["losses"].items()}
+        except Exception as e:  # an agent that cannot say: this rank judges without a history
+            log.warning("rank %d: the agent did not give the recorded losses (%s)", self.rank, e)
+            history = {}
+        reports = self._any_rank([1.0 if history else 0.0])[0] if self._any_rank else float(bool(history))
+        if not reports:
+            return None
+        return _Watch(step, step + rec.guard_iterations, history)
+
+    def _watched(self, iteration: int, loss: Optional[float]) -> bool:
+        """Collective (every rank, every iteration of the watch): judge this iteration's loss; on an
+        anomaly on any rank roll back (never returns). True while the watch goes on (no snapshot: the
+        versions older than the restored one stay in the slots for a rollback)."""
+        w = self._watch
+        assert w is not None
+        rule = guard.LossRule(self.cfg.recovery.loss_tolerance, self.cfg.recovery.loss_spike)
+        why = guard.loss_anomaly(iteration, loss, w.history, rule)
+        if self.engine is not None:
+            self.engine.wait()  # the coordination group is free for the verdict
+        anomaly = self._any_rank([1.0 if why else 0.0])[0] if self._any_rank else float(bool(why))
+        if anomaly:
+            self._roll_back(w.step, iteration, why or "the loss of another rank failed the guard")
+        if iteration < w.until:
+            return True
+        self._watch = None
+        self._events.write({"event": "guard_passed", "step": w.step, "iterations": iteration - w.step})
+        return False
+
+    def _roll_back(self, step: int, iteration: int, why: str) -> None:
+        """Every rank, after the same verdict: drop the restored ``step`` and everything newer (the agent's
+        ``refuse``; this rank's persisted file of it renamed ``*.corrupt``) and exit for a restart that
+        restores the next older version; past ``recovery.max_rollbacks`` end the job instead."""
+        log.error("rank %d: after restoring step %d, iteration %d failed the guard: %s; rolling back",
+                  self.rank, step, iteration, why)
+        rollbacks = -1
+        try:
+            rollbacks = int(self.client.request("refuse", rank=self.rank, step=step)["rollbacks"])  # type: ignore[union-attr]
+        except Exception as e:  # the restart may restore the same version again: its guard decides again
+            log.error("rank %d: the agent did not drop step %d: %s", self.rank, step, e)
+        path = persist.rank_file(self.cfg.persist.dir, self.cfg.run_id, step, self.rank)
+        if os.path.exists(path):
+            os.replace(path, path + ".corrupt")
+        self._events.write({"event": "rollback", "step": step, "at": iteration, "why": why, "rollbacks": rollbacks})
+        limit = self.cfg.recovery.max_rollbacks
+        if rollbacks > limit:
+            fatal.end_job(f"rank {self.rank}: {rollbacks} restored versions failed the guard, more than "
+                          f"recovery.max_rollbacks={limit}: nothing trustworthy is left to resume from (last: step "
+                          f"{step}, {why})", fatal.EXIT_ROLLBACKS_EXHAUSTED)
+        if self.rank == 0:
+            print(f"[megatron-ft] step {step} failed the guard after its restore ({why}): rolling back "
+                  f"(rollback {rollbacks} of at most {limit})", flush=True)
+        self._events.close()
+        os._exit(guard.EXIT_ROLLBACK)  # not SystemExit: no atexit handler or thread may hang the exit
 
     def before_optimizer_step(self) -> None:
         if self.engine is not None:
@@ -146,7 +214,11 @@ class InMemoryCheckpointer:
             if st is not None and not st.ok:
                 log.warning("rank %d: snapshot of step %d not taken: %s", self.rank, st.step, st.error)
 
-    def after_iteration(self, iteration: int, consumed_samples: int) -> None:
+    def after_iteration(self, iteration: int, consumed_samples: int, loss: Optional[float] = None) -> None:
+        """``iteration`` is complete (``loss``: its training loss where this rank knows it). Collective
+        while the guard watches the iterations after a restore."""
+        if self._watch is not None and self._watched(iteration, loss):
+            return
         if self.engine is not None and self.auto is not None:
             self._auto_intervals()
         every = self.auto.snapshot_every if self.auto is not None else self.cfg.snapshot.interval
@@ -162,7 +234,7 @@ class InMemoryCheckpointer:
             log.warning("rank %d: could not capture the state of step %d: %s", self.rank, iteration, e)
             stats = self.engine.skip(iteration, f"capture failed: {e}")
         else:
-            stats = self.engine.snapshot(iteration, tensors, extra)
+            stats = self.engine.snapshot(iteration, tensors, extra, loss)
         stats.stall_s = time.perf_counter() - t0  # and, in before_optimizer_step, the wait for the copy
         if self.cfg.snapshot.synchronous:
             self.before_optimizer_step()
@@ -194,6 +266,15 @@ class InMemoryCheckpointer:
         if self.client is not None:
             self.client.close(orderly=True)
         self._events.close()
+
+
+@dataclass
+class _Watch:
+    """The guard's loss check after restoring ``step``: until iteration ``until``, against ``history``."""
+
+    step: int
+    until: int
+    history: dict
 
 
 def _max_over_ranks(group: Any):

@@ -7,7 +7,20 @@ on. Before any rank trains on a restored version, every rank checks the values i
 * **finite**: every floating-point tensor it restored holds only finite values (NaN and +-Inf are
   refused). Integer tensors (RNG states, counters) are not checked.
 
-The check runs inside :meth:`megatron_ft.trainer.recovery.Restorer.restore`, after a candidate's
+* **losses** (where the training loop reports its loss: the project's script, not upstream
+  Megatron-LM's ``train()``): each node's agent keeps the loss of every committed snapshot's step (the
+  last ``megatron_ft.agent.server.LOSS_HISTORY`` steps per rank). For ``recovery.guard_iterations`` iterations after a
+  restore, each iteration's loss is judged by :func:`loss_anomaly` against that history - a step
+  that was trained before the failure (a replayed, lost iteration) must come out within
+  ``recovery.loss_tolerance`` of its recorded loss; a step beyond the history must not exceed
+  ``recovery.loss_spike`` times the largest of the last :data:`SPIKE_WINDOW` recorded losses (the rule
+  when no iteration was lost); a non-finite loss is always an anomaly. The ranks agree on the
+  verdict every iteration (an all-reduce), take no snapshot meanwhile (the older versions stay in
+  the slots), and on an anomaly every rank drops the restored version and everything newer (its
+  agent's ``refuse``) and exits (:data:`EXIT_ROLLBACK`): the restart restores the
+  next older version. The agents count these rollbacks; past ``recovery.max_rollbacks`` the job ends.
+
+The value check runs inside :meth:`megatron_ft.trainer.recovery.Restorer.restore`, after a candidate's
 bytes were read and verified and before the ranks agree on it: a version that fails it on any rank
 fails on every rank together, is invalidated where it is held, and the restore goes on to the next
 older version (local, peer, disk) - a *rollback*. At most ``recovery.max_rollbacks`` such rollbacks
@@ -29,7 +42,9 @@ Worked example::
 """
 from __future__ import annotations
 
-from typing import Mapping
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import torch
 
@@ -56,6 +71,51 @@ def _finite(block: torch.Tensor) -> bool:
     than ``isfinite`` here); only a block whose sum is not finite - which finite values too large to add
     up could also give - is checked value by value."""
     return bool(torch.isfinite(block.sum())) or bool(torch.isfinite(block).all())
+
+
+#: the exit code of a trainer that rolls back after a failed loss check: its restart (a fast round or
+#: torchrun's) restores the next older version
+EXIT_ROLLBACK = 4
+#: recorded losses the spike rule looks back on
+SPIKE_WINDOW = 8
+
+
+@dataclass(frozen=True)
+class LossRule:
+    """``recovery.loss_tolerance`` and ``recovery.loss_spike`` (see :func:`loss_anomaly`)."""
+
+    tolerance: float = 0.05
+    spike: float = 2.0
+
+
+def loss_anomaly(step: int, loss: Optional[float], history: Mapping[int, float], rule: LossRule = LossRule()) -> Optional[str]:
+    """Why the loss of ``step``, trained after a restore, is an anomaly - or ``None``. Pure.
+
+    >>> h = {3: 2.0, 4: 1.9, 5: 1.8}
+    >>> loss_anomaly(5, 1.8, h), loss_anomaly(6, 1.7, h), loss_anomaly(7, None, h)  # replayed, new, no loss here
+    (None, None, None)
+    >>> loss_anomaly(5, 2.5, h)
+    'step 5: loss 2.5 replayed, 1.8 recorded before the failure (more than 5% apart)'
+    >>> loss_anomaly(6, 4.5, h)
+    'step 6: loss 4.5 > 2 x 2, the largest of the 3 losses recorded before it'
+    >>> loss_anomaly(6, float("nan"), h)
+    'step 6: loss nan is not finite'
+    """
+    if loss is None:
+        return None
+    if not math.isfinite(loss):
+        return f"step {step}: loss {loss} is not finite"
+    if step in history:
+        want = history[step]
+        if abs(loss - want) > rule.tolerance * max(abs(want), 1e-12):
+            return (f"step {step}: loss {loss:.6g} replayed, {want:.6g} recorded before the failure (more than "
+                    f"{rule.tolerance:.0%} apart)")
+        return None
+    before = [history[s] for s in sorted(history) if s < step][-SPIKE_WINDOW:]
+    if before and loss > rule.spike * max(before):
+        return (f"step {step}: loss {loss:.6g} > {rule.spike:g} x {max(before):.6g}, the largest of the "
+                f"{len(before)} losses recorded before it")
+    return None
 
 
 class RollbacksExhausted(RuntimeError):

@@ -21,6 +21,7 @@ coordination collective never hangs); the agreed step is the newest one *every* 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -95,6 +96,7 @@ class _Job:
     stats: SnapshotStats
     ready: Any = None  # GPU path: event after the optimizer step, which the device-to-host copies wait for
     begin: bool = False  # the worker asks the agent for a slot first
+    loss: Optional[float] = None  # the step's training loss, recorded by the agent at commit (the guard's history)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -125,9 +127,10 @@ class SnapshotEngine:
         self._worker.start()
 
     # ------------------------------------------------------------------ training thread
-    def snapshot(self, step: int, tensors: list[StateTensor], extra: dict) -> SnapshotStats:
-        """Start a snapshot of ``tensors``/``extra`` as step ``step``. Returns quickly, with the
-        snapshot's statistics (filled in by the worker until :meth:`wait` returns them)."""
+    def snapshot(self, step: int, tensors: list[StateTensor], extra: dict, loss: Optional[float] = None) -> SnapshotStats:
+        """Start a snapshot of ``tensors``/``extra`` as step ``step`` (whose training loss, where this
+        rank knows it, the agent records with the commit). Returns quickly, with the snapshot's
+        statistics (filled in by the worker until :meth:`wait` returns them)."""
         t0 = time.perf_counter()
         self.wait()
         stats = SnapshotStats(step, False)
@@ -146,7 +149,8 @@ class SnapshotEngine:
                 log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
             stats.error = f"not started: {e}"
         # the worker asks the agent for a slot (``begin``): a round trip training need not wait for
-        job = _Job(step, tensors if registered else [], extra, None, time.time(), stats, begin=registered)
+        job = _Job(step, tensors if registered else [], extra, None, time.time(), stats, begin=registered,
+                   loss=loss if loss is not None and math.isfinite(loss) else None)
         if registered and self._staging is not None:
             job.ready = self._staging.ready_point()
         stats.capture_s = time.perf_counter() - t0
@@ -265,7 +269,8 @@ class SnapshotEngine:
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
-        self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step)
+        self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step,
+                            **({"loss": float(job.loss)} if job.loss is not None else {}))
         faultpoints.reached("after-commit", job.step, self.rank, area=area, path=seg.path, size=seg.size)
         job.stats.ok = True
         job.stats.copy_s = time.perf_counter() - t0

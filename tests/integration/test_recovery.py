@@ -389,6 +389,22 @@ def test_sigterm_to_every_launcher_stops_the_job_and_leaves_nothing(tmp_path):
         demo_mod._kill_tree(p)
 
 
+def test_a_restored_version_whose_losses_spike_is_rolled_back_and_the_job_ends_bit_exact(tmp_path, reference_dir):
+    """The victim's newest snapshot with Adam's first moments x 1e4 (checksums recomputed: it verifies, its
+    values are finite): restored, its first optimizer step makes the loss spike; the guard's loss check
+    sees it, every rank drops the version and restarts, the older one is restored and the job ends
+    bit-exact (the rolled-back iterations are not compared: they were discarded)."""
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--kill-point=scale-optimizer-after-commit")
+    assert (s["recovered_from"], s["resumed_step"], s["rollbacks"]) == ("local_memory", KILL_AT - 1, 1), s
+    events = [json.loads(ln) for f in os.listdir(os.path.join(s["workdir"], "run", "events"))
+              for ln in open(os.path.join(s["workdir"], "run", "events", f))]
+    rolled = [e for e in events if e["event"] == "rollback"]
+    assert rolled and {e["step"] for e in rolled} == {KILL_AT} and all(e["at"] <= KILL_AT + 3 for e in rolled), rolled
+    assert any("recorded" in e["why"] or "not finite" in e["why"] for e in rolled), rolled
+    restores = sorted((e["time"], e["step"]) for e in events if e["event"] == "restore" and e["step"] >= 0)
+    assert [step for _, step in restores][-1] == KILL_AT - 1, restores
+
+
 @pytest.mark.slow  # default-suite time; the rule itself: tests/integration/test_restore_guard.py
 def test_rollbacks_past_the_limit_end_the_job_with_exit_3_never_a_restart_loop(tmp_path, reference_dir):
     """recovery.max_rollbacks: 0 and a poisoned newest version: the restore's one rollback is already too

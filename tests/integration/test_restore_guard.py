@@ -63,3 +63,27 @@ def test_rollbacks_past_the_limit_end_the_restore_naming_the_steps(agent):
     with pytest.raises(RollbacksExhausted, match=r"2 restored versions \(steps \[2, 1\]\) failed the guard, more "
                                                   r"than recovery.max_rollbacks=1"):
         _restorer(agent, c, max_rollbacks=1).restore(TorchStateAdapter(m2, opt2))
+
+
+def test_the_agent_keeps_each_committed_steps_loss_and_counts_refused_versions(agent):
+    """The loss check's memory: losses arrive with the commits (a non-finite one is not sent), survive a
+    trainer's restart (a new connection), and ``refuse`` drops a restored version and everything newer
+    (as a rewind to the step before) and counts the rollback."""
+    from megatron_ft.trainer.snapshot import SnapshotEngine
+    from megatron_ft.capture.state import TorchStateAdapter
+
+    c = agent.client()
+    m, opt = make_model()
+    ad = TorchStateAdapter(m, opt)
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 14)
+    for step, loss in ((1, 2.5), (2, float("nan")), (3, 2.25)):
+        ad.extra = {"iteration": step}
+        eng.snapshot(step, *ad.capture(), loss=loss)
+        eng.wait()
+    c2 = agent.client()  # a restarted trainer
+    held = c2.request("losses", rank=0)
+    assert (held["losses"], held["rollbacks"]) == ({"1": 2.5, "3": 2.25}, 0)
+    assert [v["step"] for v in c2.request("list", rank=0)["versions"]] == [3, 2]
+    assert c2.request("refuse", rank=0, step=3)["rollbacks"] == 1
+    assert [v["step"] for v in c2.request("list", rank=0)["versions"]] == [2]
+    assert c2.request("losses", rank=0)["rollbacks"] == 1

@@ -12,6 +12,8 @@ SENT = [  # every agent operation, with the fields its senders use (trainer, lau
     {"op": "hello", "rank": 3, "local_rank": 1, "pid": 99, "run_id": "r", "role": "transport"},
     {"op": "register", "rank": 0, "layout": "{}"},
     {"op": "begin", "rank": 0, "step": 4}, {"op": "commit", "rank": 0, "slot": 1, "step": 4},
+    {"op": "commit", "rank": 0, "slot": 1, "step": 4, "loss": 2.5}, {"op": "refuse", "rank": 0, "step": 4},
+    {"op": "losses", "rank": 0},
     {"op": "abort", "rank": 0, "slot": 1}, {"op": "global", "rank": 0, "step": 4},
     {"op": "rewind", "rank": 0, "step": -1}, {"op": "invalidate", "rank": 0, "step": 4},
     {"op": "list", "rank": 0}, {"op": "peer_list", "rank": 0}, {"op": "recover", "rank": 0, "step": 4},
@@ -40,6 +42,7 @@ def test_every_agent_operation_has_a_type():
      "agent op 'hello': role='spy' is invalid: Input should be 'transport'"),
     ({"op": "adopt", "launcher_pid": 0}, "agent op 'adopt': launcher_pid=0 is invalid: Input should be greater than 0"),
     ({"op": "abort", "rank": 0}, "agent op 'abort': field 'slot' is missing"),
+    ({"op": "commit", "rank": 0, "slot": 1, "step": 4, "loss": float("nan")}, "agent op 'commit': loss=nan is invalid"),
     ({"op": None}, "agent op None is unknown; allowed: ['abort', "),
 ])
 def test_malformed_agent_requests_are_refused_with_the_field(msg, error):
