@@ -22,6 +22,8 @@ invalidate      rank, step (found corrupt at restore)       invalidated (bool)
 refuse          rank, step (restored, then failed the       rollbacks (this rank's, counted)
                 guard's loss check: it and newer dropped)
 losses          rank                                        losses: {step: loss}, rollbacks
+certify         rank, step (restored, the guard passed)     certified: [step, ...] (rollbacks
+                                                            forgiven)
 list            rank                                        versions: [{slot, step, state, path}]
 peer_list       rank, wait_s (for the group's answers)      versions rebuildable from peers,
                                                             unanswered: {node: why}
@@ -63,7 +65,7 @@ class RankOnly(Request):  # list, peer_list, losses, sched_unpin
     rank: Rank
 
 
-class RankStep(Request):  # begin, global, rewind, invalidate, refuse, recover, sched_pin
+class RankStep(Request):  # begin, global, rewind, invalidate, refuse, certify, recover, sched_pin
     rank: Rank
     step: Step
 
@@ -107,6 +109,7 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 MESSAGES = Messages("agent", {
     "hello": Hello, "register": Register, "begin": RankStep, "commit": Commit, "abort": Abort,
     "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
+    "certify": RankStep,
     "list": RankOnly, "peer_list": RankOnly,
     "recover": RankStep, "sched_pin": RankStep, "sched_unpin": RankOnly, "sched_recv_begin": SchedRecvBegin,
     "sched_recv_done": SchedRecvDone, "status": NoFields, "adopt": Adopt, "persist": Persist,

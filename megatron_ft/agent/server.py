@@ -145,7 +145,8 @@ class Agent:
         self._trained = False  # a trainer registered (or slots were adopted): the job is past its start
         # the guard's memory (megatron_ft.trainer.guard), kept across trainer restarts, lost with the agent:
         self.losses: dict[int, dict[int, float]] = {}  # rank -> {step: loss} of its newest committed steps
-        self.rollbacks: dict[int, int] = {}  # rank -> versions refused after a restore
+        self.rollbacks: dict[int, int] = {}  # rank -> versions refused since the guard last passed
+        self.certified: dict[int, set[int]] = {}  # rank -> restored steps the guard passed
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -472,6 +473,14 @@ class Agent:
                       self.rollbacks[rank])
             return {"rollbacks": self.rollbacks[rank]}
 
+    def certify(self, rank: int, step: int) -> dict:
+        """The job trained past the restored ``step`` and its guard found nothing: ``step`` is certified,
+        and the rollbacks counted so far are forgiven (the limit is per incident, not per job)."""
+        with self.lock:
+            self.certified.setdefault(rank, set()).add(step)
+            self.rollbacks[rank] = 0
+            return {"certified": sorted(self.certified[rank])[-8:]}
+
     def loss_history(self, rank: int) -> dict:
         with self.lock:
             return {"losses": {str(k): v for k, v in sorted(self.losses.get(rank, {}).items())},
@@ -795,6 +804,8 @@ class Agent:
             return self.refuse(r.rank, r.step)
         if op == "losses":
             return self.loss_history(r.rank)
+        if op == "certify":
+            return self.certify(r.rank, r.step)
         if op == "global":
             self.mark_global(r.rank, r.step)
             return {}

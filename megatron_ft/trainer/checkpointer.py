@@ -144,18 +144,27 @@ class InMemoryCheckpointer:
         ``recovery.guard_iterations`` iterations' losses are checked - only in a job that reports its
         losses (some rank's agent recorded one), so every rank decides the same."""
         rec = self.cfg.recovery
-        if not rec.guard or not rec.guard_iterations or self.client is None:
+        if not rec.guard or self.client is None:
             return None
-        try:
-            held = self.client.request("losses", rank=self.rank)
-            history = {int(k): float(v) for k, v in held["losses"].items()}
-        except Exception as e:  # an agent that cannot say: this rank judges without a history
-            log.warning("rank %d: the agent did not give the recorded losses (%s)", self.rank, e)
-            history = {}
+        history: dict[int, float] = {}
+        if rec.guard_iterations:
+            try:
+                held = self.client.request("losses", rank=self.rank)
+                history = {int(k): float(v) for k, v in held["losses"].items()}
+            except Exception as e:  # an agent that cannot say: this rank judges without a history
+                log.warning("rank %d: the agent did not give the recorded losses (%s)", self.rank, e)
         reports = self._any_rank([1.0 if history else 0.0])[0] if self._any_rank else float(bool(history))
-        if not reports:
+        if not reports:  # the value check was the whole guard: it passed
+            self._certify(step)
             return None
         return _Watch(step, step + rec.guard_iterations, history)
+
+    def _certify(self, step: int) -> None:
+        """``step`` passed the guard: the agent records it certified and forgives the rollbacks it counted."""
+        try:
+            self.client.request("certify", rank=self.rank, step=step)  # type: ignore[union-attr]
+        except Exception as e:  # best effort: only the rollback count stays higher
+            log.warning("rank %d: could not tell the agent step %d passed the guard: %s", self.rank, step, e)
 
     def _watched(self, iteration: int, loss: Optional[float]) -> bool:
         """Collective (every rank, every iteration of the watch): judge this iteration's loss; on an
@@ -173,6 +182,7 @@ class InMemoryCheckpointer:
         if iteration < w.until:
             return True
         self._watch = None
+        self._certify(w.step)
         self._events.write({"event": "guard_passed", "step": w.step, "iterations": iteration - w.step})
         return False
 

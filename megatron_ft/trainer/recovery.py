@@ -498,9 +498,7 @@ class Restorer:
                     refused.add(step)
                     if not bad_values:
                         rejected.append(f"{tier} step {step}: refused by the guard on another rank")
-                    if ok or bad_values:  # (a corrupt copy was invalidated above)
-                        self._invalidate(by_step[step])
-                    self._check_rollbacks(refused, rejected)
+                    self._check_rollbacks(step, self._refuse(by_step[step]), refused, rejected)
                 elif ok:
                     rejected.append(f"{tier} step {step}: corrupt on another rank")
         if touched:
@@ -509,17 +507,33 @@ class Restorer:
         self._rewind(-1)
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
 
-    def _check_rollbacks(self, refused: set[int], rejected: list[str]) -> None:
-        """Every rank, after the same collective verdicts: past ``max_rollbacks`` refused versions the
-        job has nothing trustworthy to resume from."""
-        if len(refused) <= self.max_rollbacks:
-            log.warning("rank %d: rolling back past step %d (rollback %d of at most %d)", self.rank, max(refused),
-                        len(refused), self.max_rollbacks)
+    def _refuse(self, cand: Candidate) -> int:
+        """Every rank, for the version the guard refused on some rank: drop this rank's copy of it and
+        of every newer version (the agent's ``refuse``; a persisted file renamed ``*.corrupt``). The
+        rollbacks the agent has counted since the job last passed the guard (0 if it cannot say)."""
+        if cand.source == "disk":
+            self._invalidate(cand)
+        if self.client is None:
+            return 0
+        try:
+            return int(self.client.request("refuse", rank=self.rank, step=cand.step)["rollbacks"])
+        except Exception as e:  # the step is skipped in this restore anyway
+            log.warning("rank %d: the agent did not drop step %d: %s", self.rank, cand.step, e)
+            return 0
+
+    def _check_rollbacks(self, step: int, counted: int, refused: set[int], rejected: list[str]) -> None:
+        """Every rank, after the same collective verdicts: past ``max_rollbacks`` refused versions (in
+        this restore, or as the agent counted them across restarts) the job has nothing trustworthy to
+        resume from."""
+        n = max(counted, len(refused))
+        if n <= self.max_rollbacks:
+            log.warning("rank %d: rolling back past step %d (rollback %d of at most %d)", self.rank, step, n,
+                        self.max_rollbacks)
             return
-        raise RollbacksExhausted(f"rank {self.rank}: {len(refused)} restored versions (steps "
-                                 f"{sorted(refused, reverse=True)}) failed the guard, more than "
-                                 f"recovery.max_rollbacks={self.max_rollbacks}: nothing trustworthy is left to resume "
-                                 f"from ({'; '.join(rejected[-3:])})")
+        raise RollbacksExhausted(f"rank {self.rank}: {n} restored versions (steps {sorted(refused, reverse=True)} in "
+                                 f"this restore) failed the guard, more than recovery.max_rollbacks="
+                                 f"{self.max_rollbacks}: nothing trustworthy is left to resume from "
+                                 f"({'; '.join(rejected[-3:])})")
 
     def _check_memory_known(self) -> None:
         """Collective: before any rank goes below the memory tiers, every rank must know they hold

@@ -422,6 +422,6 @@ def test_rollbacks_past_the_limit_end_the_job_with_exit_3_never_a_restart_loop(t
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "failed with exit code 3" in text, text[-3000:]
-    assert f"(steps [{KILL_AT}]) failed the guard, more than recovery.max_rollbacks=0" in text, text[-3000:]
+    assert f"(steps [{KILL_AT}] in this restore) failed the guard, more than recovery.max_rollbacks=0" in text, text[-3000:]
     log = (tmp_path / "demo" / "run.log").read_text()
     assert "round 2, trainer pid" not in log and "will restart worker group" not in log, log[-3000:]

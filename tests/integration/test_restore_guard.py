@@ -60,8 +60,8 @@ def test_rollbacks_past_the_limit_end_the_restore_naming_the_steps(agent):
     for v in c.request("list", rank=0)["versions"]:
         poison(v["path"])
     m2, opt2 = make_model(seed=1)
-    with pytest.raises(RollbacksExhausted, match=r"2 restored versions \(steps \[2, 1\]\) failed the guard, more "
-                                                  r"than recovery.max_rollbacks=1"):
+    with pytest.raises(RollbacksExhausted, match=r"2 restored versions \(steps \[2, 1\] in this restore\) failed the "
+                                                  r"guard, more than recovery.max_rollbacks=1"):
         _restorer(agent, c, max_rollbacks=1).restore(TorchStateAdapter(m2, opt2))
 
 
@@ -87,3 +87,6 @@ def test_the_agent_keeps_each_committed_steps_loss_and_counts_refused_versions(a
     assert c2.request("refuse", rank=0, step=3)["rollbacks"] == 1
     assert [v["step"] for v in c2.request("list", rank=0)["versions"]] == [2]
     assert c2.request("losses", rank=0)["rollbacks"] == 1
+    # the restored step 2 then passed the guard: certified, the count forgiven (the limit is per incident)
+    assert c2.request("certify", rank=0, step=2)["certified"] == [2]
+    assert c2.request("losses", rank=0)["rollbacks"] == 0
