@@ -19,7 +19,7 @@ def test_a_job_of_several_nodes_gets_a_secret_whatever_its_scheme(tmp_path, monk
     assert with_job_secret(one, str(tmp_path)).security.secret_file == ""  # nothing served over TCP
     two = ftconfig.replace(one, cluster={"nodes": 2})
     path = with_job_secret(two, str(tmp_path)).security.secret_file
-    assert path == str(tmp_path / "job.secret") and len(credential.read_secret(path)) == 32
+    assert path == str(tmp_path / "job.secret") and len(credential.read_secret(path)) == 64
     assert credential.configured_secret(with_job_secret(two, str(tmp_path)), {}) == credential.read_secret(path)
 
 
@@ -58,3 +58,15 @@ def test_launchers_of_one_machine_starting_together_read_one_whole_secret(tmp_pa
         for t in threads:
             t.join()
         assert not errors and len(got) == 4 and len(set(got)) == 1 and os.listdir(d) == ["job.secret"]
+
+
+def test_a_secrets_bytes_count_whole_but_for_one_trailing_line_end(tmp_path):
+    """Raw random bytes are not trimmed (a space or newline at either end is part of the secret, as every
+    reader sees it); a text secret's line end is not."""
+    raw = b" \n" + bytes(range(40, 60)) + b"\t\n "
+    for name, data, want in (("raw", raw, raw), ("text", b"s" * 20 + b"\n", b"s" * 20),
+                             ("crlf", b"s" * 20 + b"\r\n", b"s" * 20)):
+        path = tmp_path / name
+        path.write_bytes(data)
+        path.chmod(0o600)
+        assert credential.read_secret(str(path)) == want, name
