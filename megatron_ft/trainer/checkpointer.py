@@ -101,9 +101,9 @@ class InMemoryCheckpointer:
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
-        self._any_rank = _max_over_ranks(self.coord_group)
+        self._max = _max_over_ranks(self.coord_group)
         # "interval: auto" - measure the first snapshots, then pick the intervals
-        self.auto = (AutoIntervals(cfg, _max_over_ranks(self.coord_group))
+        self.auto = (AutoIntervals(cfg, self._max)
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
     def restore(self) -> RestoreResult:
@@ -153,11 +153,14 @@ class InMemoryCheckpointer:
                 history = {int(k): float(v) for k, v in held["losses"].items()}
             except Exception as e:  # an agent that cannot say: this rank judges without a history
                 log.warning("rank %d: the agent did not give the recorded losses (%s)", self.rank, e)
-        reports = self._any_rank([1.0 if history else 0.0])[0] if self._any_rank else float(bool(history))
-        if not reports:  # the value check was the whole guard: it passed
+        if not self._any_rank(bool(history)):  # the value check was the whole guard: it passed
             self._certify(step)
             return None
         return _Watch(step, step + rec.guard_iterations, history)
+
+    def _any_rank(self, flag: bool) -> bool:
+        """Collective: ``flag`` on some rank (this rank's alone without a coordination group)."""
+        return bool(self._max([float(flag)])[0]) if self._max is not None else flag
 
     def _certify(self, step: int) -> None:
         """``step`` passed the guard: the agent records it certified and forgives the rollbacks it counted."""
@@ -176,8 +179,7 @@ class InMemoryCheckpointer:
         why = guard.loss_anomaly(iteration, loss, w.history, rule)
         if self.engine is not None:
             self.engine.wait()  # the coordination group is free for the verdict
-        anomaly = self._any_rank([1.0 if why else 0.0])[0] if self._any_rank else float(bool(why))
-        if anomaly:
+        if self._any_rank(why is not None):
             self._roll_back(w.step, iteration, why or "the loss of another rank failed the guard")
         if iteration < w.until:
             return True
