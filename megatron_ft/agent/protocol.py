@@ -19,8 +19,8 @@ abort           rank, slot                                  -
 global          rank, step (consistent on every rank)       -
 rewind          rank, step (the job resumes from it)        -
 invalidate      rank, step (found corrupt at restore)       invalidated (bool)
-refuse          rank, step (restored, then failed the       rollbacks (this rank's, counted)
-                guard's loss check: it and newer dropped)
+refuse          rank, step (the guard refused it: it and    rollbacks (this rank's, counted)
+                every newer version dropped)
 losses          rank                                        losses: {step: loss}, rollbacks
 certify         rank, step (restored, the guard passed)     certified: [step, ...] (rollbacks
                                                             forgiven)

@@ -464,8 +464,8 @@ class Agent:
                     del history[old]
 
     def refuse(self, rank: int, step: int) -> dict:
-        """The job restored ``step`` and its losses then failed the guard: drop it and every newer
-        version (as :meth:`rewind` to the step before), count the rollback; its count."""
+        """The guard refused ``step`` (its restored values, or the losses after restoring it): drop it
+        and every newer version (as :meth:`rewind` to the step before), count the rollback; its count."""
         self.rewind(rank, step - 1)
         with self.lock:
             self.rollbacks[rank] = self.rollbacks.get(rank, 0) + 1

@@ -154,7 +154,7 @@ def poison(path: str, value: float = float("nan")) -> list[str]:
     """Fill the first floating-point tensor of the committed snapshot in ``path`` with ``value`` and
     store the new checksums of the chunks it spans, so that the snapshot still verifies. Returns the
     tensor's name (in a list)."""
-    return _rewrite(path, lambda names, floats: floats[:1], lambda t: t.fill_(value))
+    return _rewrite(path, lambda floats: floats[:1], lambda t: t.fill_(value))
 
 
 #: the factor ``scale-optimizer-after-commit`` multiplies Adam's first moments by
@@ -165,12 +165,12 @@ def scale_optimizer(path: str, factor: float = OPTIMIZER_SCALE) -> list[str]:
     """Multiply every Adam first moment (a tensor named ``*exp_avg``) of the committed snapshot in
     ``path`` by ``factor``, checksums recomputed: finite values that verify, and an update ``factor``
     times too large at the first optimizer step after a restore. Returns the tensors' names."""
-    return _rewrite(path, lambda names, floats: [n for n in floats if n.endswith("exp_avg")], lambda t: t.mul_(factor))
+    return _rewrite(path, lambda floats: [n for n in floats if n.endswith("exp_avg")], lambda t: t.mul_(factor))
 
 
 def _rewrite(path: str, pick, change) -> list[str]:
-    """Apply ``change`` (in place) to the tensors ``pick(all names, floating-point names)`` names in the
-    committed snapshot in ``path``, then store the checksums of the chunks they span."""
+    """Apply ``change`` (in place) to the tensors ``pick`` names among the committed snapshot's
+    floating-point ones (in layout order) in ``path``, then store the checksums of the chunks they span."""
     import mmap
 
     import numpy as np
@@ -184,7 +184,7 @@ def _rewrite(path: str, pick, change) -> list[str]:
         layout, version = snapfile.read_layout(mm, hdr), snapfile.read_version(mm, hdr)
         entries = layout.by_name()
         floats = [e.spec.name for e in layout.entries if e.spec.numel and dtype_from_name(e.spec.dtype).is_floating_point]
-        names = pick([e.spec.name for e in layout.entries], floats)
+        names = pick(floats)
         if not names:
             raise ValueError(f"{path}: no tensor to change (floating-point tensors: {floats[:5]}...)")
         base = hdr.geometry.data_off

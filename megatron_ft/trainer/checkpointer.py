@@ -33,7 +33,7 @@ from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
 from . import guard, in_process
 from .guard import RollbacksExhausted
-from .recovery import Restorer, RestoreResult
+from .recovery import Restorer, RestoreResult, refuse_version
 from .snapshot import SnapshotEngine, stall_summary
 
 log = logging.getLogger("megatron_ft")
@@ -194,14 +194,8 @@ class InMemoryCheckpointer:
         restores the next older version; past ``recovery.max_rollbacks`` end the job instead."""
         log.error("rank %d: after restoring step %d, iteration %d failed the guard: %s; rolling back",
                   self.rank, step, iteration, why)
-        rollbacks = -1
-        try:
-            rollbacks = int(self.client.request("refuse", rank=self.rank, step=step)["rollbacks"])  # type: ignore[union-attr]
-        except Exception as e:  # the restart may restore the same version again: its guard decides again
-            log.error("rank %d: the agent did not drop step %d: %s", self.rank, step, e)
-        path = persist.rank_file(self.cfg.persist.dir, self.cfg.run_id, step, self.rank)
-        if os.path.exists(path):
-            os.replace(path, path + ".corrupt")
+        rollbacks = refuse_version(self.client, self.rank, step,
+                                   persist.rank_file(self.cfg.persist.dir, self.cfg.run_id, step, self.rank))
         self._events.write({"event": "rollback", "step": step, "at": iteration, "why": why, "rollbacks": rollbacks})
         limit = self.cfg.recovery.max_rollbacks
         if rollbacks > limit:

@@ -508,18 +508,9 @@ class Restorer:
         return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
 
     def _refuse(self, cand: Candidate) -> int:
-        """Every rank, for the version the guard refused on some rank: drop this rank's copy of it and
-        of every newer version (the agent's ``refuse``; a persisted file renamed ``*.corrupt``). The
-        rollbacks the agent has counted since the job last passed the guard (0 if it cannot say)."""
-        if cand.source == "disk":
-            self._invalidate(cand)
-        if self.client is None:
-            return 0
-        try:
-            return int(self.client.request("refuse", rank=self.rank, step=cand.step)["rollbacks"])
-        except Exception as e:  # the step is skipped in this restore anyway
-            log.warning("rank %d: the agent did not drop step %d: %s", self.rank, cand.step, e)
-            return 0
+        """Every rank, for the version the guard refused on some rank: :func:`refuse_version`."""
+        return refuse_version(self.client, self.rank, cand.step,
+                              persist.rank_file(self.persist_dir, self.run_id, cand.step, self.rank))
 
     def _check_rollbacks(self, step: int, counted: int, refused: set[int], rejected: list[str]) -> None:
         """Every rank, after the same collective verdicts: past ``max_rollbacks`` refused versions (in
@@ -564,6 +555,23 @@ class Restorer:
                 os.replace(cand.path, cand.path + ".corrupt")
         except Exception as e:  # best effort: the checksum still rejects it next time
             log.warning("rank %d: could not invalidate %s step %d: %s", self.rank, cand.source, cand.step, e)
+
+
+def refuse_version(client: Optional[AgentClient], rank: int, step: int, persisted: str) -> int:
+    """Drop ``rank``'s copies of a version the guard refused, wherever it would be offered again: the
+    agent's ``refuse`` (the slot of ``step`` and of every newer version, as a rewind to the step
+    before; the rollback counted) and the persisted file ``persisted``, renamed ``*.corrupt``. Returns
+    the rollbacks the agent has counted since the job last passed the guard (0 if it cannot say).
+    Not collective; every rank calls it for its own copies."""
+    if os.path.exists(persisted):
+        os.replace(persisted, persisted + ".corrupt")
+    if client is None:
+        return 0
+    try:
+        return int(client.request("refuse", rank=rank, step=step)["rollbacks"])
+    except Exception as e:  # a restart that meets the version again refuses it again
+        log.warning("rank %d: the agent did not drop step %d: %s", rank, step, e)
+        return 0
 
 
 class MemoryTierUnknown(RuntimeError):

@@ -29,9 +29,16 @@ def test_a_poisoned_version_that_verifies_is_refused_and_the_older_one_restored_
     train_and_snapshot(c, agent.cfg, 1, start=3, model=(m, opt))
     assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [3, 2]
     assert _poison_newest(c) == 3
+    # a persisted copy of the refused step (the same values) is dropped too, not offered by the disk tier later
+    import os
+    from megatron_ft.agent import persist
+    on_disk = persist.rank_file(agent.cfg.persist.dir, agent.cfg.run_id, 3, 0)
+    os.makedirs(os.path.dirname(on_disk), exist_ok=True)
+    open(on_disk, "wb").close()
 
     m2, opt2 = make_model(seed=1)
     res = _restorer(agent, c).restore(TorchStateAdapter(m2, opt2))
+    assert not os.path.exists(on_disk) and os.path.exists(on_disk + ".corrupt")
     assert (res.source, res.step, res.rollbacks) == ("local_memory", 2, 1)
     assert any("step 3: non-finite values" in r for r in res.rejected), res.rejected
     for k, v in older[0].items():
