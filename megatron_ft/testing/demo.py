@@ -976,6 +976,17 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     if not step_ok:
         problems.append(f"resumed from persisted step {resumed}, but step {want_step} was persisted whole "
                         f"before the failure")
+    # from peer memory, at least the newest step every lost node's agent had seen complete in its group (its
+    # log is final): the survivors hold those copies. A survivor may have seen a newer one complete that the
+    # lost agent never heard of, so this is a floor, not the step itself. How far it trails the failure is
+    # the transfers' lag - a loaded machine lengthens it - not a fault.
+    held_at_loss = (min(max(v) for v in complete_at_loss.values())
+                    if complete_at_loss and all(complete_at_loss.values()) else None)
+    if (kill_time is not None and recovered_from in ("peer_memory", "decoded") and held_at_loss is not None
+            and not refused and resumed < held_at_loss):
+        step_ok = False
+        problems.append(f"resumed from step {resumed} out of peer memory, but step {held_at_loss} was complete "
+                        f"in the lost node's group before the failure")
     summary = {
         "scenario": args.fail,
         "megatron_lm_series": series if args.megatron_lm else None,
@@ -984,6 +995,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         and step_ok and not unprotected,
         "newest_persisted_before_failure": want_step,
         "group_complete_at_loss": {str(n): v for n, v in complete_at_loss.items()} if lost_nodes else None,
+        "newest_complete_at_loss": held_at_loss,
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,

@@ -242,7 +242,7 @@ def test_upstream_node_loss_resumes_from_the_group(tmp_path, release, scheme, op
     s = demo(tmp_path, "--fail=node", f"--redundancy={scheme}", "--kill-at=4", *optimizer,
              source=release_source(release))
     assert s["megatron_lm_series"] == release
-    assert s["recovered_from"] == tier and 3 <= s["resumed_step"] <= 4
+    assert s["recovered_from"] == tier and 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 4, s
 
 
 @pytest.mark.slow
@@ -298,7 +298,7 @@ def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tm
     none - so recovering the lost node from peer memory proves the copies arrived."""
     s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=10,
              source=release_source(release))
-    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory") and 4 <= s["resumed_step"] <= 6, s
+    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory") and 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 6, s
     files = sorted(glob.glob(str(tmp_path / "demo" / "run" / "transport" / "rank*.json")))
     assert len(files) == 4, files  # written at each trainer's exit (atexit, also from a warm spare)
     for path in files:
