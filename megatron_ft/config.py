@@ -52,6 +52,7 @@ AUTO = "auto"
 Scheme = Literal["none", "replica", "xor", "rs"]
 SCHEMES: tuple[str, ...] = get_args(Scheme)
 Transport = Literal["agent", "scheduled"]
+Prefer = Literal["newest", "certified"]
 Mode = Literal["pipelined", "one-buffer", "naive", "blocking", "bubble", "end"]
 Idle = Literal["network", "device", "auto"]
 #: compare_modes only: "local" = snapshots, no peer traffic; "off" = no snapshots either
@@ -336,13 +337,21 @@ class RecoveryConfig(_Section):
     most ``loss_spike`` times the largest recent recorded loss; an anomaly rolls every rank back to the
     version before the restored one. ``max_rollbacks``: at most this many rollbacks (in one restore, and
     counted by the agents across the restarts that loss rollbacks make); one more ends the job (exit 3)
-    instead of restarting into garbage."""
+    instead of restarting into garbage.
+
+    ``prefer``: ``newest`` restores the newest version every rank can reach; ``certified`` the newest
+    *certified* one - a version the job trained ``certify_after`` iterations past with no loss anomaly
+    (every iteration's loss judged by the same rules, all ranks agreeing) - and an older version only
+    where that one is not held. Two more slots per rank keep the certified version and the one being
+    watched; an all-reduce per iteration carries the verdict."""
 
     guard: Flag = True
     max_rollbacks: _int(0) = 2
     guard_iterations: _int(0) = 3  # 0: no loss check
     loss_tolerance: _num(0.0, strict=True) = 0.05
     loss_spike: _num(1.0, strict=True) = 2.0
+    prefer: _choice(Prefer) = "newest"
+    certify_after: _int(1) = 3
 
 
 class FailureConfig(_Section):
@@ -792,7 +801,8 @@ def command_flags(argv: list[str]) -> argparse.Namespace:
 
 
 #: settings that a trainer and its node's agent must agree on (a trainer that sees a difference refuses to start)
-SHARED_SETTINGS = ("persist.dir", "persist.interval", "persist.keep", "redundancy.scheme", "snapshot.interval")
+SHARED_SETTINGS = ("persist.dir", "persist.interval", "persist.keep", "redundancy.scheme", "snapshot.interval",
+                   "recovery.prefer")
 
 
 def shared_settings(cfg: FTConfig) -> dict[str, Any]:

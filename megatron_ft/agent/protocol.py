@@ -22,9 +22,11 @@ invalidate      rank, step (found corrupt at restore)       invalidated (bool)
 refuse          rank, step (the guard refused it: it and    rollbacks (this rank's, counted)
                 every newer version dropped)
 losses          rank                                        losses: {step: loss}, rollbacks
-certify         rank, step (restored, the guard passed)     certified: [step, ...] (rollbacks
-                                                            forgiven)
-list            rank                                        versions: [{slot, step, state, path}]
+certify         rank, step (trained past, no anomaly)       certified: [step, ...], held (its
+                                                            slot kept; rollbacks forgiven)
+watch           rank, step (its next iterations judged)     held (its slot kept meanwhile)
+list            rank                                        versions: [{slot, step, state, path,
+                                                            certified}]
 peer_list       rank, wait_s (for the group's answers)      versions rebuildable from peers,
                                                             unanswered: {node: why}
 recover         rank, step, wait_s                          source (the tier it came from)
@@ -65,7 +67,7 @@ class RankOnly(Request):  # list, peer_list, losses, sched_unpin
     rank: Rank
 
 
-class RankStep(Request):  # begin, global, rewind, invalidate, refuse, certify, recover, sched_pin
+class RankStep(Request):  # begin, global, rewind, invalidate, refuse, certify, watch, recover, sched_pin
     rank: Rank
     step: Step
 
@@ -109,7 +111,7 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 MESSAGES = Messages("agent", {
     "hello": Hello, "register": Register, "begin": RankStep, "commit": Commit, "abort": Abort,
     "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
-    "certify": RankStep,
+    "certify": RankStep, "watch": RankStep,
     "list": RankOnly, "peer_list": RankOnly,
     "recover": RankStep, "sched_pin": RankStep, "sched_unpin": RankOnly, "sched_recv_begin": SchedRecvBegin,
     "sched_recv_done": SchedRecvDone, "status": NoFields, "adopt": Adopt, "persist": Persist,

@@ -146,7 +146,7 @@ class Agent:
         # the guard's memory (megatron_ft.trainer.guard), kept across trainer restarts, lost with the agent:
         self.losses: dict[int, dict[int, float]] = {}  # rank -> {step: loss} of its newest committed steps
         self.rollbacks: dict[int, int] = {}  # rank -> versions refused since the guard last passed
-        self.certified: dict[int, set[int]] = {}  # rank -> restored steps the guard passed
+        self.certified: dict[int, set[int]] = {}  # rank -> steps certified (the newest LOSS_HISTORY)
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -380,8 +380,12 @@ class Agent:
         if self.cfg.redundancy.transport == "scheduled":
             # + the version its trainer is still sending, while the group's complete one, the newest
             # clean one and the one being written stay: snapshots go on during a transfer
-            return SLOTS_PER_RANK + 2
-        return SLOTS_PER_RANK
+            return SLOTS_PER_RANK + 2 + self._certified_slots()
+        return SLOTS_PER_RANK + self._certified_slots()
+
+    def _certified_slots(self) -> int:
+        """``recovery.prefer: certified``: the certified version and the one being watched stay too."""
+        return 2 if self.cfg.recovery.prefer == "certified" else 0
 
     def _drop_rank(self, rank: int) -> None:
         for g in self.segments.pop(rank, []):
@@ -474,12 +478,22 @@ class Agent:
             return {"rollbacks": self.rollbacks[rank]}
 
     def certify(self, rank: int, step: int) -> dict:
-        """The job trained past the restored ``step`` and its guard found nothing: ``step`` is certified,
-        and the rollbacks counted so far are forgiven (the limit is per incident, not per job)."""
+        """The job trained past ``step`` (restored, or taken while training) and its guard found nothing:
+        ``step`` is certified - its slot kept while it is the newest certified one it holds - and the
+        rollbacks counted so far are forgiven (the limit is per incident, not per job)."""
         with self.lock:
             self.certified.setdefault(rank, set()).add(step)
+            for old in sorted(self.certified[rank])[:-LOSS_HISTORY]:
+                self.certified[rank].discard(old)
             self.rollbacks[rank] = 0
-            return {"certified": sorted(self.certified[rank])[-8:]}
+            held = rank in self.table.ranks and self.table.certify(rank, step)
+            return {"certified": sorted(self.certified[rank])[-8:], "held": held}
+
+    def watch(self, rank: int, step: int) -> dict:
+        """``step`` is the version whose next iterations the trainers judge: keep its slot until it is
+        certified or another one is watched."""
+        with self.lock:
+            return {"held": rank in self.table.ranks and self.table.watch(rank, step)}
 
     def loss_history(self, rank: int) -> dict:
         with self.lock:
@@ -548,7 +562,8 @@ class Agent:
                 return []
             self._check_intact(rank)
             return [{"slot": s.index, "step": s.step, "state": snapfile.STATE_NAMES[s.state],
-                     "path": self.segments[rank][s.index].path} for s in rv.clean()]
+                     "path": self.segments[rank][s.index].path, "certified": s.step == rv.certified}
+                    for s in rv.clean()]
 
     def status(self) -> dict:
         with self.lock:
@@ -806,6 +821,8 @@ class Agent:
             return self.loss_history(r.rank)
         if op == "certify":
             return self.certify(r.rank, r.step)
+        if op == "watch":
+            return self.watch(r.rank, r.step)
         if op == "global":
             self.mark_global(r.rank, r.step)
             return {}

@@ -26,6 +26,11 @@ Rules (the invariants the tests check after every event):
   the version the job resumed from is the protected one and later snapshots find free slots.
 * ``newest_consistent``: the newest step every local rank holds clean (the agreed one when every
   rank agreed on it).
+* Certified versions (``recovery.prefer: certified``): ``watch(step)`` marks the version whose next
+  iterations are being judged (the *candidate*), ``certify(step)`` the newest one the job trained past
+  with no anomaly. ``begin`` keeps both slots as it keeps the protected one; ``install`` takes them
+  last. A mark names a step held clean or is cleared: ``rewind`` clears marks newer than the step
+  resumed from, ``invalidate`` the mark of the version it drops.
 """
 from __future__ import annotations
 
@@ -63,6 +68,19 @@ class RankVersions:
     rank: int
     slots: list[SlotState] = field(default_factory=list)
     agreed: int = -1  # newest step the whole job agreed on (lowered by rewind)
+    certified: int = -1  # newest step the job trained past with no anomaly (prefer: certified)
+    candidate: int = -1  # the step whose next iterations are being judged
+
+    def marked(self) -> list[SlotState]:
+        """The slots of the certified and the candidate version."""
+        return [s for st in (self.certified, self.candidate) if st >= 0 and (s := self.slot_with(st)) is not None]
+
+    def forget(self, slot: SlotState) -> None:
+        """``slot`` is about to be emptied or overwritten: a mark naming its step goes with it."""
+        if slot.step == self.certified:
+            self.certified = -1
+        if slot.step == self.candidate:
+            self.candidate = -1
 
     def clean(self) -> list[SlotState]:
         """Clean slots, newest step first."""
@@ -118,7 +136,7 @@ class VersionTable:
         (the group's complete version, one being exchanged). ``staging_only`` (an rs parity node's
         single slot, whose packets data nodes hold whole): only ``keep`` and pins protect."""
         rv = self.get(rank)
-        kept = {id(s) for st in keep if (s := rv.slot_with(st)) is not None}
+        kept = {id(s) for st in keep if (s := rv.slot_with(st)) is not None} | {id(s) for s in rv.marked()}
         if not staging_only and (p := rv.protected()) is not None:
             kept.add(id(p))
         free = [s for s in rv.slots if id(s) not in kept and s.pins == 0]
@@ -127,6 +145,7 @@ class VersionTable:
                              for s in rv.slots)
             raise BusyError(f"rank {rank}: no free slot for step {step}: {held}")
         slot = min(free, key=lambda s: (s.state != EMPTY, s.step))
+        rv.forget(slot)
         slot.state, slot.step = WRITING, step
         return slot
 
@@ -153,8 +172,10 @@ class VersionTable:
 
     def invalidate(self, rank: int, step: int) -> Optional[SlotState]:
         """A reader found this version corrupt: never offer it again."""
-        s = self.get(rank).slot_with(step)
+        rv = self.get(rank)
+        s = rv.slot_with(step)
         if s is not None:
+            rv.forget(s)
             s.state, s.step = EMPTY, -1
         return s
 
@@ -167,9 +188,11 @@ class VersionTable:
         if not unpinned:
             raise BusyError(f"rank {rank}: every slot is pinned; cannot install step {step}")
         p = rv.protected()
+        marked = rv.marked()
         slot = rv.slot_with(step)
         if slot is None or slot.pins:
-            slot = min(unpinned, key=lambda s: (s is p, s.state == CLEAN, s.step))
+            slot = min(unpinned, key=lambda s: (s is p, s in marked, s.state == CLEAN, s.step))
+            rv.forget(slot)
         slot.state, slot.step = WRITING, step  # (the caller writes the bytes, then commits)
         return slot
 
@@ -189,7 +212,27 @@ class VersionTable:
                 s.state, s.step = EMPTY, -1
                 emptied.append(s)
         rv.agreed = step
+        rv.certified = rv.certified if rv.certified <= step else -1
+        rv.candidate = rv.candidate if rv.candidate <= step else -1
         return emptied
+
+    def watch(self, rank: int, step: int) -> bool:
+        """``step``'s next iterations are being judged: keep its slot (the previous candidate's is
+        released). False (nothing marked) if the rank does not hold ``step`` clean."""
+        rv = self.get(rank)
+        rv.candidate = step if rv.slot_with(step) is not None else -1
+        return rv.candidate >= 0
+
+    def certify(self, rank: int, step: int) -> bool:
+        """The job trained past ``step`` with no anomaly: it is the certified version (kept until a
+        newer one is certified). False if the rank does not hold it clean (nothing changes)."""
+        rv = self.get(rank)
+        if step <= rv.certified or rv.slot_with(step) is None:
+            return step == rv.certified
+        rv.certified = step
+        if rv.candidate == step:
+            rv.candidate = -1
+        return True
 
     # ------------------------------------------------------------------ queries
     def agreed_low(self, expected_ranks: int) -> int:
@@ -222,3 +265,5 @@ class VersionTable:
             for s in rv.slots:
                 assert s.pins >= 0, f"rank {rv.rank} slot {s.index}: negative pins"
                 assert (s.state == EMPTY) == (s.step < 0), f"rank {rv.rank} slot {s.index}: {s.describe()}"
+            for name, st in (("certified", rv.certified), ("candidate", rv.candidate)):
+                assert st < 0 or rv.slot_with(st) is not None, f"rank {rv.rank}: {name} step {st} is not held clean"

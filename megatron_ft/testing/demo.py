@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, get_args
 
 import yaml
 
@@ -603,6 +603,8 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     base = ftconfig.load(args.config)
     tag = f"demo-{args.fail}-{os.getpid()}"
     cfg = ftconfig.replace(base, run_id=tag, persist={"dir": os.path.join(workdir, "persist")})
+    if getattr(args, "prefer", None):
+        cfg = ftconfig.replace(cfg, recovery={"prefer": args.prefer})
     if args.redundancy and args.config:  # the user's cluster, with this scheme (validated against it)
         cfg = ftconfig.replace(cfg, redundancy=DEMO_SHAPES[args.redundancy]["redundancy"])
     elif args.redundancy:  # the demo's own cluster for the scheme
@@ -916,11 +918,12 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     progress = _all_records(run_dir, "progress")
     first_lives = {life(r) for r in progress if kill_time is not None and r["time"] <= kill_time}
     last_before_kill = max((r["iteration"] for r in progress if life(r) in first_lives), default=0)
-    after = [e for e in _all_records(run_dir, "events")
+    events = _all_records(run_dir, "events")
+    after = [e for e in events
              if e.get("event") == "restore" and kill_time is not None and life(e) not in first_lives]
     # what the failed ranks recovered from (the others restore their own local copy)
     # the guard's loss check rolled back these lives' restored steps (they exited; their restarts restored older ones)
-    rollback_events = [e for e in _all_records(run_dir, "events") if e.get("event") == "rollback"]
+    rollback_events = [e for e in events if e.get("event") == "rollback"]
     refused = {e["step"] for e in rollback_events}
     sources = sorted({e["source"] for e in after if not victims or e["rank"] in victims})
     recovered_from = sources[0] if len(sources) == 1 else ("none" if not sources else "+".join(sources))
@@ -976,6 +979,17 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     if not step_ok:
         problems.append(f"resumed from persisted step {resumed}, but step {want_step} was persisted whole "
                         f"before the failure")
+    # recovery.prefer: certified - the restore takes a certified version, at least the newest one certified
+    # before the failure (a later certification may land while the kill does)
+    certified_at_kill = max((e["step"] for e in events if e.get("event") == "certified" and kill_time is not None
+                             and e["time"] <= kill_time), default=None)
+    if eff_cfg.recovery.prefer == "certified" and kill_time is not None and certified_at_kill is not None and after:
+        uncertified = sorted({e["step"] for e in after if e.get("certified") is not True})
+        if uncertified or resumed < certified_at_kill:
+            step_ok = False
+            problems.append(f"recovery.prefer: certified, step {certified_at_kill} certified before the failure, "
+                            f"but the job resumed from step {resumed}" +
+                            (f" (not certified: step(s) {uncertified})" if uncertified else ""))
     # from peer memory, at least the newest step every lost node's agent had seen complete in its group (its
     # log is final): the survivors hold those copies. A survivor may have seen a newer one complete that the
     # lost agent never heard of, so this is a floor, not the step itself. How far it trails the failure is
@@ -983,7 +997,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     held_at_loss = (min(max(v) for v in complete_at_loss.values())
                     if complete_at_loss and all(complete_at_loss.values()) else None)
     if (kill_time is not None and recovered_from in ("peer_memory", "decoded") and held_at_loss is not None
-            and not refused and resumed < held_at_loss):
+            and not refused and eff_cfg.recovery.prefer == "newest" and resumed < held_at_loss):
         step_ok = False
         problems.append(f"resumed from step {resumed} out of peer memory, but step {held_at_loss} was complete "
                         f"in the lost node's group before the failure")
@@ -996,6 +1010,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         "newest_persisted_before_failure": want_step,
         "group_complete_at_loss": {str(n): v for n, v in complete_at_loss.items()} if lost_nodes else None,
         "newest_complete_at_loss": held_at_loss,
+        "certified_before_failure": certified_at_kill,
         "transport": cfg.redundancy.transport if cfg.redundancy.scheme != "none" else None,
         "recovered_from": recovered_from if args.fail != "none" else "none",
         "resumed_step": resumed,
@@ -1122,6 +1137,8 @@ def add_parser(sub) -> None:
     p.add_argument("--schedule-mode", choices=list(ftconfig.ScheduleConfig.MODES), default="pipelined",
                    help="--transport scheduled: when the chunks go (docs/scheduling.md)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
+    p.add_argument("--prefer", choices=get_args(ftconfig.Prefer), default=None,
+                   help="recovery.prefer: restore the newest version, or the newest certified one")
     p.add_argument("--kill-delay", type=float, default=0.0,
                    help="after-iteration: wait this many seconds after the victims logged --kill-at before the "
                         "SIGKILL (a wall-clock moment inside the next iteration: copy, exchange, persist)")

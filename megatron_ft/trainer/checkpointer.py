@@ -102,6 +102,10 @@ class InMemoryCheckpointer:
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
         self._max = _max_over_ranks(self.coord_group)
+        # recovery.prefer: certified - every iteration's loss judged, the versions trained past certified
+        self.certifier = (guard.Certifier(cfg.recovery.certify_after)
+                          if cfg.recovery.prefer == "certified" and self.engine is not None else None)
+        self._recent_losses: dict[int, float] = {}  # this life's last guard.SPIKE_WINDOW losses (the spike rule)
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, self._max)
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
@@ -110,7 +114,8 @@ class InMemoryCheckpointer:
         started = time.time()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
                             self.client, self.coord_group, self.cfg.health.group_answer_s,
-                            self.cfg.recovery.guard, self.cfg.recovery.max_rollbacks)
+                            self.cfg.recovery.guard, self.cfg.recovery.max_rollbacks,
+                            self.cfg.recovery.prefer == "certified")
         try:
             res = restorer.restore(self.adapter)
         except RollbacksExhausted as e:  # every rank together: end the job, never restart into garbage
@@ -121,12 +126,16 @@ class InMemoryCheckpointer:
             msg = "no valid in-memory or persisted snapshot: starting fresh"
         else:
             msg = f"restored step {res.step} from {res.source} in {res.seconds:.3f} s"
+            if res.certified is not None:
+                msg += " (certified)" if res.certified else " (not certified: no certified version was held)"
+            if res.certified and self.certifier is not None:
+                self.certifier.passed(res.step)
         if self.rank == 0 or res.rejected:
             log.warning("rank %d: %s%s", self.rank, msg, f" (rejected: {res.rejected})" if res.rejected else "")
         if self.rank == 0:
             print(f"[megatron-ft] {msg}", flush=True)
         self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
-                            "rejected": res.rejected, "rollbacks": res.rollbacks,
+                            "rejected": res.rejected, "rollbacks": res.rollbacks, "certified": res.certified,
                             "timeline": _start_timeline(self._ready_at, started),
                             "weights_initialised": not in_process.uninitialised()})
         if res.source != "none" and self.engine is not None:
@@ -164,10 +173,40 @@ class InMemoryCheckpointer:
 
     def _certify(self, step: int) -> None:
         """``step`` passed the guard: the agent records it certified and forgives the rollbacks it counted."""
+        if self.certifier is not None:
+            self.certifier.passed(step)
+        self._tell_agent("certify", step)
+
+    def _tell_agent(self, op: str, step: int) -> None:
+        """``certify`` or ``watch`` ``step`` at this rank's agent. Best effort: a mark the agent missed
+        costs only the version it would have kept (and, for ``certify``, a rollback count kept higher)."""
         try:
-            self.client.request("certify", rank=self.rank, step=step)  # type: ignore[union-attr]
-        except Exception as e:  # best effort: only the rollback count stays higher
-            log.warning("rank %d: could not tell the agent step %d passed the guard: %s", self.rank, step, e)
+            self.client.request(op, rank=self.rank, step=step)  # type: ignore[union-attr]
+        except Exception as e:
+            log.warning("rank %d: could not %s step %d at the agent: %s", self.rank, op, step, e)
+
+    def _judge(self, iteration: int, loss: Optional[float]) -> None:
+        """Collective (every rank, every iteration; ``recovery.prefer: certified``): judge this iteration's
+        loss against this life's recent ones, agree on the verdict, and tell the agent which version is
+        now certified and which one is watched next."""
+        assert self.certifier is not None and self.engine is not None
+        rule = guard.LossRule(self.cfg.recovery.loss_tolerance, self.cfg.recovery.loss_spike)
+        why = guard.loss_anomaly(iteration, loss, self._recent_losses, rule)
+        if loss is not None:
+            self._recent_losses[iteration] = loss
+            for old in sorted(self._recent_losses)[:-guard.SPIKE_WINDOW]:
+                del self._recent_losses[old]
+        self.engine.wait()  # the coordination group is free for the verdict (it is after before_optimizer_step)
+        anomalous = self._any_rank(why is not None)
+        if anomalous:
+            log.warning("rank %d: iteration %d: %s: the versions before it are not certified", self.rank, iteration,
+                        why or "the loss of another rank was an anomaly")
+        decided = self.certifier.iteration(iteration, anomalous, self.engine.last_agreed)
+        if decided.certify is not None:
+            self._tell_agent("certify", decided.certify)
+            self._events.write({"event": "certified", "step": decided.certify, "at": iteration})
+        if decided.watch is not None:
+            self._tell_agent("watch", decided.watch)
 
     def _watched(self, iteration: int, loss: Optional[float]) -> bool:
         """Collective (every rank, every iteration of the watch): judge this iteration's loss; on an
@@ -223,8 +262,11 @@ class InMemoryCheckpointer:
     def after_iteration(self, iteration: int, consumed_samples: int, loss: Optional[float] = None) -> None:
         """``iteration`` is complete (``loss``: its training loss where this rank knows it). Collective
         while the guard watches the iterations after a restore."""
-        if self._watch is not None and self._watched(iteration, loss):
-            return
+        if self._watch is not None:
+            if self._watched(iteration, loss):
+                return
+        elif self.certifier is not None:
+            self._judge(iteration, loss)
         if self.engine is not None and self.auto is not None:
             self._auto_intervals()
         every = self.auto.snapshot_every if self.auto is not None else self.cfg.snapshot.interval

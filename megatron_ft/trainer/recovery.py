@@ -94,6 +94,8 @@ class RestoreResult:
     extra: dict = field(default_factory=dict)
     rejected: list[str] = field(default_factory=list)
     rollbacks: int = 0  # versions the guard refused (every rank rolled back past them together)
+    #: recovery.prefer: certified - whether the step is the newest certified one or older (None: not asked)
+    certified: Optional[bool] = None
 
 
 class Container:
@@ -329,12 +331,14 @@ def _gather_shard(t) -> None:
 class Restorer:
     """``group_wait_s``: how long the agent may wait for its group's members to say what they hold
     (``health.group_answer_s``); each such request is bounded by that plus the client's timeout.
-    ``check_values``: the guard (``recovery.guard``); ``max_rollbacks``: ``recovery.max_rollbacks``."""
+    ``check_values``: the guard (``recovery.guard``); ``max_rollbacks``: ``recovery.max_rollbacks``;
+    ``prefer_certified``: ``recovery.prefer: certified``."""
 
     def __init__(self, rank: int, world_size: int, identity: dict, run_id: str, persist_dir: str,
                  client: Optional[AgentClient], coord_group: Any = None, group_wait_s: float = 15.0,
-                 check_values: bool = True, max_rollbacks: int = 2):
+                 check_values: bool = True, max_rollbacks: int = 2, prefer_certified: bool = False):
         self.rank = rank
+        self.prefer_certified = prefer_certified
         self.check_values = check_values
         self.max_rollbacks = max_rollbacks
         self.group_wait_s = group_wait_s
@@ -431,18 +435,62 @@ class Restorer:
         straight into the training state verifying every chunk, and all agree again. A candidate
         that fails the second agreement is invalidated where it was corrupt and the next one
         overwrites the state completely; if none is left, :class:`RestoreFailed` is raised so the
-        process restarts clean instead of training on half-restored state."""
+        process restarts clean instead of training on half-restored state.
+
+        With ``prefer_certified`` the tiers are first searched for versions at or before the newest
+        certified one (the ranks agree on it); only where no rank holds any of those in a tier every
+        rank reaches (a node lost with it: peer memory holds the newest versions only) does the search
+        go on over every version, saying so."""
         t0 = time.perf_counter()
-        rejected: list[str] = []
-        touched = False
-        refused: set[int] = set()  # steps the guard refused: skipped in every tier (a peer holds the same values)
+        attempt = _Attempt()
+        certified = self._newest_certified() if self.prefer_certified else None
+        if certified is not None and certified >= 0:
+            res = self._through_tiers(adapter, t0, attempt, upto=certified)
+            if res is not None:
+                res.certified = True
+                return res
+        res = self._through_tiers(adapter, t0, attempt)
+        if res is not None:
+            if certified is not None:
+                res.certified = False
+                log.warning("rank %d: restored step %d, not certified: %s", self.rank, res.step,
+                            f"no version at or before the newest certified one (step {certified}) is held where "
+                            f"every rank reaches it" if certified >= 0 else "no version is certified yet")
+            return res
+        if attempt.touched:
+            raise RestoreFailed(f"rank {self.rank}: every snapshot candidate failed after loading began "
+                                f"({attempt.rejected}); the corrupt copies were invalidated, restart to begin fresh")
+        self._rewind(-1)
+        return RestoreResult("none", -1, time.perf_counter() - t0, {}, attempt.rejected)
+
+    def _newest_certified(self) -> int:
+        """Collective: the newest certified step any rank's agent marks (-1: none). The marks come from
+        verdicts every rank shared, so an agent that has none (a replaced node's) only does not know."""
+        mine = -1
+        if self.client is not None:
+            try:
+                mine = max((v["step"] for v in self.client.request("list", rank=self.rank)["versions"]
+                            if v.get("certified")), default=-1)
+            except Exception as e:
+                log.warning("rank %d: the agent did not say which version is certified: %s", self.rank, e)
+        if not self.distributed:
+            return mine
+        t = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.coord_group)
+        return int(t.item())
+
+    def _through_tiers(self, adapter: StateAdapter, t0: float, attempt: "_Attempt",
+                       upto: Optional[int] = None) -> Optional[RestoreResult]:
+        """Collective: the first candidate (at most step ``upto``) every rank restores, tier by tier, or
+        ``None``. ``attempt`` carries what was rejected, refused and touched across calls."""
+        rejected, refused = attempt.rejected, attempt.refused
         # local memory first (every rank agrees from its own agent's versions, no peer traffic); when
         # no step is common, local and peer holdings together; then disk
         tiers = (("local", self.local_candidates), ("memory", self.memory_candidates), ("disk", self.disk_candidates))
         for tier, cands in tiers:
             if tier == "disk":
                 self._check_memory_known()
-            by_step = {c.step: c for c in cands() if c.step not in refused}
+            by_step = {c.step: c for c in cands() if c.step not in refused and (upto is None or c.step <= upto)}
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
                             "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
@@ -467,7 +515,7 @@ class Restorer:
                         cont.close()
                     continue
                 assert cont is not None
-                touched = True
+                attempt.touched = True
                 bad_values: list[str] = []
                 try:
                     cont.load_verified(targets)
@@ -501,11 +549,7 @@ class Restorer:
                     self._check_rollbacks(step, self._refuse(by_step[step]), refused, rejected)
                 elif ok:
                     rejected.append(f"{tier} step {step}: corrupt on another rank")
-        if touched:
-            raise RestoreFailed(f"rank {self.rank}: every snapshot candidate failed after loading began "
-                                f"({rejected}); the corrupt copies were invalidated, restart to begin fresh")
-        self._rewind(-1)
-        return RestoreResult("none", -1, time.perf_counter() - t0, {}, rejected)
+        return None
 
     def _refuse(self, cand: Candidate) -> int:
         """Every rank, for the version the guard refused on some rank: :func:`refuse_version`."""
@@ -555,6 +599,16 @@ class Restorer:
                 os.replace(cand.path, cand.path + ".corrupt")
         except Exception as e:  # best effort: the checksum still rejects it next time
             log.warning("rank %d: could not invalidate %s step %d: %s", self.rank, cand.source, cand.step, e)
+
+
+@dataclass
+class _Attempt:
+    """One restore's record across its searches: why candidates were rejected, the steps the guard
+    refused (skipped in every tier), whether any state was overwritten yet."""
+
+    rejected: list[str] = field(default_factory=list)
+    refused: set[int] = field(default_factory=set)
+    touched: bool = False
 
 
 def refuse_version(client: Optional[AgentClient], rank: int, step: int, persisted: str) -> int:

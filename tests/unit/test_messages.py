@@ -13,7 +13,7 @@ SENT = [  # every agent operation, with the fields its senders use (trainer, lau
     {"op": "register", "rank": 0, "layout": "{}"},
     {"op": "begin", "rank": 0, "step": 4}, {"op": "commit", "rank": 0, "slot": 1, "step": 4},
     {"op": "commit", "rank": 0, "slot": 1, "step": 4, "loss": 2.5}, {"op": "refuse", "rank": 0, "step": 4},
-    {"op": "losses", "rank": 0}, {"op": "certify", "rank": 0, "step": 4},
+    {"op": "losses", "rank": 0}, {"op": "certify", "rank": 0, "step": 4}, {"op": "watch", "rank": 0, "step": 4},
     {"op": "abort", "rank": 0, "slot": 1}, {"op": "global", "rank": 0, "step": 4},
     {"op": "rewind", "rank": 0, "step": -1}, {"op": "invalidate", "rank": 0, "step": 4},
     {"op": "list", "rank": 0}, {"op": "peer_list", "rank": 0}, {"op": "recover", "rank": 0, "step": 4},

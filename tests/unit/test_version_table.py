@@ -110,6 +110,41 @@ def test_newest_consistent_prefers_the_agreed_step():
     assert t.agreed_low(2) == 2 and t.agreed_low(3) == -1
 
 
+def test_the_certified_and_the_watched_versions_keep_their_slots():
+    """recovery.prefer: certified - with two more slots, snapshots go on while the certified version and
+    the watched one stay; a newer certified version releases the older one's slot."""
+    t = VersionTable()
+    t.add_rank(0, 4)
+    snap(t, 0, 1)
+    assert t.certify(0, 1) and not t.certify(0, 7)  # 7 is not held: nothing marked
+    snap(t, 0, 2)
+    assert t.watch(0, 2)
+    for step in range(3, 9):
+        t.agree(0, step - 1)
+        snap(t, 0, step)
+        t.check()
+    assert {1, 2} <= set(t.clean_steps()[0])
+    t.certify(0, 2)
+    assert (t.get(0).certified, t.get(0).candidate) == (2, -1)
+    snap(t, 0, 9)
+    snap(t, 0, 10)
+    assert 1 not in t.clean_steps()[0] and 2 in t.clean_steps()[0]  # 1 is no longer kept
+
+
+def test_rewind_and_invalidate_drop_the_marks_of_the_versions_they_drop():
+    t = VersionTable()
+    t.add_rank(0, 4)
+    for step in (1, 2, 3):
+        snap(t, 0, step)
+    t.certify(0, 2)
+    t.watch(0, 3)
+    t.rewind(0, 2)  # 3 belonged to an abandoned future
+    assert (t.get(0).certified, t.get(0).candidate) == (2, -1)
+    t.invalidate(0, 2)
+    assert t.get(0).certified == -1
+    t.check()
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_event_orders_keep_every_rule(seed):
     """Random interleavings of begin/commit/abort/invalidate/agree/rewind/pin/install on 2 ranks with
@@ -127,13 +162,13 @@ def test_random_event_orders_keep_every_rule(seed):
         r = rng.choice(ranks)
         rv = t.get(r)
         ev = rng.choice(["begin", "begin", "commit", "commit", "abort", "invalidate", "agree", "rewind", "pin",
-                         "unpin", "install"])
+                         "unpin", "install", "watch", "certify"])
         if ev == "begin":
             step += 1
             keep = {rng.choice([s.step for s in rv.clean()])} if rv.clean() and rng.random() < 0.3 else set()
             protected = rv.protected()
             before = {s.index: (s.state, s.step, s.pins) for s in rv.slots}
-            kept = {s.index for s in rv.slots if s.state == CLEAN and s.step in keep}
+            kept = {s.index for s in rv.slots if s.state == CLEAN and s.step in keep} | {s.index for s in rv.marked()}
             try:
                 s = t.begin(r, step, keep)
             except BusyError:
@@ -176,4 +211,12 @@ def test_random_event_orders_keep_every_rule(seed):
                 assert all(s.pins for s in rv.slots)
                 continue
             writing[r] = (s.index, step)
+        elif ev in ("watch", "certify") and rv.clean():
+            st = rng.choice(rv.clean()).step
+            was = rv.certified
+            held = getattr(t, ev)(r, st)
+            if ev == "watch":
+                assert held and rv.candidate == st
+            else:  # an older step than the certified one changes nothing
+                assert held == (st >= was) and rv.certified == max(was, st)
         t.check()
