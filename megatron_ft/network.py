@@ -10,9 +10,10 @@ and the check that refuses a node its peers could not reach.
 * :func:`megatron_ft.config.port_plan` - every port megatron-ft's own processes listen on, each moved by
   one setting (``megatron-ft config FILE --ports`` prints it as a firewall table, :func:`describe_ports`;
   a configuration whose ranges overlap is refused when it is read). None is picked by the kernel, and the
-  agents' servers (the store, the peer transport) listen on the node's own address only; torch's own
-  listeners are the exception (gloo's and NCCL's connections, and the TCPStores of torchrun's rendezvous
-  and of the trainers' process groups bind every interface: docs/security.md);
+  agents' servers (the store, the peer transport) and the trainers' process-group store (a TCPStore given
+  its listening socket: :func:`megatron_ft.spares.fast_restart.store_listener`) listen on the node's own
+  address only; torch's own listeners are the exception (gloo's and NCCL's connections, and torchrun's
+  rendezvous TCPStore bind every interface: docs/security.md);
 * :func:`node_address_problem` - run by each launcher of a multi-host job before anything starts: a node
   whose own name resolves to a loopback address (Debian's installer writes ``127.0.1.1 <hostname>``
   into /etc/hosts), to nothing, or to no address of this host would advertise an address its peers

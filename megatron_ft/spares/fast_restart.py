@@ -41,8 +41,11 @@ The decisions are pure (:func:`after_exit`, :func:`joins`); :class:`RoundStore` 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Mapping, MutableMapping, Optional
@@ -52,6 +55,7 @@ from .lifetime import die_with_parent, set_process_name
 
 REPORT, OPEN_NEXT = "report", "open-next"
 POLL_S = 0.05  # how often a keeper looks for a newer round
+log = logging.getLogger("megatron_ft.spares")
 STORE_PROCESS_NAME = "mft-store"  # the process name of a store host (psutil's name(), /proc/PID/comm)
 STORE_TIMEOUT_S = 10.0  # every request to torchrun's store
 BIND_WAIT_S = 10.0  # a store's port still held by the previous holder, going away
@@ -170,6 +174,65 @@ class RoundStore:
         return int(self.store.get(f"port/{n}"))
 
 
+def store_bind_address(addr: str, resolved: str, local: set[str]) -> Optional[str]:
+    """Where the trainers' store reached at ``addr`` (resolved here to ``resolved``) listens: that
+    address when it is one of this host's (``local``) - a loopback one only when ``addr`` names loopback
+    itself - else ``None``, every interface: a host name that resolves to loopback here (Debian's
+    ``127.0.1.1``) or to an address that is not this host's (a virtual one) is reached by the other hosts
+    under another address. Pure.
+
+    >>> local = {"10.0.0.1", "127.0.0.1"}
+    >>> store_bind_address("node0", "10.0.0.1", local), store_bind_address("127.0.0.1", "127.0.0.1", local)
+    ('10.0.0.1', '127.0.0.1')
+    >>> store_bind_address("node0", "127.0.1.1", local), store_bind_address("trainers", "10.96.0.5", local)
+    (None, None)
+    """
+    try:
+        loopback = ipaddress.ip_address(resolved).is_loopback
+    except ValueError:
+        return None
+    if loopback:
+        named_loopback = addr == "localhost" or addr == resolved
+        return resolved if named_loopback else None
+    return resolved if resolved in local else None
+
+
+def store_listener(addr: str, port: int) -> Optional[int]:
+    """A listening TCP socket for the trainers' store reached at ``addr:port``, on the address
+    :func:`store_bind_address` picks: its file descriptor, for ``TCPStore(..., master_listen_fd=)`` -
+    which then listens there and nowhere else (given a host and port alone, torch's store binds every
+    interface); the descriptor is the store's from then on. ``None`` where it must listen on every
+    interface (said in the log). ``OSError`` when the port is held."""
+    import psutil
+
+    family, kind, proto, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    bind = store_bind_address(addr, where[0], local)
+    if bind is None:
+        log.warning("the trainers' store at %s:%d listens on every interface: %s resolves to %s here, not an "
+                    "address of this host it is reached at", addr, port, addr, where[0])
+        return None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+def hosted_store(addr: str, port: int, world: Optional[int], timeout: datetime.timedelta,
+                 wait_for_workers: bool = True):
+    """The server side of a ``TCPStore`` reached at ``addr:port``, listening on ``addr``'s address only
+    (:func:`store_listener`)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, port, world, is_master=True, timeout=timeout, wait_for_workers=wait_for_workers,
+                    master_listen_fd=store_listener(addr, port))
+
+
 def host_round_store(addr: str, port: int) -> tuple[int, int]:
     """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, reached at ``addr``):
     (its pid, the port). It dies with its keeper; the keeper kills it when it is no longer needed. The
@@ -182,15 +245,13 @@ def host_round_store(addr: str, port: int) -> tuple[int, int]:
             os.close(rd)
             die_with_parent()
             set_process_name(STORE_PROCESS_NAME)
-            from torch.distributed import TCPStore
-
             deadline = time.monotonic() + BIND_WAIT_S
             while True:
                 try:
-                    store = TCPStore(addr, port, is_master=True, wait_for_workers=False,
-                                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                    store = hosted_store(addr, port, None, datetime.timedelta(seconds=STORE_TIMEOUT_S),
+                                         wait_for_workers=False)
                     break
-                except RuntimeError:  # DistNetworkError: the port is held
+                except (OSError, RuntimeError):  # the port is held (by the previous host, going away)
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)

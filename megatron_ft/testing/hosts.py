@@ -128,19 +128,28 @@ class Listener(NamedTuple):
         return "trainer"
 
 
+#: the listening addresses that mean every interface
+WILDCARDS = ("0.0.0.0", "*", "::")
+
+
 def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
     """megatron-ft's own servers among ``listeners`` (one host's) that listen off the configuration's port
     plan (:func:`megatron_ft.config.port_plan`), or on every interface where they should listen on the
-    node's own address only (the agent's store and peer transport); the trainers' listeners are torch's
-    and Slurm's are Slurm's: not judged. Empty: all as planned."""
+    node's own address only (the agent's store and peer transport, the trainers' store - hosted by a
+    keeper's fork or by torchrun's rank 0); the trainers' other listeners are torch's collectives' and
+    Slurm's are Slurm's: not judged. Empty: all as planned."""
     ports = {p: r.setting for r in ftconfig.port_plan(cfg) for p in range(r.first, r.last + 1)}
+    trainer_store = {p for r in ftconfig.port_plan(cfg) if r.setting == "launch.trainer_port"
+                     for p in range(r.first, r.last + 1)}
     out = []
     for s in listeners:
+        if s.owner == "trainer" and s.port in trainer_store and s.address in WILDCARDS:
+            out.append(f"a trainer (pid {s.pid}) serves launch.trainer_port on every interface ({s.address}:{s.port})")
         if s.owner in ("trainer", "slurm"):
             continue
         if s.port not in ports:
             out.append(f"{s.owner} (pid {s.pid}) listens on {s.address}:{s.port}, a port of no setting")
-        elif s.owner == "agent" and s.address in ("0.0.0.0", "*", "::"):
+        elif s.owner in ("agent", "store host") and s.address in WILDCARDS:
             out.append(f"{s.owner} (pid {s.pid}) serves {ports[s.port]} on every interface ({s.address}:{s.port})")
     return out
 

@@ -45,7 +45,7 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
     (``TORCHELASTIC_USE_AGENT_STORE`` alone: key-prefixed by the restart count). The first two are
     fresh per attempt and unprefixed, so a replacement node, whose torchrun counts its restarts from
     0, meets the others under the same keys."""
-    from ..spares.fast_restart import adopt_trainer_port
+    from ..spares.fast_restart import adopt_trainer_port, hosted_store
 
     adopt_trainer_port(os.environ)  # launch.trainer_port, not torchrun's ephemeral MASTER_PORT
     world = int(os.environ["WORLD_SIZE"])
@@ -55,7 +55,9 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
         if os.environ.get("MFT_FRESH_STORE") == "1":
             return base
         return dist.PrefixStore(f"mft/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
-    return dist.TCPStore(addr, port, world, is_master=torchrun_rank() == 0, timeout=timeout)
+    if torchrun_rank() == 0:
+        return hosted_store(addr, port, world, timeout)
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 #: wall-clock (start, end) of this process's ``init_process_group``: its rendezvous with the other

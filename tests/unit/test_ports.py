@@ -30,3 +30,39 @@ def test_the_trainers_store_moves_to_the_configured_port_once():
     plain = {"MASTER_ADDR": "a", "MASTER_PORT": "45123"}  # a plain torchrun: torchrun's choice stays
     adopt_trainer_port(plain)
     assert plain["MASTER_PORT"] == "45123"
+
+
+def test_the_trainers_store_listens_on_its_address_only_not_every_interface():
+    """The trainers' process-group store megatron-ft hosts (a keeper's fork, or torchrun's rank 0) is
+    given its listening socket: bound to MASTER_ADDR's address, where torch alone would bind every
+    interface. Both hosts serve a client; ``ss`` shows the address."""
+    import datetime
+    import os
+    import signal
+    import subprocess
+
+    from megatron_ft.spares import fast_restart as fr
+    from megatron_ft.testing.hosts import parse_listeners
+    from megatron_ft.testing.helpers import free_port
+
+    def listening(port):
+        ss = subprocess.run(["ss", "-H", "-ltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+        return sorted({x.address for x in parse_listeners(ss)})
+
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = fr.hosted_store("127.0.0.1", port, None, datetime.timedelta(seconds=5), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v" and listening(port) == ["127.0.0.1"]
+    del client, store
+
+    pid, got = fr.host_round_store("127.0.0.1", free_port())
+    try:
+        client = TCPStore("127.0.0.1", got, is_master=False, timeout=datetime.timedelta(seconds=5))
+        client.set("k", "w")
+        assert client.get("k") == b"w" and listening(got) == ["127.0.0.1"]
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
