@@ -106,6 +106,7 @@ class InMemoryCheckpointer:
         self.certifier = (guard.Certifier(cfg.recovery.certify_after)
                           if cfg.recovery.prefer == "certified" and self.engine is not None else None)
         self._recent_losses: dict[int, float] = {}  # this life's last guard.SPIKE_WINDOW losses (the spike rule)
+        self._losses_reported: Optional[bool] = None  # some rank reports its loss (decided at the first judgement)
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, self._max)
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
@@ -127,7 +128,7 @@ class InMemoryCheckpointer:
         else:
             msg = f"restored step {res.step} from {res.source} in {res.seconds:.3f} s"
             if res.certified is not None:
-                msg += " (certified)" if res.certified else " (not certified: no certified version was held)"
+                msg += " (certified)" if res.certified else " (not certified)"
             if res.certified and self.certifier is not None:
                 self.certifier.passed(res.step)
         if self.rank == 0 or res.rejected:
@@ -197,7 +198,9 @@ class InMemoryCheckpointer:
             for old in sorted(self._recent_losses)[:-guard.SPIKE_WINDOW]:
                 del self._recent_losses[old]
         self.engine.wait()  # the coordination group is free for the verdict (it is after before_optimizer_step)
-        anomalous = self._any_rank(why is not None)
+        if self._losses_reported is None:  # a loop that reports no loss (upstream's train()) needs no verdicts
+            self._losses_reported = self._any_rank(loss is not None)
+        anomalous = self._any_rank(why is not None) if self._losses_reported else False
         if anomalous:
             log.warning("rank %d: iteration %d: %s: the versions before it are not certified", self.rank, iteration,
                         why or "the loss of another rank was an anomaly")
@@ -261,7 +264,8 @@ class InMemoryCheckpointer:
 
     def after_iteration(self, iteration: int, consumed_samples: int, loss: Optional[float] = None) -> None:
         """``iteration`` is complete (``loss``: its training loss where this rank knows it). Collective
-        while the guard watches the iterations after a restore."""
+        while the guard watches the iterations after a restore, and every iteration with
+        ``recovery.prefer: certified`` (in a loop that reports its loss)."""
         if self._watch is not None:
             if self._watched(iteration, loss):
                 return

@@ -425,3 +425,13 @@ def test_rollbacks_past_the_limit_end_the_job_with_exit_3_never_a_restart_loop(t
     assert f"(steps [{KILL_AT}] in this restore) failed the guard, more than recovery.max_rollbacks=0" in text, text[-3000:]
     log = (tmp_path / "demo" / "run.log").read_text()
     assert "round 2, trainer pid" not in log and "will restart worker group" not in log, log[-3000:]
+
+
+@pytest.mark.slow  # default-suite time; the rule in process: tests/integration/test_restore_guard.py
+def test_prefer_certified_resumes_from_the_newest_certified_version_not_the_newest(tmp_path, reference_dir):
+    """recovery.prefer: certified (certify_after 3): the trainers judge every iteration's loss and certify as
+    they go; a trainer SIGKILLed after iteration 5 comes back at the newest version certified before the
+    kill (at most step 2: certified three iterations later), not at step 5, bit-exact from there."""
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--prefer=certified")
+    assert s["recovered_from"] == "local_memory", s
+    assert 1 <= s["certified_before_failure"] <= s["resumed_step"] <= KILL_AT - 3, s
