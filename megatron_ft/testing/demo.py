@@ -969,13 +969,14 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             unprotected = True
             problems.append(f"the restarted agent did not protect the steps after its restart: the node's trainers "
                             f"resumed from step(s) {sorted(set(last_restore.values()))}, want >= {protected_from}")
-    # from disk, the newest step persisted whole before the loss (a node's loss without redundancy);
-    # with none persisted whole yet, a fresh start is all there is
+    # from disk, at least the newest step persisted whole before the loss (a node's loss without redundancy):
+    # a newer one the survivors' agents finished writing after it (the lost nodes' files already written) is
+    # as good; with none persisted whole yet, a fresh start is all there is
     want_step = max((s for s in persisted_at_kill if s <= last_before_kill), default=None)
     if promise == "disk" and want_step is None:
         promise = "none"
     step_ok = not (kill_time is not None and recovered_from == "disk" and want_step is not None
-                   and resumed != want_step)
+                   and resumed < want_step)
     if not step_ok:
         problems.append(f"resumed from persisted step {resumed}, but step {want_step} was persisted whole "
                         f"before the failure")

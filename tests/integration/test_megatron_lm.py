@@ -267,7 +267,8 @@ def test_upstream_node_loss_without_redundancy_resumes_from_the_persisted_step(t
     s = demo(tmp_path, "--fail=node", "--kill-at=12", f"--train-arg=--inmem-ckpt-persist-dir={tmp_path / 'fast'}",
              "--train-arg=--inmem-ckpt-persist-interval=3", *optimizer, iters=16, source=release_source(release))
     assert s["newest_persisted_before_failure"] is not None and s["newest_persisted_before_failure"] >= 9, s
-    assert (s["recovered_from"], s["resumed_step"]) == ("disk", s["newest_persisted_before_failure"])
+    assert s["recovered_from"] == "disk", s  # at least that step; one the survivors finished just after is as good
+    assert s["newest_persisted_before_failure"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
 
 
 @pytest.mark.slow

@@ -247,7 +247,8 @@ def test_two_nodes_of_one_group_lost_at_once(tmp_path, scheme, tier):
              "--train-arg=--inmem-ckpt-persist-interval=3")
     assert len(s["lost_nodes"]) == 2 and (s["promised_tier"], s["recovered_from"]) in ((tier, tier), ("none", "none"))
     if tier == "disk" and s["recovered_from"] == "disk":
-        assert s["resumed_step"] == s["newest_persisted_before_failure"]
+        # the newest persisted whole at the kill, or one the survivors finished writing just after it
+        assert s["newest_persisted_before_failure"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
 
 
 @pytest.mark.slow
