@@ -242,7 +242,9 @@ class NodeLauncher:
                    MFT_RUN_ID=self.cfg.run_id, MFT_AGENT_SOCKET=self.sock, MFT_RUN_DIR=self.run_dir,
                    # a fresh worker store per rendezvous round (see megatron_ft/trainer/distributed.py), at
                    # launch.trainer_port rather than torchrun's ephemeral MASTER_PORT
-                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MFT_TRAINER_PORT=str(self.cfg.launch.trainer_port))
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MFT_TRAINER_PORT=str(self.cfg.launch.trainer_port),
+                   # how long a trainer looks for its round's store (a round whose host is gone never forms)
+                   MFT_JOIN_TIMEOUT_S=str(self.cfg.launch.start_timeout_s))
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         env.pop("MFT_IN_PROCESS_GRACE_S", None)  # set below when in-process restart is on
         env.pop("MFT_IN_PROCESS_FD", None)

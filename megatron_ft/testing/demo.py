@@ -483,17 +483,21 @@ def node_workers(run_dir: str, node: int) -> list[int]:
 
 
 def kill_during_recovery(run_dir: str, nodes: int, known: set[int], prefer_not: set[int], delay: float,
-                         deadline: float, p: subprocess.Popen, log_path: str) -> tuple[int, int, float]:
+                         deadline: float, p: subprocess.Popen, log_path: str,
+                         last: int) -> Optional[tuple[int, int, float]]:
     """A second failure while the first recovery runs: once a trainer of the restarted generation
     exists (a pid not in ``known``), wait ``delay`` seconds (importing, rendezvous, restore) and
     SIGKILL it. A trainer on a node outside ``prefer_not`` is chosen when one appears as soon.
-    Returns (node, pid, time)."""
+    Returns (node, pid, time), or None when the job trained its ``last`` iteration first: the recovery
+    is over, and a kill now would strike a trainer on its way out, which is not this failure."""
     while True:
         fresh = [(n, w) for n in range(nodes) for w in node_workers(run_dir, n) if w not in known]
         if fresh:
             fresh.sort(key=lambda nw: nw[0] in prefer_not)
             node, pid = fresh[0]
             time.sleep(delay)
+            if any(r["iteration"] >= last for r in _all_records(run_dir, "progress")):
+                return None
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -894,9 +898,13 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         if args.second_failure and kill_time is not None:
             known = {r["pid"] for r in _all_records(run_dir, "progress")} | set(killed_pids)
             second = kill_during_recovery(run_dir, cfg.cluster.nodes, known, set(lost_nodes) | {victims[0] // rpn},
-                                          args.second_delay, deadline, p, log_path)
-            say(f"[demo] second failure during the recovery: SIGKILL -> restarted trainer pid {second[1]} on node "
-                f"{second[0]}, {args.second_delay} s after it started")
+                                          args.second_delay, deadline, p, log_path, args.iters)
+            if second is None:
+                say(f"[demo] no second failure: the job trained its last iteration within {args.second_delay} s "
+                    f"of the restarted trainer's start")
+            else:
+                say(f"[demo] second failure during the recovery: SIGKILL -> restarted trainer pid {second[1]} on "
+                    f"node {second[0]}, {args.second_delay} s after it started")
         wait_job(p, args.timeout, "megatron-ft run", log_path)
         for r, rlog in replacements:
             wait_job(r, args.timeout, "standby node" if args.standby else "replacement node", rlog)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from typing import Any, Callable, Optional
 
@@ -51,6 +52,7 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
     world = int(os.environ["WORLD_SIZE"])
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        wait_for_store(addr, port, float(os.environ.get("MFT_JOIN_TIMEOUT_S") or timeout.total_seconds()))
         base = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
         if os.environ.get("MFT_FRESH_STORE") == "1":
             return base
@@ -58,6 +60,24 @@ def rendezvous_store(timeout: datetime.timedelta) -> dist.Store:
     if torchrun_rank() == 0:
         return hosted_store(addr, port, world, timeout)
     return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+
+
+def wait_for_store(addr: str, port: int, within_s: float) -> None:
+    """Return once something accepts connections at ``addr:port`` (the store of this rendezvous round);
+    a ``RuntimeError`` naming the store and the bound after ``within_s`` (``launch.start_timeout_s``) -
+    rather than torch's client retrying for the whole process-group timeout (10 minutes) against a round
+    whose host is gone (its job ended, or its rank 0 failed, while this trainer started)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=min(5.0, within_s)).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the trainers' store at {addr}:{port} did not answer within "
+                                   f"launch.start_timeout_s={within_s:g} s ({e}): the round's host is gone (the "
+                                   f"job ended, or its torchrun rank 0 failed)") from None
+            time.sleep(0.1)
 
 
 #: wall-clock (start, end) of this process's ``init_process_group``: its rendezvous with the other
