@@ -353,6 +353,12 @@ class RecoveryConfig(_Section):
     prefer: _choice(Prefer) = "newest"
     certify_after: _int(1) = 3
 
+    @property
+    def marked_versions(self) -> int:
+        """Versions every holder keeps beside its own: with ``prefer: certified``, the certified one and
+        the one being watched - two more slots per rank, two more versions per peer block."""
+        return 2 if self.prefer == "certified" else 0
+
 
 class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""

@@ -77,7 +77,8 @@ def shm_bytes_per_node(cfg: ftconfig.FTConfig, state_bytes_per_rank: int) -> int
     if state_bytes_per_rank <= 0:
         raise ftconfig.ConfigError(f"--state-bytes-per-rank={state_bytes_per_rank} is invalid: must be > 0")
     mem = plan_from_config(cfg).memory(state_bytes_per_rank)
-    need = max(SLOTS_PER_RANK * m.primary + MAX_VERSIONS * m.redundancy for m in mem)
+    extra = cfg.recovery.marked_versions  # prefer: certified keeps two more of each
+    need = max((SLOTS_PER_RANK + extra) * m.primary + (MAX_VERSIONS + extra) * m.redundancy for m in mem)
     return int(need * (1 + SHM_MARGIN))
 
 

@@ -64,8 +64,9 @@ def _remove(seg: shm.Segment) -> None:
 class BlockStore:
     """The block versions of one agent (``run_id``, ``node``) under ``shm_dir``."""
 
-    def __init__(self, shm_dir: str, run_id: str, node: int):
+    def __init__(self, shm_dir: str, run_id: str, node: int, max_versions: int = MAX_VERSIONS):
         self.shm_dir, self.run_id, self.node = shm_dir, run_id, node
+        self.max_versions = max_versions  # + recovery.marked_versions (the certified and the watched step)
         self.lock = threading.Lock()
         self.blocks: dict[str, list[BlockVersion]] = {}
         self._keep: set[int] = set()
@@ -99,7 +100,7 @@ class BlockStore:
                             vs.remove(v)
                             _remove(v.segment)
                             v = None
-                    elif len(vs) >= MAX_VERSIONS:
+                    elif len(vs) >= self.max_versions:
                         return None  # every version is kept: this step is not taken here
                     if v is None and fresh is not None:
                         v, fresh = BlockVersion(fresh), None

@@ -20,14 +20,16 @@ Events, for one group member (``node``) and the versions ``S`` its ranks agreed 
   (:meth:`kept_blocks`) until ``S`` or a newer version is complete, or a rewind drops ``S``.
 * ``scheduled(S, now)``: the trainers started sending ``S`` themselves (scheduled transport).
 * ``rewind(S)``: the job resumed from ``S``: newer versions are an abandoned future.
+* ``marked(C, W)``: this node's ranks certified ``C`` and watch ``W`` (``recovery.prefer: certified``):
+  their blocks are kept too, so that a lost member's ranks can be rebuilt at the certified version.
 
 What it answers:
 
 * :meth:`protected` - the steps whose *primary slots* the agent must keep: the complete one (the
   group's recovery point), the one in flight (given up after ``exchange_timeout_s``), and those the
   trainers are still sending (``scheduled_timeout_s``).
-* :meth:`kept_blocks` - the steps whose *block versions* must not be reused: the complete one, and
-  every newer one this node announced (the others count on them: an announcement is a promise to
+* :meth:`kept_blocks` - the steps whose *block versions* must not be reused: the complete one, the
+  certified and the watched one, and every newer one this node announced (the others count on them: an announcement is a promise to
   hold that version until the group's complete step passes it; a block dropped after it would
   leave the group's recovery point without this node's part). A block store that finds every version of a block kept takes no newer
   contribution for it (:data:`.block_store.MAX_VERSIONS`); the newer step then never completes,
@@ -74,6 +76,8 @@ class GroupCompletion:
     announced: dict[int, int] = field(default_factory=dict)  # member -> the newest step it announced
     scheduled_since: dict[int, float] = field(default_factory=dict)  # step -> trainers began sending it
     started: dict[int, float] = field(default_factory=dict)  # step -> this node began exchanging it
+    certified_step: int = -1  # the newest step this node's ranks certified (its blocks are kept)
+    watched_step: int = -1  # the step whose next iterations they judge (likewise)
 
     def begin(self, step: int, now: float) -> bool:
         if step <= max(self.complete_step, self.inflight_step):
@@ -137,10 +141,15 @@ class GroupCompletion:
         return {self.sending_step} if self.sending_step >= 0 else set()
 
     def kept_blocks(self) -> set[int]:
-        return ({self.complete_step} if self.complete_step >= 0 else set()) | self.claimed
+        return {s for s in (self.complete_step, self.certified_step, self.watched_step) if s >= 0} | self.claimed
+
+    def marked(self, certified: int, watched: int) -> None:
+        self.certified_step, self.watched_step = max(self.certified_step, certified), watched
 
     def rewind(self, step: int) -> None:
         self.complete_step = min(self.complete_step, step)
+        self.certified_step = self.certified_step if self.certified_step <= step else -1
+        self.watched_step = self.watched_step if self.watched_step <= step else -1
         self.claimed = {s for s in self.claimed if s <= step and s > self.complete_step}
         self.announced = {n: min(s, step) for n, s in self.announced.items()}
         if self.inflight_step > step:

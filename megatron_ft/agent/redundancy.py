@@ -61,7 +61,8 @@ class Redundancy:
         self.group_ranks = [r for n in self.members for r in self.plan.topology.ranks_of(n)]
         self.lock = threading.Lock()
         self.completion = GroupCompletion(self.node, self.members)
-        self.blocks = BlockStore(self.cfg.agent.shm_dir, self.cfg.run_id, self.node)
+        self.blocks = BlockStore(self.cfg.agent.shm_dir, self.cfg.run_id, self.node,
+                                 MAX_VERSIONS + self.cfg.recovery.marked_versions)
         self.exchanged: list[dict] = []  # recent records (status): sends {step, sent_bytes, seconds},
         # completions {step, complete_seconds: this node's exchange start -> the group holds it}
         self._ex_cache: Optional[tuple] = None
@@ -260,7 +261,7 @@ class Redundancy:
             return cached[1]
         ex = xch.group_exchange(self.plan, self.gi, sizes)
         held = ex.held_by(self.node)
-        self.agent.reserve_peer_blocks(xch.held_bytes(held, MAX_VERSIONS), len(held), self.blocks.allocated())
+        self.agent.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held), self.blocks.allocated())
         with self.lock:  # (never both locks: lock order, the class docstring)
             self._ex_cache = (key, ex)
         return ex
@@ -428,6 +429,13 @@ class Redundancy:
 
     def recover(self, rank: int, step: int, wait_s: float) -> dict:
         return self.rebuild.recover(rank, step, wait_s)
+
+    def keep_marked(self, certified: int, watched: int) -> None:
+        """This node's ranks certified ``certified`` and watch ``watched`` (-1: none): keep its blocks of
+        both, so that a lost member's ranks can be rebuilt at the certified version."""
+        with self.lock:
+            self.completion.marked(certified, watched)
+            self.blocks.keep(self.completion.kept_blocks())
 
     # ------------------------------------------------------------------ rewind and shutdown
     def rewind(self, step: int) -> None:

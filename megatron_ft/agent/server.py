@@ -347,7 +347,7 @@ class Agent:
         with self.lock:
             slots = self._slot_bytes()
             what = (f"node {self.node}'s blocks for its peers ({self.cfg.redundancy.scheme}: {blocks} block(s), "
-                    f"{MAX_BLOCK_VERSIONS} versions each) need {_mib(need)} of shared memory beside its slots' {_mib(slots)}")
+                    f"{self.redundancy.blocks.max_versions if self.redundancy else MAX_BLOCK_VERSIONS} versions each) need {_mib(need)} of shared memory beside its slots' {_mib(slots)}")
             problem = ""
             if limit and slots + need > limit:
                 problem = (f"{what}, {_mib(slots + need)} in all, but agent.shm_limit_mib={self.cfg.agent.shm_limit_mib}: "
@@ -380,12 +380,8 @@ class Agent:
         if self.cfg.redundancy.transport == "scheduled":
             # + the version its trainer is still sending, while the group's complete one, the newest
             # clean one and the one being written stay: snapshots go on during a transfer
-            return SLOTS_PER_RANK + 2 + self._certified_slots()
-        return SLOTS_PER_RANK + self._certified_slots()
-
-    def _certified_slots(self) -> int:
-        """``recovery.prefer: certified``: the certified version and the one being watched stay too."""
-        return 2 if self.cfg.recovery.prefer == "certified" else 0
+            return SLOTS_PER_RANK + 2 + self.cfg.recovery.marked_versions
+        return SLOTS_PER_RANK + self.cfg.recovery.marked_versions
 
     def _drop_rank(self, rank: int) -> None:
         for g in self.segments.pop(rank, []):
@@ -487,13 +483,28 @@ class Agent:
                 self.certified[rank].discard(old)
             self.rollbacks[rank] = 0
             held = rank in self.table.ranks and self.table.certify(rank, step)
-            return {"certified": sorted(self.certified[rank])[-8:], "held": held}
+            reply = {"certified": sorted(self.certified[rank])[-8:], "held": held}
+        self._mark_blocks()
+        return reply
+
+    def _mark_blocks(self) -> None:
+        """The node's certified and watched steps (every local rank's marks agree on them) kept in its peer
+        blocks too, so that a lost member's ranks can be rebuilt at them. Not under the agent's lock."""
+        if self.redundancy is None:
+            return
+        with self.lock:
+            ranks = list(self.table.ranks.values())
+            certified = min((rv.certified for rv in ranks), default=-1)
+            watched = min((rv.candidate for rv in ranks), default=-1)
+        self.redundancy.keep_marked(certified, watched)  # lock order: never the agent's and the redundancy's
 
     def watch(self, rank: int, step: int) -> dict:
         """``step`` is the version whose next iterations the trainers judge: keep its slot until it is
         certified or another one is watched."""
         with self.lock:
-            return {"held": rank in self.table.ranks and self.table.watch(rank, step)}
+            held = rank in self.table.ranks and self.table.watch(rank, step)
+        self._mark_blocks()
+        return {"held": held}
 
     def loss_history(self, rank: int) -> dict:
         with self.lock:

@@ -28,8 +28,8 @@ Rules (the invariants the tests check after every event):
   rank agreed on it).
 * Certified versions (``recovery.prefer: certified``): ``watch(step)`` marks the version whose next
   iterations are being judged (the *candidate*), ``certify(step)`` the newest one the job trained past
-  with no anomaly. ``begin`` keeps both slots as it keeps the protected one; ``install`` takes them
-  last. A mark names a step held clean or is cleared: ``rewind`` clears marks newer than the step
+  with no anomaly. ``begin`` keeps both slots as it keeps the protected one (not a staging slot);
+  ``install`` takes them last. A mark names a step held clean or is cleared: ``rewind`` clears marks newer than the step
   resumed from, ``invalidate`` the mark of the version it drops.
 """
 from __future__ import annotations
@@ -136,9 +136,11 @@ class VersionTable:
         (the group's complete version, one being exchanged). ``staging_only`` (an rs parity node's
         single slot, whose packets data nodes hold whole): only ``keep`` and pins protect."""
         rv = self.get(rank)
-        kept = {id(s) for st in keep if (s := rv.slot_with(st)) is not None} | {id(s) for s in rv.marked()}
-        if not staging_only and (p := rv.protected()) is not None:
-            kept.add(id(p))
+        kept = {id(s) for st in keep if (s := rv.slot_with(st)) is not None}
+        if not staging_only:  # a staging slot is never kept for a mark: the group holds its versions
+            kept |= {id(s) for s in rv.marked()}
+            if (p := rv.protected()) is not None:
+                kept.add(id(p))
         free = [s for s in rv.slots if id(s) not in kept and s.pins == 0]
         if not free:
             held = ", ".join(s.describe() + (" (pinned: persisting or sending)" if s.pins else " (protected)")

@@ -989,12 +989,12 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         problems.append(f"resumed from persisted step {resumed}, but step {want_step} was persisted whole "
                         f"before the failure")
     # recovery.prefer: certified - the restore takes a certified version, at least the newest one certified
-    # before the failure (a later certification may land while the kill does); a lost node's ranks find it
-    # only on disk (peer memory holds the newest versions), so there it is not required
+    # before the failure (a later certification may land while the kill does) - from memory: the peers keep
+    # their blocks of it too; a loss beyond the redundancy goes to disk, where it need not be
     certified_at_kill = max((e["step"] for e in events if e.get("event") == "certified" and kill_time is not None
                              and e["time"] <= kill_time), default=None)
     if (eff_cfg.recovery.prefer == "certified" and kill_time is not None and certified_at_kill is not None and after
-            and not lost_nodes):
+            and recovered_from not in ("disk", "none")):
         uncertified = sorted({e["step"] for e in after if e.get("certified") is not True})
         if uncertified or resumed < certified_at_kill:
             step_ok = False

@@ -436,3 +436,15 @@ def test_prefer_certified_resumes_from_the_newest_certified_version_not_the_newe
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--prefer=certified")
     assert s["recovered_from"] == "local_memory", s
     assert 1 <= s["certified_before_failure"] <= s["resumed_step"] <= KILL_AT - 3, s
+
+
+@pytest.mark.slow  # default-suite time
+@pytest.mark.parametrize("scheme,tier", [("replica", "peer_memory"), ("rs", "decoded")])
+def test_prefer_certified_rebuilds_a_lost_nodes_ranks_at_the_certified_version(tmp_path, scheme, tier):
+    """With peer redundancy the agents keep their blocks of the certified and the watched version too:
+    a node lost after iteration 8 comes back from its group at the version certified before the loss
+    (an older one than the group's complete step), bit-exact, every restore certified."""
+    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", "--kill-at=8",
+             "--prefer=certified")
+    assert s["recovered_from"] == tier and s["certified_before_failure"] is not None, s
+    assert s["certified_before_failure"] <= s["resumed_step"] <= 8 - 3, s

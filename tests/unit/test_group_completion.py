@@ -161,3 +161,21 @@ def test_random_orders_never_lose_the_groups_recovery_point(tmp_path, seed):
     assert min(n.c.complete_step for n in nodes.values()) >= 1  # the group did complete versions
     for n in nodes.values():
         n.b.remove_segments()
+
+
+def test_the_certified_and_the_watched_steps_keep_their_blocks_until_a_rewind_drops_them():
+    """recovery.prefer: certified - a node keeps its peer blocks of the step its ranks certified and of the
+    one they watch, beside the complete one, so that a lost member's ranks can be rebuilt there."""
+    from megatron_ft.agent.group_completion import GroupCompletion
+
+    g = GroupCompletion(node=0, members=(0, 1))
+    for step in (3, 4, 5):
+        g.claim(step)
+        g.announce(0, step, now=0.0)
+        g.announce(1, step, now=0.0)
+    g.marked(3, 4)
+    assert g.kept_blocks() == {3, 4, 5}
+    g.marked(2, -1)  # an older certification never lowers it; the watch ended
+    assert g.kept_blocks() == {3, 5}
+    g.rewind(2)  # the job resumed from 2: 3 belonged to an abandoned future
+    assert (g.certified_step, g.kept_blocks()) == (-1, {2})
