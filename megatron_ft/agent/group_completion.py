@@ -20,7 +20,7 @@ Events, for one group member (``node``) and the versions ``S`` its ranks agreed 
   (:meth:`kept_blocks`) until ``S`` or a newer version is complete, or a rewind drops ``S``.
 * ``scheduled(S, now)``: the trainers started sending ``S`` themselves (scheduled transport).
 * ``rewind(S)``: the job resumed from ``S``: newer versions are an abandoned future.
-* ``marked(C, W)``: this node's ranks certified ``C`` and watch ``W`` (``recovery.prefer: certified``):
+* ``marked(steps)``: the steps this node's ranks certified or watch (``recovery.prefer: certified``):
   their blocks are kept too, so that a lost member's ranks can be rebuilt at the certified version.
 
 What it answers:
@@ -76,8 +76,7 @@ class GroupCompletion:
     announced: dict[int, int] = field(default_factory=dict)  # member -> the newest step it announced
     scheduled_since: dict[int, float] = field(default_factory=dict)  # step -> trainers began sending it
     started: dict[int, float] = field(default_factory=dict)  # step -> this node began exchanging it
-    certified_step: int = -1  # the newest step this node's ranks certified (its blocks are kept)
-    watched_step: int = -1  # the step whose next iterations they judge (likewise)
+    marked_steps: set[int] = field(default_factory=set)  # certified or watched by this node's ranks (kept)
 
     def begin(self, step: int, now: float) -> bool:
         if step <= max(self.complete_step, self.inflight_step):
@@ -141,15 +140,14 @@ class GroupCompletion:
         return {self.sending_step} if self.sending_step >= 0 else set()
 
     def kept_blocks(self) -> set[int]:
-        return {s for s in (self.complete_step, self.certified_step, self.watched_step) if s >= 0} | self.claimed
+        return ({self.complete_step} if self.complete_step >= 0 else set()) | self.claimed | self.marked_steps
 
-    def marked(self, certified: int, watched: int) -> None:
-        self.certified_step, self.watched_step = max(self.certified_step, certified), watched
+    def marked(self, steps: set[int]) -> None:
+        self.marked_steps = {s for s in steps if s >= 0}
 
     def rewind(self, step: int) -> None:
         self.complete_step = min(self.complete_step, step)
-        self.certified_step = self.certified_step if self.certified_step <= step else -1
-        self.watched_step = self.watched_step if self.watched_step <= step else -1
+        self.marked_steps = {s for s in self.marked_steps if s <= step}
         self.claimed = {s for s in self.claimed if s <= step and s > self.complete_step}
         self.announced = {n: min(s, step) for n, s in self.announced.items()}
         if self.inflight_step > step:

@@ -261,7 +261,8 @@ class Redundancy:
             return cached[1]
         ex = xch.group_exchange(self.plan, self.gi, sizes)
         held = ex.held_by(self.node)
-        self.agent.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held), self.blocks.allocated())
+        self.agent.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held),
+                                       self.blocks.allocated())
         with self.lock:  # (never both locks: lock order, the class docstring)
             self._ex_cache = (key, ex)
         return ex
@@ -430,11 +431,11 @@ class Redundancy:
     def recover(self, rank: int, step: int, wait_s: float) -> dict:
         return self.rebuild.recover(rank, step, wait_s)
 
-    def keep_marked(self, certified: int, watched: int) -> None:
-        """This node's ranks certified ``certified`` and watch ``watched`` (-1: none): keep its blocks of
-        both, so that a lost member's ranks can be rebuilt at the certified version."""
+    def keep_marked(self, steps: set[int]) -> None:
+        """The steps this node's ranks certified or watch: keep its blocks of them, so that a lost member's
+        ranks can be rebuilt at the certified version."""
         with self.lock:
-            self.completion.marked(certified, watched)
+            self.completion.marked(steps)
             self.blocks.keep(self.completion.kept_blocks())
 
     # ------------------------------------------------------------------ rewind and shutdown

@@ -344,10 +344,11 @@ class Agent:
         ``agent.required`` ends the job: exit 2). Takes ``Agent.lock``; no I/O but a statvfs."""
         limit = self.cfg.agent.shm_limit_mib << 20
         d = self.cfg.agent.shm_dir
+        versions = MAX_BLOCK_VERSIONS + self.cfg.recovery.marked_versions
         with self.lock:
             slots = self._slot_bytes()
             what = (f"node {self.node}'s blocks for its peers ({self.cfg.redundancy.scheme}: {blocks} block(s), "
-                    f"{self.redundancy.blocks.max_versions if self.redundancy else MAX_BLOCK_VERSIONS} versions each) need {_mib(need)} of shared memory beside its slots' {_mib(slots)}")
+                    f"{versions} versions each) need {_mib(need)} of shared memory beside its slots' {_mib(slots)}")
             problem = ""
             if limit and slots + need > limit:
                 problem = (f"{what}, {_mib(slots + need)} in all, but agent.shm_limit_mib={self.cfg.agent.shm_limit_mib}: "
@@ -488,15 +489,14 @@ class Agent:
         return reply
 
     def _mark_blocks(self) -> None:
-        """The node's certified and watched steps (every local rank's marks agree on them) kept in its peer
-        blocks too, so that a lost member's ranks can be rebuilt at them. Not under the agent's lock."""
+        """Every step a local rank certified or watches kept in the node's peer blocks too, so that a lost
+        member's ranks can be rebuilt at it (the ranks' marks agree but for the moments between their
+        requests: the union keeps the step that moves from watched to certified). Not under the agent's lock."""
         if self.redundancy is None:
             return
         with self.lock:
-            ranks = list(self.table.ranks.values())
-            certified = min((rv.certified for rv in ranks), default=-1)
-            watched = min((rv.candidate for rv in ranks), default=-1)
-        self.redundancy.keep_marked(certified, watched)  # lock order: never the agent's and the redundancy's
+            steps = {st for rv in self.table.ranks.values() for st in (rv.certified, rv.candidate)}
+        self.redundancy.keep_marked(steps)  # lock order: never the agent's and the redundancy's
 
     def watch(self, rank: int, step: int) -> dict:
         """``step`` is the version whose next iterations the trainers judge: keep its slot until it is

@@ -173,9 +173,9 @@ def test_the_certified_and_the_watched_steps_keep_their_blocks_until_a_rewind_dr
         g.claim(step)
         g.announce(0, step, now=0.0)
         g.announce(1, step, now=0.0)
-    g.marked(3, 4)
+    g.marked({3, 4})
     assert g.kept_blocks() == {3, 4, 5}
-    g.marked(2, -1)  # an older certification never lowers it; the watch ended
+    g.marked({3, -1})  # the watch ended (its step now certified, or dropped)
     assert g.kept_blocks() == {3, 5}
     g.rewind(2)  # the job resumed from 2: 3 belonged to an abandoned future
-    assert (g.certified_step, g.kept_blocks()) == (-1, {2})
+    assert (g.marked_steps, g.kept_blocks()) == (set(), {2})
