@@ -94,7 +94,7 @@ class RestoreResult:
     extra: dict = field(default_factory=dict)
     rejected: list[str] = field(default_factory=list)
     rollbacks: int = 0  # versions the guard refused (every rank rolled back past them together)
-    #: recovery.prefer: certified - whether the step is the newest certified one or older (None: not asked)
+    #: recovery.prefer: certified - whether the step is at or before the newest certified one (None: not asked)
     certified: Optional[bool] = None
 
 
@@ -439,8 +439,8 @@ class Restorer:
 
         With ``prefer_certified`` the tiers are first searched for versions at or before the newest
         certified one (the ranks agree on it); only where no rank holds any of those in a tier every
-        rank reaches (a node lost with it: peer memory holds the newest versions only) does the search
-        go on over every version, saying so."""
+        rank reaches (more nodes lost than the redundancy tolerates, an exchange that had not carried
+        it) does the search go on over every version, saying so."""
         t0 = time.perf_counter()
         attempt = _Attempt()
         certified = self._newest_certified() if self.prefer_certified else None
