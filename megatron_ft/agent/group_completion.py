@@ -29,10 +29,11 @@ What it answers:
   group's recovery point), the one in flight (given up after ``exchange_timeout_s``), and those the
   trainers are still sending (``scheduled_timeout_s``).
 * :meth:`kept_blocks` - the steps whose *block versions* must not be reused: the complete one, the
-  certified and the watched one, and every newer one this node announced (the others count on them: an announcement is a promise to
-  hold that version until the group's complete step passes it; a block dropped after it would
-  leave the group's recovery point without this node's part). A block store that finds every version of a block kept takes no newer
-  contribution for it (:data:`.block_store.MAX_VERSIONS`); the newer step then never completes,
+  marked ones, and every newer one this node announced (the others count on them: an announcement
+  is a promise to hold that version until the group's complete step passes it; a block dropped after
+  it would leave the group's recovery point without this node's part). A block store that finds
+  every version of a block kept takes no newer contribution for it
+  (:data:`.block_store.MAX_VERSIONS`, two more with marks); the newer step then never completes,
   which is safe - the group recovers from the complete one.
 
     >>> g = GroupCompletion(node=0, members=(0, 1))

@@ -299,7 +299,8 @@ def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tm
     none - so recovering the lost node from peer memory proves the copies arrived."""
     s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=10,
              source=release_source(release))
-    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory") and 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 6, s
+    assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
+    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 6, s
     files = sorted(glob.glob(str(tmp_path / "demo" / "run" / "transport" / "rank*.json")))
     assert len(files) == 4, files  # written at each trainer's exit (atexit, also from a warm spare)
     for path in files:
