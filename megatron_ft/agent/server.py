@@ -483,7 +483,9 @@ class Agent:
             for old in sorted(self.certified[rank])[:-LOSS_HISTORY]:
                 self.certified[rank].discard(old)
             self.rollbacks[rank] = 0
-            held = rank in self.table.ranks and self.table.certify(rank, step)
+            # the slot is kept for it only where the job prefers certified versions (two more slots per rank)
+            held = (bool(self.cfg.recovery.marked_versions) and rank in self.table.ranks
+                    and self.table.certify(rank, step))
             reply = {"certified": sorted(self.certified[rank])[-8:], "held": held}
         self._mark_blocks()
         return reply
@@ -492,7 +494,7 @@ class Agent:
         """Every step a local rank certified or watches kept in the node's peer blocks too, so that a lost
         member's ranks can be rebuilt at it (the ranks' marks agree but for the moments between their
         requests: the union keeps the step that moves from watched to certified). Not under the agent's lock."""
-        if self.redundancy is None:
+        if self.redundancy is None or not self.cfg.recovery.marked_versions:
             return
         with self.lock:
             steps = {st for rv in self.table.ranks.values() for st in (rv.certified, rv.candidate)}
@@ -502,7 +504,8 @@ class Agent:
         """``step`` is the version whose next iterations the trainers judge: keep its slot until it is
         certified or another one is watched."""
         with self.lock:
-            held = rank in self.table.ranks and self.table.watch(rank, step)
+            held = (bool(self.cfg.recovery.marked_versions) and rank in self.table.ranks
+                    and self.table.watch(rank, step))
         self._mark_blocks()
         return {"held": held}
 

@@ -221,3 +221,14 @@ def test_the_trainer_certifies_the_versions_its_losses_vouch_for_and_a_restore_t
     finally:
         agent.kill()
         agent.forget_socket()
+
+
+def test_without_prefer_certified_a_certification_keeps_no_slot(agent):
+    """The guard certifies every restored version that passes; with recovery.prefer: newest (two slots per
+    rank) that must not keep its slot, or the next snapshots find none free."""
+    c = agent.client()
+    m, opt, _ = train_and_snapshot(c, agent.cfg, 1)
+    assert c.request("certify", rank=0, step=1)["held"] is False
+    _, _, eng = train_and_snapshot(c, agent.cfg, 3, start=2, model=(m, opt))
+    assert [v["step"] for v in c.request("list", rank=0)["versions"]] == [4, 3]
+    assert all(st.ok for st in eng.history), [st.error for st in eng.history if not st.ok]
