@@ -404,6 +404,8 @@ def test_a_restored_version_whose_losses_spike_is_rolled_back_and_the_job_ends_b
     assert any("recorded" in e["why"] or "not finite" in e["why"] for e in rolled), rolled
     restores = sorted((e["time"], e["step"]) for e in events if e["event"] == "restore" and e["step"] >= 0)
     assert [step for _, step in restores][-1] == KILL_AT - 1, restores
+    # after the watch passed, the certified version keeps no slot (prefer: newest): every snapshot was taken
+    assert s["snapshot_stall"]["failed"] == 0, s["snapshot_stall"]
 
 
 @pytest.mark.slow  # default-suite time; the rule itself: tests/integration/test_restore_guard.py
