@@ -139,8 +139,7 @@ def off_plan(cfg: ftconfig.FTConfig, listeners: list[Listener]) -> list[str]:
     keeper's fork or by torchrun's rank 0); the trainers' other listeners are torch's collectives' and
     Slurm's are Slurm's: not judged. Empty: all as planned."""
     ports = {p: r.setting for r in ftconfig.port_plan(cfg) for p in range(r.first, r.last + 1)}
-    trainer_store = {p for r in ftconfig.port_plan(cfg) if r.setting == "launch.trainer_port"
-                     for p in range(r.first, r.last + 1)}
+    trainer_store = {p for p, setting in ports.items() if setting == "launch.trainer_port"}
     out = []
     for s in listeners:
         if s.owner == "trainer" and s.port in trainer_store and s.address in WILDCARDS:

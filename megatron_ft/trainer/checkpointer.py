@@ -107,6 +107,7 @@ class InMemoryCheckpointer:
                           if cfg.recovery.prefer == "certified" and self.engine is not None else None)
         self._recent_losses: dict[int, float] = {}  # this life's last guard.SPIKE_WINDOW losses (the spike rule)
         self._losses_reported: Optional[bool] = None  # some rank reports its loss (decided at the first judgement)
+        self._loss_rule = guard.LossRule(cfg.recovery.loss_tolerance, cfg.recovery.loss_spike)
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, self._max)
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
@@ -191,8 +192,7 @@ class InMemoryCheckpointer:
         loss against this life's recent ones, agree on the verdict, and tell the agent which version is
         now certified and which one is watched next."""
         assert self.certifier is not None and self.engine is not None
-        rule = guard.LossRule(self.cfg.recovery.loss_tolerance, self.cfg.recovery.loss_spike)
-        why = guard.loss_anomaly(iteration, loss, self._recent_losses, rule)
+        why = guard.loss_anomaly(iteration, loss, self._recent_losses, self._loss_rule)
         if loss is not None:
             self._recent_losses[iteration] = loss
             for old in sorted(self._recent_losses)[:-guard.SPIKE_WINDOW]:
@@ -217,8 +217,7 @@ class InMemoryCheckpointer:
         versions older than the restored one stay in the slots for a rollback)."""
         w = self._watch
         assert w is not None
-        rule = guard.LossRule(self.cfg.recovery.loss_tolerance, self.cfg.recovery.loss_spike)
-        why = guard.loss_anomaly(iteration, loss, w.history, rule)
+        why = guard.loss_anomaly(iteration, loss, w.history, self._loss_rule)
         if self.engine is not None:
             self.engine.wait()  # the coordination group is free for the verdict
         if self._any_rank(why is not None):
