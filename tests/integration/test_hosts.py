@@ -224,7 +224,8 @@ def test_a_standby_host_takes_a_lost_nodes_place_under_its_own_name(bed_allowed,
                   "--iters=8", "--kill-at=4", "--fail=node", "--victim-node=0", "--redundancy=replica", "--standby"],
                  timeout=600)
     assert s["standby"] and s["lost_nodes"] == [0] and s["recovered_from"] == "peer_memory", s
-    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 4 and not s["problems"], s
+    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
+    assert not s["problems"], s
     assert "claimed it, starting as node 0 on this host (node2, not node0)" in (work / "standby.log").read_text()
     node0 = (work / "run" / "node0" / "agent.log").read_text()  # the lost agent's lines, then the standby's
     assert node0.count("node 0: this agent is the root") == 1, node0[-3000:]

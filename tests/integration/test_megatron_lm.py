@@ -242,7 +242,8 @@ def test_upstream_node_loss_resumes_from_the_group(tmp_path, release, scheme, op
     s = demo(tmp_path, "--fail=node", f"--redundancy={scheme}", "--kill-at=4", *optimizer,
              source=release_source(release))
     assert s["megatron_lm_series"] == release
-    assert s["recovered_from"] == tier and 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 4, s
+    assert s["recovered_from"] == tier, s
+    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
 
 
 @pytest.mark.slow
@@ -300,7 +301,7 @@ def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tm
     s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=10,
              source=release_source(release))
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
-    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= 6, s
+    assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
     files = sorted(glob.glob(str(tmp_path / "demo" / "run" / "transport" / "rank*.json")))
     assert len(files) == 4, files  # written at each trainer's exit (atexit, also from a warm spare)
     for path in files:
