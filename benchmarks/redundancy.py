@@ -80,25 +80,38 @@ def model_factory(nbytes: int):
     return make
 
 
-def replication(workdir: str, nbytes: int, reps: int) -> dict:
-    c = LocalCluster(os.path.join(workdir, "rep"), 2, model_factory(nbytes), chunk_bytes=4 << 20,
-                     scheme="replica", replicas=2)
-    ours, gloo = [], []
+def agent_exchange(c: LocalCluster, step: int) -> float:
+    """One version exchanged by ``c``'s two agents: from the earlier of the two nodes' exchange starts
+    until both hold both copies, as the agents record it."""
+    c.train(1, start=step)
+    rec = [e for n in (0, 1) for e in c.status(n)["redundancy"]["exchanged"]
+           if e["step"] == step and "complete_seconds" in e]
+    return max(e["complete_seconds"] for e in rec)
+
+
+def replication(workdir: str, nbytes: int, reps: int, blocks: int) -> dict:
+    """Medians of the three exchanges, measured in ``blocks`` rounds of ``reps`` each, every round
+    running gloo, the agents with the job's secret and the same agents without one, the two agent
+    kinds in alternating order (the machine's drift reaches every kind alike)."""
+    clusters: dict[bool, LocalCluster] = {}
+    times: dict = {"ours": [], "unauthenticated": [], "gloo": []}
     try:
-        c.train(1)  # first version: segments created and pre-faulted
+        for auth in (True, False):
+            clusters[auth] = LocalCluster(os.path.join(workdir, "rep-" + ("auth" if auth else "open")), 2,
+                                          model_factory(nbytes), chunk_bytes=4 << 20, scheme="replica", replicas=2,
+                                          authenticate=auth)
+            clusters[auth].train(1)  # first version: segments created and pre-faulted
         step = 2
-        for block in range(2):  # alternate: gloo block, agent block, gloo block, agent block
-            gloo += gloo_exchange(nbytes, reps)
-            for _ in range(reps):
-                c.train(1, start=step)
-                rec = [e for n in (0, 1) for e in c.status(n)["redundancy"]["exchanged"]
-                       if e["step"] == step and "complete_seconds" in e]
-                # from the earlier of the two nodes' starts until both hold both copies
-                ours.append(max(e["complete_seconds"] for e in rec))
-                step += 1
+        for block in range(blocks):
+            times["gloo"] += gloo_exchange(nbytes, reps)
+            for auth in ((True, False) if block % 2 == 0 else (False, True)):
+                key = "ours" if auth else "unauthenticated"
+                times[key] += [agent_exchange(clusters[auth], step + i) for i in range(reps)]
+            step += reps
     finally:
-        c.close()
-    return {"ours": statistics.median(ours), "gloo": statistics.median(gloo)}
+        for c in clusters.values():
+            c.close()
+    return {k: statistics.median(v) for k, v in times.items()} | {"n": len(times["ours"])}
 
 
 def lose_and_restore(c: LocalCluster, node: int) -> tuple[str, float]:
@@ -146,24 +159,34 @@ def tiers(workdir: str, nbytes: int) -> tuple[list[tuple], list[tuple]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--state-mib", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="exchanges per block and kind")
+    p.add_argument("--blocks", type=int, default=4, help="rounds of gloo, agents with and without the secret")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--replication-only", action="store_true", help="only the replication comparison (implies --no-docs)")
     args = p.parse_args()
     nbytes = args.state_mib << 20
     with tempfile.TemporaryDirectory(prefix="mft-bench-red-") as wd:
-        rep = replication(wd, nbytes, args.reps)
+        rep = replication(wd, nbytes, args.reps, args.blocks)
         if args.replication_only:
-            print(f"replication {args.state_mib} MiB: agent {rep['ours'] * 1e3:.1f} ms, gloo {rep['gloo'] * 1e3:.1f} ms, "
-                  f"ratio {rep['ours'] / rep['gloo']:.2f}")
+            print(f"replication {args.state_mib} MiB: agent {rep['ours'] * 1e3:.1f} ms, without the secret "
+                  f"{rep['unauthenticated'] * 1e3:.1f} ms (ratio {rep['ours'] / rep['unauthenticated']:.3f}), "
+                  f"gloo {rep['gloo'] * 1e3:.1f} ms, ratio {rep['ours'] / rep['gloo']:.2f}")
             return 0
         rows, mem = tiers(wd, nbytes)
-    ratio = rep["ours"] / rep["gloo"]
-    lines = [f"Command: `python3 benchmarks/redundancy.py --state-mib {args.state_mib} --reps {args.reps}` "
-             f"({datetime.date.today()}, 2 CPU cores, all nodes simulated on one machine over loopback)", "",
+    ratio, auth = rep["ours"] / rep["gloo"], rep["ours"] / rep["unauthenticated"]
+    lines = [f"Command: `python3 benchmarks/redundancy.py --state-mib {args.state_mib} --reps {args.reps} "
+             f"--blocks {args.blocks}` ({datetime.date.today()}, 2 CPU cores, all nodes simulated on one machine over "
+             f"loopback)", "",
              f"**Replication**: two nodes exchange one {args.state_mib} MiB version each (replica m=2): agents "
              f"{rep['ours'] * 1e3:.1f} ms vs raw gloo isend/irecv both ways {rep['gloo'] * 1e3:.1f} ms: ratio "
-             f"**{ratio:.2f}x** (target <= 1.2x: {'PASS' if ratio <= 1.2 else 'FAIL'}); medians, alternating blocks.", "",
+             f"**{ratio:.2f}x** (target <= 1.2x: {'PASS' if ratio <= 1.2 else 'FAIL'}); medians of {rep['n']} "
+             f"exchanges each, alternating blocks.", "",
+             f"**Authentication**: the same agents without the job's secret "
+             f"(`megatron_ft/testing/unauthenticated_agent.py`, the benchmark's baseline only: the product's agent "
+             f"has no such mode), in the same run, blocks alternating: {rep['unauthenticated'] * 1e3:.1f} ms; with "
+             f"the secret {rep['ours'] * 1e3:.1f} ms: ratio **{auth:.3f}** (target <= 1.03: "
+             f"{'PASS' if auth <= 1.03 else 'FAIL'}). The agents keep their peer connections, so the handshake "
+             f"(HMAC-SHA256 challenge and response, both ways) is paid once per peer; frames after it carry no MAC.", "",
              "**Recovery per tier** (restore of one rank's state on the node that needs it, including the "
              "rebuild from peers):", "", "| tier | source reported | seconds |", "|---|---|---|"]
     lines += [f"| {lbl} | {src} | {sec:.3f} |" for lbl, src, sec in rows]

@@ -1025,7 +1025,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ftconfig.ConfigError as e:
             log.error("agent node %d: %s", args.node, e)
             return 2
-    agent = Agent(cfg, args.node, secret)
+    return serve(cfg, args.node, secret, args.launcher_pid)
+
+
+def serve(cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes], launcher_pid: Optional[int] = None) -> int:
+    """Run node ``node``'s agent on the calling thread until it is shut down (SIGTERM, SIGINT, or its
+    launcher gone for good); ``secret``: the job's, which every store and peer-transport connection
+    proves (:func:`main` refuses to start a job that needs one without it). Returns the exit status."""
+    agent = Agent(cfg, node, secret)
     agent.adopt_existing()
     agent.start_peers()
 
@@ -1034,8 +1041,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if args.launcher_pid:
-        agent.watch_launcher(args.launcher_pid)
+    if launcher_pid:
+        agent.watch_launcher(launcher_pid)
     agent.serve_forever()
     agent._done.wait(timeout=600)  # the shutdown thread drains persists and removes segments
     return 0

@@ -31,10 +31,10 @@ from .helpers import WaitTimeout, with_free_ports
 
 
 class AgentProc:
-    """A real agent subprocess (``python -m megatron_ft.agent``) for one simulated node."""
+    """A real agent subprocess (``python -m megatron_ft.agent``, or ``module``) for one simulated node."""
 
-    def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int = 0):
-        self.cfg, self.cfg_path, self.node = cfg, cfg_path, node
+    def __init__(self, cfg: ftconfig.FTConfig, cfg_path: str, node: int = 0, module: str = "megatron_ft.agent"):
+        self.cfg, self.cfg_path, self.node, self.module = cfg, cfg_path, node, module
         self.sock = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = cfg_path + f".agent{node}.log"
@@ -49,7 +49,7 @@ class AgentProc:
             os.unlink(self.sock)
         except FileNotFoundError:
             pass
-        cmd = ["-m", "megatron_ft.agent", "--config", self.cfg_path, "--node", str(self.node)]
+        cmd = ["-m", self.module, "--config", self.cfg_path, "--node", str(self.node)]
         if fault:
             cmd = faults.wrap(cmd, fault)
         self.proc = subprocess.Popen([sys.executable, *cmd], stdout=open(self.log_path, "ab"),
@@ -119,10 +119,13 @@ ModelFactory = Callable[[int, int], tuple]  # (rank, seed) -> (model, optimizer 
 
 class LocalCluster:
     """``nodes`` agents with one trainer each; ``redundancy`` is the config section; ``config``:
-    more config sections (e.g. ``{"health": {"store": "etcd://127.0.0.1:2379"}}``)."""
+    more config sections (e.g. ``{"health": {"store": "etcd://127.0.0.1:2379"}}``). The agents prove
+    the job's secret, made here as a launcher of one machine makes it; ``authenticate=False`` runs them
+    without one (:mod:`megatron_ft.testing.unauthenticated_agent`: a benchmark's baseline only)."""
 
     def __init__(self, workdir: str, nodes: int, make_model: ModelFactory, chunk_bytes: int = 1 << 20,
-                 persist_interval: int = 0, config: Optional[dict] = None, **redundancy):
+                 persist_interval: int = 0, config: Optional[dict] = None, authenticate: bool = True,
+                 **redundancy):
         self.run_id = f"t{uuid.uuid4().hex[:10]}"
         extra = dict(config or {})
         self.cfg = with_free_ports(
@@ -131,7 +134,7 @@ class LocalCluster:
             persist={"dir": os.path.join(workdir, "persist"), "interval": persist_interval, "on_failure": False},
             **extra)
         os.makedirs(workdir, exist_ok=True)
-        if not self.cfg.security.secret_file:  # the job's secret, as a launcher of one machine makes it
+        if authenticate and not self.cfg.security.secret_file:  # the job's secret, as a launcher of one machine makes it
             from ..transport.credential import job_secret_file
 
             self.cfg = ftconfig.replace(self.cfg, security={"secret_file": job_secret_file("", {}, workdir, False)})
@@ -140,7 +143,8 @@ class LocalCluster:
             yaml.safe_dump(self.cfg.to_dict(), f)
         self.nodes = nodes
         self.make_model = make_model
-        self.agents = [AgentProc(self.cfg, self.path, n) for n in range(nodes)]
+        module = "megatron_ft.agent" if authenticate else "megatron_ft.testing.unauthenticated_agent"
+        self.agents = [AgentProc(self.cfg, self.path, n, module) for n in range(nodes)]
         for a in self.agents:
             a.launch()
         for a in self.agents:
