@@ -271,7 +271,7 @@ class BenchStateAdapter:
     def capture(self) -> tuple[list[StateTensor], dict]:
         return [StateTensor(n, t) for n, t in self.state.items()], {"iteration": self.iteration}
 
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         return {e.spec.name: StateTensor(e.spec.name, self.state[e.spec.name]) for e in layout.entries}
 
     def finish_restore(self, extra: dict) -> None:

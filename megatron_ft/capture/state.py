@@ -12,7 +12,7 @@ saves only its slice (REFT); ``group`` is the process group that re-assembles it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Collection, Optional, Protocol
 
 import numpy as np
 import torch
@@ -53,23 +53,29 @@ class StateAdapter(Protocol):
     def capture(self) -> tuple[list[StateTensor], dict]:
         """Tensors (views or small owned clones) and the JSON-able record of this step."""
 
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
-        """Destinations for every tensor in a saved layout (allocating missing optimizer state)."""
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
+        """Destinations for every tensor in a saved layout (allocating missing optimizer state);
+        ``extra``: the snapshot's JSON record (what :meth:`capture` returned with its tensors), for an
+        adapter that allocates each destination where the saved tensor lived."""
 
     def finish_restore(self, extra: dict) -> None:
         """Apply the JSON record and anything that depends on restored tensors (RNG, schedulers)."""
 
 
-def fresh_targets(layout: Layout) -> dict[str, torch.Tensor]:
-    """A new CPU tensor for every entry of a saved layout (restore destinations for adapters whose
-    state is rebuilt from the snapshot rather than written into live tensors: Megatron-LM's
-    checkpoint tier, DeepSpeed). Entries sharded over data-parallel ranks are refused: those
-    adapters snapshot whole tensors."""
+def fresh_targets(layout: Layout, on_device: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """A new tensor for every entry of a saved layout (restore destinations for adapters whose state
+    is rebuilt from the snapshot rather than written into live tensors: Megatron-LM's checkpoint
+    tier, DeepSpeed): in host memory, or for the names in ``on_device`` (tensors saved from a GPU) on
+    the current CUDA device, so that the restore copies them there through its pinned, device-verified
+    path instead of into pageable memory and then across. Entries sharded over data-parallel ranks
+    are refused: those adapters snapshot whole tensors."""
     out = {}
+    device = torch.device("cuda", torch.cuda.current_device()) if on_device else None  # GPU path
     for e in layout.entries:
         if e.spec.shard is not None:
             raise ValueError(f"{e.spec.name}: a data-parallel shard; this adapter restores whole tensors only")
-        out[e.spec.name] = torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
+        out[e.spec.name] = torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype),
+                                       device=device if e.spec.name in on_device else None)
     return out
 
 
@@ -140,7 +146,7 @@ class TorchStateAdapter:
         extra.update({"param_groups": json_safe(groups, "param_groups"), "user": json_safe(self.extra, "extra")})
         return out, extra
 
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         params = self._params()
         out: dict[str, StateTensor] = {}
         for e in layout.entries:

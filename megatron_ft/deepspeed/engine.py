@@ -107,7 +107,7 @@ class DeepSpeedStateAdapter:
         }
         return out, extra
 
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         self._buffers = fresh_targets(layout)
         return {name: StateTensor(name, t) for name, t in self._buffers.items()}
 

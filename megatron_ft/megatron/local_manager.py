@@ -140,8 +140,11 @@ class _StateDictAdapter:
                      "the rest in the background", copied, sum(t.tensor.nbytes for t in out))
         return out, {"state_dict": record, "iteration": self.iteration}
 
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
-        self.loaded = fresh_targets(layout)
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
+        """New tensors, each where its saved tensor lived (a GPU's on the current device)."""
+        specs = treecodec.tensor_specs(extra["state_dict"]) if "state_dict" in extra else []
+        saved_on_gpu = {tensor_name(i, s["name"]) for i, s in enumerate(specs) if s["device"] == "cuda"}
+        self.loaded = fresh_targets(layout, saved_on_gpu)
         return {name: StateTensor(name, t) for name, t in self.loaded.items()}
 
     def finish_restore(self, extra: dict) -> None:
@@ -272,10 +275,7 @@ class InMemoryLocalCheckpointManager:
             return _Loaded(-1)
         record = res.extra["state_dict"]
         names = [tensor_name(i, p) for i, p in enumerate(record["names"])]
-        tensors = [self._adapter.loaded[n] for n in names]
-        for i, spec in enumerate(treecodec.tensor_specs(record)):
-            if spec["device"] == "cuda":  # GPU path
-                tensors[i] = tensors[i].to(torch.cuda.current_device())
+        tensors = [self._adapter.loaded[n] for n in names]  # each already where it was saved from
         self._adapter.loaded = {}
         return _Loaded(res.step, res.source, record, tensors)
 

@@ -186,7 +186,7 @@ class MegatronStateAdapter:
         return tensors, extra
 
     # ------------------------------------------------------------------ restore
-    def targets(self, layout: Layout) -> dict[str, StateTensor]:
+    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         group, _, _ = _dp_group_and_rank()
         out: dict[str, StateTensor] = {}
         for name, t in _param_buckets(self.model):

@@ -19,7 +19,9 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   slowed more; see docs/gpu.md.)
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
-rotation and a stream of its own. A block is read from the slot and copied to the device; a block
+rotation and a stream of its own, which first waits for an event the restoring thread recorded on its
+current stream (:class:`RestoreStagings`: the destinations' allocation or zero-fill queued there
+lands first). A block is read from the slot and copied to the device; a block
 is refilled only after its copy's event has completed. Each piece's checksum lanes are computed on
 the device from the bytes that arrived, on the same stream after its copies; the restore combines
 them with the host pieces' and compares every chunk with its stored checksum after ``finish()``
@@ -41,7 +43,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +67,19 @@ def cuda_device_of(tensors: Sequence[torch.Tensor]) -> Optional[torch.device]:
         if on_device(t):
             return t.device
     return None
+
+
+def devices_of(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    """The distinct devices of the GPU tensors in ``tensors``, in order of appearance (none: a CPU job)."""
+    return list(dict.fromkeys(t.device for t in tensors if on_device(t)))
+
+
+def stream_point(device: torch.device) -> torch.cuda.Event:
+    """An event recorded now on the calling thread's current stream of ``device``: work queued later
+    on another stream that waits for it runs after everything the caller queued so far."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 def pinned_bytes(n: int) -> torch.Tensor:
@@ -144,9 +159,7 @@ class SnapshotStaging:
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
         copies wait for."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return stream_point(self.device)
 
     def copy_and_sum(self, ready: torch.cuda.Event, area: np.ndarray, pieces_by_chunk: list,
                      chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
@@ -197,13 +210,15 @@ class SnapshotStaging:
 class RestoreStaging:
     """One restore thread's host -> device path: pinned bounce blocks in rotation, its own stream.
 
-    Used by one thread only. :meth:`block` hands out the next block once its earlier copy has
-    completed; :meth:`upload` copies a filled block to the device asynchronously; :meth:`finish`
-    waits for every copy."""
+    Used by one thread only. Its stream first waits for ``after`` (the restore's start on the
+    caller's stream: see :class:`RestoreStagings`). :meth:`block` hands out the next block once its
+    earlier copy has completed; :meth:`upload` copies a filled block to the device asynchronously;
+    :meth:`finish` waits for every copy."""
 
-    def __init__(self, device: torch.device, block_bytes: int):
+    def __init__(self, device: torch.device, block_bytes: int, after: torch.cuda.Event):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.stream.wait_event(after)  # nothing of the restore lands before what the caller queued
         self._blocks = [pinned_bytes(block_bytes) for _ in range(BLOCKS)]
         self._events: list[Optional[torch.cuda.Event]] = [None] * BLOCKS
         self._next = 0
@@ -235,10 +250,19 @@ class RestoreStaging:
 
 
 class RestoreStagings:
-    """The :class:`RestoreStaging` of each thread of a restore, created on first use (thread-safe)."""
+    """The :class:`RestoreStaging` of each thread of a restore, created on first use (thread-safe).
 
-    def __init__(self, block_bytes: int):
+    Ordering: created on the thread that asked for the restore, it records one event per device in
+    ``devices`` on that thread's current stream (:func:`stream_point`), and every staging stream waits
+    for it before its first copy. The destinations were allocated - and perhaps zero-filled or
+    initialised - on that stream; without the wait such work, still queued, could land after the
+    restored bytes and after their verification. The restore's own threads cannot record it: their
+    current stream is the device's default stream, not the caller's. A host-side :meth:`finish`
+    ends the restore, so that work the caller queues afterwards follows every copy."""
+
+    def __init__(self, block_bytes: int, devices: Sequence[torch.device] = ()):
         self.block_bytes = block_bytes
+        self._after = {d: stream_point(d) for d in devices}
         self._local = threading.local()
         self._all: list[RestoreStaging] = []
         self._lock = threading.Lock()
@@ -246,7 +270,10 @@ class RestoreStagings:
     def here(self, device: torch.device) -> RestoreStaging:
         st = getattr(self._local, "staging", None)
         if st is None or st.device != device:
-            st = RestoreStaging(device, self.block_bytes)
+            if device not in self._after:
+                raise ValueError(f"a restore copy to {device}, which was not named when the restore began "
+                                 f"(named: {sorted(map(str, self._after))})")
+            st = RestoreStaging(device, self.block_bytes, self._after[device])
             self._local.staging = st
             with self._lock:
                 self._all.append(st)

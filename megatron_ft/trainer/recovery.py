@@ -163,7 +163,8 @@ class Container:
             except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
                 log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
         src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
-        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK)  # GPU path; nothing is allocated for CPU targets
+        # GPU path (nothing is allocated for CPU targets); on the caller's thread: see its ordering rule
+        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK, device_staging.devices_of(views.values()))
         # GPU path: chunks with pieces on a device are verified on the device, after the copies
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
@@ -295,7 +296,7 @@ def _pread_into(fd: int, dst: torch.Tensor | np.ndarray, offset: int) -> None:
 
 def resolve_targets(container: Container, adapter: StateAdapter) -> dict:
     """Destinations for every saved tensor, checked for name, shard and size before any byte moves."""
-    targets = adapter.targets(container.layout)
+    targets = adapter.targets(container.layout, container.version.get("extra", {}))
     missing = [e.spec.name for e in container.layout.entries if e.spec.name not in targets]
     if missing:
         raise KeyError(f"no destination for saved tensors {missing[:5]}")

@@ -114,3 +114,31 @@ def run_twice_from_step_2(agent):
     got = snapshot_bytes(m2, opt2)
     for k in want:
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+
+
+def test_a_restore_lands_after_what_the_training_stream_had_queued(agent):
+    """The restore ordering a CPU run can only record: a zero-fill queued on the training stream
+    behind a long kernel (``torch.cuda._sleep``) must land before the restored bytes, not after them
+    and after their verification. Without the staging streams' wait on the caller's stream the
+    parameters end as zeros here."""
+    c = agent.client()
+    m, opt = model_on_gpu(0)
+    ad = TorchStateAdapter(m, opt)
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)
+    step(m, opt)
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())
+    assert eng.wait().ok
+    want = snapshot_bytes(m, opt)
+    eng.close()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the training stream, then the zero-fill behind it
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m, opt))
+    assert (res.source, res.step) == ("local_memory", 1), res
+    torch.cuda.synchronize()
+    got = snapshot_bytes(m, opt)
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k

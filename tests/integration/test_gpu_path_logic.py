@@ -120,3 +120,61 @@ def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatc
     r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
     assert (r.source, r.step) == ("local_memory", 2)
     assert torch.equal(m.weight, want)
+
+
+def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_copy(agent, monkeypatch):
+    """The restore's copies run on streams of their own, from several threads; the destinations were
+    allocated (and perhaps zero-filled) on the caller's stream. Each staging stream's first operation
+    must be a wait for an event recorded on the caller's current stream, by the caller's thread,
+    before any copy. Recorded with stubs: this checks the bookkeeping; that a queued zero-fill really
+    lands before the restored bytes is checked on a GPU (``tests/gpu/test_device_staging.py``)."""
+    import threading
+
+    caller = threading.get_ident()
+    ops: list = []  # (stream, what, detail) in the order issued
+
+    class RecStream(Stream):
+        def __init__(self, *a, name="staging", **k):
+            self.name = name
+
+        def wait_event(self, e):
+            ops.append((self, "wait", e))
+
+    class RecEvent(Event):
+        def record(self, s=None):
+            self.on, self.thread = s, threading.get_ident()
+
+    callers_stream = RecStream(name="caller's")
+    monkeypatch.setattr(torch.cuda, "Stream", RecStream)
+    monkeypatch.setattr(torch.cuda, "Event", RecEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: callers_stream)
+    upload = device_staging.RestoreStaging.upload
+
+    def recorded_upload(self, k, dst):
+        ops.append((self.stream, "copy", None))
+        return upload(self, k, dst)
+
+    monkeypatch.setattr(device_staging.RestoreStaging, "upload", recorded_upload)
+    monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 4)  # several restore threads
+    c = agent.client()
+    m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
+    ad = TorchStateAdapter(m)
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 10)
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())
+    assert eng.wait().ok
+    eng.close()
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 1), r
+    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+    streams = list(dict.fromkeys(s for s, what, _ in ops if s is not callers_stream))
+    assert len(streams) >= 2, "the restore copied from several threads"
+    for s in streams:
+        first = next((what, e) for st, what, e in ops if st is s)
+        assert first[0] == "wait", f"a staging stream copied before waiting: {[w for st, w, _ in ops if st is s][:3]}"
+        assert first[1].on is callers_stream and first[1].thread == caller

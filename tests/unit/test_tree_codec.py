@@ -171,3 +171,32 @@ def test_allow_listed_dataclasses_encode_as_their_field_dicts_would():
     rec, tensors = tree.encode(sts[:2], "s")  # this release refuses to build one with a flattened range
     back = tree.decode(through_json(rec), tensors)
     assert back[0].replica_id == (0, 1, 0) and isinstance(back[1].data, torch.nn.Parameter)
+
+
+def test_upstream_restore_targets_are_allocated_where_each_tensor_was_saved(monkeypatch):
+    """Megatron-LM's checkpoint tier rebuilds its state dict from new tensors: those saved from a GPU
+    are allocated on the current device, so that the restore copies them there through its pinned,
+    device-verified path (not into pageable host memory and then across). On CPU the record's device
+    field is edited; which device the allocation lands on is a GPU machine's check."""
+    from megatron_ft.capture.layout import plan_layout
+    from megatron_ft.megatron import local_manager
+
+    sd = {"w": torch.ones(3, 2), "b": torch.zeros(4), "step": torch.tensor(5)}
+    record, tensors = tree.encode(sd, "state_dict")
+    for node in record["body"]["w"], record["body"]["b"]:
+        assert node["device"] == "cpu"
+    record["body"]["w"]["device"] = "cuda"  # as a GPU job's record says
+    adapter = local_manager._StateDictAdapter()
+    specs = [local_manager.StateTensor(local_manager.tensor_name(i, p), t).spec()
+             for i, (p, t) in enumerate(zip(record["names"], tensors))]
+    layout = plan_layout(specs, 1 << 10)
+    asked = {}
+
+    def fresh(layout, on_device=()):
+        asked["on_device"] = set(on_device)
+        return {e.spec.name: torch.empty(e.spec.shape) for e in layout.entries}
+
+    monkeypatch.setattr(local_manager, "fresh_targets", fresh)
+    targets = adapter.targets(layout, {"state_dict": through_json(record)})
+    assert asked["on_device"] == {local_manager.tensor_name(record["names"].index("state_dict.w"), "state_dict.w")}
+    assert set(targets) == {s.name for s in specs}
