@@ -216,8 +216,11 @@ class LaunchConfig(_Section):
     #: round replaces every trainer by a fresh fork. Needs fast_restarts
     in_process_restart: Flag = True
     #: a survivor asked to rejoin in place that has not unwound within this many seconds (stuck where no
-    #: abort reaches) is replaced by a fresh fork
-    in_process_grace_s: _num(0.1) = 2.0
+    #: abort reaches, or its device unusable) is replaced by a fresh fork; ``auto``: 2 s for trainers on
+    #: gloo, 10 s on NCCL, whose communicators' abort and device check come on top
+    #: (megatron_ft/spares/fast_restart.py ``AUTO_GRACE_S``). A number applies to every backend
+    in_process_grace_s: Annotated[Union[Annotated[StrictFloat, Field(ge=0.1)], Literal["auto"]],
+                                  Allowed("must be a number >= 0.1 (seconds) or 'auto'")] = AUTO
     rdzv_keep_alive_attempts: _int(1) = 3
     #: keep a pool of warm spare trainers on every node (torch and megatron-core already imported):
     #: torchrun's restarted workers start from it in a fraction of a second (megatron_ft/spares)

@@ -48,6 +48,7 @@ from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .spares import prestart
 from .spares.lifetime import die_with_parent
+from .trainer.in_process import nccl_env_defaults
 from .transport import credential
 
 
@@ -253,6 +254,8 @@ class NodeLauncher:
             env["MFT_FAST_RESTARTS"] = str(self.cfg.launch.fast_restarts if self.cfg.launch.max_restarts else 0)
             if self.cfg.launch.in_process_restart:
                 env["MFT_IN_PROCESS_GRACE_S"] = str(self.cfg.launch.in_process_grace_s)
+                for var, value in nccl_env_defaults(True).items():  # torchrun passes them on to its workers
+                    env.setdefault(var, value)  # a value of the user's environment wins
         self.rdzv = self.rendezvous.current(self.log)
         self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
                  f"{self.rdzv.addr}:{self.rdzv.port}")

@@ -46,6 +46,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Mapping, MutableMapping, Optional
@@ -89,6 +90,23 @@ def after_exit(r: Round, code: int, node_lost: bool = False) -> str:
     return OPEN_NEXT
 
 
+def rejoins_fresh(r: Round, code: int, node_lost: bool = False) -> bool:
+    """A trainer asked to rejoin round ``r`` in place exited with ``code`` before saying it does (it
+    found it cannot: :mod:`megatron_ft.trainer.in_process`): whether a fresh fork takes its place in
+    ``r``, as when its grace runs out. Not for an exit that ends more than the trainer (a clean exit,
+    the end-the-job codes, a stop torchrun asked for, a lost node): :func:`after_exit` handles those.
+    The budget was spent when ``r`` opened.
+
+    >>> rejoins_fresh(Round(3, budget=3), 1), rejoins_fresh(Round(1, budget=3), -6)
+    (True, True)
+    >>> rejoins_fresh(Round(1, budget=3), 0), rejoins_fresh(Round(1, budget=3), 2), rejoins_fresh(Round(1, budget=3).stop(), 1)
+    (False, False, False)
+    >>> rejoins_fresh(Round(1, budget=3), 1, node_lost=True)
+    False
+    """
+    return not (code == 0 or code in JOB_ENDING or r.stopping or node_lost)
+
+
 def joins(r: Round, newest: int) -> Optional[int]:
     """The round a keeper moves to when ``newest`` is the newest round opened: a newer one than
     its trainer's (its trainer, alive or not, is replaced), else None.
@@ -99,17 +117,60 @@ def joins(r: Round, newest: int) -> Optional[int]:
     return newest if newest > r.number and not r.stopping else None
 
 
-def in_process_grace(env: dict) -> Optional[float]:
+#: the grace ``launch.in_process_grace_s: auto`` gives a trainer of each collectives' backend. gloo's
+#: was measured on CPU (a survivor whose round's sockets are shut down unwinds well within it); NCCL's
+#: also covers the communicators' abort (``ncclCommAbort`` of every group: seconds with many groups) and
+#: the device check before the trainer says it rejoins (at most half the grace:
+#: :func:`megatron_ft.trainer.in_process.device_problem`)
+AUTO_GRACE_S = {"gloo": 2.0, "nccl": 10.0}
+
+
+def effective_grace(configured: "float | str", backend: str) -> float:
+    """The grace of a trainer whose collectives run on ``backend`` when ``launch.in_process_grace_s``
+    is ``configured``: a number is taken as it is, for every backend; ``auto`` is :data:`AUTO_GRACE_S`
+    of the backend (NCCL's for any backend string naming nccl, such as ``cpu:gloo,cuda:nccl``).
+
+    >>> effective_grace("auto", "gloo"), effective_grace("auto", "nccl"), effective_grace("auto", "cpu:gloo,cuda:nccl")
+    (2.0, 10.0, 10.0)
+    >>> effective_grace(2.5, "nccl"), effective_grace("4", "gloo")
+    (2.5, 4.0)
+    """
+    if configured == "auto":
+        return AUTO_GRACE_S["nccl" if "nccl" in backend else "gloo"]
+    return float(configured)
+
+
+def trainer_backend() -> str:
+    """The collectives' backend of the trainers forked from this process, by the rule of
+    :func:`megatron_ft.trainer.distributed.init_process_group` (and Megatron's own default): ``nccl``
+    where torch sees a GPU, else ``gloo`` (also where torch is not imported here). It asks
+    ``torch.cuda.device_count()``, which answers from NVML where NVML works, leaving the CUDA driver
+    uninitialised in this process, so the trainers it forks can still use CUDA (as the pool's
+    ``PYTORCH_NVML_BASED_CUDA_CHECK``, :mod:`.pool`)."""
+    torch = sys.modules.get("torch")
+    return "nccl" if torch is not None and torch.cuda.device_count() > 0 else "gloo"
+
+
+def in_process_grace(env: Mapping[str, str], backend: Optional[str] = None) -> Optional[float]:
     """How long a trainer asked to rejoin a round in place may take to say it does
-    (``MFT_IN_PROCESS_GRACE_S``, set by ``megatron-ft launch`` when ``launch.in_process_restart`` is
-    on); None: in-process restart is off and every round replaces every trainer.
+    (``MFT_IN_PROCESS_GRACE_S``: ``launch.in_process_grace_s``, a number of seconds or ``auto``, set by
+    ``megatron-ft launch`` when ``launch.in_process_restart`` is on), for a trainer whose collectives run
+    on ``backend`` (None: :func:`trainer_backend`, asked only for ``auto``); see :func:`effective_grace`.
+    None: in-process restart is off and every round replaces every trainer.
 
     >>> in_process_grace({"MFT_IN_PROCESS_GRACE_S": "2.5"}), in_process_grace({}), in_process_grace({"MFT_IN_PROCESS_GRACE_S": "x"})
     (2.5, None, None)
+    >>> in_process_grace({"MFT_IN_PROCESS_GRACE_S": "auto"}, "gloo"), in_process_grace({"MFT_IN_PROCESS_GRACE_S": "auto"}, "nccl")
+    (2.0, 10.0)
     """
+    value = env.get("MFT_IN_PROCESS_GRACE_S")
+    if value is None:
+        return None
+    if value == "auto" and backend is None:
+        backend = trainer_backend()
     try:
-        grace = float(env["MFT_IN_PROCESS_GRACE_S"])
-    except (KeyError, ValueError):
+        grace = effective_grace(value, backend or "")
+    except ValueError:
         return None
     return grace if grace > 0 else None
 

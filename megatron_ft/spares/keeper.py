@@ -4,7 +4,8 @@ runs the fast restart rounds of :mod:`.fast_restart` (a failed trainer replaced 
 zygote's memory without torchrun noticing). With in-process restart on (``MFT_IN_PROCESS_GRACE_S``)
 each trainer also gets a control socket: a surviving trainer that said it can is asked to rejoin a
 new round in its own process (:mod:`megatron_ft.trainer.in_process`) instead of being killed, and is
-replaced only when it has not unwound within the grace.
+replaced by a fresh fork in that round only when it has not unwound within the grace or ends instead
+(it found it cannot rejoin: its device, its NCCL abort).
 
 Contracts: single-threaded (it forks trainers); owns its trainer (SIGKILLed when the worker goes
 away, so no trainer outlives the worker torchrun watches) and, on torchrun's rank 0, the store of
@@ -269,6 +270,14 @@ class Keeper:
                     self.trainer = None
                     code = os.waitstatus_to_exitcode(status)
                     lost = self.round.number > 0 and self.node_lost()
+                    if self.asked is not None and fr.rejoins_fresh(self.round, code, lost):
+                        # it gave up rejoining in place (its device, its NCCL abort): a fresh fork takes
+                        # its place in the round it was asked to join, as when the grace runs out
+                        n, _, env = self.asked
+                        log.warning("spares: rank %s: trainer exited with %d instead of rejoining round %d in "
+                                    "place: replaced", self.env.get("RANK"), code, n)
+                        self.trainer = self.fork_trainer(env)
+                        continue
                     if fr.after_exit(self.round, code, lost) == fr.REPORT:
                         return code
                     try:
