@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import logging
 import os
 import re
@@ -151,6 +152,7 @@ class _StateDictAdapter:
         pass
 
 
+@functools.lru_cache(maxsize=1 << 14)  # the same names every snapshot: computed once, on the training thread
 def tensor_name(index: int, path: str) -> str:
     """Layout name of the ``index``-th tensor: ``tensor_name(3, "state_dict.sharded.model.w")``
     -> ``'sd.00003.sharded.model.w'`` (the path only helps a human reading a layout)."""

@@ -50,6 +50,7 @@ def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29500 + os.getpid() % 1000 + (7 if phase == "load" else 0)), *(faults.wrap(job, fault) if fault else job)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    (out / f"{phase}.log").write_text(p.stdout + p.stderr)  # what a failed check below names
     if expect_ok and p.returncode != 0:
         pytest.fail(f"{phase} phase failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}\n{agent.log()}")
     if not expect_ok:
@@ -66,8 +67,13 @@ def digests(out, tag):
     return recs
 
 
-def check_resume(out, found):
-    assert json.load(open(out / "found.json"))["found"] == found
+def check_resume(out, found, agent=None):
+    got = json.load(open(out / "found.json"))["found"]
+    if got != found:  # say why: the load phase's restore lines and the agent's log
+        log = (out / "load.log").read_text() if (out / "load.log").exists() else ""
+        lines = [ln for ln in log.splitlines() if "restore" in ln.lower() or "megatron-ft" in ln.lower()][-30:]
+        pytest.fail(f"the load phase found {got}, not {found}:\n" + "\n".join(lines)
+                    + (f"\n--- agent log ---\n{agent.log()[-6000:]}" if agent is not None else ""))
     for it in (found, found + 1):  # the restored state, then one more iteration trained from it
         assert digests(out, f"load.it{it}") == digests(out, f"save.it{it}"), f"iteration {it} differs"
 
@@ -78,7 +84,7 @@ def test_save_load_round_trip_bit_exact(tmp_path, two_rank_job):
     # the load phase scrambles its fresh model and RNGs before restoring (tests/integration/local_manager_job.py)
     assert digests(out, "save.it1") != digests(out, f"save.it{ITERS}")
     run_phase(tmp_path, path, agent, "load")
-    check_resume(out, ITERS)
+    check_resume(out, ITERS, agent)
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
@@ -86,7 +92,7 @@ def test_torn_snapshot_is_not_offered(tmp_path, two_rank_job):
     cfg, path, agent = two_rank_job
     out = run_phase(tmp_path, path, agent, "save", fault=f"mid-copy:{ITERS}:1", expect_ok=False)
     run_phase(tmp_path, path, agent, "load")
-    check_resume(out, ITERS - 1)
+    check_resume(out, ITERS - 1, agent)
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
@@ -95,7 +101,7 @@ def test_corrupt_snapshot_is_not_restored(tmp_path, two_rank_job):
     out = run_phase(tmp_path, path, agent, "save", fault=f"corrupt-after-commit:{ITERS}:1",
                     expect_ok=False)
     run_phase(tmp_path, path, agent, "load")
-    check_resume(out, ITERS - 1)
+    check_resume(out, ITERS - 1, agent)
     events = [json.loads(ln) for ln in open(tmp_path / "run" / "events" / "rank1.jsonl") if '"restore"' in ln]
     assert any("checksum mismatch" in r for e in events for r in e["rejected"]), events
 
