@@ -61,12 +61,13 @@ class Monitor:
     """``launcher_pid``: called (no lock held) at every beat for the ``launcher`` field;
     ``address``: this agent's peer port (``host:port``), which the root probes when its heartbeats stop;
     ``trained``: called (no lock held) at every beat for the ``trained`` field - whether a trainer ever
-    registered with this agent (a launcher tells a running job from one that is starting by it)."""
+    registered with this agent (a launcher tells a running job from one that is starting by it);
+    ``clock``: our time, for heartbeat ages (a test drives it)."""
 
     def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
                  launcher_pid: Callable[[], int] = lambda: 0, address: str = "",
-                 trained: Callable[[], bool] = lambda: False):
-        self.store, self.node, self.nodes = store, node, nodes
+                 trained: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic):
+        self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
         self.launcher_pid, self.address, self.trained = launcher_pid, address, trained
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.probe_after_s = min(2 * heartbeat_s, timeout_s)  # two heartbeats missed
@@ -74,6 +75,7 @@ class Monitor:
         self.seq = 0
         self.failed: dict[int, dict] = {}  # root's verdicts
         self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (last heartbeat value, our time seen)
+        self._looked: Optional[float] = None  # our time of the last look at the others' heartbeats
         self._pids: dict[int, int] = {}  # node -> agent pid whose verdict was last checked (root)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
@@ -111,6 +113,23 @@ class Monitor:
         else:
             self._watch_root()
 
+    def _look(self) -> float:
+        """Now, on our clock, for a look at the others' heartbeats - and time this monitor did not run is
+        not their silence. Its looks come every ``heartbeat_s`` (plus the beat's own store calls and
+        probes); a gap beyond half of ``timeout_s`` means this process was not running (an overloaded
+        host, a paused VM or process): heartbeats written meanwhile could not be read, so every node's
+        last change moves forward by the excess, as if we had watched. A node that died meanwhile is
+        judged at most that excess later; a gap shorter than that changes nothing (a slow store's
+        delay stays in every verdict, as :meth:`_beat_once` warns)."""
+        now = self.clock()
+        last, self._looked = self._looked, now
+        excess = now - last - self.timeout_s / 2 if last is not None else 0.0
+        if excess > 0:
+            self._seen = {n: (v, t + excess) for n, (v, t) in self._seen.items()}
+            log.warning("node %d: this agent did not run for %.1f s (an overloaded host, a stopped process): the "
+                        "others' heartbeats are judged from now, not from then", self.node, now - last)
+        return now
+
     def _observe(self, n: int, now: float) -> tuple[Optional[str], float, bool]:
         """Node ``n``'s heartbeat value, how long (on our clock) since it last changed, and
         whether it changed now (the first observation counts as a change). A heartbeat that
@@ -129,7 +148,7 @@ class Monitor:
         when it stopped). On a store that elects its root by heartbeats (etcd), also follow the
         others', and when the root's is stale and this node is the lowest-numbered one whose
         heartbeat is fresh (itself included), compare-and-swap ``root`` to this node."""
-        root, now = self.store.root, time.monotonic()
+        root, now = self.store.root, self._look()
         if root < 0 or root == self.node:
             return
         elect = getattr(self.store, "elects_root_by_heartbeat", False)
@@ -142,7 +161,7 @@ class Monitor:
             self.store.take_root(root)
 
     def _watch(self) -> None:
-        now = time.monotonic()
+        now = self._look()
         for n in range(self.nodes):
             if n == self.node:
                 continue

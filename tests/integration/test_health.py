@@ -433,6 +433,53 @@ def test_a_stalled_agent_is_judged_only_after_the_timeout(tmp_path):
         c.close()
 
 
+def test_a_root_that_was_not_running_judges_no_one_for_its_own_silence(tmp_path):
+    """The root's monitor looks at the others' heartbeats every ``heartbeat_s``; when its process did not
+    run for longer than ``timeout_s`` (an overloaded host, a paused process), the heartbeats written
+    meanwhile could not be read: their silence is its own, not the other node's. Real embedded stores
+    (node 0 the root, node 1 following it), the monitor's clock driven by the test: after a 3 s gap (2 s
+    timeout) no verdict; then, a node that stays silent while the root watches is judged once its
+    silence passes the timeout as before."""
+    from megatron_ft.health.monitor import Monitor
+    from megatron_ft.health.store import EmbeddedStore
+
+    run, port = f"t{uuid.uuid4().hex[:8]}", free_port()
+    root = EmbeddedStore(run, 0, 2, [], port, timeout_s=2.0)
+    other = EmbeddedStore(run, 1, 2, [], port, timeout_s=2.0)
+    try:
+        assert root.connect(10) == 0 and other.connect(10) == 0
+        now = [100.0]
+        m = Monitor(root, 0, 2, heartbeat_s=0.1, timeout_s=2.0, clock=lambda: now[0])
+        seq = [0]
+
+        def node1_beats():
+            seq[0] += 1
+            other.set("hb/1", json.dumps({"pid": 4242, "seq": seq[0], "time": time.time(), "launcher": 0,
+                                         "addr": "", "trained": True}))
+
+        def looks(n, beating):  # n heartbeat periods on the root's clock
+            for _ in range(n):
+                if beating:
+                    node1_beats()
+                now[0] += 0.1
+                m.beat()
+
+        looks(5, beating=True)
+        now[0] += 3.0  # the root's process did not run; node 1's beats of that time were never read
+        looks(1, beating=False)
+        assert verdict(root, 1) is None and not m.failed
+        looks(5, beating=True)
+        assert verdict(root, 1) is None
+        looks(15, beating=False)  # 1.5 s of watched silence: below the timeout
+        assert verdict(root, 1) is None
+        looks(10, beating=False)  # 2.5 s: judged
+        v = verdict(root, 1)
+        assert v is not None and v["why"].startswith("missed heartbeats for"), v
+    finally:
+        other.close()
+        root.close()
+
+
 def test_standby_flag_rejects_node_rank(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "launch", "--standby", "--node-rank=1", "--nodes=2",
                         f"--run-dir={tmp_path}", "--", "x.py"], capture_output=True, text=True, timeout=120,
