@@ -1,14 +1,14 @@
 """The scheduled transport: trainers send their latest clean snapshot to the peers
-that hold its copies, in the chunks and at the times of a :class:`~megatron_ft.schedule.modes.SendSchedule`,
-through rotating sub-buffers; the receiving trainer copies each chunk into its agent's shared memory
-while the next one arrives, and tells its agent when every chunk is there.
+that hold its copies, in the chunks and at the times of a :class:`~megatron_ft.schedule.modes.SendSchedule`;
+the receiving trainer lands each chunk in its agent's shared memory and tells its agent when every
+chunk is there.
 
 Byte path of one transfer of version ``S`` from rank ``r`` (node A) to rank ``r'`` (same local
 index on node B, which holds ``copy.r{r}``)::
 
-    A: agent slot of S (pinned: sched_pin) --(GPU: H2D)--> sub-buffer b --isend--> B: buffer b'
-    B: buffer b' --(GPU: D2H)--> agent block copy.r{r}, version S (sched_recv_begin)
-    (on CPU the sub-buffers are windows of the slot and of the block: no copies but the kernel's)
+    A: agent slot of S (pinned: sched_pin) --(GPU: H2D, side stream)--> staging buffer --send--> B
+    B: --recv--> staging buffer --(GPU: D2H, side stream)--> agent block copy.r{r}, version S (sched_recv_begin)
+    (on CPU gloo sends from a window of the slot and receives into a window of the block: no copies)
     B: after the last chunk: sched_recv_done -> B's agent marks the block complete, announces S
 
 ``S`` is the step every rank agreed on (the snapshot engine's ``last_agreed``, read where the engine is
@@ -16,25 +16,63 @@ idle), so all ranks send the same version and the group holds a consistent cut. 
 every ``interval_iterations`` iterations, at the same iteration on every rank; a failure midway
 leaves the block incomplete and the previous complete version in use.
 
-Wire format on the transport's own process group (``torch.distributed``: gloo on CPU; NCCL on GPUs,
-with device sub-buffers), no pickle: a header of 8 int64 ``[MAGIC, VERSION, kind, step, length,
-nchunks, buffers, buffer_bytes]`` (kind 1 = transfer, 2 = bye), then an int64 table of
-``nchunks x (offset, size)``, then the chunks in table order.
+**Process groups, threads, timeouts.** The transport makes its own groups:
+
+* ``ctl`` (gloo, torch's default timeout): the planning collectives (:meth:`ScheduledTransport.agree`,
+  :meth:`~ScheduledTransport.exchange_bubbles`, :meth:`~ScheduledTransport.ranks_on_my_host`), on the
+  training thread.
+* ``ctrl`` (gloo, :data:`CTRL_TIMEOUT` = 24 h): each transfer's header and chunk table, and the bye.
+  The training thread sends them; one receiver thread per source rank (``mft-sched-recv-r{R}-from{S}``)
+  receives them, and waits in that receive from one checkpoint to the next for as long as training
+  runs (an ``off`` segment, an evaluation or a long interval included), hence the day.
+* the data group (the job's backend: NCCL on GPUs, gloo on CPU), one per timeout in use, with a
+  timeout of :func:`~megatron_ft.transport.p2p_batch.data_timeout_s` of the agreed schedules (60 s
+  unless a chunk needs more than 6 s at the planned rate; :func:`schedule_timeout_s`). Created by
+  :meth:`~ScheduledTransport.agree` (collective) with an eager barrier, so the communicator is built
+  with every rank taking part (``batch_isend_irecv`` requires that of the first collective call on
+  an NCCL group); from then on **only the p2p driver thread** (``mft-sched-p2p-r{R}``) touches it: NCCL
+  communicators are not thread-safe, and one communicator's operations run on one stream in issue
+  order. The driver executes every chunk in the order of :mod:`megatron_ft.transport.p2p_batch`
+  (keys both ends compute; one ``batch_isend_irecv`` per key, a send and a receive of the same key
+  together), waits for each batch on the host, and resolves its operations. The same timeout bounds
+  its wait for the sources' headers when a transfer starts. A batch that fails or times out stops
+  the transport (on NCCL, PyTorch's watchdog also acts on the timed-out communicator as
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` says: by default it ends the process).
+
+The training thread only releases work to the driver (the chunks of an iteration, with their due
+times) and waits for it in ``blocking`` / ``end`` modes and when a transfer is finished; the
+receiver threads hand each announced transfer (its table and the agent's block) to the driver and
+wait until the driver has received every chunk of it.
+
+Wire format on ``ctrl``, no pickle: a header of 8 int64 ``[MAGIC, VERSION, kind, start, step,
+length, nchunks, columns]`` (kind 1 = transfer, 2 = bye, 3 = no transfer this time; ``start``: the
+iteration step after which the transfer started, the same on every rank), then for a transfer an
+int64 table of ``nchunks x (offset, size, iteration, at_ms, seq)`` (the chunk's key). The chunks
+travel on the data group.
+
+**Checks only a GPU machine can make** (``tests/gpu/test_scheduled_nccl.py``, two or more GPUs):
+that two ranks exchanging large chunks both ways complete on NCCL (the ungrouped sends this
+transport used to issue from two threads can deadlock there; gloo does not serialise them); that the first
+batch after the eager barrier needs no other rank; the side-stream staging (host -> device before
+the wire, device -> host before a block is released); and the driver thread's device (a new thread
+starts on device 0 unless told).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import math
 import queue
 import socket
 import threading
 import time
+import warnings
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
-
-import warnings
 
 import numpy as np
 import torch
@@ -44,17 +82,21 @@ from ..agent import shm
 from ..agent.protocol import AgentClient
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
-from ..schedule.modes import AT_END, Send, SendSchedule
+from ..schedule.modes import SendSchedule
+from .p2p_batch import (END_BOUND, RECV, SEND, Op, Planned, batch_p2p, data_timeout_s, plan_transfer,
+                        release_bound, send_keys)
 
 log = logging.getLogger("megatron_ft.transport")
 
 MAGIC = 0x4D4654534348  # "MFTSCH"
-WIRE_VERSION = 1
-KIND_TRANSFER, KIND_BYE = 1, 2
+WIRE_VERSION = 2
+KIND_TRANSFER, KIND_BYE, KIND_SKIP = 1, 2, 3
 TAG_HEADER, TAG_TABLE, TAG_CHUNK = 71, 72, 73
-GROUP_TIMEOUT = timedelta(hours=24)  # a receiver waits for the next header as long as training runs
+HEADER_LEN, TABLE_COLUMNS = 8, 5
+CTRL_TIMEOUT = timedelta(hours=24)  # a receiver thread waits for the next header as long as training runs
 BYE_TIMEOUT = timedelta(seconds=30)
 MAX_RECORDS = 4096  # per list kept for the run's transport file
+MAX_CTRL_PENDING = 64  # header sends a peer never took (it stopped), kept referenced
 
 
 def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
@@ -73,52 +115,152 @@ def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
     return dsts, srcs
 
 
-class _Sent:
-    """One started send. gloo's send work must be waited exactly once (a second ``wait`` blocks for
-    a completion that never comes), so every wait goes through :meth:`wait`, which remembers the
-    outcome (the time it finished, or the error it raised) for the threads that wait later."""
-
-    __slots__ = ("work", "send", "issued", "finished", "reported", "error", "_lock")
-
-    def __init__(self, work: Any, send: Optional[Send], issued: float) -> None:
-        self.work, self.send, self.issued, self.finished, self.reported = work, send, issued, 0.0, False
-        self.error: Optional[BaseException] = None
-        self._lock = threading.Lock()  # the completion thread, the sender (buffer reuse), the training thread
-
-    def wait(self) -> None:
-        with self._lock:
-            if self.error is not None:
-                raise self.error
-            if not self.finished:
-                try:
-                    self.work.wait()
-                except BaseException as e:
-                    self.error = e
-                    raise
-                self.finished = time.perf_counter()
-
-    def done(self) -> bool:
-        """Finished (waited now if it completed); never blocks."""
-        if not self.finished and self.work.is_completed():
-            self.wait()
-        return bool(self.finished)
+def schedule_timeout_s(schedule: SendSchedule) -> int:
+    """The data group's timeout for ``schedule``: :func:`~.p2p_batch.data_timeout_s` of its largest
+    chunk at its planned rate (its bytes over its planned seconds, start-up times included, so never
+    faster than the link model it was planned with)."""
+    sizes = [s.size for s in schedule.sends]
+    rate = sum(sizes) / schedule.planned_transfer_s if schedule.planned_transfer_s > 0 else math.inf
+    return data_timeout_s(max(sizes, default=0), rate)
 
 
-@dataclass
+def exchange(group: Any, batch: list[Op], stream: Optional[Any] = None) -> None:
+    """Issue ``batch`` as one ``batch_isend_irecv`` on ``group``, wait for it on the host, then run each
+    operation's ``on_done`` and resolve its ``done``. Only the thread that owns ``group`` calls this.
+
+    ``stream`` (GPU only, None on CPU): the transport's side stream. Sends are staged host -> device
+    on it and it is synchronized before the batch is issued; after the batch it waits for NCCL's
+    work (``Work.wait`` orders the current stream after it) and copies received chunks device ->
+    host, and is synchronized again before anything is resolved, so a staging buffer is reused and
+    a block released only once its bytes are where they belong. Nothing here runs on the default
+    stream, so no copy queues behind training kernels. Raises what the batch raised (every
+    operation's ``done`` gets the exception)."""
+    try:
+        if stream is not None:  # ---- GPU only
+            with torch.cuda.stream(stream):
+                for op in batch:
+                    if op.direction == SEND and op.host is not None:
+                        op.tensor.copy_(op.host, non_blocking=True)
+            stream.synchronize()
+        issued = time.perf_counter()
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.direction == SEND else dist.irecv, op.tensor,
+                                                   op.peer, group, TAG_CHUNK) for op in batch])
+        if stream is None:  # gloo: each work waited exactly once (a second wait blocks for ever)
+            for w in works:
+                w.wait()
+        else:  # ---- GPU only: NCCL's wait does not block the host; the stream's synchronize does
+            with torch.cuda.stream(stream):
+                for w in works:
+                    w.wait()
+                for op in batch:
+                    if op.direction == RECV and op.host is not None:
+                        op.host.copy_(op.tensor, non_blocking=True)
+            stream.synchronize()
+        finished = time.perf_counter()
+    except BaseException as e:
+        for op in batch:
+            if not op.done.done():
+                op.done.set_exception(e)
+        raise
+    for op in batch:
+        if op.on_done is not None:
+            op.on_done(issued, finished)
+        op.done.set_result((issued, finished))
+
+
+class _Driver:
+    """The p2p driver: one daemon thread running submitted jobs one at a time, in submission order.
+    Every operation on the transport's data groups runs in its jobs (see the module docstring)."""
+
+    def __init__(self, name: str, device: torch.device):
+        self._device = device
+        self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def stop(self, timeout: float) -> bool:
+        """Stop after the jobs already submitted; False if the thread is still busy after ``timeout``."""
+        self._q.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _loop(self) -> None:
+        if self._device.type == "cuda":  # GPU only: a new thread starts on device 0
+            torch.cuda.set_device(self._device)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the submitter sees it in the future
+                fut.set_exception(e)
+
+
+@dataclass(eq=False)
+class _Incoming:
+    """What a source announced for one transfer (its header and table), and the block it goes to.
+    The receiver thread of ``src`` creates it, opens and closes the block; the driver receives into
+    it and sets ``done`` once every chunk arrived."""
+    src: int
+    kind: int  # KIND_TRANSFER | KIND_SKIP | KIND_BYE (the source is gone)
+    start: int  # the iteration step after which the transfer started
+    step: int = -1
+    length: int = 0
+    rows: list = field(default_factory=list)  # (key, offset, size), the source's chunk table
+    dst: Optional[np.ndarray] = None  # the agent's block (None: nowhere to put it, drained and dropped)
+    stage: Optional[torch.Tensor] = None  # GPU: where chunks land; CPU: scratch for chunks with nowhere to go
+    remaining: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def inside(self, offset: int, size: int) -> bool:
+        return self.dst is not None and 0 <= offset and size >= 0 and offset + size <= self.length
+
+    @property
+    def complete(self) -> bool:
+        return (all(self.inside(off, size) for _, off, size in self.rows)
+                and sum(size for _, _, size in self.rows) == self.length)
+
+    def arrived(self, issued: float = 0.0, finished: float = 0.0) -> None:
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.done.set()
+
+
+@dataclass(eq=False)
 class _Transfer:
-    step: int
-    seg: shm.Segment
+    """One transfer slot: every rank has one at each transfer start, with or without its own
+    snapshot to send (``seg`` None: it sends nothing, but receives what its sources send)."""
+    step: int  # the snapshot step sent (-1: none)
+    seg: Optional[shm.Segment]
     started_at: int  # the snapshot step after which it started
-    iteration: int = 0  # next iteration of the schedule to run
-    works: list = field(default_factory=list)  # _Sent
+    group: Any  # its data group
+    timeout_s: int
+    own: list  # this rank's sends: (key, dst, offset, size)
+    send_buf: Optional[torch.Tensor] = None  # GPU: the device staging buffer of sends
+    iteration: int = 0  # next iteration of the schedule to release
+    plan: Optional[list[Planned]] = None  # set by the driver once every source's header is in
+    cursor: int = 0  # plan[:cursor] released
+    incoming: dict = field(default_factory=dict)  # src -> _Incoming
+    ctrl: list = field(default_factory=list)  # (work, tensor) of the header and table sends
+    releases: list = field(default_factory=list)  # Future per release
+    completed: collections.deque = field(default_factory=collections.deque)  # (issued, finished, bytes) per send
     sent: int = 0
 
 
 class ScheduledTransport:
     """One per trainer rank. The training loop calls :meth:`begin_iteration` at the start of each
     iteration and :meth:`end_iteration` after the optimizer step, before the next snapshot starts
-    (the snapshot engine is idle there); :meth:`agree` (collective) and :meth:`use` once the profile
-    is planned."""
+    (the snapshot engine is idle there); :meth:`agree` (collective: every rank, in the same order)
+    and :meth:`use` (at the same step on every rank) once the profile is planned."""
 
     def __init__(self, cfg: Any, rank: int, agent_socket: str, hello: dict, last_agreed: Callable[[], int],
                  emit: Optional[Callable[..., None]] = None):
@@ -126,14 +268,20 @@ class ScheduledTransport:
         self.last_agreed = last_agreed
         self.emit = emit or (lambda *a, **k: None)
         self.dsts, self.srcs = peers_of(cfg, rank)
-        backend = dist.get_backend()
-        # GPU: NCCL moves device sub-buffers (the chunk is copied host -> device first); CPU: gloo
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.ctl = dist.new_group(backend="gloo")  # planning collectives (main thread)
-        self.data = dist.new_group(backend=backend, timeout=GROUP_TIMEOUT)  # chunks (transport threads)
-        # headers, tables and byes are small host tensors: gloo (NCCL moves device memory only)
-        self.ctrl = self.data if backend == "gloo" else dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
-        self.failed: Optional[str] = None  # set once a send failed: the stream to a peer is out of step
+        self.backend = dist.get_backend()
+        # GPU: NCCL moves device staging buffers (each chunk copied host -> device first); CPU: gloo
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None  # GPU only
+        self.ctl = dist.new_group(backend="gloo")  # planning collectives (training thread)
+        self.ctrl = dist.new_group(backend="gloo", timeout=CTRL_TIMEOUT)  # headers, tables, byes
+        self._groups: dict[int, Any] = {}  # timeout (s) -> data group
+        self._agreed: dict[SendSchedule, int] = {}  # schedule agree() returned -> its data group's timeout
+        self._data: Any = None  # the data group of the schedule in use, and its timeout
+        self._timeout_s = 0
+        self._send_buf: Optional[torch.Tensor] = None
+        self.failed: Optional[str] = None  # set once the transport broke: it stops for the rest of the run
+        self._stopped = False
         self.client = AgentClient(agent_socket, cfg.agent.request_timeout_s)  # the training thread's (pin / unpin)
         self.client.connect(hello)
         # each receiver thread has its own connection: a receiver waiting on its agent (e.g. for a
@@ -149,47 +297,65 @@ class ScheduledTransport:
         self.last_step = -1
         self.records: list[dict] = []  # one per finished transfer (benchmarks, timeline)
         self.stall_by_mode: dict[str, float] = {}  # training time spent waiting on the transport
-        self._bufs: list[torch.Tensor] = []
-        self._buf_work: dict[int, Any] = {}
-        self._q: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._sender = threading.Thread(target=self._send_loop, name=f"mft-sched-send-r{rank}", daemon=True)
-        self._sender.start()
-        # waits for each chunk as soon as it is issued, so its end time is when it completed (the
-        # timeline's actual chunks), not when the training thread next looked
-        self._done_q: "queue.Queue[Optional[_Sent]]" = queue.Queue()
-        self._completer = threading.Thread(target=self._complete_loop, name=f"mft-sched-done-r{rank}", daemon=True)
-        self._completer.start()
+        self._ctrl_pending: list = []
+        self._gone: set[int] = set()  # sources that said bye or whose receiver stopped (driver thread)
+        self._inbox: dict[int, "queue.Queue[_Incoming]"] = {src: queue.Queue() for src in self.srcs}
+        self._driver = _Driver(f"mft-sched-p2p-r{rank}", self.device)
         self._receivers = [threading.Thread(target=self._recv_loop, args=(src,), daemon=True,
                                             name=f"mft-sched-recv-r{rank}-from{src}") for src in self.srcs]
         for t in self._receivers:
             t.start()
         log.info("rank %d: scheduled transport, sends to %s, receives from %s", rank, self.dsts, self.srcs)
 
-    # ------------------------------------------------------------------ planning
+    # ------------------------------------------------------------------ planning (training thread)
     def agree(self, schedule: Optional[SendSchedule]) -> Optional[SendSchedule]:
         """Collective: every rank passes its own schedule; all take the largest interval, so
-        transfers start at the same steps everywhere. If one rank has none (it could not plan),
-        nobody sends: None everywhere."""
-        t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1], dtype=torch.int64)
+        transfers start at the same steps everywhere, and the largest data timeout
+        (:func:`schedule_timeout_s`), whose data group is made here if it is new. If one rank has
+        none (it could not plan), nobody sends: None everywhere."""
+        t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1,
+                          schedule_timeout_s(schedule) if schedule else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
-        n, missing = (int(x) for x in t.tolist())
+        n, missing, timeout_s = (int(x) for x in t.tolist())
         if missing or schedule is None:
             log.error("rank %d: a rank could not plan its checkpoint traffic: no scheduled transfers", self.rank)
             return None
-        return schedule if n == schedule.interval_iterations else dataclasses.replace(schedule, interval_iterations=n)
+        out = schedule if n == schedule.interval_iterations else dataclasses.replace(schedule, interval_iterations=n)
+        self._data_group(timeout_s)
+        self._agreed[out] = timeout_s
+        return out
+
+    def _data_group(self, timeout_s: int) -> Any:
+        """The data group with ``timeout_s``; a new one is made (collective) with an eager barrier:
+        its communicator is built with every rank taking part, before the driver's first batch."""
+        group = self._groups.get(timeout_s)
+        if group is None:
+            group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=timeout_s))
+            if self.device.type == "cuda":
+                dist.barrier(group=group, device_ids=[self.device.index])
+            else:
+                dist.barrier(group=group)
+            self._groups[timeout_s] = group
+            log.info("rank %d: scheduled transport data group, timeout %d s", self.rank, timeout_s)
+        return group
 
     def use(self, schedule: Optional[SendSchedule], start_step: int, label: str = "") -> None:
-        """Run ``schedule`` (an agreed one; None: no transfers) from snapshot step ``start_step`` on,
-        after finishing the current transfer (every rank switches at the same step)."""
+        """Run ``schedule`` (one :meth:`agree` returned; None: no transfers) from snapshot step
+        ``start_step`` on, after finishing the current transfer (every rank switches at the same step)."""
         self._stalled(self._finish_current())
-        if schedule is not None and self.device.type != "cpu":  # GPU: p device sub-buffers of R/p
-            self._bufs = [torch.empty(schedule.buffer_bytes, dtype=torch.uint8, device=self.device)
-                          for _ in range(schedule.buffers)]
+        if schedule is not None:
+            if schedule not in self._agreed:
+                raise ValueError("use() takes a schedule agree() returned (agree() makes its data group)")
+            self._timeout_s = self._agreed[schedule]
+            self._data = self._groups[self._timeout_s]
+            if self.device.type == "cuda":  # GPU only: one staging buffer (the driver runs one batch at a time)
+                size = max((s.size for s in schedule.sends), default=1)
+                if self._send_buf is None or self._send_buf.numel() < size:
+                    self._send_buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.schedule, self.phase, self.label = schedule, start_step, label or (schedule.mode if schedule else "none")
         if schedule is not None:
-            log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), %d x %d B buffers",
-                     self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, schedule.buffers,
-                     schedule.buffer_bytes)
+            log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), data timeout %d s",
+                     self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, self._timeout_s)
 
     def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
         """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
@@ -211,50 +377,62 @@ class ScheduledTransport:
 
     # ------------------------------------------------------------------ training thread
     def begin_iteration(self) -> None:
-        """Start of an iteration: queue (or, blocking, send) its planned chunks. Never raises."""
-        if self.failed is None:
-            self._guard(self._begin_iteration)
+        """Start of an iteration: release its planned chunks to the driver (``blocking``: and wait
+        for them). Never raises."""
+        self._guard(self._begin_iteration)
 
     def end_iteration(self, step: int) -> None:
         """After the optimizer step of snapshot step ``step`` (before its snapshot starts): finish
         the transfer that is due and start the next. Never raises."""
-        if self.failed is None:
-            self._guard(self._end_iteration, step)
+        self._guard(self._end_iteration, step)
 
     def _guard(self, fn: Callable, *args: Any) -> None:
+        if self._stopped:
+            return
         try:
-            fn(*args)
-            if self.failed is not None:
+            if self.failed is None:
+                fn(*args)
+            if self.failed is not None:  # the driver may have failed in between
                 raise RuntimeError(self.failed)
         except Exception as e:  # a broken transport costs the peer copies, never the training
             self.failed = self.failed or str(e)
-            log.error("rank %d: scheduled transport stopped (%s); the peers keep their last complete copy",
-                      self.rank, e)
-            self.schedule, self.current = None, None
-            try:
-                self.client.request("sched_unpin", rank=self.rank)
-            except Exception:
-                pass
+            self._stop()
+
+    def _stop(self) -> None:
+        """The transport broke: stop for good, release the pin, tell the receivers (best effort, not
+        waited for). A segment a batch may still touch is left mapped (it goes with the process)."""
+        self._stopped = True
+        log.error("rank %d: scheduled transport stopped (%s); the peers keep their last complete copy",
+                  self.rank, self.failed)
+        self.schedule, self.current = None, None
+        try:
+            self.client.request("sched_unpin", rank=self.rank)
+        except Exception:
+            pass
+        try:
+            self._bye()
+        except Exception:
+            pass
+
+    def _bye(self) -> list:
+        bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
+        works = [dist.isend(bye, dst, group=self.ctrl, tag=TAG_HEADER) for dst in self.dsts]
+        self._ctrl_pending.extend((w, bye) for w in works)
+        del self._ctrl_pending[:-MAX_CTRL_PENDING]
+        return works
 
     def _begin_iteration(self) -> None:
         self._reap()
         cur, sch = self.current, self.schedule
         if cur is None or sch is None or cur.iteration >= sch.interval_iterations:
             return
-        sends = [s for s in sch.of_iteration(cur.iteration) if s.at != AT_END]
+        t0 = time.perf_counter()
+        fut = self._release(cur, release_bound(cur.iteration), None if sch.blocking else t0)
         cur.iteration += 1
-        if not sends:
-            return
-        if sch.blocking:
-            t0 = time.perf_counter()
-            for s in sends:
-                self._issue(cur, s)
-            self._wait_works(cur)
+        if sch.blocking:  # training waits for this iteration's chunks
+            fut.result()
+            self._reap()
             self._stalled(time.perf_counter() - t0)
-            return
-        now = time.perf_counter()
-        for s in sends:
-            self._q.put((now + s.at, cur, s))
 
     def _end_iteration(self, step: int) -> None:
         self._reap()
@@ -263,51 +441,67 @@ class ScheduledTransport:
             return
         t0 = time.perf_counter()
         self._finish_current()
-        agreed = self.last_agreed()
-        if agreed < 0 or agreed <= self.last_step:
-            self._stalled(time.perf_counter() - t0)
-            return
-        try:
-            info = self.client.request("sched_pin", rank=self.rank, step=agreed)
-        except Exception as e:  # a checkpoint that cannot start never stops training
-            log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
-            self._stalled(time.perf_counter() - t0)
-            return
-        try:
-            seg = shm.open_segment(info["path"], writable=False, populate=False)  # read-only: never written here
-        except Exception:
-            self.client.request("sched_unpin", rank=self.rank)
-            raise
-        cur = _Transfer(agreed, seg, step)
-        self.current, self.last_step = cur, agreed
-        table = torch.tensor([[s.offset, s.size] for s in sch.sends], dtype=torch.int64)
-        for copy, dst in enumerate(self.dsts):
-            rows = [i for i, s in enumerate(sch.sends) if s.copy == copy]
-            hdr = torch.tensor([MAGIC, WIRE_VERSION, KIND_TRANSFER, agreed, seg.size, len(rows), sch.buffers,
-                                sch.buffer_bytes], dtype=torch.int64)
-            cur.works.append(_Sent(dist.isend(hdr, dst, group=self.ctrl, tag=TAG_HEADER), None, 0.0))
-            cur.works.append(_Sent(dist.isend(table[rows].contiguous(), dst, group=self.ctrl, tag=TAG_TABLE),
-                                   None, 0.0))
-        at_end = [s for s in sch.of_iteration(0) if s.at == AT_END]
-        if at_end:  # "end": the whole checkpoint now, training waits
-            cur.iteration = 1
-            for s in at_end:
-                self._issue(cur, s)
-            self._wait_works(cur)
+        seg, agreed = self._pin_newest()
+        sends = sch.sends if seg is not None else ()
+        keys = send_keys([(s.iteration, s.at) for s in sends])
+        cur = _Transfer(agreed if seg is not None else -1, seg, step, self._data, self._timeout_s,
+                        [(k, self.dsts[s.copy], s.offset, s.size) for s, k in zip(sends, keys)], self._send_buf)
+        self.current = cur
+        if seg is not None:
+            self.last_step = agreed
+        self._announce(cur, sends, keys)
+        fut = self._release(cur, release_bound(None), None)
+        if sch.blocking:  # "end": the whole checkpoint now, training waits
+            fut.result()
+            self._reap()
         self._stalled(time.perf_counter() - t0)
 
+    def _pin_newest(self) -> tuple[Optional[shm.Segment], int]:
+        """The slot of the newest agreed step, pinned and mapped read-only; (None, step) when there
+        is nothing new to send or the agent would not give it (a checkpoint that cannot start never
+        stops training: this rank announces no transfer this time)."""
+        agreed = self.last_agreed()
+        if agreed < 0 or agreed <= self.last_step:
+            return None, agreed
+        try:
+            info = self.client.request("sched_pin", rank=self.rank, step=agreed)
+        except Exception as e:
+            log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
+            return None, agreed
+        try:
+            return shm.open_segment(info["path"], writable=False, populate=False), agreed  # never written here
+        except Exception as e:
+            log.warning("rank %d: slot of step %d not readable, transfer not started: %s", self.rank, agreed, e)
+            try:
+                self.client.request("sched_unpin", rank=self.rank)
+            except Exception:
+                pass
+            return None, agreed
+
+    def _announce(self, cur: _Transfer, sends: tuple, keys: list) -> None:
+        """Header (and chunk table) to every destination: each gets one per transfer start, a
+        transfer or "none this time", so its driver knows what to receive before any chunk moves."""
+        kind = KIND_TRANSFER if cur.seg is not None else KIND_SKIP
+        for copy, dst in enumerate(self.dsts):
+            rows = [[s.offset, s.size, *k] for s, k in zip(sends, keys) if s.copy == copy]
+            length = cur.seg.size if cur.seg is not None else 0
+            hdr = torch.tensor([MAGIC, WIRE_VERSION, kind, cur.started_at, cur.step, length, len(rows), TABLE_COLUMNS],
+                               dtype=torch.int64)
+            cur.ctrl.append((dist.isend(hdr, dst, group=self.ctrl, tag=TAG_HEADER), hdr))
+            if rows:
+                table = torch.tensor(rows, dtype=torch.int64)
+                cur.ctrl.append((dist.isend(table, dst, group=self.ctrl, tag=TAG_TABLE), table))
+
     def close(self) -> None:
-        """Send what is left of the current transfer, then tell the receivers this rank is done."""
+        """Finish the current transfer, stop the driver, then tell the receivers this rank is done."""
         try:
             self._finish_current()
-            self._q.put(None)
-            self._sender.join(timeout=60)
-            self._done_q.put(None)  # every chunk was waited for above, unless the stream broke (a daemon)
-            self._completer.join(timeout=10 if self.failed is None else 0.1)
-            if self.failed is None:  # a broken stream cannot carry a bye; the peers' threads are daemons
-                bye = torch.tensor([MAGIC, WIRE_VERSION, KIND_BYE, 0, 0, 0, 0, 0], dtype=torch.int64)
-                works = [dist.isend(bye, dst, group=self.ctrl, tag=TAG_HEADER) for dst in self.dsts]
-                for w in works:
+            if self.failed is not None and not self._stopped:  # the driver failed after the last iteration
+                self._stop()
+            if not self._driver.stop(timeout=60 if self.failed is None else 0.1):
+                log.warning("rank %d: the scheduled transport's driver is still busy", self.rank)
+            if not self._stopped and self.failed is None:  # a stopped transport said bye already
+                for w in self._bye():
                     w.wait(BYE_TIMEOUT)
             for t in self._receivers:
                 t.join(timeout=10)
@@ -324,82 +518,19 @@ class ScheduledTransport:
     def _stalled(self, seconds: float) -> None:
         self.stall_by_mode[self.label] = self.stall_by_mode.get(self.label, 0.0) + seconds
 
-    # ------------------------------------------------------------------ sending
-    def _issue(self, cur: _Transfer, s: Send) -> None:
-        """Copy one chunk of the pinned slot into its sub-buffer (once that buffer's previous send is
-        done: with one buffer every chunk waits for the one before) and start sending it."""
-        prev = self._buf_work.pop(s.buffer, None)
-        if prev is not None:
-            prev.wait()
-        with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=s.size, offset=s.offset)
-        if self.device.type == "cpu":
-            # gloo sends host memory: sub-buffer b is a window of the pinned slot (no staging copy);
-            # at most ``buffers`` chunks are in flight, as with device sub-buffers
-            buf = src
-        else:  # GPU: NCCL sends device memory - stage the chunk host -> device
-            buf = self._bufs[s.buffer][: s.size]
-            buf.copy_(src, non_blocking=False)
-        t0 = time.perf_counter()
-        sent = _Sent(dist.isend(buf, self.dsts[s.copy], group=self.data, tag=TAG_CHUNK), s, t0)
-        self._buf_work[s.buffer] = sent
-        cur.works.append(sent)
-        self._done_q.put(sent)
+    def _reap(self, cur: Optional[_Transfer] = None) -> None:
+        """Report the chunks sent since the last look (at iteration boundaries, so that a transfer
+        spread over iterations shows its chunks as they go: issued .. completed, as the driver saw them)."""
+        cur = cur or self.current
+        while cur is not None and cur.completed:
+            issued, finished, size = cur.completed.popleft()
+            self.emit("ckpt-chunk", "ckpt", issued, finished, size, f"step{cur.step}")
+            cur.sent += size
 
-    def _complete_loop(self) -> None:
-        while True:
-            sent = self._done_q.get()
-            if sent is None:
-                return
-            try:
-                sent.wait()
-            except Exception:  # kept in ``sent``: the thread that needs the chunk raises it
-                pass
-
-    def _report(self, cur: _Transfer, w: _Sent) -> None:
-        if w.send is not None and not w.reported:
-            w.reported = True
-            self.emit("ckpt-chunk", "ckpt", w.issued, w.finished, w.send.size, f"step{cur.step}")
-            cur.sent += w.send.size
-
-    def _reap(self) -> None:
-        """Report the chunks that completed since the last look (at iteration boundaries, so that a
-        transfer spread over iterations shows its chunks as they go)."""
-        cur = self.current
-        if cur is not None:
-            for w in list(cur.works):
-                if w.done():
-                    self._report(cur, w)
-
-    def _wait_works(self, cur: _Transfer) -> None:
-        try:
-            for w in cur.works:
-                w.wait()
-                self._report(cur, w)
-        finally:
-            cur.works.clear()
-            self._buf_work.clear()
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            due, cur, s = item
-            if self.failed is not None:
-                self._q.task_done()
-                continue
-            try:
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                self._issue(cur, s)
-            except Exception as e:  # the receiver would take the next chunk for this one: stop the stream
-                self.failed = self.failed or f"chunk [{s.offset}, +{s.size}) of step {cur.step} not sent: {e}"
-                log.error("rank %d: %s", self.rank, self.failed)
-            finally:
-                self._q.task_done()
+    def _release(self, cur: _Transfer, bound: tuple, base: Optional[float]) -> Future:
+        fut = self._driver.submit(self._run_release, cur, bound, base)
+        cur.releases.append(fut)
+        return fut
 
     def _finish_current(self) -> float:
         """Finish the current transfer (if any); the seconds it took."""
@@ -410,82 +541,147 @@ class ScheduledTransport:
         return time.perf_counter() - t0
 
     def _finish(self, cur: _Transfer) -> None:
-        """Send what is left of ``cur``, wait until every chunk is sent, then release its slot."""
-        sch = self.schedule
+        """Release what is left of ``cur``, wait until every chunk moved, then release its slot."""
         t0 = time.perf_counter()
-        if sch is not None:  # the schedule's remaining iterations (a restart shortened them)
-            for s in sch.sends:
-                if s.iteration >= cur.iteration:
-                    self._q.put((0.0, cur, s))
-            cur.iteration = sch.interval_iterations
-        self._q.join()
-        try:
-            self._wait_works(cur)
-        except Exception as e:
-            log.warning("rank %d: scheduled transfer of step %d failed: %s", self.rank, cur.step, e)
+        self._release(cur, END_BOUND, None)
+        for fut in cur.releases:
+            try:
+                fut.result()
+            except Exception as e:
+                log.warning("rank %d: scheduled transfer started after step %d failed: %s", self.rank,
+                            cur.started_at, e)
+                break
         waited = time.perf_counter() - t0
+        for w, t in cur.ctrl:  # gloo: a work is waited once, and only once it completed
+            if w.is_completed():
+                w.wait()
+            else:  # the peer stopped taking headers
+                self._ctrl_pending.append((w, t))
+        del self._ctrl_pending[:-MAX_CTRL_PENDING]
+        self._reap(cur)
+        if cur.seg is None:
+            return
         try:
             self.client.request("sched_unpin", rank=self.rank)
         except Exception as e:
             log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
-        cur.seg.close()
+        if self.failed is None:  # else a batch may still read it: it goes with the process
+            cur.seg.close()
         del self.records[:-MAX_RECORDS]
         self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited, "mode": self.label,
                              "started_after": cur.started_at})
 
-    # ------------------------------------------------------------------ receiving
+    # ------------------------------------------------------------------ the p2p driver's jobs
+    def _run_release(self, cur: _Transfer, bound: tuple, base: Optional[float]) -> None:
+        """Driver thread: execute the planned chunks of ``cur`` with keys below ``bound``, in key
+        order, each batch at its due time (``base`` + its planned start; None: now)."""
+        if self.failed is not None:
+            raise RuntimeError(self.failed)
+        try:
+            if cur.plan is None:
+                self._prepare(cur)
+            todo = []
+            while cur.cursor < len(cur.plan) and cur.plan[cur.cursor].key < bound:
+                todo.append(cur.plan[cur.cursor])
+                cur.cursor += 1
+            for batch in batch_p2p([self._op(cur, p, base) for p in todo]):
+                delay = min(op.due for op in batch) - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                exchange(cur.group, batch, self._stream)
+        except Exception as e:  # the peers' streams are out of step with this one now: stop
+            self.failed = self.failed or f"transfer started after step {cur.started_at}: {e}"
+            log.error("rank %d: %s", self.rank, self.failed)
+            raise
+
+    def _prepare(self, cur: _Transfer) -> None:
+        """Driver thread: wait for every source's header of ``cur`` (at most the data timeout), then
+        plan the transfer's chunks and set up where received chunks land."""
+        deadline = time.monotonic() + cur.timeout_s
+        incoming: dict[int, _Incoming] = {}
+        for src in self.srcs:
+            if src in self._gone:
+                continue
+            try:
+                inc = self._inbox[src].get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"rank {src} announced nothing within {cur.timeout_s} s") from None
+            if inc.kind == KIND_BYE:
+                self._gone.add(src)
+                continue
+            if inc.start != cur.started_at:
+                raise RuntimeError(f"rank {src} announced the transfer started after step {inc.start}, "
+                                   f"this one started after step {cur.started_at}: out of step")
+            if inc.kind == KIND_TRANSFER:
+                incoming[src] = inc
+        cur.incoming = incoming
+        cur.plan = plan_transfer(cur.own, {src: inc.rows for src, inc in incoming.items()})
+        for inc in incoming.values():
+            inc.remaining = len(inc.rows)
+            staged = [size for _, off, size in inc.rows if self._stream is not None or not inc.inside(off, size)]
+            if staged:  # received one batch at a time: one buffer per source is enough
+                inc.stage = torch.empty(max(max(staged), 1), dtype=torch.uint8, device=self.device)
+            if inc.remaining == 0:
+                inc.done.set()
+
+    def _op(self, cur: _Transfer, p: Planned, base: Optional[float]) -> Op:
+        due = 0.0 if base is None else base + max(p.key[1], 0) / 1000.0
+        if p.direction == SEND:
+            with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=p.size, offset=p.offset)
+
+            def sent(issued: float, finished: float, size: int = p.size) -> None:
+                cur.completed.append((issued, finished, size))
+
+            if self._stream is None:  # gloo sends host memory: a window of the pinned slot
+                return Op(p.peer, SEND, src, p.key, due, on_done=sent)
+            return Op(p.peer, SEND, cur.send_buf[: p.size], p.key, due, host=src, on_done=sent)
+        inc = cur.incoming[p.peer]
+        window = torch.from_numpy(inc.dst[p.offset: p.offset + p.size]) if inc.inside(p.offset, p.size) else None
+        if self._stream is None:  # gloo receives into the block's window (or scratch: drained and dropped)
+            return Op(p.peer, RECV, window if window is not None else inc.stage[: p.size], p.key, due,
+                      on_done=inc.arrived)
+        return Op(p.peer, RECV, inc.stage[: p.size], p.key, due, host=window, on_done=inc.arrived)
+
+    # ------------------------------------------------------------------ receiver threads
     def _recv_loop(self, src: int) -> None:
+        """Receiver thread of ``src``: each header (and table) it sends, the agent's block for it, the
+        transfer handed to the driver; the block closed (and reported complete) once the driver has
+        every chunk. Ends at the source's bye, or when the transport stops."""
+        inbox = self._inbox[src]
         try:
             while True:
-                hdr = torch.empty(8, dtype=torch.int64)
+                hdr = torch.empty(HEADER_LEN, dtype=torch.int64)
                 dist.recv(hdr, src, group=self.ctrl, tag=TAG_HEADER)
-                magic, version, kind, step, length, nchunks, nbuf, buf_bytes = (int(x) for x in hdr.tolist())
-                if magic != MAGIC or version != WIRE_VERSION:
+                magic, version, kind, start, step, length, nchunks, columns = (int(x) for x in hdr.tolist())
+                if magic != MAGIC or version != WIRE_VERSION or kind not in (KIND_TRANSFER, KIND_BYE, KIND_SKIP):
                     raise ValueError(f"rank {src} sent a header {hdr.tolist()} that is not megatron-ft "
                                      f"scheduled-transport v{WIRE_VERSION}")
                 if kind == KIND_BYE:
                     return
-                table = torch.empty((nchunks, 2), dtype=torch.int64)
-                dist.recv(table, src, group=self.ctrl, tag=TAG_TABLE)
-                self._receive_transfer(src, step, length, table.tolist(), nbuf, buf_bytes)
+                if kind == KIND_SKIP:
+                    inbox.put(_Incoming(src, KIND_SKIP, start))
+                    continue
+                if columns != TABLE_COLUMNS or nchunks < 0:
+                    raise ValueError(f"rank {src} sent a chunk table of {nchunks} x {columns}")
+                rows = []
+                if nchunks:
+                    table = torch.empty((nchunks, columns), dtype=torch.int64)
+                    dist.recv(table, src, group=self.ctrl, tag=TAG_TABLE)
+                    rows = [((it, ms, seq), off, size) for off, size, it, ms, seq in table.tolist()]
+                self._receive_transfer(_Incoming(src, KIND_TRANSFER, start, step, length, rows))
+                if self._stopped or self.failed is not None:
+                    return
         except Exception as e:  # the sender died or the job ends: training is not this thread's business
             log.info("rank %d: receiving from rank %d stopped: %s", self.rank, src, e)
+        finally:
+            inbox.put(_Incoming(src, KIND_BYE, -1))
 
-    def _receive_chunks(self, src: int, table: list, nbuf: int, buf_bytes: int, length: int,
-                        dst: Optional[np.ndarray]) -> bool:
-        """Every chunk of ``table`` (received even when there is nowhere to put it: the sender's
-        sends must complete); True when each landed inside ``dst``."""
-        inside = [dst is not None and 0 <= off and size >= 0 and off + size <= length for off, size in table]
-        direct = self.device.type == "cpu"
-        window = max(nbuf, 1)
-        need_bufs = not direct or not all(inside)  # GPU staging, or scratch for chunks with nowhere to go
-        bufs = [torch.empty(max(buf_bytes, max((sz for _, sz in table), default=1), 1), dtype=torch.uint8,
-                            device=self.device) for _ in range(window)] if need_bufs else []
-
-        def post(i: int):
-            off, size = table[i]
-            if direct and inside[i]:
-                target = torch.from_numpy(dst[off: off + size])
-            else:
-                target = bufs[i % window][:max(size, 0)]
-            return dist.irecv(target, src, group=self.data, tag=TAG_CHUNK), target
-
-        pending = [post(i) for i in range(min(window, len(table)))]
-        for i, (off, size) in enumerate(table):
-            work, target = pending[i]
-            pending[i] = None
-            work.wait()
-            if not direct and inside[i]:
-                dst[off: off + size] = target.cpu().numpy()  # GPU: device -> host (shared memory)
-            if i + window < len(table):
-                pending.append(post(i + window))
-        return all(inside)
-
-    def _receive_transfer(self, src: int, step: int, length: int, table: list, nbuf: int, buf_bytes: int) -> None:
-        """Receive one transfer, up to ``nbuf`` chunks in flight. GPUs: into ``nbuf`` rotating device
-        buffers, chunk i copied into the agent's block (D2H) while chunks i + 1 .. i + nbuf - 1 arrive
-        (GEMINI figure 5d). CPU: gloo receives host memory, so the chunks land straight in their
-        window of the block (the copy is the kernel's)."""
+    def _receive_transfer(self, inc: _Incoming) -> None:
+        """Open the agent's block for ``inc``, hand it to the driver, wait until every chunk landed
+        (received even when there is nowhere to put it: the sender's sends must complete)."""
+        src, step, length = inc.src, inc.step, inc.length
         try:
             info = self._recv_clients[src].request("sched_recv_begin", src_rank=src, step=step, length=length)
         except Exception as e:
@@ -495,21 +691,23 @@ class ScheduledTransport:
         if not info.get("ignored"):
             try:
                 seg = shm.open_segment(info["path"], writable=True, populate=False)
-            except Exception as e:  # received anyway (the sender's sends must complete), then dropped
+            except Exception as e:  # received anyway, then dropped
                 log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, step, src, e)
-        try:
-            ok = self._receive_chunks(src, table, nbuf, buf_bytes, length, seg.array if seg is not None else None)
-        finally:
-            if seg is not None:
-                seg.close()
+        inc.dst = seg.array if seg is not None else None
+        self._inbox[src].put(inc)
+        while not inc.done.wait(1.0):
+            if self.failed is not None or self._stopped:
+                return  # a failed batch may still write into the block: it stays mapped, incomplete
+        complete = inc.complete
+        inc.dst = inc.stage = None
         if seg is None:
             return
-        covered = sum(size for _, size in table)
-        if ok and covered == length:
+        seg.close()
+        if complete:
             try:
                 self._recv_clients[src].request("sched_recv_done", src_rank=src, step=step)
             except Exception as e:  # the agent restarted: this copy is lost, the next one counts
                 log.warning("rank %d: agent did not take step %d of rank %d: %s", self.rank, step, src, e)
         else:
             log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
-                        self.rank, step, src, covered, length)
+                        self.rank, step, src, sum(size for _, _, size in inc.rows), length)

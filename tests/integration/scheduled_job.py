@@ -1,0 +1,143 @@
+"""A scheduled-transport job on gloo without agents (tests/integration/test_scheduled_transport.py):
+``--world`` processes, one per simulated node, each a :class:`ScheduledTransport` whose agent is a
+stand-in writing slots and blocks as files; a short training loop of sleeps. Each rank writes
+``rank{R}.json``: the blocks its agent was told are complete, whether each held exactly the
+bytes its sender's slot held (checked then, and removed), the transfers it recorded and whether the
+transport failed.
+
+Run: python scheduled_job.py --out DIR --world 2 --replicas 2 --modes pipelined,end [--skip-pin R:N]
+[--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank, tests/gpu/test_scheduled_nccl.py)
+(``--skip-pin R:N``: rank R's agent refuses its N-th pin, so R announces no transfer that time)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+NBYTES = 3 * 2**20 + 12345  # not a multiple of a chunk (--nbytes)
+RESERVED, SUB_BUFFERS = 2**20, 2  # (--reserved)
+ITERS = 10
+ITERATION_S = 0.04
+
+
+def slot_bytes(rank: int, step: int) -> np.ndarray:
+    return np.random.default_rng(1000 * rank + step).integers(0, 256, NBYTES, dtype=np.uint8)
+
+
+class FakeAgent:
+    """The agent operations the transport uses, on files under ``dir``."""
+    dir = ""
+    rank = -1
+    refuse_pin: set = set()  # which pin requests (1-based) this rank's agent refuses
+    pins = 0
+    done: list = []
+    exact: dict = {}
+
+    def __init__(self, socket_path: str, timeout: float):
+        pass
+
+    def connect(self, hello: dict) -> dict:
+        return {}
+
+    def close(self, orderly: bool = True) -> None:
+        pass
+
+    def request(self, op: str, **kw):
+        if op == "sched_pin":
+            FakeAgent.pins += 1
+            if FakeAgent.pins in self.refuse_pin:
+                raise RuntimeError(f"step {kw['step']} is not clean here")
+            path = os.path.join(self.dir, f"slot.r{kw['rank']}")  # unpinned before the next pin
+            slot_bytes(kw["rank"], kw["step"]).tofile(path)
+            return {"path": path}
+        if op == "sched_unpin":
+            return {}
+        if op == "sched_recv_begin":
+            assert kw["length"] == NBYTES, kw
+            path = os.path.join(self.dir, f"block.r{self.rank}.from{kw['src_rank']}.s{kw['step']}")
+            with open(path, "wb") as f:
+                f.truncate(kw["length"])
+            return {"path": path}
+        if op == "sched_recv_done":  # the block is closed by now: check it, then drop it
+            path = os.path.join(self.dir, f"block.r{self.rank}.from{kw['src_rank']}.s{kw['step']}")
+            self.exact[f"{kw['src_rank']}:{kw['step']}"] = bool(
+                np.array_equal(np.fromfile(path, dtype=np.uint8), slot_bytes(kw["src_rank"], kw["step"])))
+            os.unlink(path)
+            self.done.append([kw["src_rank"], kw["step"]])
+            return {}
+        raise AssertionError(op)
+
+
+def schedule(mode: str, copies: int):
+    from megatron_ft.schedule.modes import plan_sends
+    from megatron_ft.schedule.spans import IdleSpan, LinkModel
+
+    link = LinkModel(400e6)  # a chunk of 512 KiB: 1.3 ms planned
+    spans = [IdleSpan(0.0, 0.004), IdleSpan(0.01, 0.012), IdleSpan(0.02, 0.03)]
+    return plan_sends(mode, NBYTES, copies, link, RESERVED, SUB_BUFFERS, 0.9, spans, spans, spans)
+
+
+def main(rank: int, args) -> None:
+    from megatron_ft import config as ftconfig
+    from megatron_ft.transport import scheduled
+
+    global NBYTES, RESERVED
+    NBYTES, RESERVED = args.nbytes, args.reserved
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    if args.backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(args.backend, rank=rank, world_size=args.world)
+    cfg = ftconfig.replace(ftconfig.load(), cluster={"nodes": args.world, "ranks_per_node": 1},
+                           parallel={"tensor": 1, "pipeline": 1},
+                           redundancy={"scheme": "replica", "replicas": args.replicas, "transport": "scheduled"})
+    FakeAgent.dir, FakeAgent.rank = args.out, rank
+    FakeAgent.refuse_pin = {int(s) for r, s in (x.split(":") for x in args.skip_pin if x) if int(r) == rank}
+    scheduled.AgentClient = FakeAgent
+    step = {"agreed": -1}
+    t = scheduled.ScheduledTransport(cfg, rank, "unused", {}, lambda: step["agreed"])
+    modes = args.modes.split(",")
+    sched = t.agree(schedule(modes[rank % len(modes)], args.replicas - 1))
+    t.use(sched, 0, sched.mode)
+    for it in range(ITERS):
+        t.begin_iteration()
+        time.sleep(ITERATION_S)
+        step["agreed"] = it
+        t.end_iteration(it)
+    t.close()
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"done": FakeAgent.done, "exact": FakeAgent.exact, "records": t.records, "failed": t.failed,
+                   "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
+                   "pins": FakeAgent.pins, "interval": sched.interval_iterations}, f)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--modes", default="pipelined")
+    p.add_argument("--skip-pin", default="", type=lambda s: s.split(","))
+    p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    p.add_argument("--nbytes", type=int, default=NBYTES)
+    p.add_argument("--reserved", type=int, default=RESERVED)
+    a = p.parse_args()
+    a.port = free_port()
+    mp.spawn(main, args=(a,), nprocs=a.world)
