@@ -27,6 +27,10 @@ class StateTensor:
     tensor: torch.Tensor  # the full (replicated) tensor when ``shard`` is set
     shard: Optional[ShardSpec] = None
     group: Any = None  # process group to all-gather a sharded tensor on restore
+    #: restore destinations only: False for bytes the job never reads as values (a framework's padding,
+    #: e.g. megatron-core's uninitialised gaps between parameters in its optimizer buckets), which the
+    #: restore's check for NaN and infinities skips: their bytes are restored and verified all the same
+    values_checked: bool = True
 
     def saved_view(self) -> torch.Tensor:
         """The part of ``tensor`` this rank saves, flattened (contiguous)."""

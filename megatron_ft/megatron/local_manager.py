@@ -84,7 +84,11 @@ class InMemoryTensorAwareStateDict(MCoreTensorAwareStateDict):
 
     megatron-core's version refuses to run without NVRx only because NVRx's ``LocalCheckpointManager``
     consumes it; the preprocessing, deduplication and ``to_state_dict`` are megatron-core's own,
-    reused here unchanged."""
+    reused here unchanged. It also notes which tensors megatron-core marks as padding
+    (:func:`padding_tensor_ids`), before its preprocessing drops the marks."""
+
+    #: ``id()`` of the padding tensors of the state dict this was built from (see :func:`padding_tensor_ids`)
+    padding_ids: frozenset = frozenset()
 
     @classmethod
     def from_state_dict(cls, sharded_state_dict: Any, algo: str = "fully_parallel",
@@ -95,11 +99,37 @@ class InMemoryTensorAwareStateDict(MCoreTensorAwareStateDict):
             raise ValueError(f"--non-persistent-local-ckpt-algo {algo!r} is not supported; "
                              f"allowed: 'atomic', 'fully_parallel'")
         fully_parallel = algo == "fully_parallel"
+        padding = padding_tensor_ids(sharded_state_dict)
         sharded_part, common = save_preprocess(sharded_state_dict, cached_metadata is None)
         distribution = cls._get_distribution(fully_parallel, sharded_part, parallelization_group, cached_metadata)
         if distribution is not None:
             cls._remove_redundant_data(fully_parallel, sharded_part, distribution[0], parallelization_group)
-        return cls(common=common, sharded_state_dict=sharded_part), distribution
+        built = cls(common=common, sharded_state_dict=sharded_part)
+        built.padding_ids = padding
+        return built, distribution
+
+
+def padding_tensor_ids(tree: Any) -> frozenset:
+    """``id()`` of every tensor megatron-core marks as padding in a sharded state dict: the distributed
+    optimizer's ``dp_reshardable`` state puts the gaps between parameters in a bucket beside them, as
+    ``{"param": ShardedTensor, "exp_avg": ..., "padding": LocalNonpersistentObject(True)}`` whose
+    tensors are ``torch.empty`` - uninitialised bytes that may hold NaN patterns, and that a load
+    discards. Their bytes are snapshotted and restored like any other, but a restore does not judge
+    them by their values (:attr:`megatron_ft.capture.state.StateTensor.values_checked`)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    found: set[int] = set()
+    stack = [tree]
+    while stack:
+        v = stack.pop()
+        if type(v) is dict:
+            flag = v.get("padding")
+            if isinstance(flag, LocalNonpersistentObject) and flag.unwrap() is True:
+                found.update(id(x.data) for x in v.values() if isinstance(x, ShardedTensor) and x.data is not None)
+            stack.extend(x for x in v.values() if type(x) in (dict, list))
+        elif type(v) is list:
+            stack.extend(x for x in v if type(x) in (dict, list))
+    return frozenset(found)
 
 
 class _StateDictAdapter:
@@ -114,6 +144,7 @@ class _StateDictAdapter:
         self.step_only: Optional[Callable[[], Collection[int]]] = None
         self._told_copied = False
         self._told_omitted = False
+        self._told_padding = False
 
     def capture(self) -> tuple[list[StateTensor], dict]:
         """The state dict's tensors by reference where only the optimizer step writes them (the
@@ -126,6 +157,8 @@ class _StateDictAdapter:
             log.info("in-memory checkpoint: args attributes that are not data are not kept: %s",
                      ", ".join(record["omitted"][:10]))
         stable = self.step_only() if self.step_only is not None else None
+        padding = getattr(sd, "padding_ids", frozenset())
+        unchecked = [i for i, t in enumerate(tensors) if id(t) in padding] if padding else []
         out = []
         copied = 0
         for i, (path, t) in enumerate(zip(record["names"], tensors)):
@@ -139,14 +172,22 @@ class _StateDictAdapter:
             self._told_copied = True
             log.info("in-memory checkpoint: %d of %d bytes copied when taken (not parameters or optimizer state), "
                      "the rest in the background", copied, sum(t.tensor.nbytes for t in out))
-        return out, {"state_dict": record, "iteration": self.iteration}
+        extra = {"state_dict": record, "iteration": self.iteration}
+        if unchecked:
+            extra["padding"] = unchecked  # tensor indices whose values a restore does not judge
+            if not self._told_padding:
+                self._told_padding = True
+                log.info("in-memory checkpoint: %d of %d tensors are megatron-core's padding (kept, not judged "
+                         "by their values on restore)", len(unchecked), len(tensors))
+        return out, extra
 
     def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         """New tensors, each where its saved tensor lived (a GPU's on the current device)."""
         specs = treecodec.tensor_specs(extra["state_dict"]) if "state_dict" in extra else []
         saved_on_gpu = {tensor_name(i, s["name"]) for i, s in enumerate(specs) if s["device"] == "cuda"}
         self.loaded = fresh_targets(layout, saved_on_gpu)
-        return {name: StateTensor(name, t) for name, t in self.loaded.items()}
+        padding = {tensor_name(i, specs[i]["name"]) for i in extra.get("padding", ()) if i < len(specs)}
+        return {name: StateTensor(name, t, values_checked=name not in padding) for name, t in self.loaded.items()}
 
     def finish_restore(self, extra: dict) -> None:
         pass

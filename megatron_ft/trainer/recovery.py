@@ -527,7 +527,7 @@ class Restorer:
                     log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
                     self._invalidate(by_step[step])
                 if ok and self.check_values:
-                    bad_values = guard.non_finite({n: t.saved_view() for n, t in targets.items()})
+                    bad_values = guard.non_finite({n: t.saved_view() for n, t in targets.items() if t.values_checked})
                     if bad_values:
                         ok = False
                         rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "

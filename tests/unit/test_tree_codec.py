@@ -200,3 +200,38 @@ def test_upstream_restore_targets_are_allocated_where_each_tensor_was_saved(monk
     targets = adapter.targets(layout, {"state_dict": through_json(record)})
     assert asked["on_device"] == {local_manager.tensor_name(record["names"].index("state_dict.w"), "state_dict.w")}
     assert set(targets) == {s.name for s in specs}
+
+
+def test_megatron_padding_is_restored_but_not_judged_by_its_values(tmp_path):
+    """megatron-core's distributed optimizer (``dp_reshardable``) puts the gaps between parameters in
+    a bucket into its state dict as ``torch.empty`` tensors marked ``padding``: uninitialised bytes
+    that may hold NaN patterns, discarded by a load. A snapshot keeps their bytes, but a restore must
+    not refuse a version for them (a rollback of a sound version); the real state is still judged."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    from megatron_ft.capture.layout import plan_layout
+    from megatron_ft.megatron import local_manager
+
+    exp_avg, gap = torch.ones(4), torch.full((2,), float("nan"))
+    bucket = [{"exp_avg": ShardedTensor.from_rank_offsets("b.exp_avg", exp_avg, (0, 0, 1)),
+               "padding": LocalNonpersistentObject(False)},
+              {"exp_avg": ShardedTensor.from_rank_offsets("b.gap", gap, (0, 0, 1)),
+               "padding": LocalNonpersistentObject(True)}]
+    sharded = {"optimizer": {"param_state": {0: bucket}}, "model": {"w": torch.zeros(3)}}
+    assert local_manager.padding_tensor_ids(sharded) == {id(gap)}
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "pg"), 1), rank=0, world_size=1)
+    try:  # megatron-core's preprocessing asks the default group (one rank here)
+        tasd, _ = local_manager.InMemoryTensorAwareStateDict.from_state_dict(sharded, algo="atomic")
+    finally:
+        dist.destroy_process_group()
+    assert tasd.padding_ids == {id(gap)}
+    adapter = local_manager._StateDictAdapter()
+    adapter.state_dict, adapter.iteration = tasd, 7
+    tensors, extra = adapter.capture()
+    [pad_name] = [t.name for t in tensors if torch.equal(t.tensor.isnan(), torch.ones(2, dtype=torch.bool))]
+    layout = plan_layout([t.spec() for t in tensors], 1 << 10)
+    targets = adapter.targets(layout, through_json(extra))
+    assert [n for n, t in targets.items() if not t.values_checked] == [pad_name]
+    assert all(t.values_checked for n, t in targets.items() if n != pad_name)
