@@ -184,9 +184,9 @@ class _StateDictAdapter:
     def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
         """New tensors, each where its saved tensor lived (a GPU's on the current device)."""
         specs = treecodec.tensor_specs(extra["state_dict"]) if "state_dict" in extra else []
-        saved_on_gpu = {tensor_name(i, s["name"]) for i, s in enumerate(specs) if s["device"] == "cuda"}
-        self.loaded = fresh_targets(layout, saved_on_gpu)
-        padding = {tensor_name(i, specs[i]["name"]) for i in extra.get("padding", ()) if i < len(specs)}
+        names = [tensor_name(i, s["name"]) for i, s in enumerate(specs)]
+        self.loaded = fresh_targets(layout, {n for n, s in zip(names, specs) if s["device"] == "cuda"})
+        padding = {names[i] for i in extra.get("padding", ()) if i < len(names)}
         return {name: StateTensor(name, t, values_checked=name not in padding) for name, t in self.loaded.items()}
 
     def finish_restore(self, extra: dict) -> None:

@@ -10,16 +10,14 @@ Skipped without enough CUDA devices (CI has none); run on a machine with two or 
   that is not its peer; with three GPUs, a ring (each rank sends to the next only) checks that.
 * The driver thread issues on its rank's device (a new thread starts on device 0).
 The gloo runs of the same job are tests/integration/test_scheduled_transport.py."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-JOB = os.path.join(REPO, "tests", "integration", "scheduled_job.py")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration"))
+from scheduled_job import check_transfers, run  # noqa: E402  (the job and its checks, shared with the gloo runs)
 
 
 def gpus() -> int:
@@ -27,33 +25,20 @@ def gpus() -> int:
 
 
 def run_nccl(out, *args: str) -> dict[int, dict]:
-    os.makedirs(out, exist_ok=True)
-    p = subprocess.run([sys.executable, JOB, "--out", str(out), "--backend", "nccl", *args], capture_output=True,
-                       text=True, timeout=600, cwd=REPO)
-    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return {int(f[4:-5]): json.load(open(os.path.join(out, f)))
-            for f in os.listdir(out) if f.startswith("rank") and f.endswith(".json")}
-
-
-def check(ranks: dict[int, dict]) -> None:
-    for r, out in ranks.items():
-        assert out["failed"] is None, (r, out["failed"])
-        assert out["exact"] and all(out["exact"].values()), (r, out["exact"])
-        for src in out["srcs"]:
-            assert sorted(s for x, s in out["done"] if x == src) == [rec["step"] for rec in ranks[src]["records"]]
+    return run(out, "--backend", "nccl", *args, timeout=600)
 
 
 @pytest.mark.skipif(gpus() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("modes", ["end", "pipelined", "blocking,pipelined"])
 def test_two_ranks_exchange_large_chunks_both_ways_on_nccl(tmp_path, modes):
     # 64 MiB chunks (reserved 128 MiB in 2 sub-buffers), a 200 MiB container
-    check(run_nccl(tmp_path, "--world", "2", "--modes", modes, "--nbytes", str(200 * 2**20 + 7),
-                   "--reserved", str(128 * 2**20)))
+    check_transfers(run_nccl(tmp_path, "--world", "2", "--modes", modes, "--nbytes", str(200 * 2**20 + 7),
+                             "--reserved", str(128 * 2**20)))
 
 
 @pytest.mark.skipif(gpus() < 3, reason="needs three CUDA devices")
 def test_a_ring_on_nccl(tmp_path):
     ring = run_nccl(tmp_path, "--world", "3", "--replicas", "2", "--modes", "pipelined",
                     "--nbytes", str(64 * 2**20 + 3), "--reserved", str(32 * 2**20))
-    check(ring)
+    check_transfers(ring)
     assert [out["srcs"] for _, out in sorted(ring.items())] == [[2], [0], [1]]

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 
@@ -119,6 +120,31 @@ def main(rank: int, args) -> None:
                    "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
                    "pins": FakeAgent.pins, "interval": sched.interval_iterations}, f)
     dist.destroy_process_group()
+
+
+def run(out, *args: str, timeout: float = 300) -> dict[int, dict]:
+    """Run this job (``args``: its command line) with its output in ``out``; each rank's record by rank.
+    A job that fails fails the calling test with the tails of its output."""
+    import pytest
+
+    os.makedirs(out, exist_ok=True)
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", str(out), *args], capture_output=True,
+                       text=True, timeout=timeout, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                           os.path.abspath(__file__)))))
+    if p.returncode != 0:
+        pytest.fail(f"scheduled job failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return {int(f[4:-5]): json.load(open(os.path.join(out, f)))
+            for f in os.listdir(out) if f.startswith("rank") and f.endswith(".json")}
+
+
+def check_transfers(ranks: dict[int, dict]) -> None:
+    """Every rank's transport ended without failing, every block it was told complete held exactly its
+    sender's bytes, and every transfer its sources started arrived whole."""
+    for r, out in ranks.items():
+        assert out["failed"] is None, (r, out["failed"])
+        assert out["exact"] and all(out["exact"].values()), (r, out["exact"])
+        for src in out["srcs"]:
+            assert sorted(s for x, s in out["done"] if x == src) == [rec["step"] for rec in ranks[src]["records"]]
 
 
 def free_port() -> int:
