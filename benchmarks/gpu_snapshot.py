@@ -8,23 +8,27 @@ the GPU, side by side in one run:
   (``torch.empty(pin_memory=True)``), device-to-host and host-to-device, each timed to its
   synchronisation: the limit;
 * **megatron-ft**: a real agent process, ``SnapshotEngine`` (device -> the agent's page-locked slot on a
-  side stream, checksums summed on the GPU: :mod:`megatron_ft.trainer.device_staging`) and ``Restorer``
-  (pinned blocks -> device, verified on the device).
-  Per measured snapshot: an "optimizer step" kernel changes the state, ``snapshot()`` is called, then a
-  "forward/backward" stand-in (bf16 matrix products, about ``--compute-factor`` x the raw copy) runs on
-  the training stream, then ``wait()`` (what the next optimizer step calls):
+  side stream: :mod:`megatron_ft.trainer.device_staging`) and ``Restorer`` (slot -> device, verified on
+  the device). Per measured snapshot: an "optimizer step" kernel changes the state, ``snapshot()`` is
+  called, then a "forward/backward" stand-in (bf16 matrix products, about ``--compute-factor`` x the raw
+  copy) runs on the training stream, then ``wait()`` (what the next optimizer step calls), once with the
+  checksums summed on the host and once on the device (``--sums``; alternating order):
 
   - *stall* = time in ``snapshot()`` + time blocked in ``wait()`` (the training loop's own cost),
   - *clean* = ``snapshot()`` called -> the agent holds the version CLEAN (copied, summed, committed),
   - *compute* with a snapshot in flight against the same products alone (the copy's interference),
   - *restore* = ``Restorer.restore`` from the agent's memory into zeroed GPU tensors (checksums
-    verified), bit-exact against a copy of the state taken before (checked, not timed).
+    verified), bit-exact against a copy of the state taken before (checked, not timed): first in the
+    process whose snapshot engine page-locked the slots (an in-process restart, a guard's rollback: the
+    copy engine reads the slot), then after the engine has closed, as a fresh process finds the slots
+    (on a huge-page tmpfs the restore page-locks its mapping, else it goes through pinned blocks).
 
-Targets (docs/benchmarks.md): stall <= 0.1x the raw device-to-host copy, clean <= 1.2x, restore <= 1.25x
-the raw host-to-device copy. No on-device shadow copy is made: the GPU memory allocated beyond the state
-and the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``: the checksums'
-temporaries). Beside them: the slots' page-locking (once per layout, in the first snapshot) and the
-restore's host side alone (``host_read``: the slot read into pinned blocks by the restore's threads).
+Targets (docs/benchmarks.md): stall <= 0.1x the raw device-to-host copy, clean <= 1.2x (judged with the
+sums where they ship, :func:`~megatron_ft.trainer.device_staging.default_sums`), restore <= 1.25x the
+raw host-to-device copy. No on-device shadow copy is made: the GPU memory allocated beyond the state and
+the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``: the checksums'
+temporaries). Beside them, the one-time costs: the first snapshot (the agent creating the slots, the
+engine page-locking them) and page-locking one slot alone; and the device sums alone.
 
     python3 benchmarks/gpu_snapshot.py --sizes-gib 1,16 --json /tmp/gpu_snapshot.json
 """
@@ -41,6 +45,7 @@ import tempfile
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 import yaml
 
@@ -48,11 +53,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.agent import shm  # noqa: E402
-from megatron_ft.capture import checksum, snapfile  # noqa: E402
+from megatron_ft.capture import checksum  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
-from megatron_ft.trainer.device_staging import pinned_bytes  # noqa: E402
-from megatron_ft.trainer.recovery import GPU_READ_BLOCK, MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
+from megatron_ft.trainer.device_staging import HostRegistration, default_sums  # noqa: E402
+from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
 
@@ -109,34 +114,22 @@ def raw_copies(state: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict[s
     return out
 
 
-def copy_into(host: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
-    off = 0
-    for t in state.values():
-        b = t.view(-1).view(torch.uint8)
-        host[off: off + b.numel()].copy_(b, non_blocking=True)
-        off += b.numel()
+def page_lock_alone(path: str) -> float:
+    """Page-locking one whole slot file in this process (mapped read-only, as a restore maps it), alone."""
+    import mmap
 
-
-def host_read(path: str, offset: int, nbytes: int, threads: int) -> float:
-    """The restore's host side alone: ``threads`` threads read the slot's bytes into pinned blocks
-    (``pread``, as ``Restorer`` does), no device copy, no checksum. The floor of a restore from a fresh
-    process on this host."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    blocks = [pinned_bytes(GPU_READ_BLOCK) for _ in range(threads)]
-    fd = os.open(path, os.O_RDONLY)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     try:
-        def part(k: int) -> None:
-            mv = memoryview(blocks[k].numpy())
-            for at in range(k * GPU_READ_BLOCK, nbytes, threads * GPU_READ_BLOCK):
-                os.preadv(fd, [mv[: min(GPU_READ_BLOCK, nbytes - at)]], offset + at)
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(part, range(threads)))
-        return time.perf_counter() - t0
+        arr = np.frombuffer(mm, np.uint8)
+        reg = HostRegistration(arr.ctypes.data, arr.nbytes, read_only=True)
+        if not reg.ok:
+            raise RuntimeError(f"page-locking {path} failed: {reg.error}")
+        reg.close()
+        del arr
+        return reg.seconds
     finally:
-        os.close(fd)
+        mm.close()
 
 
 def one_size(size_gib: float, args, workdir: str) -> dict:
@@ -153,7 +146,8 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
     torch.manual_seed(0)
     state = {f"t{i:03d}": torch.randn(per, device="cuda") for i in range(args.tensors)}
     res: dict = {"size_gib": size_gib, "tensors": args.tensors, "chunk_mib": args.chunk_mib,
-                 "state_bytes": per * 4 * args.tensors}
+                 "state_bytes": per * 4 * args.tensors, "shm_pages": shm.page_backing(args.shm_dir),
+                 "sums_shipped": default_sums()}
     res.update(raw_copies(state, per * 4 * args.tensors, args.reps))
     raw_d2h, raw_h2d = med(res["raw_d2h"]), med(res["raw_h2d"])
     compute = Compute(args.compute_factor * raw_d2h)
@@ -171,8 +165,25 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
     adapter = BenchStateAdapter(state)
     client = agent.client()
     engine = SnapshotEngine(client, 0, identity, cfg.snapshot.chunk_bytes)
-    keys = ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot", "compute_alone", "restore")
-    out: dict[str, list[float]] = {k: [] for k in keys}
+    modes = [m for m in args.sums.split(",") if m]
+    keys = [f"{k}_{m}" for m in modes for k in ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot")]
+    out: dict[str, list[float]] = {k: [] for k in keys + ["compute_alone", "restore", "restore_fresh"]}
+    step = 0
+
+    def restore_checked(key: str) -> None:
+        for t in state.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = Restorer(0, 1, identity, run_id, cfg.persist.dir, client).restore(adapter)
+        torch.cuda.synchronize()
+        out[key].append(time.perf_counter() - t0)
+        if (r.source, r.step) != ("local_memory", step):
+            raise RuntimeError(f"restored {r.source} step {r.step}, not step {step}: {r.rejected}")
+        bad = [n for n in state if not torch.equal(state[n].view(torch.uint8), reference[n].view(torch.uint8))]
+        if bad or adapter.restored_extra != {"iteration": step}:
+            raise RuntimeError(f"restored state differs from the snapshot: {bad[:3]} {adapter.restored_extra}")
+
     try:
         t0 = time.perf_counter()
         engine.snapshot(0, *adapter.capture())
@@ -180,53 +191,45 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         first = engine.wait()
         assert first is not None and first.ok, first
         res["first_clean_s"] = time.perf_counter() - t0
+        res["register_s"] = engine._staging.register_s if engine._staging is not None else None
         base_alloc = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        for step in range(1, args.reps + 1):
-            out["compute_alone"].append(timed_cuda(compute.launch))
-            for t in state.values():  # the optimizer step: the snapshot must hold these bytes
-                t.add_(1.0)
-            torch.cuda.synchronize()
-            _, times = timed_snapshot(engine, adapter, step, lambda: (compute.launch(), torch.cuda.synchronize()))
-            for k in ("snapshot_call", "wait", "stall", "clean"):
-                out[k].append(times[k])
-            out["compute_with_snapshot"].append(times["compute"])
+        for rep in range(args.reps):
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):  # alternating order
+                engine._staging.sums = mode
+                step += 1
+                out["compute_alone"].append(timed_cuda(compute.launch))
+                for t in state.values():  # the optimizer step: the snapshot must hold these bytes
+                    t.add_(1.0)
+                torch.cuda.synchronize()
+                _, times = timed_snapshot(engine, adapter, step, lambda: (compute.launch(), torch.cuda.synchronize()))
+                for k in ("snapshot_call", "wait", "stall", "clean"):
+                    out[f"{k}_{mode}"].append(times[k])
+                out[f"compute_with_snapshot_{mode}"].append(times["compute"])
         res["extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
-        res["register_s"] = engine._staging.register_s if engine._staging is not None else None
-        newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
-        with open(newest["path"], "rb") as f:
-            hdr = snapfile.read_header(f.read(snapfile.HEADER_SIZE))
-        res["restore_threads"] = threads_here(MAX_GPU_HOST_THREADS)
-        res["host_read"] = [host_read(newest["path"], hdr.geometry.data_off, hdr.geometry.data_len,
-                                      res["restore_threads"]) for _ in range(args.reps)]
         reference = {n: t.clone() for n, t in state.items()}
+        # a restore in the process whose engine page-locked the slots (an in-process restart, a rollback)
         for _ in range(args.reps):
-            for t in state.values():
-                t.zero_()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            r = Restorer(0, 1, identity, run_id, cfg.persist.dir, client).restore(adapter)
-            torch.cuda.synchronize()
-            out["restore"].append(time.perf_counter() - t0)
-            if (r.source, r.step) != ("local_memory", args.reps):
-                raise RuntimeError(f"restored {r.source} step {r.step}, not step {args.reps}: {r.rejected}")
-            bad = [n for n in state if not torch.equal(state[n].view(torch.uint8), reference[n].view(torch.uint8))]
-            if bad or adapter.restored_extra != {"iteration": args.reps}:
-                raise RuntimeError(f"restored state differs from the snapshot: {bad[:3]} {adapter.restored_extra}")
-        del reference
-        # where the time until clean goes, each alone: the copy into the page-locked slot, the sums
-        slot = torch.from_numpy(engine._slots[0].array)  # (a slot's bytes are overwritten: after the restores)
-        res["d2h_into_slot"] = [timed_cuda(lambda: copy_into(slot, state)) for _ in range(args.reps)]
+            restore_checked("restore")
         res["device_sums"] = [timed_cuda(lambda: [checksum.tensor_lanes(t.view(-1).view(torch.uint8))
                                                   for t in state.values()]) for _ in range(args.reps)]
+        newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
+        engine.close()  # its page-locked slots go: now as a fresh process finds them
+        res["page_lock_slot_s"] = [page_lock_alone(newest["path"]) for _ in range(args.reps)]
+        for _ in range(args.reps):
+            restore_checked("restore_fresh")
+        del reference
     finally:
         engine.close()
         client.close(orderly=True)
         agent.stop()  # SIGTERM: the agent removes its segments
         remove_run_segments(args.shm_dir, run_id)
     res.update(out)
-    res["ratios"] = {"stall": med(out["stall"]) / raw_d2h, "clean": med(out["clean"]) / raw_d2h,
+    res["ratios"] = {"stall": med(out[f"stall_{res['sums_shipped']}"]) / raw_d2h,
+                     "clean": med(out[f"clean_{res['sums_shipped']}"]) / raw_d2h,
                      "restore": med(out["restore"]) / raw_h2d}
+    res["ratios_other"] = {f"{k}_{m}": med(out[f"{k}_{m}"]) / raw_d2h for m in modes for k in ("stall", "clean")}
+    res["ratios_other"]["restore_fresh"] = med(out["restore_fresh"]) / raw_h2d
     res["pass"] = {k: res["ratios"][k] <= v for k, v in TARGETS.items()}
     del state, compute
     torch.cuda.empty_cache()
@@ -234,28 +237,38 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| state/rank | raw D2H (s) | raw H2D (s) | stall (s) | stall/raw | clean (s) | clean/raw | restore (s) | "
-            "restore/raw | compute alone / with snapshot (s) | first snapshot (s) | restore's host read alone (s) | "
-            "D2H into the slot alone (s) | device sums alone (s) | extra GPU memory |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| state/rank | raw D2H (s) | raw H2D (s) | sums | stall (s) | stall/raw | clean (s) | clean/raw | "
+            "compute alone / with snapshot (s) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    restores = ["| state/rank | restore, slots page-locked by this process (s) | /raw H2D | restore, fresh process (s) "
+                "| /raw H2D | page-locking one slot alone (s) | first snapshot (s) | device sums alone (s) | extra GPU memory |",
+                "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
-            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 13)
+            rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 7)
             continue
         q, p = r["ratios"], r["pass"]
+        what = f"{r['size_gib']:g} GiB ({r['tensors']} tensors, {r['chunk_mib']} MiB chunks, {r['shm_pages']} pages)"
+        for mode in ("host", "device"):
+            if f"stall_{mode}" not in r:
+                continue
+            shipped = mode == r["sums_shipped"]
 
-        def mark(k):
-            return f"{q[k]:.3f} ({'PASS' if p[k] else 'FAIL'}, <= {TARGETS[k]})"
-        rows.append(
-            f"| {r['size_gib']:g} GiB ({r['tensors']} tensors, {r['chunk_mib']} MiB chunks) | {med(r['raw_d2h']):.4f} "
-            f"({r['state_bytes'] / med(r['raw_d2h']) / 1e9:.1f} GB/s) | {med(r['raw_h2d']):.4f} "
-            f"({r['state_bytes'] / med(r['raw_h2d']) / 1e9:.1f} GB/s) | {med(r['stall']):.5f} | {mark('stall')} | "
-            f"{med(r['clean']):.4f} | {mark('clean')} | {med(r['restore']):.4f} | {mark('restore')} | "
-            f"{med(r['compute_alone']):.4f} / {med(r['compute_with_snapshot']):.4f} | {r['first_call_s']:.2f} "
-            f"(page-locking {r['register_s']:.2f}) | {med(r['host_read']):.4f} ({r['restore_threads']} threads, "
-            f"{r['state_bytes'] / med(r['host_read']) / 1e9:.1f} GB/s) | {med(r['d2h_into_slot']):.4f} | "
+            def mark(k: str) -> str:
+                x = r["ratios_other"][f"{k}_{mode}"]
+                return f"{x:.3f}" + (f" ({'PASS' if p[k] else 'FAIL'}, <= {TARGETS[k]})" if shipped else "")
+            rows.append(
+                f"| {what} | {med(r['raw_d2h']):.4f} ({r['state_bytes'] / med(r['raw_d2h']) / 1e9:.1f} GB/s) | "
+                f"{med(r['raw_h2d']):.4f} ({r['state_bytes'] / med(r['raw_h2d']) / 1e9:.1f} GB/s) | "
+                f"{mode}{' (shipped)' if shipped else ''} | {med(r[f'stall_{mode}']):.5f} | {mark('stall')} | "
+                f"{med(r[f'clean_{mode}']):.4f} | {mark('clean')} | {med(r['compute_alone']):.4f} / "
+                f"{med(r[f'compute_with_snapshot_{mode}']):.4f} |")
+        restores.append(
+            f"| {what} | {med(r['restore']):.4f} | {q['restore']:.3f} ({'PASS' if p['restore'] else 'FAIL'}, <= "
+            f"{TARGETS['restore']}) | {med(r['restore_fresh']):.4f} | {r['ratios_other']['restore_fresh']:.3f} | "
+            f"{med(r['page_lock_slot_s']):.3f} | {r['first_call_s']:.2f} (page-locking {r['register_s']:.2f}) | "
             f"{med(r['device_sums']):.4f} | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
-    return "\n".join(rows)
+    return "\n".join(rows) + "\n\n" + "\n".join(restores)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -265,6 +278,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=64, help="snapshot.chunk_mib (configs/gpu-1.yaml)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--compute-factor", type=float, default=2.0)
+    p.add_argument("--sums", default="host,device", help="where the snapshot's checksums are summed, each measured")
     p.add_argument("--shm-dir", default="/dev/shm")
     p.add_argument("--json", default=None, help="write every figure here")
     args = p.parse_args(argv)

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's checks, in one run (docs/benchmarks.md "GPU snapshot path"; docs/gpu.md):
-#   1. benchmarks/gpu_snapshot.py: stall / clean / restore against raw pinned copies, 1 and 16 GiB per rank;
-#   2. pytest tests/gpu: the GPU snapshot path bit-exact, CUDA RNG included; the restore ordering (a zero-fill
-#      queued on the training stream behind a long kernel lands before the restored bytes);
+#   1. benchmarks/gpu_snapshot.py: stall / clean (checksums summed on the host and on the device) / restore
+#      against raw pinned copies, 1 and 16 GiB per rank, the slots on a huge-page tmpfs (SHM_DIR, mounted
+#      here when root; its pages let a fresh process page-lock a slot cheaply);
+#   2. pytest tests/gpu and the checksum kernel's tests: the GPU snapshot path bit-exact, CUDA RNG included;
+#      the compiled kernel against the host's sums; device and host sums writing the same digests; a
+#      restore beside the engine reading its page-locked slot; the restore ordering (a zero-fill queued on
+#      the training stream behind a long kernel lands before the restored bytes);
 #   3. megatron-ft demo --config configs/gpu/1x1.yaml --fail trainer: megatron-core's GPT on the GPU,
 #      a trainer SIGKILLed, resumed from the agent's memory, bit-exact with deterministic algorithms;
 #   4. benchmarks/scheduling.py at PP=4 on the machine's cores (CPU, CUDA hidden): only when asked (STEPS),
-#      so that the default run fits one device command of 10 minutes (1-3: at most 440 s of time limits).
+#      so that the default run fits one device command of 10 minutes (1-3: at most 470 s of time limits).
 # For a machine with no package registry (Python 3.12, a CUDA torch): the wheels the project needs
 # beside torch are in .whl/ (see docs/gpu.md), installed into /tmp/site without their pins.
 # Every step has its own time limit; the figures and logs go to $OUT (default /tmp/gpu-checks).
@@ -36,11 +40,18 @@ echo "/dev/shm: ${shm_gib} GiB"
 if [ "${shm_gib:-0}" -lt 48 ]; then mount -o remount,size=96G /dev/shm && df -h /dev/shm; fi
 
 if want 1; then step "1. GPU snapshot benchmark"
-timeout 200 python3 benchmarks/gpu_snapshot.py --sizes-gib ${GPU_SIZES:-1,16} --json "$OUT/gpu_snapshot.json"
-echo "rc=$?"; fi
+SHM_DIR=${SHM_DIR:-/mnt/mft-huge}
+mounted=""
+if [ ! -d "$SHM_DIR" ] || ! python3 -m megatron_ft.cli shm-mount "$SHM_DIR" --check >/dev/null 2>&1; then
+  if python3 -m megatron_ft.cli shm-mount "$SHM_DIR" --size 72G; then mounted=$SHM_DIR; else SHM_DIR=/dev/shm; fi
+fi
+timeout 200 python3 benchmarks/gpu_snapshot.py --sizes-gib ${GPU_SIZES:-1,16} --shm-dir "$SHM_DIR" \
+  --json "$OUT/gpu_snapshot.json"
+echo "rc=$?"
+if [ -n "$mounted" ]; then umount "$mounted" && rmdir "$mounted"; fi; fi
 
 if want 2; then step "2. GPU tests"
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tail -15
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_lanes_kernel.py 2>&1 | tail -15
 echo "rc=${PIPESTATUS[0]}"; fi
 
 if want 3; then step "3. trainer kill on the GPU, resumed from memory"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -51,8 +52,6 @@ def _load_native() -> Optional[ctypes.CDLL]:
             for sym in _SYMBOLS:
                 getattr(lib, sym)
         except (OSError, AttributeError) as e:  # e.g. a build older than fastcopy.c
-            import logging
-
             logging.getLogger("megatron_ft").warning(
                 "ignoring the native copy+checksum library %s (%s); the numpy fallback is slower. "
                 "Rebuild it with `pip install -e .` (or `python setup.py build_ext --inplace`)", path, e)
@@ -274,13 +273,14 @@ LANE_BLOCK = 64 << 20
 ROW_GROUP = 1024
 
 
-def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
+def tensor_lanes(buf: "torch.Tensor", out: "Optional[torch.Tensor]" = None) -> "torch.Tensor":
     """The 16 fl32x8 lanes (a0..a7, c0..c7) of the bytes of the flat uint8 tensor ``buf``, computed
     with torch where ``buf`` lives (on a GPU at its memory speed, on the current stream, no host
-    synchronisation): an int64 tensor on that device, the values mod 2^64. Temporaries: about
-    :data:`LANE_BLOCK` bytes of that device's memory.
+    synchronisation): an int64 tensor on that device, the values mod 2^64.
 
-    How: the rows are grouped, ``ROW_GROUP`` at a time, into a (Q, K, 8) view of 32-bit words. Two
+    On a GPU with Triton the whole rows are summed by :mod:`.lanes_kernel` (one read of every word,
+    two launches per call). Otherwise, with torch reductions (temporaries: about :data:`LANE_BLOCK`
+    bytes of that device's memory): the rows are grouped, ``ROW_GROUP`` at a time, into a (Q, K, 8) view of 32-bit words. Two
     reductions of the words themselves give each group's sums ``S[q]`` and each in-group position's
     sums ``T[j]`` (accumulated in int64; a word read as negative int32 is corrected by 2^32, counted
     from its sign bit), and then a = sum_q S[q], c = K * sum_q q * S[q] + sum_j j * T[j], since row
@@ -288,13 +288,15 @@ def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
     import torch
 
     n = buf.numel()
-    out = torch.zeros(16, dtype=torch.int64, device=buf.device)
-    if n == 0:
-        return out
+    if out is None:
+        out = torch.empty(16, dtype=torch.int64, device=buf.device)
     if (buf.storage_offset() * buf.element_size()) % 4:
         buf = buf.clone()  # 32-bit words need 4-byte alignment
     full = n - n % 32
-    for start in range(0, full, LANE_BLOCK):
+    full_done = full > 0 and _full_rows_by_kernel(buf[:full], out)  # GPU: one Triton launch over the rows
+    if not full_done:
+        out.zero_()
+    for start in range(0, 0 if full_done else full, LANE_BLOCK):
         end = min(full, start + LANE_BLOCK)
         _add_row_lanes(buf[start:end].view(torch.int32).view(-1, 8), start // 32, out)
     if full < n:
@@ -302,6 +304,29 @@ def tensor_lanes(buf: "torch.Tensor") -> "torch.Tensor":
         tail[: n - full] = buf[full:]
         _add_row_lanes(tail.view(torch.int32).view(1, 8), full // 32, out)
     return out
+
+
+def _full_rows_by_kernel(rows: "torch.Tensor", out: "torch.Tensor") -> bool:
+    """Write the lanes of ``rows`` (whole 32-byte rows, 4-byte aligned) into ``out`` with the Triton
+    kernel and say so; False (``out`` untouched) off a CUDA device - except under ``TRITON_INTERPRET=1``,
+    the CPU tests - or without Triton. A kernel that fails (e.g. no compiler for this device) is turned
+    off for the process, said once."""
+    if rows.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    from . import lanes_kernel
+
+    if not lanes_kernel.AVAILABLE:
+        return False
+    import torch
+
+    try:
+        lanes_kernel.full_row_lanes(rows.view(torch.int32).view(-1, 8), out)
+        return True
+    except Exception as e:
+        lanes_kernel.AVAILABLE = False
+        logging.getLogger("megatron_ft").warning("the Triton checksum kernel failed (%s: %s); summing device "
+                                                 "bytes with torch reductions instead", type(e).__name__, e)
+        return False
 
 
 def _add_row_lanes(words: "torch.Tensor", first_row: int, out: "torch.Tensor") -> None:

@@ -14,24 +14,35 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   completed, in a few threads (up to ``recovery.MAX_GPU_HOST_THREADS``), while later chunks are
   still in flight. The next forward/backward runs on the training stream meanwhile; the engine's
   ``wait()`` before the next optimizer step returns only after the last copy and sum (host-side),
-  so the step cannot change bytes in flight. (Summing on the GPU instead, from the same bytes, was
-  measured too: under a training load the snapshot became clean later and the training stream
-  slowed more; see docs/gpu.md.)
+  so the step cannot change bytes in flight;
+* or (``sums="device"``, the default where Triton runs) the chunks' checksums are computed on the GPU
+  from the source tensors, on a second, high-priority stream that also waits for that event: one
+  Triton launch per piece reads each byte once, while the copy engine moves the same bytes; the
+  copies never wait for the sums. (The torch reductions tried first - thousands of small kernels,
+  queued on the copy stream - made the snapshot clean only after the training kernels had run;
+  docs/gpu.md.)
 
-Restore (host -> device), :class:`RestoreStaging`: per restore thread, pinned bounce blocks in
-rotation and a stream of its own, which first waits for an event the restoring thread recorded on its
-current stream (:class:`RestoreStagings`: the destinations' allocation or zero-fill queued there
-lands first). A block is read from the slot and copied to the device; a block
-is refilled only after its copy's event has completed. Each piece's checksum lanes are computed on
+Restore (host -> device), :class:`RestoreStaging`: per restore thread, a stream of its own, which
+first waits for an event the restoring thread recorded on its current stream (:class:`RestoreStagings`:
+the destinations' allocation or zero-fill queued there lands first). From a slot that is page-locked
+in this process (:func:`page_locked_mapping`: its snapshot engine registered it; or, on a huge-page
+tmpfs, the restore registers its own mapping, which costs little there) the copy engine reads the slot
+straight into the tensors. Otherwise the bytes go through pinned bounce blocks in rotation: a block is
+read from the slot and copied to the device, and refilled only after its copy's event has completed
+(page-locking a 4 KiB-page slot in a fresh process costs more than the whole copy). Each piece's checksum lanes are computed on
 the device from the bytes that arrived, on the same stream after its copies; the restore combines
 them with the host pieces' and compares every chunk with its stored checksum after ``finish()``
 (every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
 the partly written state).
 
+Checksums on the device use :mod:`megatron_ft.capture.lanes_kernel` (one Triton launch per piece)
+where Triton runs, else torch reductions (:func:`checksum.tensor_lanes`).
+
 Memory: pinned host memory is the registered slots (owned by the agent, mapped by the trainer) and
-the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache).
-No on-device shadow copy: the GPU memory used beyond the training state is the restore's checksum
-temporaries (about ``checksum.LANE_BLOCK`` per restore thread, freed to torch's cache after it).
+the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache; none
+when the slot is page-locked). No on-device shadow copy: the GPU memory used beyond the training state
+is the checksums' temporaries (with the kernel, 128 bytes per 256 KiB summed and 128 bytes per piece;
+without, about ``checksum.LANE_BLOCK`` per thread), freed to torch's cache.
 
 If registration fails (an old driver, a locked-memory limit), copies into the unregistered slot
 still work (the driver stages them: correct and synchronous per copy, much slower); that is logged
@@ -40,6 +51,7 @@ once with the reason.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,6 +103,10 @@ def _cudart_ok(err) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
+#: ``cudaHostRegisterReadOnly``: the device only reads the range (a read-only mapping can be registered)
+REGISTER_READ_ONLY = 0x08
+
+
 class HostRegistration:
     """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
 
@@ -99,10 +115,12 @@ class HostRegistration:
     :meth:`SnapshotStaging.unregister` before the memory is unmapped (on the training thread while the
     worker is idle, or at :meth:`SnapshotStaging.close` after the worker has stopped)."""
 
-    def __init__(self, address: int, nbytes: int):
+    def __init__(self, address: int, nbytes: int, read_only: bool = False):
         self.address, self.nbytes = address, nbytes
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(address, nbytes, 0)
+        t0 = time.perf_counter()
+        err = cudart.cudaHostRegister(address, nbytes, REGISTER_READ_ONLY if read_only else 0)
+        self.seconds = time.perf_counter() - t0
         self.ok = _cudart_ok(err)
         self.error = "" if self.ok else str(err)
 
@@ -112,36 +130,78 @@ class HostRegistration:
             self.ok = False
 
 
+# ---- the slots this process has page-locked, for a restore to copy from without a bounce ----------------
+# A page-locked range belongs to one mapping in one process: a restore in the process whose snapshot
+# engine registered the slots (an in-process restart, a rollback by the guard) copies straight from that
+# mapping. Keyed by the file's (device, inode): a slot re-created by the agent is a new file.
+_LOCKED: dict[tuple[int, int], np.ndarray] = {}
+_LOCKED_GUARD = threading.Lock()
+
+
+def _file_key(path: str) -> Optional[tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def page_locked_mapping(path: str) -> Optional[np.ndarray]:
+    """The whole file at ``path`` (bytes from its offset 0) as this process's snapshot engine mapped and
+    page-locked it, or None. Valid while that engine is idle and has not unregistered it: a restore
+    runs on the training thread, which also owns the engine's registration and teardown."""
+    key = _file_key(path)
+    with _LOCKED_GUARD:
+        return _LOCKED.get(key) if key is not None else None
+
+
 class SnapshotStaging:
-    """Device -> host copies of one rank's snapshots into its registered agent slots, summed on the
-    host as each chunk lands.
+    """Device -> host copies of one rank's snapshots into its registered agent slots, and the chunks'
+    checksums: summed on the device from the source bytes (``sums="device"``, the default where the
+    Triton kernel runs) or on the host as each chunk lands (``sums="host"``).
 
     Owned by a :class:`~megatron_ft.trainer.snapshot.SnapshotEngine`: :meth:`ready_point` and
     :meth:`unregister` run on the training thread (the latter while the worker is idle),
     :meth:`register` and :meth:`copy_and_sum` on the engine's worker thread (one snapshot at a time),
     :meth:`close` after the worker has stopped. Its sum threads release the GIL (native checksum)
-    and sleep on the chunks' events (blocking-sync events)."""
+    and sleep on the chunks' events (blocking-sync events).
 
-    def __init__(self, device: torch.device, sum_threads: int):
+    Device sums run on a second stream of high priority, so that the copies never queue behind them
+    and their blocks are scheduled ahead of the training kernels' as SMs free up: one kernel launch per
+    piece reads the bytes once, while the copy engine moves the same bytes to the slot."""
+
+    def __init__(self, device: torch.device, sum_threads: int, sums: Optional[str] = None):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.sums = sums or default_sums()
+        if self.sums not in SUM_PLACES:
+            raise ValueError(f"snapshot sums {self.sums!r}: one of {SUM_PLACES}")
+        self.sum_stream = torch.cuda.Stream(device=device, priority=-1)  # the highest priority torch offers
         self._registered: list[HostRegistration] = []
+        self._keys: list[tuple[int, int]] = []
         self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
 
-    def register(self, areas: Sequence[np.ndarray]) -> list[str]:
-        """Page-lock every slot mapping in ``areas`` (replacing earlier ones); the reasons of any
-        that could not be registered (empty: all pinned)."""
+    def register(self, slots: Sequence) -> list[str]:
+        """Page-lock every slot mapping in ``slots`` (objects with ``path`` and ``array``: the whole
+        file mapped; replacing earlier ones) and list them for restores in this process
+        (:func:`page_locked_mapping`); the reasons of any that could not be registered (empty: all pinned)."""
         self.unregister()
         t0 = time.perf_counter()
         errors = []
-        for a in areas:
-            reg = HostRegistration(a.ctypes.data, a.nbytes)
-            if reg.ok:
-                self._registered.append(reg)
-            else:
+        for slot in slots:
+            area = slot.array
+            reg = HostRegistration(area.ctypes.data, area.nbytes)
+            if not reg.ok:
                 errors.append(reg.error)
+                continue
+            self._registered.append(reg)
+            key = _file_key(slot.path)
+            if key is not None:
+                with _LOCKED_GUARD:
+                    _LOCKED[key] = area
+                self._keys.append(key)
         self.register_s = time.perf_counter() - t0
         log.info("page-locked %d snapshot slot(s), %.1f GiB, in %.2f s", len(self._registered),
                  sum(r.nbytes for r in self._registered) / 2**30, self.register_s)
@@ -152,6 +212,10 @@ class SnapshotStaging:
         return errors
 
     def unregister(self) -> None:
+        with _LOCKED_GUARD:
+            for key in self._keys:
+                _LOCKED.pop(key, None)
+        self._keys = []
         for reg in self._registered:
             reg.close()
         self._registered = []
@@ -185,6 +249,8 @@ class SnapshotStaging:
                 events.append(landed)
                 if i == 0:
                     after_first_chunk()
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(self.stream)
 
         def sum_chunk(i: int) -> int:
             landed = events[i]
@@ -197,14 +263,62 @@ class SnapshotStaging:
             return chunk.finish()
 
         try:
-            return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
+            if self.sums == "host":
+                return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
+            # queued after the copies (launching a few hundred kernels takes the worker milliseconds)
+            lanes, done = self._sum_on_device(ready, pieces_by_chunk, sources)
+            copied.synchronize()  # every copy landed (host pieces' bytes are summed from the slot)
+            done.synchronize()
+            on_host = iter(lanes.tolist())  # (the lanes were copied to page-locked memory, after the sums)
+            sums = []
+            for i, pieces in enumerate(pieces_by_chunk):
+                lo, hi = chunk_bounds(i)
+                parts = []
+                for p in pieces:
+                    if on_device(sources[p.entry_index]):
+                        parts.append((p.dst_offset - lo, next(on_host)))
+                    else:
+                        parts.append((p.dst_offset - lo, checksum.host_lanes(
+                            area[p.dst_offset: p.dst_offset + (p.src_end - p.src_start)])))
+                sums.append(checksum.combine_lanes(hi - lo, parts))
+            return sums
         finally:
             self.stream.synchronize()  # an error above must not leave copies writing the slot
+            self.sum_stream.synchronize()
+
+    def _sum_on_device(self, ready: torch.cuda.Event, pieces_by_chunk: list,
+                       sources: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Queue the lanes of every device piece (in chunk order) on the sum stream after ``ready``; the
+        lanes land in one page-locked (pieces, 16) int64 tensor, complete when the returned event is."""
+        device_pieces = [p for pieces in pieces_by_chunk for p in pieces if on_device(sources[p.entry_index])]
+        with torch.cuda.device(self.device), torch.cuda.stream(self.sum_stream):
+            self.sum_stream.wait_event(ready)
+            lanes = torch.empty(len(device_pieces), 16, dtype=torch.int64, device=self.device)
+            for k, p in enumerate(device_pieces):
+                checksum.tensor_lanes(sources[p.entry_index][p.src_start:p.src_end], out=lanes[k])
+            host = pinned_bytes(lanes.numel() * 8).view(torch.int64).view(lanes.shape)
+            host.copy_(lanes, non_blocking=True)
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.sum_stream)
+        return host, done
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.stream.synchronize()
+        self.sum_stream.synchronize()
         self.unregister()
+
+
+#: where :class:`SnapshotStaging` sums a snapshot's device bytes
+SUM_PLACES = ("device", "host")
+
+
+def default_sums() -> str:
+    """``device`` where the Triton checksum kernel can run (one read of the bytes in GPU memory, beside
+    the copy), else ``host`` (the torch reductions on the device cost more than summing on the host)."""
+    from ..capture import lanes_kernel
+
+    return "device" if lanes_kernel.AVAILABLE else "host"
 
 
 class RestoreStaging:
@@ -219,11 +333,14 @@ class RestoreStaging:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.stream.wait_event(after)  # nothing of the restore lands before what the caller queued
-        self._blocks = [pinned_bytes(block_bytes) for _ in range(BLOCKS)]
+        self._block_bytes = block_bytes
+        self._blocks: list[torch.Tensor] = []  # allocated on first use: a restore from a page-locked slot has none
         self._events: list[Optional[torch.cuda.Event]] = [None] * BLOCKS
         self._next = 0
 
     def block(self) -> tuple[int, torch.Tensor]:
+        if not self._blocks:
+            self._blocks = [pinned_bytes(self._block_bytes) for _ in range(BLOCKS)]
         k = self._next
         self._next = (k + 1) % BLOCKS
         ev = self._events[k]
@@ -239,6 +356,12 @@ class RestoreStaging:
             ev = torch.cuda.Event()
             ev.record(self.stream)
             self._events[k] = ev
+
+    def upload_page_locked(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy ``src`` (uint8 bytes of page-locked host memory: a registered slot) straight into ``dst``
+        (a uint8 view of device memory of the same size), asynchronously: the copy engine reads the slot."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
 
     def lanes(self, dst: torch.Tensor) -> torch.Tensor:
         """Checksum lanes of ``dst`` (device bytes), on this thread's stream after its copies."""

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
@@ -109,6 +110,7 @@ class Container:
     def __init__(self, path: str):
         self.path = path
         self.mapped = STREAMING_RESTORE and shm.page_backing(os.path.dirname(path) or ".") == shm.HUGE
+        self.page_lock_s = 0.0  # GPU path: the time spent page-locking this container's mapping (0: none)
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -168,12 +170,19 @@ class Container:
         # GPU path: chunks with pieces on a device are verified on the device, after the copies
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
+        page_locked, own_lock = None, None
+        if on_device_sums and device_staging.devices_of(views.values()):
+            page_locked, own_lock = self._page_locked(src)  # a uint8 tensor over the container's bytes, or None
 
         def upload(p, dst: torch.Tensor) -> torch.Tensor:
-            """GPU path: a piece through the thread's pinned blocks to the device; its lanes, summed there."""
+            """GPU path: a piece to the device - straight from a page-locked slot, else through the
+            thread's pinned blocks; its lanes, summed there."""
             stage = stagings.here(dst.device)
             part = _byte_view(dst)[p.src_start:p.src_end]
             at = base + p.dst_offset
+            if page_locked is not None:
+                stage.upload_page_locked(page_locked[at: at + part.numel()], part)
+                return stage.lanes(part)
             for off in range(0, part.numel(), GPU_READ_BLOCK):
                 k, block = stage.block()
                 n = min(GPU_READ_BLOCK, part.numel() - off)
@@ -242,6 +251,9 @@ class Container:
                     errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
         finally:
             stagings.finish()  # every device copy done before the blocks or the mapping go
+            if own_lock is not None:
+                own_lock.close()
+            page_locked = None  # (may be a view of the mapping, which closes only without views)
             if mapping is not None:
                 del src
                 mapping.close()
@@ -256,6 +268,29 @@ class Container:
         bad = [e for e in errors if e]
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
+
+    def _page_locked(self, mapping: Optional[np.ndarray]) -> tuple[Optional[torch.Tensor], Optional[device_staging.HostRegistration]]:
+        """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
+        copy engine to read without a bounce: the mapping this process's snapshot engine registered,
+        else - on a huge-page tmpfs, where it is cheap - ``mapping`` registered now (its registration
+        returned too: the caller closes it before unmapping). (None, None): copy through pinned blocks."""
+        engine_mapping = device_staging.page_locked_mapping(self.path)
+        if engine_mapping is not None and engine_mapping.nbytes >= self.header.geometry.data_off + self.layout.data_nbytes:
+            log.info("%s: restoring straight from the slot page-locked by this process's snapshot engine", self.path)
+            return torch.from_numpy(engine_mapping), None
+        if mapping is None:
+            return None, None
+        lock = device_staging.HostRegistration(mapping.ctypes.data, mapping.nbytes, read_only=True)
+        if not lock.ok:
+            log.warning("%s: could not page-lock the mapped slot (%s); restoring through pinned blocks", self.path,
+                        lock.error)
+            return None, None
+        log.info("%s: page-locked the mapped slot (%.1f GiB) in %.3f s; restoring straight from it", self.path,
+                 mapping.nbytes / 2**30, lock.seconds)
+        self.page_lock_s = lock.seconds
+        with warnings.catch_warnings():  # read-only: only the copy engine reads it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(mapping), lock
 
     def _map(self) -> mmap.mmap:
         """The whole container, read-only. A file shorter than its header says is refused here:

@@ -260,7 +260,7 @@ class SnapshotEngine:
             assert self._staging is not None
             if self._page_lock_slots:  # (the training thread is not waiting: it registered, then went on)
                 self._page_lock_slots = False
-                self._staging.register([slot.array for slot in self._slots])
+                self._staging.register(self._slots)
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
                 after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))

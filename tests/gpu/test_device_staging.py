@@ -142,3 +142,68 @@ def test_a_restore_lands_after_what_the_training_stream_had_queued(agent):
     got = snapshot_bytes(m, opt)
     for k in want:
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("nbytes", [32, 4099, 8192 * 32 * 3 + 77, (64 << 20) + 5])
+def test_the_compiled_checksum_kernel_gives_the_host_lanes(nbytes):
+    """The Triton kernel compiled for this device (the CPU tests run it interpreted) against the host's
+    lanes of the same bytes: whole rows across many programs, the tail, wrap-around."""
+    from megatron_ft.capture import checksum, lanes_kernel
+
+    assert lanes_kernel.AVAILABLE, "Triton comes with CUDA builds of torch"
+    g = torch.Generator(device="cuda").manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+    got = [v % 2**64 for v in checksum.tensor_lanes(buf).tolist()]
+    assert got == checksum.host_lanes(buf.cpu())
+    assert lanes_kernel.AVAILABLE, "the kernel failed and was turned off"
+
+
+def test_device_and_host_sums_write_the_same_checksums(agent):
+    """The same state snapshotted with its checksums summed on the host (as chunks land in the slot) and on
+    the device (from the sources, by the kernel): the two version records carry the same digests."""
+    from megatron_ft.trainer.recovery import Container
+
+    c = agent.client()
+    m, opt = model_on_gpu(0)
+    step(m, opt)
+    ad = TorchStateAdapter(m, opt)
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)
+    records = {}
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())  # (creates the engine's staging)
+    assert eng.wait().ok
+    for s, sums in ((2, "host"), (3, "device")):  # the agent keeps the newest two
+        eng._staging.sums = sums
+        eng.snapshot(s, *ad.capture())
+        assert eng.wait().ok
+    for v in c.request("list", rank=0)["versions"]:
+        cont = Container(v["path"])
+        records[v["step"]] = cont.version["chunks"]
+        cont.close()
+    eng.close()
+    assert len(records[2]) > 1 and records[2] == records[3]
+
+
+def test_a_restore_beside_the_engine_reads_its_page_locked_slot_on_the_device(agent, caplog):
+    """A restore in the process whose engine page-locked the slots: the copy engine reads the slot (no
+    bounce), verified on the device, bit-exact."""
+    c = agent.client()
+    m, opt = model_on_gpu(0)
+    ad = TorchStateAdapter(m, opt)
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)
+    step(m, opt)
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())
+    assert eng.wait().ok
+    want = snapshot_bytes(m, opt)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    with caplog.at_level("INFO", logger="megatron_ft"):
+        res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(ad)
+    assert (res.source, res.step) == ("local_memory", 1), res
+    assert any("straight from the slot page-locked" in r.getMessage() for r in caplog.records)
+    got = snapshot_bytes(m, opt)
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    eng.close()

@@ -54,8 +54,12 @@ def fake(monkeypatch):
     monkeypatch.setattr(device_staging, "on_device", lambda t: t.numel() >= 300)
 
 
-@pytest.mark.parametrize("chunk", [1 << 10, 1 << 12, 1 << 20])
-def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(agent, chunk):
+@pytest.mark.parametrize("chunk,sums", [(1 << 10, "host"), (1 << 12, "host"), (1 << 20, "host"),
+                                        (1 << 10, "device"), (1 << 12, "device")])
+def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(agent, chunk, sums, monkeypatch):
+    """With the checksums summed on the host as chunks land, or on the "device" from the sources (the
+    lanes of each device piece combined with the host pieces'): a restore verifies them either way."""
+    monkeypatch.setattr(device_staging, "default_sums", lambda: sums)
     c = agent.client()
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
@@ -71,7 +75,7 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
         eng.snapshot(s, *ad.capture())
     st = eng.wait()
     assert st.ok, st
-    assert eng._staging is not None and eng._staging._registered
+    assert eng._staging is not None and eng._staging._registered and eng._staging.sums == sums
     want = {k: v.clone() for k, v in m.state_dict().items()}
     eng.close()
     torch.manual_seed(5)
@@ -91,6 +95,47 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
     seg.close()
     r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m2, opt2))
     assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
+
+
+def test_a_restore_beside_the_engine_copies_straight_from_its_page_locked_slot(agent, caplog):
+    """An in-process restore (a guard's rollback, an in-process restart) while the snapshot engine still
+    has its slots page-locked: the copies read the slot through the engine's mapping, no bounce block
+    is made; a flipped bit is still caught; once the engine closes, its slots are no longer offered."""
+    c = agent.client()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
+    ad = TorchStateAdapter(m)
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 12)
+    for s in (1, 2):
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        ad.extra = {"iteration": s}
+        eng.snapshot(s, *ad.capture())
+        assert eng.wait().ok
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    bounce = []
+    real = device_staging.pinned_bytes
+    with caplog.at_level("INFO", logger="megatron_ft"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_staging, "pinned_bytes", lambda n: bounce.append(n) or real(n))
+        r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 2), r
+    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+    assert any("straight from the slot page-locked by this process's snapshot engine" in x.getMessage()
+               for x in caplog.records)
+    assert bounce == [], f"bounce blocks were made: {bounce}"
+    [v] = [x for x in c.request("list", rank=0)["versions"] if x["step"] == 2]
+    assert device_staging.page_locked_mapping(v["path"]) is not None
+    seg = shm.open_segment(v["path"])
+    seg.mm[snapfile.read_header(seg.mm).geometry.data_off + 100] ^= 1
+    seg.close()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
+    eng.close()
+    assert device_staging.page_locked_mapping(v["path"]) is None, "a closed engine's mapping is still offered"
 
 
 def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatch, caplog):

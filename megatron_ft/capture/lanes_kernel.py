@@ -1,0 +1,89 @@
+"""GPU only: the fl32x8 checksum lanes of device bytes in one Triton kernel launch per piece.
+
+:func:`megatron_ft.capture.checksum.tensor_lanes` defines the lanes (per lane ``l`` of the 32-byte
+rows, mod 2^64: ``a_l = sum_r w[r, l]`` and ``c_l = sum_r r * w[r, l]``). Written with torch
+reductions they cost four reads of every word and a handful of kernels per 64 MiB; here every
+program of one launch reads its share of the rows once (32-bit words, zero-extended to 64 bits),
+and writes its 16 partial lanes; one ``sum`` over the programs' partials finishes them (integer
+addition mod 2^64 is associative: the result does not depend on the grid or the order). Two
+launches per piece, whatever its size, so a snapshot's sums are a few hundred launches, not
+thousands of small reductions waiting for a turn between the training's kernels.
+
+Only :func:`full_row_lanes` is public; it takes the whole 32-byte rows of a piece (the caller sums
+a tail of under 32 bytes). :data:`AVAILABLE` is False where Triton is not installed (CPU-only
+builds of torch) or cannot compile for the device; callers then use the torch reductions.
+
+``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (numpy): the CPU tests compare it with the
+reference there; only a GPU can check its speed and the compiled code's arithmetic.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("megatron_ft.capture.lanes_kernel")
+
+try:  # Triton comes with CUDA builds of torch; CPU-only installs have none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+#: whether :func:`full_row_lanes` can run (Triton importable; a compile failure turns it off, logged)
+AVAILABLE = triton is not None
+#: rows (32 bytes each) one program sums: 256 KiB per program; a 512 MiB piece is 2048 programs
+ROWS_PER_PROGRAM = 8192
+#: rows loaded per step of a program (a 256 x 8 tile of 32-bit words, 8 KiB)
+TILE_ROWS = 256
+
+if triton is not None:
+    @triton.jit
+    def _lanes_kernel(words_ptr, partial_ptr, rows, ROWS_PER_PROGRAM: tl.constexpr, TILE_ROWS: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        lane = tl.arange(0, 8)
+        tile = tl.arange(0, TILE_ROWS).to(tl.int64)
+        a = tl.zeros([8], dtype=tl.uint64)
+        c = tl.zeros([8], dtype=tl.uint64)
+        first = pid * ROWS_PER_PROGRAM
+        for step in range(0, ROWS_PER_PROGRAM, TILE_ROWS):
+            row = first + step + tile
+            inside = row < rows
+            w = tl.load(words_ptr + (row[:, None] * 8 + lane[None, :]), mask=inside[:, None], other=0)
+            w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+            a += tl.sum(w, axis=0)
+            c += tl.sum(w * row.to(tl.uint64)[:, None], axis=0)
+        tl.store(partial_ptr + pid * 16 + lane, a.to(tl.int64, bitcast=True))
+        tl.store(partial_ptr + pid * 16 + 8 + lane, c.to(tl.int64, bitcast=True))
+
+
+def full_row_lanes(words: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The 16 lanes (a0..a7, c0..c7, int64, mod 2^64) of ``words``: a contiguous int32 tensor of
+    shape (rows, 8), 4-byte aligned, rows counted from 0. Asynchronous on the current stream (no host
+    synchronisation); ``out`` (16 int64 on the same device) receives them if given. Temporaries: 128
+    bytes per 256 KiB of input.
+
+    >>> import os, numpy as np, torch
+    >>> from megatron_ft.capture import checksum
+    >>> if AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1":  # CPU: the interpreter
+    ...     w = torch.arange(-40, 40, dtype=torch.int32).view(10, 8)
+    ...     want = checksum.host_lanes(w.numpy())
+    ...     got = [v % 2**64 for v in full_row_lanes(w).tolist()]
+    ...     assert got == want, (got, want)
+    """
+    assert triton is not None, "full_row_lanes needs Triton"
+    if words.dim() != 2 or words.shape[1] != 8 or words.dtype != torch.int32 or not words.is_contiguous():
+        raise ValueError(f"full_row_lanes takes contiguous int32 rows of 8 words, not {words.dtype} {tuple(words.shape)}")
+    rows = words.shape[0]
+    if out is None:
+        out = torch.zeros(16, dtype=torch.int64, device=words.device)
+    if rows == 0:
+        out.zero_()
+        return out
+    programs = -(-rows // ROWS_PER_PROGRAM)
+    partial = torch.empty(programs, 16, dtype=torch.int64, device=words.device)
+    _lanes_kernel[(programs,)](words, partial, rows, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, TILE_ROWS=TILE_ROWS)
+    torch.sum(partial, dim=0, out=out)
+    return out
