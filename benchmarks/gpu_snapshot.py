@@ -114,6 +114,18 @@ def raw_copies(state: dict[str, torch.Tensor], nbytes: int, reps: int) -> dict[s
     return out
 
 
+def copy_pieces(host: torch.Tensor, state: dict[str, torch.Tensor], to_host: bool) -> None:
+    """The state's tensors to (``to_host``) or from consecutive bytes of ``host``, asynchronously."""
+    off = 0
+    for t in state.values():
+        b = t.view(-1).view(torch.uint8)
+        if to_host:
+            host[off: off + b.numel()].copy_(b, non_blocking=True)
+        else:
+            b.copy_(host[off: off + b.numel()], non_blocking=True)
+        off += b.numel()
+
+
 def page_lock_alone(path: str) -> float:
     """Page-locking one whole slot file in this process (mapped read-only, as a restore maps it), alone."""
     import mmap
@@ -166,8 +178,10 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
     client = agent.client()
     engine = SnapshotEngine(client, 0, identity, cfg.snapshot.chunk_bytes)
     modes = [m for m in args.sums.split(",") if m]
-    keys = [f"{k}_{m}" for m in modes for k in ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot")]
-    out: dict[str, list[float]] = {k: [] for k in keys + ["compute_alone", "restore", "restore_fresh"]}
+    keys = [f"{k}_{m}" for m in modes for k in ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot",
+                                                  "clean_idle")]
+    out: dict[str, list] = {k: [] for k in keys + ["compute_alone", "restore", "restore_fresh"]}
+    phases: dict[str, list[dict]] = {m: [] for m in modes}
     step = 0
 
     def restore_checked(key: str) -> None:
@@ -202,10 +216,17 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
                 for t in state.values():  # the optimizer step: the snapshot must hold these bytes
                     t.add_(1.0)
                 torch.cuda.synchronize()
-                _, times = timed_snapshot(engine, adapter, step, lambda: (compute.launch(), torch.cuda.synchronize()))
+                st, times = timed_snapshot(engine, adapter, step, lambda: (compute.launch(), torch.cuda.synchronize()))
                 for k in ("snapshot_call", "wait", "stall", "clean"):
                     out[f"{k}_{mode}"].append(times[k])
                 out[f"compute_with_snapshot_{mode}"].append(times["compute"])
+                phases[mode].append(st.phases)
+                step += 1  # the same snapshot with no training kernels beside it
+                for t in state.values():
+                    t.add_(1.0)
+                torch.cuda.synchronize()
+                _, times = timed_snapshot(engine, adapter, step, lambda: None)
+                out[f"clean_idle_{mode}"].append(times["clean"])
         res["extra_gpu_bytes"] = torch.cuda.max_memory_allocated() - base_alloc
         reference = {n: t.clone() for n, t in state.items()}
         # a restore in the process whose engine page-locked the slots (an in-process restart, a rollback)
@@ -214,6 +235,13 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         res["device_sums"] = [timed_cuda(lambda: [checksum.tensor_lanes(t.view(-1).view(torch.uint8))
                                                   for t in state.values()]) for _ in range(args.reps)]
         newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
+        # the copies alone between the state and a page-locked slot (the older one is written)
+        slots = {seg.path: torch.from_numpy(seg.array) for seg in engine._slots}
+        newer = slots.pop(newest["path"])
+        older = next(iter(slots.values()))
+        res["d2h_into_slot"] = [timed_cuda(lambda: copy_pieces(older, state, to_host=True)) for _ in range(args.reps)]
+        res["h2d_from_slot"] = [timed_cuda(lambda: copy_pieces(newer, state, to_host=False)) for _ in range(args.reps)]
+        del slots, newer, older
         engine.close()  # its page-locked slots go: now as a fresh process finds them
         res["page_lock_slot_s"] = [page_lock_alone(newest["path"]) for _ in range(args.reps)]
         for _ in range(args.reps):
@@ -225,6 +253,8 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         agent.stop()  # SIGTERM: the agent removes its segments
         remove_run_segments(args.shm_dir, run_id)
     res.update(out)
+    res["phases"] = {m: {k: med([ph[k] for ph in phases[m] if k in ph]) for k in sorted({k for ph in phases[m] for k in ph})}
+                     for m in modes}
     res["ratios"] = {"stall": med(out[f"stall_{res['sums_shipped']}"]) / raw_d2h,
                      "clean": med(out[f"clean_{res['sums_shipped']}"]) / raw_d2h,
                      "restore": med(out["restore"]) / raw_h2d}
@@ -268,7 +298,17 @@ def table(results: list[dict]) -> str:
             f"{TARGETS['restore']}) | {med(r['restore_fresh']):.4f} | {r['ratios_other']['restore_fresh']:.3f} | "
             f"{med(r['page_lock_slot_s']):.3f} | {r['first_call_s']:.2f} (page-locking {r['register_s']:.2f}) | "
             f"{med(r['device_sums']):.4f} | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
-    return "\n".join(rows) + "\n\n" + "\n".join(restores)
+    alone = []
+    for r in results:
+        if "skipped" in r:
+            continue
+        alone.append(f"{r['size_gib']:g} GiB: D2H into a page-locked slot alone {med(r['d2h_into_slot']):.4f} s, "
+                     f"H2D from it alone {med(r['h2d_from_slot']):.4f} s; clean with no training kernels beside it: "
+                     + ", ".join(f"{m} {med(r[f'clean_idle_{m}']):.4f} s" for m in ("host", "device")
+                                 if f"clean_idle_{m}" in r)
+                     + "; worker phases (median s): " + json.dumps({m: {k: round(v, 4) for k, v in ph.items()}
+                                                                    for m, ph in r["phases"].items()}))
+    return "\n".join(rows) + "\n\n" + "\n".join(restores) + "\n\n" + "\n".join(alone)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

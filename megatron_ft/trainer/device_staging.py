@@ -25,11 +25,11 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, a stream of its own, which
 first waits for an event the restoring thread recorded on its current stream (:class:`RestoreStagings`:
 the destinations' allocation or zero-fill queued there lands first). From a slot that is page-locked
-in this process (:func:`page_locked_mapping`: its snapshot engine registered it; or, on a huge-page
-tmpfs, the restore registers its own mapping, which costs little there) the copy engine reads the slot
-straight into the tensors. Otherwise the bytes go through pinned bounce blocks in rotation: a block is
-read from the slot and copied to the device, and refilled only after its copy's event has completed
-(page-locking a 4 KiB-page slot in a fresh process costs more than the whole copy). Each piece's checksum lanes are computed on
+in this process (:func:`page_locked_mapping`: its snapshot engine registered it - an in-process
+restart, a guard's rollback) the copy engine reads the slot straight into the tensors. Otherwise (a
+fresh process) the bytes go through pinned bounce blocks in rotation: a block is read from the slot and
+copied to the device, and refilled only after its copy's event has completed (page-locking a slot
+costs more than the whole copy, also on a huge-page tmpfs: docs/gpu.md). Each piece's checksum lanes are computed on
 the device from the bytes that arrived, on the same stream after its copies; the restore combines
 them with the host pieces' and compares every chunk with its stored checksum after ``finish()``
 (every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
@@ -182,6 +182,7 @@ class SnapshotStaging:
         self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
+        self.last_phases: dict = {}  # device sums: seconds from copy_and_sum's start to each of its points
 
     def register(self, slots: Sequence) -> list[str]:
         """Page-lock every slot mapping in ``slots`` (objects with ``path`` and ``array``: the whole
@@ -232,6 +233,8 @@ class SnapshotStaging:
         checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
         assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
         host). Blocks until every copy and sum is done; an error leaves no copy running."""
+        t0 = time.perf_counter()
+        self.last_phases = {}
         dst = torch.from_numpy(area)
         events: list[Optional[torch.cuda.Event]] = []
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -266,9 +269,14 @@ class SnapshotStaging:
             if self.sums == "host":
                 return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
             # queued after the copies (launching a few hundred kernels takes the worker milliseconds)
+            t1 = time.perf_counter()
             lanes, done = self._sum_on_device(ready, pieces_by_chunk, sources)
+            t2 = time.perf_counter()
             copied.synchronize()  # every copy landed (host pieces' bytes are summed from the slot)
+            t3 = time.perf_counter()
             done.synchronize()
+            self.last_phases = {"queue_copies": t1 - t0, "queue_sums": t2 - t1, "copies_landed": t3 - t0,
+                                "sums_landed": time.perf_counter() - t0}
             on_host = iter(lanes.tolist())  # (the lanes were copied to page-locked memory, after the sums)
             sums = []
             for i, pieces in enumerate(pieces_by_chunk):

@@ -27,7 +27,6 @@ import logging
 import mmap
 import os
 import threading
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
@@ -110,7 +109,6 @@ class Container:
     def __init__(self, path: str):
         self.path = path
         self.mapped = STREAMING_RESTORE and shm.page_backing(os.path.dirname(path) or ".") == shm.HUGE
-        self.page_lock_s = 0.0  # GPU path: the time spent page-locking this container's mapping (0: none)
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -170,9 +168,9 @@ class Container:
         # GPU path: chunks with pieces on a device are verified on the device, after the copies
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
-        page_locked, own_lock = None, None
+        page_locked = None  # GPU path: a uint8 tensor over the container's page-locked bytes
         if on_device_sums and device_staging.devices_of(views.values()):
-            page_locked, own_lock = self._page_locked(src)  # a uint8 tensor over the container's bytes, or None
+            page_locked = self._page_locked()
 
         def upload(p, dst: torch.Tensor) -> torch.Tensor:
             """GPU path: a piece to the device - straight from a page-locked slot, else through the
@@ -251,9 +249,6 @@ class Container:
                     errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
         finally:
             stagings.finish()  # every device copy done before the blocks or the mapping go
-            if own_lock is not None:
-                own_lock.close()
-            page_locked = None  # (may be a view of the mapping, which closes only without views)
             if mapping is not None:
                 del src
                 mapping.close()
@@ -269,28 +264,16 @@ class Container:
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
 
-    def _page_locked(self, mapping: Optional[np.ndarray]) -> tuple[Optional[torch.Tensor], Optional[device_staging.HostRegistration]]:
+    def _page_locked(self) -> Optional[torch.Tensor]:
         """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
-        copy engine to read without a bounce: the mapping this process's snapshot engine registered,
-        else - on a huge-page tmpfs, where it is cheap - ``mapping`` registered now (its registration
-        returned too: the caller closes it before unmapping). (None, None): copy through pinned blocks."""
+        copy engine to read without a bounce: the mapping this process's snapshot engine registered, or
+        None (copy through pinned blocks). A restore does not page-lock a slot itself: on the H200 machine
+        that took 0.39 s per 16 GiB even on a huge-page tmpfs, more than the whole copy (docs/gpu.md)."""
         engine_mapping = device_staging.page_locked_mapping(self.path)
-        if engine_mapping is not None and engine_mapping.nbytes >= self.header.geometry.data_off + self.layout.data_nbytes:
-            log.info("%s: restoring straight from the slot page-locked by this process's snapshot engine", self.path)
-            return torch.from_numpy(engine_mapping), None
-        if mapping is None:
-            return None, None
-        lock = device_staging.HostRegistration(mapping.ctypes.data, mapping.nbytes, read_only=True)
-        if not lock.ok:
-            log.warning("%s: could not page-lock the mapped slot (%s); restoring through pinned blocks", self.path,
-                        lock.error)
-            return None, None
-        log.info("%s: page-locked the mapped slot (%.1f GiB) in %.3f s; restoring straight from it", self.path,
-                 mapping.nbytes / 2**30, lock.seconds)
-        self.page_lock_s = lock.seconds
-        with warnings.catch_warnings():  # read-only: only the copy engine reads it
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(mapping), lock
+        if engine_mapping is None or engine_mapping.nbytes < self.header.geometry.data_off + self.layout.data_nbytes:
+            return None
+        log.info("%s: restoring straight from the slot page-locked by this process's snapshot engine", self.path)
+        return torch.from_numpy(engine_mapping)
 
     def _map(self) -> mmap.mmap:
         """The whole container, read-only. A file shorter than its header says is refused here:

@@ -58,6 +58,9 @@ class SnapshotStats:
     clean_at: float = 0.0  # wall clock when the agent marked it clean
     agreed_step: int = -1
     nbytes: int = 0
+    #: worker seconds by phase: begin (the agent's slot), copy (GPU path: copies and sums until both are
+    #: done; host path: the fused copy and checksum), record (the version record), commit (the agent's reply)
+    phases: dict = field(default_factory=dict)
 
 
 def stall_summary(history: list[SnapshotStats]) -> dict:
@@ -218,7 +221,9 @@ class SnapshotEngine:
                 return
             try:
                 if job.begin:
+                    t0 = time.perf_counter()
                     job.slot = self._begin(job)
+                    job.stats.phases["begin"] = time.perf_counter() - t0
                 if job.slot is not None:
                     self._write(job)
             except Exception as e:
@@ -264,13 +269,17 @@ class SnapshotEngine:
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
                 after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))
+            job.stats.phases.update(self._staging.last_phases)
         else:
             sums = self._copy_and_sum(job, area)
+        t1 = time.perf_counter()
         record = {"chunks": [f"{s:016x}" for s in sums], "checksum": checksum.ALGORITHM,
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
+        t2 = time.perf_counter()
         self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step,
                             **({"loss": float(job.loss)} if job.loss is not None else {}))
+        job.stats.phases.update(copy=t1 - t0, record=t2 - t1, commit=time.perf_counter() - t2)
         faultpoints.reached("after-commit", job.step, self.rank, area=area, path=seg.path, size=seg.size)
         job.stats.ok = True
         job.stats.copy_s = time.perf_counter() - t0
