@@ -306,27 +306,66 @@ def tensor_lanes(buf: "torch.Tensor", out: "Optional[torch.Tensor]" = None) -> "
     return out
 
 
-def _full_rows_by_kernel(rows: "torch.Tensor", out: "torch.Tensor") -> bool:
-    """Write the lanes of ``rows`` (whole 32-byte rows, 4-byte aligned) into ``out`` with the Triton
-    kernel and say so; False (``out`` untouched) off a CUDA device - except under ``TRITON_INTERPRET=1``,
-    the CPU tests - or without Triton. A kernel that fails (e.g. no compiler for this device) is turned
-    off for the process, said once."""
-    if rows.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
+def _kernel_for(t: "torch.Tensor") -> Any:
+    """:mod:`.lanes_kernel` if it sums ``t``'s device bytes: on a CUDA device when Triton is there (and
+    did not fail), or anywhere under ``TRITON_INTERPRET=1`` (the CPU tests); else None."""
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return None
     from . import lanes_kernel
 
-    if not lanes_kernel.AVAILABLE:
+    return lanes_kernel if lanes_kernel.AVAILABLE else None
+
+
+def _kernel_failed(kernel: Any, e: Exception) -> None:
+    """A kernel that fails (e.g. no compiler for this device) is turned off for the process, said once."""
+    kernel.AVAILABLE = False
+    logging.getLogger("megatron_ft").warning("the Triton checksum kernel failed (%s: %s); summing device "
+                                             "bytes with torch reductions instead", type(e).__name__, e)
+
+
+def _full_rows_by_kernel(rows: "torch.Tensor", out: "torch.Tensor") -> bool:
+    """Write the lanes of ``rows`` (whole 32-byte rows, 4-byte aligned) into ``out`` with the Triton
+    kernel and say so; False (``out`` untouched) where :func:`_kernel_for` offers none or it failed."""
+    kernel = _kernel_for(rows)
+    if kernel is None:
         return False
     import torch
 
     try:
-        lanes_kernel.full_row_lanes(rows.view(torch.int32).view(-1, 8), out)
+        kernel.full_row_lanes(rows.view(torch.int32).view(-1, 8), out)
         return True
     except Exception as e:
-        lanes_kernel.AVAILABLE = False
-        logging.getLogger("megatron_ft").warning("the Triton checksum kernel failed (%s: %s); summing device "
-                                                 "bytes with torch reductions instead", type(e).__name__, e)
+        _kernel_failed(kernel, e)
         return False
+
+
+def pieces_lanes(pieces: "list[torch.Tensor]", out: "torch.Tensor") -> "torch.Tensor":
+    """:func:`tensor_lanes` of each flat uint8 tensor of ``pieces`` (all on one device) into row k of
+    ``out`` ((len(pieces), 16) int64 on that device), asynchronously on the current stream. With the
+    Triton kernel, every piece's whole rows in one launch (:func:`.lanes_kernel.segment_row_lanes`: under
+    a training load each launch waits for SMs, so a snapshot's sums are one launch, not hundreds) and a
+    tail of under 32 bytes, where a piece has one, with a few small torch operations."""
+    import torch
+
+    kernel = _kernel_for(pieces[0]) if pieces else None
+    if kernel is not None:
+        aligned = [p if p.data_ptr() % 4 == 0 else p.clone() for p in pieces]  # 32-bit words
+        try:
+            kernel.segment_row_lanes(
+                [p[: p.numel() - p.numel() % 32].view(torch.int32).view(-1, 8) for p in aligned], out)
+        except Exception as e:
+            _kernel_failed(kernel, e)
+        else:
+            for k, p in enumerate(aligned):
+                full = p.numel() - p.numel() % 32
+                if full < p.numel():
+                    tail = torch.zeros(32, dtype=torch.uint8, device=p.device)
+                    tail[: p.numel() - full] = p[full:]
+                    _add_row_lanes(tail.view(torch.int32).view(1, 8), full // 32, out[k])
+            return out
+    for k, p in enumerate(pieces):
+        tensor_lanes(p, out=out[k])
+    return out
 
 
 def _add_row_lanes(words: "torch.Tensor", first_row: int, out: "torch.Tensor") -> None:

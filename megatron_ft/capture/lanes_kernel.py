@@ -59,6 +59,71 @@ if triton is not None:
         tl.store(partial_ptr + pid * 16 + 8 + lane, c.to(tl.int64, bitcast=True))
 
 
+if triton is not None:
+    @triton.jit
+    def _segment_lanes_kernel(base_ptr, table_ptr, partial_ptr, programs,
+                              ROWS_PER_PROGRAM: tl.constexpr, TILE_ROWS: tl.constexpr):
+        # table (int64): per program, [its segment's offset from base in words, the segment's rows,
+        # its first row]; the programs of one segment are consecutive
+        pid = tl.program_id(0).to(tl.int64)
+        offset = tl.load(table_ptr + pid)
+        rows = tl.load(table_ptr + programs + pid)
+        first = tl.load(table_ptr + 2 * programs + pid)
+        lane = tl.arange(0, 8)
+        tile = tl.arange(0, TILE_ROWS).to(tl.int64)
+        a = tl.zeros([8], dtype=tl.uint64)
+        c = tl.zeros([8], dtype=tl.uint64)
+        for step in range(0, ROWS_PER_PROGRAM, TILE_ROWS):
+            row = first + step + tile
+            inside = row < rows
+            w = tl.load(base_ptr + offset + (row[:, None] * 8 + lane[None, :]), mask=inside[:, None], other=0)
+            w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
+            a += tl.sum(w, axis=0)
+            c += tl.sum(w * row.to(tl.uint64)[:, None], axis=0)
+        tl.store(partial_ptr + pid * 16 + lane, a.to(tl.int64, bitcast=True))
+        tl.store(partial_ptr + pid * 16 + 8 + lane, c.to(tl.int64, bitcast=True))
+
+
+def segment_row_lanes(segments: list, out: torch.Tensor) -> torch.Tensor:
+    """:func:`full_row_lanes` of many segments in one launch: ``segments`` are contiguous int32 tensors of
+    shape (rows, 8) on one device (anywhere in its memory, 4-byte aligned); row k of ``out`` ((n, 16) int64,
+    same device) receives segment k's lanes. Four launches whatever the number of segments (the table's
+    copy, the kernel, two to add the programs' partials into ``out``); asynchronous on the current stream.
+    The kernel addresses every segment from the first one's pointer (an offset in words, negative too)."""
+    assert triton is not None, "segment_row_lanes needs Triton"
+    out.zero_()
+    if not segments:
+        return out
+    device = segments[0].device
+    for s in segments:
+        if s.dim() != 2 or s.shape[1] != 8 or s.dtype != torch.int32 or not s.is_contiguous() or s.device != device:
+            raise ValueError(f"segment_row_lanes takes contiguous int32 rows of 8 words on {device}, "
+                             f"not {s.dtype} {tuple(s.shape)} on {s.device}")
+    base = segments[0]
+    offsets, rows, firsts, owner = [], [], [], []
+    for k, s in enumerate(segments):
+        n = s.shape[0]
+        for first in range(0, n, ROWS_PER_PROGRAM):
+            offsets.append((s.data_ptr() - base.data_ptr()) // 4)
+            rows.append(n)
+            firsts.append(first)
+            owner.append(k)
+    programs = len(offsets)
+    if programs == 0:
+        return out
+    table = torch.tensor(offsets + rows + firsts, dtype=torch.int64)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    partial = torch.empty(programs, 16, dtype=torch.int64, device=device)
+    _segment_lanes_kernel[(programs,)](base, table, partial, programs, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
+                                       TILE_ROWS=TILE_ROWS)
+    index = torch.tensor(owner, dtype=torch.int64)
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    out.index_add_(0, index, partial)
+    return out
+
+
 def full_row_lanes(words: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The 16 lanes (a0..a7, c0..c7, int64, mod 2^64) of ``words``: a contiguous int32 tensor of
     shape (rows, 8), 4-byte aligned, rows counted from 0. Asynchronous on the current stream (no host

@@ -235,6 +235,9 @@ class SnapshotStaging:
         host). Blocks until every copy and sum is done; an error leaves no copy running."""
         t0 = time.perf_counter()
         self.last_phases = {}
+        # device sums first: one launch, while queueing the copies blocks as the copy engine drains them
+        device_lanes = self._sum_on_device(ready, pieces_by_chunk, sources) if self.sums == "device" else None
+        t1 = time.perf_counter()
         dst = torch.from_numpy(area)
         events: list[Optional[torch.cuda.Event]] = []
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
@@ -266,16 +269,14 @@ class SnapshotStaging:
             return chunk.finish()
 
         try:
-            if self.sums == "host":
+            if device_lanes is None:
                 return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
-            # queued after the copies (launching a few hundred kernels takes the worker milliseconds)
-            t1 = time.perf_counter()
-            lanes, done = self._sum_on_device(ready, pieces_by_chunk, sources)
+            lanes, done = device_lanes
             t2 = time.perf_counter()
             copied.synchronize()  # every copy landed (host pieces' bytes are summed from the slot)
             t3 = time.perf_counter()
             done.synchronize()
-            self.last_phases = {"queue_copies": t1 - t0, "queue_sums": t2 - t1, "copies_landed": t3 - t0,
+            self.last_phases = {"queue_sums": t1 - t0, "queue_copies": t2 - t1, "copies_landed": t3 - t0,
                                 "sums_landed": time.perf_counter() - t0}
             on_host = iter(lanes.tolist())  # (the lanes were copied to page-locked memory, after the sums)
             sums = []
@@ -302,8 +303,7 @@ class SnapshotStaging:
         with torch.cuda.device(self.device), torch.cuda.stream(self.sum_stream):
             self.sum_stream.wait_event(ready)
             lanes = torch.empty(len(device_pieces), 16, dtype=torch.int64, device=self.device)
-            for k, p in enumerate(device_pieces):
-                checksum.tensor_lanes(sources[p.entry_index][p.src_start:p.src_end], out=lanes[k])
+            checksum.pieces_lanes([sources[p.entry_index][p.src_start:p.src_end] for p in device_pieces], lanes)
             host = pinned_bytes(lanes.numel() * 8).view(torch.int64).view(lanes.shape)
             host.copy_(lanes, non_blocking=True)
             done = torch.cuda.Event(blocking=True)

@@ -23,6 +23,7 @@ on any rank is invalidated on every rank and all roll back to the next older one
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -178,9 +179,9 @@ class Container:
             stage = stagings.here(dst.device)
             part = _byte_view(dst)[p.src_start:p.src_end]
             at = base + p.dst_offset
-            if page_locked is not None:
+            if page_locked is not None:  # summed after every copy, all pieces in one launch (below)
                 stage.upload_page_locked(page_locked[at: at + part.numel()], part)
-                return stage.lanes(part)
+                return _Landed(part)
             for off in range(0, part.numel(), GPU_READ_BLOCK):
                 k, block = stage.block()
                 n = min(GPU_READ_BLOCK, part.numel() - off)
@@ -254,11 +255,13 @@ class Container:
                 mapping.close()
         if verify_later:  # GPU path: the device lanes to the host in one copy per device, then combined
             later = sorted(verify_later.items())
-            lanes = [lanes for _, parts in later for _, lanes in parts if isinstance(lanes, torch.Tensor)]
+            on_device = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
+            _sum_landed([x for x in on_device if isinstance(x, _Landed)])
+            lanes = [x.lanes if isinstance(x, _Landed) else x for x in on_device]
             on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
             for i, parts in later:
                 lo, hi = self.layout.chunk_bounds(i)
-                host = [(off, next(on_host) if isinstance(lanes, torch.Tensor) else lanes) for off, lanes in parts]
+                host = [(off, lanes if isinstance(lanes, list) else next(on_host)) for off, lanes in parts]
                 errors.append(_mismatch(i, checksum.combine_lanes(hi - lo, host)))
         bad = [e for e in errors if e]
         if bad:
@@ -288,6 +291,28 @@ class Container:
             os.close(self.fd)
         except OSError:
             pass
+
+
+class _Landed:
+    """GPU path: a piece copied straight from a page-locked slot into ``part`` (device bytes); its
+    ``lanes`` are summed after every copy has landed, with the restore's other such pieces in one launch."""
+    __slots__ = ("part", "lanes")
+
+    def __init__(self, part: torch.Tensor):
+        self.part, self.lanes = part, None
+
+
+def _sum_landed(landed: list[_Landed]) -> None:
+    """Fill in the lanes of ``landed`` pieces (their copies complete), one batched call per device."""
+    by_device: dict[torch.device, list[_Landed]] = {}
+    for x in landed:
+        by_device.setdefault(x.part.device, []).append(x)
+    for device, xs in by_device.items():
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            out = torch.empty(len(xs), 16, dtype=torch.int64, device=device)
+            checksum.pieces_lanes([x.part for x in xs], out)
+        for x, row in zip(xs, out):
+            x.lanes = row
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,18 @@ chunk = np.random.default_rng(3).integers(0, 256, 3 * 4096 + 64, dtype=np.uint8)
 cuts = [0, 1024, 1024 + 4096, chunk.size]
 parts = [(lo, checksum.tensor_lanes(torch.from_numpy(chunk[lo:hi].copy()))) for lo, hi in zip(cuts, cuts[1:])]
 out["combined"] = [checksum.combine_lanes(chunk.size, parts), checksum.checksum(chunk)]
+# many pieces in one launch: views of one buffer before and after the first (negative offsets), another
+# allocation, tails under 32 bytes, a piece at an odd address (copied to align it), an empty one
+big = torch.randint(0, 256, (200_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+other = torch.randint(0, 256, (70_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
+pieces = [big[64_000:190_000], big[:3_203], other, big[4_002:9_000], big[32:32], big[190_000:190_033]]
+calls.clear()
+segment_calls = []
+real_segments = lanes_kernel.segment_row_lanes
+lanes_kernel.segment_row_lanes = lambda segs, o: segment_calls.append(len(segs)) or real_segments(segs, o)
+got = checksum.pieces_lanes(pieces, torch.empty(len(pieces), 16, dtype=torch.int64))
+out["pieces"] = [[u64(got[k]), checksum.host_lanes(p.contiguous().numpy())] for k, p in enumerate(pieces)]
+out["segment_calls"] = segment_calls
 out["still_available"] = lanes_kernel.AVAILABLE
 json.dump(out, sys.stdout)
 """
@@ -72,6 +84,12 @@ def test_words_at_their_maximum_wrap_mod_2_64_as_on_the_host(interpreted):
     assert got == want
     rows = 131072
     assert sum(range(rows)) * (2**32 - 1) > 2**64 and got[8] == (sum(range(rows)) * (2**32 - 1)) % 2**64, "c wrapped"
+
+
+def test_many_pieces_anywhere_in_memory_are_summed_in_one_launch(interpreted):
+    assert interpreted["segment_calls"] == [6], "one launch for every piece"
+    for k, (got, want) in enumerate(interpreted["pieces"]):
+        assert got == want, f"piece {k}"
 
 
 def test_pieces_summed_apart_combine_into_the_chunk_checksum(interpreted):
