@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import numpy as np
 import torch
 
 log = logging.getLogger("megatron_ft.capture.lanes_kernel")
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
 #: whether :func:`full_row_lanes` can run (Triton importable; a compile failure turns it off, logged)
 AVAILABLE = triton is not None
 #: rows (32 bytes each) one program sums: 256 KiB per program; a 512 MiB piece is 2048 programs
-ROWS_PER_PROGRAM = 8192
+ROWS_PER_PROGRAM = 32768
 #: rows loaded per step of a program (a 256 x 8 tile of 32-bit words, 8 KiB)
 TILE_ROWS = 256
 
@@ -100,24 +101,21 @@ def segment_row_lanes(segments: list, out: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"segment_row_lanes takes contiguous int32 rows of 8 words on {device}, "
                              f"not {s.dtype} {tuple(s.shape)} on {s.device}")
     base = segments[0]
-    offsets, rows, firsts, owner = [], [], [], []
-    for k, s in enumerate(segments):
-        n = s.shape[0]
-        for first in range(0, n, ROWS_PER_PROGRAM):
-            offsets.append((s.data_ptr() - base.data_ptr()) // 4)
-            rows.append(n)
-            firsts.append(first)
-            owner.append(k)
-    programs = len(offsets)
+    rows = np.array([s.shape[0] for s in segments], dtype=np.int64)
+    counts = -(-rows // ROWS_PER_PROGRAM)  # programs per segment
+    programs = int(counts.sum())
     if programs == 0:
         return out
-    table = torch.tensor(offsets + rows + firsts, dtype=torch.int64)
+    owner = np.repeat(np.arange(len(segments), dtype=np.int64), counts)
+    firsts = (np.arange(programs, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * ROWS_PER_PROGRAM
+    offsets = np.array([(s.data_ptr() - base.data_ptr()) // 4 for s in segments], dtype=np.int64)
+    table = torch.from_numpy(np.concatenate([offsets[owner], rows[owner], firsts]))
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
     partial = torch.empty(programs, 16, dtype=torch.int64, device=device)
     _segment_lanes_kernel[(programs,)](base, table, partial, programs, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM,
                                        TILE_ROWS=TILE_ROWS)
-    index = torch.tensor(owner, dtype=torch.int64)
+    index = torch.from_numpy(owner)
     if device.type == "cuda":
         index = index.pin_memory().to(device, non_blocking=True)
     out.index_add_(0, index, partial)
