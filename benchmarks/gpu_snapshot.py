@@ -56,7 +56,7 @@ from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft.capture import checksum  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
-from megatron_ft.trainer.device_staging import HostRegistration, default_sums  # noqa: E402
+from megatron_ft.trainer.device_staging import HostRegistration, default_sums, page_locked_mapping, release_page_locked  # noqa: E402
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
@@ -236,13 +236,14 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
                                                   for t in state.values()]) for _ in range(args.reps)]
         newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
         # the copies alone between the state and a page-locked slot (the older one is written)
-        slots = {seg.path: torch.from_numpy(seg.array) for seg in engine._slots}
+        slots = {seg.path: torch.from_numpy(page_locked_mapping(seg.path)) for seg in engine._slots}
         newer = slots.pop(newest["path"])
         older = next(iter(slots.values()))
         res["d2h_into_slot"] = [timed_cuda(lambda: copy_pieces(older, state, to_host=True)) for _ in range(args.reps)]
         res["h2d_from_slot"] = [timed_cuda(lambda: copy_pieces(newer, state, to_host=False)) for _ in range(args.reps)]
         del slots, newer, older
-        engine.close()  # its page-locked slots go: now as a fresh process finds them
+        engine.close()
+        release_page_locked()  # the process's page-locked slots go: now as a fresh process finds them
         res["page_lock_slot_s"] = [page_lock_alone(newest["path"]) for _ in range(args.reps)]
         for _ in range(args.reps):
             restore_checked("restore_fresh")

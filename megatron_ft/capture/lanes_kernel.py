@@ -1,20 +1,21 @@
-"""GPU only: the fl32x8 checksum lanes of device bytes in one Triton kernel launch per piece.
+"""GPU only: the fl32x8 checksum lanes of device bytes, every piece of a snapshot in one Triton launch.
 
 :func:`megatron_ft.capture.checksum.tensor_lanes` defines the lanes (per lane ``l`` of the 32-byte
 rows, mod 2^64: ``a_l = sum_r w[r, l]`` and ``c_l = sum_r r * w[r, l]``). Written with torch
 reductions they cost four reads of every word and a handful of kernels per 64 MiB; here every
-program of one launch reads its share of the rows once (32-bit words, zero-extended to 64 bits),
-and writes its 16 partial lanes; one ``sum`` over the programs' partials finishes them (integer
-addition mod 2^64 is associative: the result does not depend on the grid or the order). Two
-launches per piece, whatever its size, so a snapshot's sums are a few hundred launches, not
-thousands of small reductions waiting for a turn between the training's kernels.
+program reads its share of the rows once (32-bit words, zero-extended to 64 bits) and writes its 16
+partial lanes, which one reduction adds up (integer addition mod 2^64 is associative: the result does
+not depend on the grid or the order). :func:`segment_row_lanes` sums many pieces - anywhere in the
+device's memory - in one launch: under a training load every launch waits until the matrix kernels
+leave SMs free, so a snapshot's sums must be one launch, not hundreds (docs/gpu.md has the figures);
+:func:`full_row_lanes` sums one.
 
-Only :func:`full_row_lanes` is public; it takes the whole 32-byte rows of a piece (the caller sums
-a tail of under 32 bytes). :data:`AVAILABLE` is False where Triton is not installed (CPU-only
-builds of torch) or cannot compile for the device; callers then use the torch reductions.
+Both take whole 32-byte rows (the caller sums a tail of under 32 bytes). :data:`AVAILABLE` is False
+where Triton is not installed (CPU-only builds of torch) or its kernel failed; callers then use the
+torch reductions.
 
-``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (numpy): the CPU tests compare it with the
-reference there; only a GPU can check its speed and the compiled code's arithmetic.
+``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (numpy): the CPU tests compare them with the
+reference there; only a GPU can check their speed and the compiled code's arithmetic.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 #: whether :func:`full_row_lanes` can run (Triton importable; a compile failure turns it off, logged)
 AVAILABLE = triton is not None
-#: rows (32 bytes each) one program sums: 256 KiB per program; a 512 MiB piece is 2048 programs
+#: rows (32 bytes each) one program sums: 1 MiB per program; 16 GiB is 16,384 programs
 ROWS_PER_PROGRAM = 32768
 #: rows loaded per step of a program (a 256 x 8 tile of 32-bit words, 8 KiB)
 TILE_ROWS = 256
@@ -126,15 +127,7 @@ def full_row_lanes(words: torch.Tensor, out: Optional[torch.Tensor] = None) -> t
     """The 16 lanes (a0..a7, c0..c7, int64, mod 2^64) of ``words``: a contiguous int32 tensor of
     shape (rows, 8), 4-byte aligned, rows counted from 0. Asynchronous on the current stream (no host
     synchronisation); ``out`` (16 int64 on the same device) receives them if given. Temporaries: 128
-    bytes per 256 KiB of input.
-
-    >>> import os, numpy as np, torch
-    >>> from megatron_ft.capture import checksum
-    >>> if AVAILABLE and os.environ.get("TRITON_INTERPRET") == "1":  # CPU: the interpreter
-    ...     w = torch.arange(-40, 40, dtype=torch.int32).view(10, 8)
-    ...     want = checksum.host_lanes(w.numpy())
-    ...     got = [v % 2**64 for v in full_row_lanes(w).tolist()]
-    ...     assert got == want, (got, want)
+    bytes per MiB of input.
     """
     assert triton is not None, "full_row_lanes needs Triton"
     if words.dim() != 2 or words.shape[1] != 8 or words.dtype != torch.int32 or not words.is_contiguous():

@@ -5,8 +5,9 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
 
 * the agent's slots, mapped by the trainer, are **registered with CUDA** (``cudaHostRegister``:
   page-locked), so the copy engine writes the slot directly at the link's speed: no bounce buffer,
-  no second host copy. Registration happens once per slot (on the engine's worker, before the first
-  copy into a layout's slots) and is undone before the mapping is closed;
+  no second host copy. Registration happens once per slot and process (on the engine's worker, before
+  the first copy into a layout's slots; :func:`page_lock_files`); the process keeps its page-locked
+  mappings across engines (an in-process restart) until it page-locks other slots;
 * at ``snapshot()`` the training thread only records an event on its current stream (the point
   after the optimizer step) and returns;
 * the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
@@ -16,33 +17,32 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   ``wait()`` before the next optimizer step returns only after the last copy and sum (host-side),
   so the step cannot change bytes in flight;
 * or (``sums="device"``, the default where Triton runs) the chunks' checksums are computed on the GPU
-  from the source tensors, on a second, high-priority stream that also waits for that event: one
-  Triton launch per piece reads each byte once, while the copy engine moves the same bytes; the
-  copies never wait for the sums. (The torch reductions tried first - thousands of small kernels,
-  queued on the copy stream - made the snapshot clean only after the training kernels had run;
-  docs/gpu.md.)
+  from the source tensors, on a second, high-priority stream that also waits for that event, queued
+  before the copies: one Triton launch for every piece reads each byte once, while the copy engine
+  moves the same bytes; the copies never wait for the sums (docs/gpu.md: why one launch).
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, a stream of its own, which
 first waits for an event the restoring thread recorded on its current stream (:class:`RestoreStagings`:
 the destinations' allocation or zero-fill queued there lands first). From a slot that is page-locked
-in this process (:func:`page_locked_mapping`: its snapshot engine registered it - an in-process
-restart, a guard's rollback) the copy engine reads the slot straight into the tensors. Otherwise (a
-fresh process) the bytes go through pinned bounce blocks in rotation: a block is read from the slot and
-copied to the device, and refilled only after its copy's event has completed (page-locking a slot
-costs more than the whole copy, also on a huge-page tmpfs: docs/gpu.md). Each piece's checksum lanes are computed on
-the device from the bytes that arrived, on the same stream after its copies; the restore combines
-them with the host pieces' and compares every chunk with its stored checksum after ``finish()``
-(every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
+in this process (:func:`page_locked_mapping`: an in-process restart, whose earlier engine page-locked
+it) the copy engine reads the slot straight into the tensors, and the lanes of all those pieces are
+summed in one launch once every copy is done. Otherwise (a fresh process) the bytes go through pinned
+bounce blocks in rotation: a block is read from the slot and copied to the device, and refilled only
+after its copy's event has completed (page-locking a slot costs more than the whole copy, also on a
+huge-page tmpfs: docs/gpu.md); each piece's lanes are computed on its stream after its copies. The
+restore combines the lanes with the host pieces' and compares every chunk with its stored checksum
+after ``finish()`` (every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
 the partly written state).
 
-Checksums on the device use :mod:`megatron_ft.capture.lanes_kernel` (one Triton launch per piece)
-where Triton runs, else torch reductions (:func:`checksum.tensor_lanes`).
+Checksums on the device use :mod:`megatron_ft.capture.lanes_kernel` where Triton runs, else torch
+reductions (:func:`checksum.tensor_lanes`).
 
-Memory: pinned host memory is the registered slots (owned by the agent, mapped by the trainer) and
-the restore's bounce blocks (threads x ``BLOCKS`` x block size, from torch's pinned-memory cache; none
-when the slot is page-locked). No on-device shadow copy: the GPU memory used beyond the training state
-is the checksums' temporaries (with the kernel, 128 bytes per 256 KiB summed and 128 bytes per piece;
-without, about ``checksum.LANE_BLOCK`` per thread), freed to torch's cache.
+Memory: pinned host memory is the registered slots (owned by the agent, mapped and page-locked by the
+trainer's process until it exits or page-locks other slots) and the restore's bounce blocks (threads x
+``BLOCKS`` x block size, from torch's pinned-memory cache; none when the slot is page-locked). No
+on-device shadow copy: the GPU memory used beyond the training state is the checksums' temporaries
+(with the kernel, 128 bytes per MiB summed and per piece; without, about ``checksum.LANE_BLOCK`` per
+thread), freed to torch's cache.
 
 If registration fails (an old driver, a locked-memory limit), copies into the unregistered slot
 still work (the driver stages them: correct and synchronous per copy, much slower); that is logged
@@ -51,6 +51,7 @@ once with the reason.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -110,10 +111,7 @@ REGISTER_READ_ONLY = 0x08
 class HostRegistration:
     """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
 
-    Not thread-safe; the owner is a :class:`SnapshotStaging`: created by :meth:`SnapshotStaging.register`
-    on the snapshot engine's worker thread (before the first copy into a layout's slots), closed by
-    :meth:`SnapshotStaging.unregister` before the memory is unmapped (on the training thread while the
-    worker is idle, or at :meth:`SnapshotStaging.close` after the worker has stopped)."""
+    Not thread-safe; its owner (a :class:`PageLockedFile`) closes it before the memory is unmapped."""
 
     def __init__(self, address: int, nbytes: int, read_only: bool = False):
         self.address, self.nbytes = address, nbytes
@@ -130,11 +128,39 @@ class HostRegistration:
             self.ok = False
 
 
-# ---- the slots this process has page-locked, for a restore to copy from without a bounce ----------------
-# A page-locked range belongs to one mapping in one process: a restore in the process whose snapshot
-# engine registered the slots (an in-process restart, a rollback by the guard) copies straight from that
-# mapping. Keyed by the file's (device, inode): a slot re-created by the agent is a new file.
-_LOCKED: dict[tuple[int, int], np.ndarray] = {}
+# ---- the slots this process has page-locked, once, for its snapshots and its restores --------------------
+# A page-locked range belongs to one mapping in one process. The process keeps its own mapping of each
+# slot file, page-locked once, across snapshot engines: after an in-process restart the restore copies
+# straight from it and the next engine's snapshots reuse it (page-locking 16 GiB took 1-1.4 s on the
+# H200). Keyed by the file's (device, inode); the entry's mapping keeps the inode alive, so a file the
+# agent re-creates is a new key. An entry goes when an engine page-locks a set of slots without it (a
+# new layout) or with :func:`release_page_locked`; otherwise with the process.
+
+
+class PageLockedFile:
+    """One slot file mapped read-write (shared) and page-locked in this process until :meth:`close`."""
+
+    def __init__(self, path: str):
+        self.path = path
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mm, np.uint8)
+        self.registration = HostRegistration(self.array.ctypes.data, self.array.nbytes)
+
+    def close(self) -> None:
+        self.registration.close()
+        self.array = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still alive: the mapping goes with the process
+            pass
+
+
+_LOCKED: dict[tuple[int, int], PageLockedFile] = {}
 _LOCKED_GUARD = threading.Lock()
 
 
@@ -146,13 +172,53 @@ def _file_key(path: str) -> Optional[tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
+def page_lock_files(paths: Sequence[str]) -> tuple[list[Optional[np.ndarray]], list[str], int]:
+    """Each file of ``paths`` mapped and page-locked in this process (reusing earlier entries); entries
+    for other files are released. Returns each file's whole mapping (None where page-locking failed), the
+    reasons of the failures and how many files were page-locked now (not reused)."""
+    arrays: list[Optional[np.ndarray]] = []
+    errors: list[str] = []
+    fresh = 0
+    keys = [_file_key(p) for p in paths]
+    with _LOCKED_GUARD:
+        for key in [k for k in _LOCKED if k not in keys]:
+            _LOCKED.pop(key).close()
+        for path, key in zip(paths, keys):
+            entry = _LOCKED.get(key) if key is not None else None
+            if entry is None:
+                try:
+                    entry = PageLockedFile(path)
+                except OSError as e:
+                    arrays.append(None)
+                    errors.append(f"{path}: {e}")
+                    continue
+                if not entry.registration.ok:
+                    entry.close()
+                    arrays.append(None)
+                    errors.append(entry.registration.error)
+                    continue
+                fresh += 1
+                if key is not None:
+                    _LOCKED[key] = entry
+            arrays.append(entry.array)
+    return arrays, errors, fresh
+
+
 def page_locked_mapping(path: str) -> Optional[np.ndarray]:
-    """The whole file at ``path`` (bytes from its offset 0) as this process's snapshot engine mapped and
-    page-locked it, or None. Valid while that engine is idle and has not unregistered it: a restore
-    runs on the training thread, which also owns the engine's registration and teardown."""
+    """The whole file at ``path`` (bytes from its offset 0) as this process mapped and page-locked it
+    for its snapshots, or None. Read by a restore on the training thread while no snapshot is in flight."""
     key = _file_key(path)
     with _LOCKED_GUARD:
-        return _LOCKED.get(key) if key is not None else None
+        entry = _LOCKED.get(key) if key is not None else None
+        return entry.array if entry is not None else None
+
+
+def release_page_locked() -> None:
+    """Unlock and unmap every slot this process page-locked (as if the process were new). Only while no
+    snapshot engine is copying and no restore is reading."""
+    with _LOCKED_GUARD:
+        while _LOCKED:
+            _LOCKED.popitem()[1].close()
 
 
 class SnapshotStaging:
@@ -167,8 +233,8 @@ class SnapshotStaging:
     and sleep on the chunks' events (blocking-sync events).
 
     Device sums run on a second stream of high priority, so that the copies never queue behind them
-    and their blocks are scheduled ahead of the training kernels' as SMs free up: one kernel launch per
-    piece reads the bytes once, while the copy engine moves the same bytes to the slot."""
+    and their blocks are scheduled ahead of the training kernels' as SMs free up: one kernel launch for
+    every piece reads the bytes once, while the copy engine moves the same bytes to the slot."""
 
     def __init__(self, device: torch.device, sum_threads: int, sums: Optional[str] = None):
         self.device = device
@@ -177,35 +243,22 @@ class SnapshotStaging:
         if self.sums not in SUM_PLACES:
             raise ValueError(f"snapshot sums {self.sums!r}: one of {SUM_PLACES}")
         self.sum_stream = torch.cuda.Stream(device=device, priority=-1)  # the highest priority torch offers
-        self._registered: list[HostRegistration] = []
-        self._keys: list[tuple[int, int]] = []
+        self.areas: list[Optional[np.ndarray]] = []  # per slot index: its page-locked mapping (None: not)
         self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
         self.last_phases: dict = {}  # device sums: seconds from copy_and_sum's start to each of its points
 
     def register(self, slots: Sequence) -> list[str]:
-        """Page-lock every slot mapping in ``slots`` (objects with ``path`` and ``array``: the whole
-        file mapped; replacing earlier ones) and list them for restores in this process
-        (:func:`page_locked_mapping`); the reasons of any that could not be registered (empty: all pinned)."""
-        self.unregister()
+        """Page-lock every slot in ``slots`` (objects with a ``path``) in this process, or reuse the
+        process's earlier page-locking of the same files (:func:`page_lock_files`), and copy into those
+        mappings from now on (:attr:`areas`); the reasons of any that could not be page-locked (empty: all
+        pinned; those slots are written through the caller's own mapping, staged by the driver)."""
         t0 = time.perf_counter()
-        errors = []
-        for slot in slots:
-            area = slot.array
-            reg = HostRegistration(area.ctypes.data, area.nbytes)
-            if not reg.ok:
-                errors.append(reg.error)
-                continue
-            self._registered.append(reg)
-            key = _file_key(slot.path)
-            if key is not None:
-                with _LOCKED_GUARD:
-                    _LOCKED[key] = area
-                self._keys.append(key)
+        self.areas, errors, fresh = page_lock_files([slot.path for slot in slots])
         self.register_s = time.perf_counter() - t0
-        log.info("page-locked %d snapshot slot(s), %.1f GiB, in %.2f s", len(self._registered),
-                 sum(r.nbytes for r in self._registered) / 2**30, self.register_s)
+        log.info("page-locked %d snapshot slot(s) in %.2f s (%d already page-locked by this process)", fresh,
+                 self.register_s, sum(a is not None for a in self.areas) - fresh)
         if errors and not self._warned:
             self._warned = True
             log.warning("could not page-lock %d snapshot slot(s) for the GPU (%s): device-to-host copies will be "
@@ -213,13 +266,9 @@ class SnapshotStaging:
         return errors
 
     def unregister(self) -> None:
-        with _LOCKED_GUARD:
-            for key in self._keys:
-                _LOCKED.pop(key, None)
-        self._keys = []
-        for reg in self._registered:
-            reg.close()
-        self._registered = []
+        """Stop using the page-locked mappings (a new layout's slots are registered next). The process
+        keeps them for a restore until :func:`page_lock_files` is given other files."""
+        self.areas = []
 
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
@@ -311,6 +360,8 @@ class SnapshotStaging:
         return host, done
 
     def close(self) -> None:
+        """After the worker has stopped. The page-locked mappings stay with the process (an in-process
+        restart restores from them and its next engine snapshots into them)."""
         self._pool.shutdown(wait=True)
         self.stream.synchronize()
         self.sum_stream.synchronize()

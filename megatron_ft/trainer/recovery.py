@@ -269,13 +269,13 @@ class Container:
 
     def _page_locked(self) -> Optional[torch.Tensor]:
         """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
-        copy engine to read without a bounce: the mapping this process's snapshot engine registered, or
-        None (copy through pinned blocks). A restore does not page-lock a slot itself: on the H200 machine
+        copy engine to read without a bounce: the mapping this process page-locked for its snapshots (an
+        in-process restart), or None (copy through pinned blocks). A restore does not page-lock a slot itself: on the H200 machine
         that took 0.39 s per 16 GiB even on a huge-page tmpfs, more than the whole copy (docs/gpu.md)."""
         engine_mapping = device_staging.page_locked_mapping(self.path)
         if engine_mapping is None or engine_mapping.nbytes < self.header.geometry.data_off + self.layout.data_nbytes:
             return None
-        log.info("%s: restoring straight from the slot page-locked by this process's snapshot engine", self.path)
+        log.info("%s: restoring straight from the slot page-locked by this process for its snapshots", self.path)
         return torch.from_numpy(engine_mapping)
 
     def _map(self) -> mmap.mmap:

@@ -260,12 +260,17 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         seg = self._slots[job.slot]
         hdr = snapfile.read_header(seg.mm)
-        area = seg.array[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
-        if job.ready is not None:  # GPU path: straight into the page-locked slot, summed as chunks land
+        whole = seg.array
+        if job.ready is not None:  # GPU path: straight into the page-locked slot (its own mapping)
             assert self._staging is not None
             if self._page_lock_slots:  # (the training thread is not waiting: it registered, then went on)
                 self._page_lock_slots = False
                 self._staging.register(self._slots)
+            if job.slot < len(self._staging.areas) and self._staging.areas[job.slot] is not None:
+                whole = self._staging.areas[job.slot]
+        area = whole[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
+        if job.ready is not None:
+            assert self._staging is not None
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
                 after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))

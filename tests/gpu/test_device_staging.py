@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ft.capture.state import TorchStateAdapter
+from megatron_ft.trainer import device_staging
 from megatron_ft.trainer.recovery import Restorer
 from megatron_ft.trainer.snapshot import SnapshotEngine
 
@@ -58,10 +59,11 @@ def test_a_gpu_snapshot_restores_bit_exact_with_the_cuda_rng(agent):
         del step_forward
     st = eng.wait()
     assert st.ok and st.step == 3, st
-    assert eng._staging is not None and eng._staging._registered, "the slots were page-locked"
+    assert eng._staging is not None and all(a is not None for a in eng._staging.areas), "the slots were page-locked"
     torch.cuda.synchronize()
     next_draw = torch.randn(8, device="cuda")  # what the run draws after step 3's snapshot ... and a forward
     eng.close()
+    device_staging.release_page_locked()  # as a restarted process finds the slots: through pinned blocks
 
     m2, opt2 = model_on_gpu(1)  # a restarted process: other weights, empty optimizer state
     ad2 = TorchStateAdapter(m2, opt2)

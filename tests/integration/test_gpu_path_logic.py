@@ -52,6 +52,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime())
     monkeypatch.setattr(device_staging, "pinned_bytes", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(device_staging, "on_device", lambda t: t.numel() >= 300)
+    yield
+    device_staging.release_page_locked()  # the process keeps page-locked slots across engines: not across tests
 
 
 @pytest.mark.parametrize("chunk,sums", [(1 << 10, "host"), (1 << 12, "host"), (1 << 20, "host"),
@@ -75,9 +77,10 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
         eng.snapshot(s, *ad.capture())
     st = eng.wait()
     assert st.ok, st
-    assert eng._staging is not None and eng._staging._registered and eng._staging.sums == sums
+    assert eng._staging is not None and all(a is not None for a in eng._staging.areas) and eng._staging.sums == sums
     want = {k: v.clone() for k, v in m.state_dict().items()}
     eng.close()
+    device_staging.release_page_locked()  # as a fresh process finds the slots: through pinned blocks
     torch.manual_seed(5)
     m2 = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
@@ -97,15 +100,17 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
     assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
 
 
-def test_a_restore_beside_the_engine_copies_straight_from_its_page_locked_slot(agent, caplog):
-    """An in-process restore (a guard's rollback, an in-process restart) while the snapshot engine still
-    has its slots page-locked: the copies read the slot through the engine's mapping, no bounce block
-    is made; a flipped bit is still caught; once the engine closes, its slots are no longer offered."""
+def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot(agent, caplog):
+    """The process keeps its page-locked slots across snapshot engines (an in-process restart closes one
+    and makes the next): a restore copies straight from them, no bounce block is made, a flipped bit is
+    still caught; the next engine reuses them instead of page-locking again; once released, a restore
+    goes through pinned blocks."""
     c = agent.client()
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
     ad = TorchStateAdapter(m)
     ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    CudaRuntime.registered.clear()
     eng = SnapshotEngine(c, 0, ident, 1 << 12)
     for s in (1, 2):
         with torch.no_grad():
@@ -113,29 +118,43 @@ def test_a_restore_beside_the_engine_copies_straight_from_its_page_locked_slot(a
         ad.extra = {"iteration": s}
         eng.snapshot(s, *ad.capture())
         assert eng.wait().ok
+    assert len(CudaRuntime.registered) == 2, "each slot page-locked once"
+    eng.close()  # (an in-process restart: this engine ends, the process goes on)
     want = {k: v.clone() for k, v in m.state_dict().items()}
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
-    bounce = []
-    real = device_staging.pinned_bytes
-    with caplog.at_level("INFO", logger="megatron_ft"), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(device_staging, "pinned_bytes", lambda n: bounce.append(n) or real(n))
-        r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+
+    def restore(expect_bounce: bool):
+        bounce = []
+        real = device_staging.pinned_bytes
+        caplog.clear()
+        with caplog.at_level("INFO", logger="megatron_ft"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(device_staging, "pinned_bytes", lambda n: bounce.append(n) or real(n))
+            r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+        straight = any("straight from the slot page-locked" in x.getMessage() for x in caplog.records)
+        assert straight != expect_bounce and bool(bounce) == expect_bounce, (straight, bounce)
+        return r
+
+    r = restore(expect_bounce=False)
     assert (r.source, r.step) == ("local_memory", 2), r
     assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
-    assert any("straight from the slot page-locked by this process's snapshot engine" in x.getMessage()
-               for x in caplog.records)
-    assert bounce == [], f"bounce blocks were made: {bounce}"
-    [v] = [x for x in c.request("list", rank=0)["versions"] if x["step"] == 2]
-    assert device_staging.page_locked_mapping(v["path"]) is not None
+    eng = SnapshotEngine(c, 0, ident, 1 << 12)  # the next round's engine: the same slots, adopted
+    ad.extra = {"iteration": 3}
+    eng.snapshot(3, *ad.capture())
+    assert eng.wait().ok
+    eng.close()
+    assert len(CudaRuntime.registered) == 2, "the next engine reused the page-locked slots"
+    [v] = [x for x in c.request("list", rank=0)["versions"] if x["step"] == 3]
     seg = shm.open_segment(v["path"])
     seg.mm[snapfile.read_header(seg.mm).geometry.data_off + 100] ^= 1
     seg.close()
-    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
-    assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
-    eng.close()
-    assert device_staging.page_locked_mapping(v["path"]) is None, "a closed engine's mapping is still offered"
+    r = restore(expect_bounce=False)
+    assert r.step == 2 and "checksum mismatch" in r.rejected[0], r
+    device_staging.release_page_locked()
+    assert device_staging.page_locked_mapping(v["path"]) is None
+    r = restore(expect_bounce=True)
+    assert r.step == 2, r
 
 
 def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatch, caplog):
@@ -156,7 +175,7 @@ def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatc
         ad.extra = {"iteration": s}
         eng.snapshot(s, *ad.capture())
         assert eng.wait().ok
-    assert eng._staging is not None and eng._staging._registered == []
+    assert eng._staging is not None and eng._staging.areas == [None, None]
     assert sum("could not page-lock 2 snapshot slot(s)" in r.getMessage() for r in caplog.records) == 1
     eng.close()
     want = m.weight.detach().clone()
