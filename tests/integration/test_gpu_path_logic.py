@@ -157,6 +157,34 @@ def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot
     assert r.step == 2, r
 
 
+def test_device_sums_turn_to_the_host_once_the_kernel_is_gone(agent, monkeypatch):
+    """The checksum kernel failed (lanes_kernel.AVAILABLE turned off, said once): the next snapshots are
+    summed on the host rather than with torch's slower reductions, and they still restore."""
+    kernel = {"there": True}
+    monkeypatch.setattr(device_staging, "default_sums", lambda: "device" if kernel["there"] else "host")
+    c = agent.client()
+    m = torch.nn.Linear(40, 30)
+    ad = TorchStateAdapter(m)
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 12)
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())
+    assert eng.wait().ok and eng._staging.sums == "device"
+    kernel["there"] = False
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    ad.extra = {"iteration": 2}
+    eng.snapshot(2, *ad.capture())
+    assert eng.wait().ok and eng._staging.sums == "host"
+    eng.close()
+    want = m.weight.detach().clone()
+    with torch.no_grad():
+        m.weight.zero_()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 2), r
+    assert torch.equal(m.weight, want)
+
+
 def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatch, caplog):
     """cudaHostRegister refused (an old driver, a locked-memory limit): the copies go into the
     unregistered slot (the driver stages them), the snapshot still commits, and the reason is logged once."""

@@ -5,6 +5,7 @@ nothing to send at one transfer start. The full demo (tests/integration/test_rec
 with real agents and a node loss; the NCCL path needs GPUs (tests/gpu/test_scheduled_nccl.py)."""
 from __future__ import annotations
 
+import pytest
 from scheduled_job import check_transfers, run
 
 
@@ -28,6 +29,7 @@ def test_mixed_modes_and_a_rank_with_nothing_to_send_at_one_start(tmp_path):
     assert len(ranks[0]["done"]) == len(ranks[1]["records"])
 
 
+@pytest.mark.slow  # 12 s; the two ranks' and the mixed modes' runs keep the driver's ordering in the default suite
 def test_a_ring_and_two_copies_per_rank(tmp_path):
     ring = run(tmp_path / "ring", "--world", "3", "--replicas", "2", "--modes", "blocking,pipelined,end")
     check(ring)
