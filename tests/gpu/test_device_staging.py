@@ -1,6 +1,7 @@
-"""The GPU snapshot path on a real CUDA device: device -> page-locked agent slot on a side stream,
-restore through pinned blocks, CUDA RNG captured and restored. Skipped without CUDA (CI has none);
-run on a GPU machine with ``pytest tests/gpu``."""
+"""The GPU snapshot path on a real CUDA device: device -> page-locked agent slot on a side stream, the
+checksums summed on the device by the Triton kernel (or on the host), restore straight from the process's
+page-locked slot or through pinned blocks, CUDA RNG captured and restored. Skipped without CUDA (CI has
+none); run on a GPU machine with ``pytest tests/gpu`` (``scripts/gpu_checks.sh``)."""
 import os
 
 import pytest
