@@ -45,7 +45,6 @@ import tempfile
 import time
 from typing import Optional
 
-import numpy as np
 import torch
 import yaml
 
@@ -56,7 +55,8 @@ from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft.capture import checksum  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
-from megatron_ft.trainer.device_staging import HostRegistration, default_sums, page_locked_mapping, release_page_locked  # noqa: E402
+from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, page_locked_mapping,  # noqa: E402
+                                                release_page_locked)
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
@@ -127,21 +127,14 @@ def copy_pieces(host: torch.Tensor, state: dict[str, torch.Tensor], to_host: boo
 
 
 def page_lock_alone(path: str) -> float:
-    """Page-locking one whole slot file in this process (mapped read-only, as a restore maps it), alone."""
-    import mmap
-
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    """Page-locking one whole slot file in this process (as :func:`page_lock_files` does), alone."""
+    entry = PageLockedFile(path)
     try:
-        arr = np.frombuffer(mm, np.uint8)
-        reg = HostRegistration(arr.ctypes.data, arr.nbytes, read_only=True)
-        if not reg.ok:
-            raise RuntimeError(f"page-locking {path} failed: {reg.error}")
-        reg.close()
-        del arr
-        return reg.seconds
+        if not entry.registration.ok:
+            raise RuntimeError(f"page-locking {path} failed: {entry.registration.error}")
+        return entry.registration.seconds
     finally:
-        mm.close()
+        entry.close()
 
 
 def one_size(size_gib: float, args, workdir: str) -> dict:

@@ -276,34 +276,47 @@ ROW_GROUP = 1024
 def tensor_lanes(buf: "torch.Tensor", out: "Optional[torch.Tensor]" = None) -> "torch.Tensor":
     """The 16 fl32x8 lanes (a0..a7, c0..c7) of the bytes of the flat uint8 tensor ``buf``, computed
     with torch where ``buf`` lives (on a GPU at its memory speed, on the current stream, no host
-    synchronisation): an int64 tensor on that device, the values mod 2^64.
+    synchronisation): an int64 tensor on that device (``out`` if given), the values mod 2^64.
 
-    On a GPU with Triton the whole rows are summed by :mod:`.lanes_kernel` (one read of every word,
-    two launches per call). Otherwise, with torch reductions (temporaries: about :data:`LANE_BLOCK`
-    bytes of that device's memory): the rows are grouped, ``ROW_GROUP`` at a time, into a (Q, K, 8) view of 32-bit words. Two
+    On a GPU with Triton: :func:`pieces_lanes` of the one piece (one read of every word). Otherwise with
+    torch reductions (temporaries: about :data:`LANE_BLOCK` bytes of that device's memory): the rows are
+    grouped, ``ROW_GROUP`` at a time, into a (Q, K, 8) view of 32-bit words. Two
     reductions of the words themselves give each group's sums ``S[q]`` and each in-group position's
     sums ``T[j]`` (accumulated in int64; a word read as negative int32 is corrected by 2^32, counted
     from its sign bit), and then a = sum_q S[q], c = K * sum_q q * S[q] + sum_j j * T[j], since row
     r = K * q + j. Four reads and one write per word: no int64 copy of the data is made."""
     import torch
 
-    n = buf.numel()
     if out is None:
         out = torch.empty(16, dtype=torch.int64, device=buf.device)
-    if (buf.storage_offset() * buf.element_size()) % 4:
-        buf = buf.clone()  # 32-bit words need 4-byte alignment
-    full = n - n % 32
-    full_done = full > 0 and _full_rows_by_kernel(buf[:full], out)  # GPU: one Triton launch over the rows
-    if not full_done:
-        out.zero_()
-    for start in range(0, 0 if full_done else full, LANE_BLOCK):
+    if _kernel_for(buf) is not None:
+        pieces_lanes([buf], out.view(1, 16))
+        return out
+    buf = _word_aligned(buf)
+    full = buf.numel() - buf.numel() % 32
+    out.zero_()
+    for start in range(0, full, LANE_BLOCK):
         end = min(full, start + LANE_BLOCK)
         _add_row_lanes(buf[start:end].view(torch.int32).view(-1, 8), start // 32, out)
+    _add_tail_lanes(buf, out)
+    return out
+
+
+def _word_aligned(buf: "torch.Tensor") -> "torch.Tensor":
+    """``buf``, or a copy of it where it does not start on a 4-byte boundary (32-bit words)."""
+    return buf if buf.data_ptr() % 4 == 0 else buf.clone()
+
+
+def _add_tail_lanes(buf: "torch.Tensor", out: "torch.Tensor") -> None:
+    """Add the lanes of ``buf``'s last partial row (under 32 bytes, zero-padded), if it has one, to ``out``."""
+    import torch
+
+    n = buf.numel()
+    full = n - n % 32
     if full < n:
         tail = torch.zeros(32, dtype=torch.uint8, device=buf.device)
         tail[: n - full] = buf[full:]
         _add_row_lanes(tail.view(torch.int32).view(1, 8), full // 32, out)
-    return out
 
 
 def _kernel_for(t: "torch.Tensor") -> Any:
@@ -316,52 +329,29 @@ def _kernel_for(t: "torch.Tensor") -> Any:
     return lanes_kernel if lanes_kernel.AVAILABLE else None
 
 
-def _kernel_failed(kernel: Any, e: Exception) -> None:
-    """A kernel that fails (e.g. no compiler for this device) is turned off for the process, said once."""
-    kernel.AVAILABLE = False
-    logging.getLogger("megatron_ft").warning("the Triton checksum kernel failed (%s: %s); summing device "
-                                             "bytes with torch reductions instead", type(e).__name__, e)
-
-
-def _full_rows_by_kernel(rows: "torch.Tensor", out: "torch.Tensor") -> bool:
-    """Write the lanes of ``rows`` (whole 32-byte rows, 4-byte aligned) into ``out`` with the Triton
-    kernel and say so; False (``out`` untouched) where :func:`_kernel_for` offers none or it failed."""
-    kernel = _kernel_for(rows)
-    if kernel is None:
-        return False
-    import torch
-
-    try:
-        kernel.full_row_lanes(rows.view(torch.int32).view(-1, 8), out)
-        return True
-    except Exception as e:
-        _kernel_failed(kernel, e)
-        return False
-
-
 def pieces_lanes(pieces: "list[torch.Tensor]", out: "torch.Tensor") -> "torch.Tensor":
     """:func:`tensor_lanes` of each flat uint8 tensor of ``pieces`` (all on one device) into row k of
     ``out`` ((len(pieces), 16) int64 on that device), asynchronously on the current stream. With the
     Triton kernel, every piece's whole rows in one launch (:func:`.lanes_kernel.segment_row_lanes`: under
     a training load each launch waits for SMs, so a snapshot's sums are one launch, not hundreds) and a
-    tail of under 32 bytes, where a piece has one, with a few small torch operations."""
+    tail of under 32 bytes, where a piece has one, with a few small torch operations. A kernel that
+    fails (e.g. no compiler for this device) is turned off for the process, said once; the torch
+    reductions sum instead."""
     import torch
 
     kernel = _kernel_for(pieces[0]) if pieces else None
     if kernel is not None:
-        aligned = [p if p.data_ptr() % 4 == 0 else p.clone() for p in pieces]  # 32-bit words
+        aligned = [_word_aligned(p) for p in pieces]
         try:
             kernel.segment_row_lanes(
                 [p[: p.numel() - p.numel() % 32].view(torch.int32).view(-1, 8) for p in aligned], out)
         except Exception as e:
-            _kernel_failed(kernel, e)
+            kernel.AVAILABLE = False
+            logging.getLogger("megatron_ft").warning("the Triton checksum kernel failed (%s: %s); summing device "
+                                                     "bytes with torch reductions instead", type(e).__name__, e)
         else:
             for k, p in enumerate(aligned):
-                full = p.numel() - p.numel() % 32
-                if full < p.numel():
-                    tail = torch.zeros(32, dtype=torch.uint8, device=p.device)
-                    tail[: p.numel() - full] = p[full:]
-                    _add_row_lanes(tail.view(torch.int32).view(1, 8), full // 32, out[k])
+                _add_tail_lanes(p, out[k])
             return out
     for k, p in enumerate(pieces):
         tensor_lanes(p, out=out[k])

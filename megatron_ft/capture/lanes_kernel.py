@@ -7,25 +7,19 @@ program reads its share of the rows once (32-bit words, zero-extended to 64 bits
 partial lanes, which one reduction adds up (integer addition mod 2^64 is associative: the result does
 not depend on the grid or the order). :func:`segment_row_lanes` sums many pieces - anywhere in the
 device's memory - in one launch: under a training load every launch waits until the matrix kernels
-leave SMs free, so a snapshot's sums must be one launch, not hundreds (docs/gpu.md has the figures);
-:func:`full_row_lanes` sums one.
+leave SMs free, so a snapshot's sums must be one launch, not hundreds (docs/gpu.md has the figures).
 
-Both take whole 32-byte rows (the caller sums a tail of under 32 bytes). :data:`AVAILABLE` is False
+It takes whole 32-byte rows (the caller sums a tail of under 32 bytes). :data:`AVAILABLE` is False
 where Triton is not installed (CPU-only builds of torch) or its kernel failed; callers then use the
 torch reductions.
 
-``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (numpy): the CPU tests compare them with the
-reference there; only a GPU can check their speed and the compiled code's arithmetic.
+``TRITON_INTERPRET=1`` runs the kernel on CPU tensors (numpy): the CPU tests compare it with the
+reference there; only a GPU can check its speed and the compiled code's arithmetic.
 """
 from __future__ import annotations
 
-import logging
-from typing import Optional
-
 import numpy as np
 import torch
-
-log = logging.getLogger("megatron_ft.capture.lanes_kernel")
 
 try:  # Triton comes with CUDA builds of torch; CPU-only installs have none
     import triton
@@ -34,32 +28,12 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-#: whether :func:`full_row_lanes` can run (Triton importable; a compile failure turns it off, logged)
+#: whether :func:`segment_row_lanes` can run (Triton importable; a compile failure turns it off, logged)
 AVAILABLE = triton is not None
 #: rows (32 bytes each) one program sums: 1 MiB per program; 16 GiB is 16,384 programs
 ROWS_PER_PROGRAM = 32768
 #: rows loaded per step of a program (a 256 x 8 tile of 32-bit words, 8 KiB)
 TILE_ROWS = 256
-
-if triton is not None:
-    @triton.jit
-    def _lanes_kernel(words_ptr, partial_ptr, rows, ROWS_PER_PROGRAM: tl.constexpr, TILE_ROWS: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        lane = tl.arange(0, 8)
-        tile = tl.arange(0, TILE_ROWS).to(tl.int64)
-        a = tl.zeros([8], dtype=tl.uint64)
-        c = tl.zeros([8], dtype=tl.uint64)
-        first = pid * ROWS_PER_PROGRAM
-        for step in range(0, ROWS_PER_PROGRAM, TILE_ROWS):
-            row = first + step + tile
-            inside = row < rows
-            w = tl.load(words_ptr + (row[:, None] * 8 + lane[None, :]), mask=inside[:, None], other=0)
-            w = w.to(tl.uint32, bitcast=True).to(tl.uint64)
-            a += tl.sum(w, axis=0)
-            c += tl.sum(w * row.to(tl.uint64)[:, None], axis=0)
-        tl.store(partial_ptr + pid * 16 + lane, a.to(tl.int64, bitcast=True))
-        tl.store(partial_ptr + pid * 16 + 8 + lane, c.to(tl.int64, bitcast=True))
-
 
 if triton is not None:
     @triton.jit
@@ -87,9 +61,10 @@ if triton is not None:
 
 
 def segment_row_lanes(segments: list, out: torch.Tensor) -> torch.Tensor:
-    """:func:`full_row_lanes` of many segments in one launch: ``segments`` are contiguous int32 tensors of
-    shape (rows, 8) on one device (anywhere in its memory, 4-byte aligned); row k of ``out`` ((n, 16) int64,
-    same device) receives segment k's lanes. Four launches whatever the number of segments (the table's
+    """The 16 lanes (a0..a7, c0..c7, int64, mod 2^64; rows counted from each segment's first) of many
+    segments in one launch: ``segments`` are contiguous int32 tensors of shape (rows, 8) on one device
+    (anywhere in its memory, 4-byte aligned); row k of ``out`` ((n, 16) int64, same device) receives
+    segment k's lanes. Temporaries: 128 bytes per MiB summed. Four launches whatever the number of segments (the table's
     copy, the kernel, two to add the programs' partials into ``out``); asynchronous on the current stream.
     The kernel addresses every segment from the first one's pointer (an offset in words, negative too)."""
     assert triton is not None, "segment_row_lanes needs Triton"
@@ -120,26 +95,4 @@ def segment_row_lanes(segments: list, out: torch.Tensor) -> torch.Tensor:
     if device.type == "cuda":
         index = index.pin_memory().to(device, non_blocking=True)
     out.index_add_(0, index, partial)
-    return out
-
-
-def full_row_lanes(words: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The 16 lanes (a0..a7, c0..c7, int64, mod 2^64) of ``words``: a contiguous int32 tensor of
-    shape (rows, 8), 4-byte aligned, rows counted from 0. Asynchronous on the current stream (no host
-    synchronisation); ``out`` (16 int64 on the same device) receives them if given. Temporaries: 128
-    bytes per MiB of input.
-    """
-    assert triton is not None, "full_row_lanes needs Triton"
-    if words.dim() != 2 or words.shape[1] != 8 or words.dtype != torch.int32 or not words.is_contiguous():
-        raise ValueError(f"full_row_lanes takes contiguous int32 rows of 8 words, not {words.dtype} {tuple(words.shape)}")
-    rows = words.shape[0]
-    if out is None:
-        out = torch.zeros(16, dtype=torch.int64, device=words.device)
-    if rows == 0:
-        out.zero_()
-        return out
-    programs = -(-rows // ROWS_PER_PROGRAM)
-    partial = torch.empty(programs, 16, dtype=torch.int64, device=words.device)
-    _lanes_kernel[(programs,)](words, partial, rows, ROWS_PER_PROGRAM=ROWS_PER_PROGRAM, TILE_ROWS=TILE_ROWS)
-    torch.sum(partial, dim=0, out=out)
     return out

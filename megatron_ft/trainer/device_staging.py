@@ -104,20 +104,16 @@ def _cudart_ok(err) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
-#: ``cudaHostRegisterReadOnly``: the device only reads the range (a read-only mapping can be registered)
-REGISTER_READ_ONLY = 0x08
-
-
 class HostRegistration:
     """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
 
     Not thread-safe; its owner (a :class:`PageLockedFile`) closes it before the memory is unmapped."""
 
-    def __init__(self, address: int, nbytes: int, read_only: bool = False):
+    def __init__(self, address: int, nbytes: int):
         self.address, self.nbytes = address, nbytes
         cudart = torch.cuda.cudart()
         t0 = time.perf_counter()
-        err = cudart.cudaHostRegister(address, nbytes, REGISTER_READ_ONLY if read_only else 0)
+        err = cudart.cudaHostRegister(address, nbytes, 0)
         self.seconds = time.perf_counter() - t0
         self.ok = _cudart_ok(err)
         self.error = "" if self.ok else str(err)
@@ -300,7 +296,7 @@ class SnapshotStaging:
                     dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=on_device(src))
                     from_device = from_device or on_device(src)
                 landed = None
-                if from_device:
+                if from_device and device_lanes is None:  # host sums wait for each chunk's copies
                     landed = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
                     landed.record(self.stream)
                 events.append(landed)

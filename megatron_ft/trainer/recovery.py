@@ -255,9 +255,9 @@ class Container:
                 mapping.close()
         if verify_later:  # GPU path: the device lanes to the host in one copy per device, then combined
             later = sorted(verify_later.items())
-            on_device = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
-            _sum_landed([x for x in on_device if isinstance(x, _Landed)])
-            lanes = [x.lanes if isinstance(x, _Landed) else x for x in on_device]
+            device_parts = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
+            _sum_landed([x for x in device_parts if isinstance(x, _Landed)])
+            lanes = [x.lanes if isinstance(x, _Landed) else x for x in device_parts]
             on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
             for i, parts in later:
                 lo, hi = self.layout.chunk_bounds(i)
@@ -270,13 +270,14 @@ class Container:
     def _page_locked(self) -> Optional[torch.Tensor]:
         """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
         copy engine to read without a bounce: the mapping this process page-locked for its snapshots (an
-        in-process restart), or None (copy through pinned blocks). A restore does not page-lock a slot itself: on the H200 machine
-        that took 0.39 s per 16 GiB even on a huge-page tmpfs, more than the whole copy (docs/gpu.md)."""
-        engine_mapping = device_staging.page_locked_mapping(self.path)
-        if engine_mapping is None or engine_mapping.nbytes < self.header.geometry.data_off + self.layout.data_nbytes:
+        in-process restart), or None (copy through pinned blocks). A restore does not page-lock a slot
+        itself: on the H200 machine that took 0.38-0.45 s per 16 GiB even on a huge-page tmpfs, more than
+        the whole copy (docs/gpu.md)."""
+        mapping = device_staging.page_locked_mapping(self.path)
+        if mapping is None or mapping.nbytes < self.header.geometry.data_off + self.layout.data_nbytes:
             return None
         log.info("%s: restoring straight from the slot page-locked by this process for its snapshots", self.path)
-        return torch.from_numpy(engine_mapping)
+        return torch.from_numpy(mapping)
 
     def _map(self) -> mmap.mmap:
         """The whole container, read-only. A file shorter than its header says is refused here:

@@ -260,16 +260,8 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         seg = self._slots[job.slot]
         hdr = snapfile.read_header(seg.mm)
-        whole = seg.array
-        if job.ready is not None:  # GPU path: straight into the page-locked slot (its own mapping)
-            assert self._staging is not None
-            if self._page_lock_slots:  # (the training thread is not waiting: it registered, then went on)
-                self._page_lock_slots = False
-                self._staging.register(self._slots)
-            if job.slot < len(self._staging.areas) and self._staging.areas[job.slot] is not None:
-                whole = self._staging.areas[job.slot]
-        area = whole[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
-        if job.ready is not None:
+        area = self._data_area(job, seg)[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
+        if job.ready is not None:  # GPU path: straight into the page-locked slot, on a side stream
             assert self._staging is not None
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
@@ -291,6 +283,19 @@ class SnapshotEngine:
         job.stats.clean_at = time.time()
         job.stats.nbytes = layout.data_nbytes
         self.last_committed = job.step
+
+    def _data_area(self, job: _Job, seg: shm.Segment):
+        """The whole slot file ``job`` writes, as the copies address it: the engine's own mapping, or on
+        the GPU path the process's page-locked one (the slots page-locked first, once per layout: the
+        training thread asked for it and went on)."""
+        if job.ready is None:
+            return seg.array
+        assert self._staging is not None and job.slot is not None
+        if self._page_lock_slots:
+            self._page_lock_slots = False
+            self._staging.register(self._slots)
+        areas = self._staging.areas
+        return areas[job.slot] if job.slot < len(areas) and areas[job.slot] is not None else seg.array
 
     def _copy_and_sum(self, job: _Job, area) -> list[int]:
         """Host state: copy each chunk's pieces into the slot while summing them (one pass)."""

@@ -119,11 +119,8 @@ def run_twice_from_step_2(agent):
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
 
 
-def test_a_restore_lands_after_what_the_training_stream_had_queued(agent):
-    """The restore ordering a CPU run can only record: a zero-fill queued on the training stream
-    behind a long kernel (``torch.cuda._sleep``) must land before the restored bytes, not after them
-    and after their verification. Without the staging streams' wait on the caller's stream the
-    parameters end as zeros here."""
+def snapshot_of_step_1(agent):
+    """A model and AdamW on the GPU after one step, snapshotted as step 1 (the engine left open)."""
     c = agent.client()
     m, opt = model_on_gpu(0)
     ad = TorchStateAdapter(m, opt)
@@ -132,6 +129,15 @@ def test_a_restore_lands_after_what_the_training_stream_had_queued(agent):
     ad.extra = {"iteration": 1}
     eng.snapshot(1, *ad.capture())
     assert eng.wait().ok
+    return c, m, opt, ad, eng
+
+
+def test_a_restore_lands_after_what_the_training_stream_had_queued(agent):
+    """The restore ordering a CPU run can only record: a zero-fill queued on the training stream
+    behind a long kernel (``torch.cuda._sleep``) must land before the restored bytes, not after them
+    and after their verification. Without the staging streams' wait on the caller's stream the
+    parameters end as zeros here."""
+    c, m, opt, ad, eng = snapshot_of_step_1(agent)
     want = snapshot_bytes(m, opt)
     eng.close()
     torch.cuda.synchronize()
@@ -190,14 +196,7 @@ def test_device_and_host_sums_write_the_same_checksums(agent):
 def test_a_restore_beside_the_engine_reads_its_page_locked_slot_on_the_device(agent, caplog):
     """A restore in the process whose engine page-locked the slots: the copy engine reads the slot (no
     bounce), verified on the device, bit-exact."""
-    c = agent.client()
-    m, opt = model_on_gpu(0)
-    ad = TorchStateAdapter(m, opt)
-    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)
-    step(m, opt)
-    ad.extra = {"iteration": 1}
-    eng.snapshot(1, *ad.capture())
-    assert eng.wait().ok
+    c, m, opt, ad, eng = snapshot_of_step_1(agent)
     want = snapshot_bytes(m, opt)
     with torch.no_grad():
         for p in m.parameters():

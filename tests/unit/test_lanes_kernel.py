@@ -22,9 +22,9 @@ import numpy as np, torch
 from megatron_ft.capture import checksum, lanes_kernel
 assert lanes_kernel.AVAILABLE
 lanes_kernel.ROWS_PER_PROGRAM, lanes_kernel.TILE_ROWS = 512, 128  # small programs: a few KiB span many
-calls = []
-real = lanes_kernel.full_row_lanes
-lanes_kernel.full_row_lanes = lambda words, out=None: calls.append(list(words.shape)) or real(words, out)
+calls = []  # per launch, the shapes of the rows it summed
+real = lanes_kernel.segment_row_lanes
+lanes_kernel.segment_row_lanes = lambda segs, o: calls.append([list(s.shape) for s in segs]) or real(segs, o)
 u64 = lambda lanes: [v % 2**64 for v in lanes.tolist()]
 out = {"cases": []}
 for n in (32, 33, 4096 * 32 + 7, 512 * 32 * 3 + 96, 512 * 32 * 2):
@@ -43,12 +43,9 @@ big = torch.randint(0, 256, (200_000,), dtype=torch.uint8, generator=torch.Gener
 other = torch.randint(0, 256, (70_001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
 pieces = [big[64_000:190_000], big[:3_203], other, big[4_002:9_000], big[32:32], big[190_000:190_033]]
 calls.clear()
-segment_calls = []
-real_segments = lanes_kernel.segment_row_lanes
-lanes_kernel.segment_row_lanes = lambda segs, o: segment_calls.append(len(segs)) or real_segments(segs, o)
 got = checksum.pieces_lanes(pieces, torch.empty(len(pieces), 16, dtype=torch.int64))
 out["pieces"] = [[u64(got[k]), checksum.host_lanes(p.contiguous().numpy())] for k, p in enumerate(pieces)]
-out["segment_calls"] = segment_calls
+out["segment_calls"] = [len(c) for c in calls]
 out["still_available"] = lanes_kernel.AVAILABLE
 json.dump(out, sys.stdout)
 """
@@ -76,7 +73,7 @@ def interpreted():
 def test_the_kernel_gives_the_host_lanes(interpreted):
     for n, same, calls in interpreted["cases"]:
         assert same, f"{n} bytes: the kernel's lanes differ from the host's"
-        assert calls == [[n // 32, 8]], f"{n} bytes: the whole rows went through the kernel, once: {calls}"
+        assert calls == [[[n // 32, 8]]], f"{n} bytes: the whole rows went through the kernel, once: {calls}"
 
 
 def test_words_at_their_maximum_wrap_mod_2_64_as_on_the_host(interpreted):
@@ -101,9 +98,9 @@ def test_a_kernel_that_fails_is_turned_off_once_and_the_sums_stay_right(monkeypa
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # (without Triton too: the kernel is replaced below)
     monkeypatch.setattr(lanes_kernel, "AVAILABLE", True)
 
-    def broken(words, out=None):
+    def broken(segments, out):
         raise RuntimeError("no compiler for this device")
-    monkeypatch.setattr(lanes_kernel, "full_row_lanes", broken)
+    monkeypatch.setattr(lanes_kernel, "segment_row_lanes", broken)
     buf = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     with caplog.at_level(logging.WARNING):
         assert as_u64(checksum.tensor_lanes(buf)) == checksum.host_lanes(buf)
@@ -116,5 +113,5 @@ def test_a_kernel_that_fails_is_turned_off_once_and_the_sums_stay_right(monkeypa
 def test_bad_shapes_are_refused_by_name():
     if lanes_kernel.triton is None:
         pytest.skip("Triton is not installed")
-    with pytest.raises(ValueError, match=r"int32 rows of 8 words, not torch.int64 \(4, 8\)"):
-        lanes_kernel.full_row_lanes(torch.zeros(4, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"int32 rows of 8 words on cpu, not torch.int64 \(4, 8\) on cpu"):
+        lanes_kernel.segment_row_lanes([torch.zeros(4, 8, dtype=torch.int64)], torch.zeros(1, 16, dtype=torch.int64))
