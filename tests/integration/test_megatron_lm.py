@@ -161,6 +161,7 @@ print(first)
 """
 
 
+@pytest.mark.slow  # 14 s: a start-up saving, not a recovery; the default suite stays under 15 minutes
 @needs_upstream
 def test_argument_docstrings_are_read_once_per_process_and_say_the_same(tree):
     """Upstream reads its config dataclasses' field docstrings from their source at every parse (twice
