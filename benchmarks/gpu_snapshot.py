@@ -69,6 +69,16 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def median_phases(runs: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per kind, the median of each phase over its runs."""
+    return {kind: {k: med([ph[k] for ph in phs if k in ph]) for k in sorted({k for ph in phs for k in ph})}
+            for kind, phs in runs.items()}
+
+
+def rounded(phases: dict[str, dict[str, float]]) -> str:
+    return json.dumps({kind: {k: round(v, 4) for k, v in ph.items()} for kind, ph in phases.items()})
+
+
 def timed_cuda(fn) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -175,6 +185,7 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
                                                   "clean_idle")]
     out: dict[str, list] = {k: [] for k in keys + ["compute_alone", "restore", "restore_fresh"]}
     phases: dict[str, list[dict]] = {m: [] for m in modes}
+    restore_phases: dict[str, list[dict]] = {"restore": [], "restore_fresh": []}
     step = 0
 
     def restore_checked(key: str) -> None:
@@ -185,6 +196,7 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         r = Restorer(0, 1, identity, run_id, cfg.persist.dir, client).restore(adapter)
         torch.cuda.synchronize()
         out[key].append(time.perf_counter() - t0)
+        restore_phases[key].append(r.phases)
         if (r.source, r.step) != ("local_memory", step):
             raise RuntimeError(f"restored {r.source} step {r.step}, not step {step}: {r.rejected}")
         bad = [n for n in state if not torch.equal(state[n].view(torch.uint8), reference[n].view(torch.uint8))]
@@ -247,8 +259,8 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         agent.stop()  # SIGTERM: the agent removes its segments
         remove_run_segments(args.shm_dir, run_id)
     res.update(out)
-    res["phases"] = {m: {k: med([ph[k] for ph in phases[m] if k in ph]) for k in sorted({k for ph in phases[m] for k in ph})}
-                     for m in modes}
+    res["phases"] = median_phases(phases)
+    res["restore_phases"] = median_phases(restore_phases)
     res["ratios"] = {"stall": med(out[f"stall_{res['sums_shipped']}"]) / raw_d2h,
                      "clean": med(out[f"clean_{res['sums_shipped']}"]) / raw_d2h,
                      "restore": med(out["restore"]) / raw_h2d}
@@ -300,8 +312,8 @@ def table(results: list[dict]) -> str:
                      f"H2D from it alone {med(r['h2d_from_slot']):.4f} s; clean with no training kernels beside it: "
                      + ", ".join(f"{m} {med(r[f'clean_idle_{m}']):.4f} s" for m in ("host", "device")
                                  if f"clean_idle_{m}" in r)
-                     + "; worker phases (median s): " + json.dumps({m: {k: round(v, 4) for k, v in ph.items()}
-                                                                    for m, ph in r["phases"].items()}))
+                     + "; worker phases (median s): " + rounded(r["phases"])
+                     + "; restore phases (median s): " + rounded(r["restore_phases"]))
     return "\n".join(rows) + "\n\n" + "\n".join(restores) + "\n\n" + "\n".join(alone)
 
 

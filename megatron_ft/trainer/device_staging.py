@@ -18,20 +18,23 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   so the step cannot change bytes in flight;
 * or (``sums="device"``, the default where Triton runs) the chunks' checksums are computed on the GPU
   from the source tensors, on a second, high-priority stream that also waits for that event, queued
-  before the copies: one Triton launch for every piece reads each byte once, while the copy engine
-  moves the same bytes; the copies never wait for the sums (docs/gpu.md: why one launch).
+  once the copies are (the copy engine has started): one Triton launch for every piece reads each byte
+  once, while the copy engine moves the same bytes; the copies never wait for the sums (docs/gpu.md:
+  why one launch).
 
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, a stream of its own, which
 first waits for an event the restoring thread recorded on its current stream (:class:`RestoreStagings`:
 the destinations' allocation or zero-fill queued there lands first). From a slot that is page-locked
 in this process (:func:`page_locked_mapping`: an in-process restart, whose earlier engine page-locked
 it) the copy engine reads the slot straight into the tensors, and the lanes of all those pieces are
-summed in one launch once every copy is done. Otherwise (a fresh process) the bytes go through pinned
-bounce blocks in rotation: a block is read from the slot and copied to the device, and refilled only
-after its copy's event has completed (page-locking a slot costs more than the whole copy, also on a
-huge-page tmpfs: docs/gpu.md); each piece's lanes are computed on its stream after its copies. The
-restore combines the lanes with the host pieces' and compares every chunk with its stored checksum
-after ``finish()`` (every copy done). A mismatch fails the restore as on CPU (the caller then overwrites or discards
+summed in one launch queued behind every copy (:meth:`RestoreStagings.after_copies`, with the value
+guard's reads: both launched while the copies are in flight, run as soon as the bytes have landed).
+Otherwise (a fresh process) the bytes go through pinned bounce blocks in rotation: a block is read
+from the slot and copied to the device, and refilled only after its copy's event has completed
+(page-locking a slot costs more than the whole copy, also on a huge-page tmpfs: docs/gpu.md); each
+piece's lanes are computed on its stream after its copies. The restore combines the lanes with the
+host pieces' and compares every chunk with its stored checksum after ``finish()`` (every copy done).
+A mismatch fails the restore as on CPU (the caller then overwrites or discards
 the partly written state).
 
 Checksums on the device use :mod:`megatron_ft.capture.lanes_kernel` where Triton runs, else torch
@@ -50,13 +53,14 @@ once with the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -87,11 +91,11 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     return list(dict.fromkeys(t.device for t in tensors if on_device(t)))
 
 
-def stream_point(device: torch.device) -> torch.cuda.Event:
-    """An event recorded now on the calling thread's current stream of ``device``: work queued later
-    on another stream that waits for it runs after everything the caller queued so far."""
+def stream_point(device: torch.device, stream: Optional[torch.cuda.Stream] = None) -> torch.cuda.Event:
+    """An event recorded now on ``stream`` (default: the calling thread's current stream of ``device``):
+    work queued later on another stream that waits for it runs after everything queued there so far."""
     ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
+    ev.record(stream if stream is not None else torch.cuda.current_stream(device))
     return ev
 
 
@@ -282,28 +286,9 @@ class SnapshotStaging:
         self.last_phases = {}
         if self.sums == "device" and default_sums() == "host":
             self.sums = "host"  # the kernel failed (said once): torch's reductions would be slower than the host
-        # device sums first: one launch, while queueing the copies blocks as the copy engine drains them
-        device_lanes = self._sum_on_device(ready, pieces_by_chunk, sources) if self.sums == "device" else None
-        t1 = time.perf_counter()
+        device_sums = self.sums == "device"
         dst = torch.from_numpy(area)
         events: list[Optional[torch.cuda.Event]] = []
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for i, pieces in enumerate(pieces_by_chunk):
-                from_device = False
-                for p in pieces:
-                    src = sources[p.entry_index][p.src_start:p.src_end]
-                    dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=on_device(src))
-                    from_device = from_device or on_device(src)
-                landed = None
-                if from_device and device_lanes is None:  # host sums wait for each chunk's copies
-                    landed = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
-                    landed.record(self.stream)
-                events.append(landed)
-                if i == 0:
-                    after_first_chunk()
-            copied = torch.cuda.Event(blocking=True)
-            copied.record(self.stream)
 
         def sum_chunk(i: int) -> int:
             landed = events[i]
@@ -316,14 +301,34 @@ class SnapshotStaging:
             return chunk.finish()
 
         try:
-            if device_lanes is None:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                for i, pieces in enumerate(pieces_by_chunk):
+                    from_device = False
+                    for p in pieces:
+                        src = sources[p.entry_index][p.src_start:p.src_end]
+                        dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=on_device(src))
+                        from_device = from_device or on_device(src)
+                    landed = None
+                    if from_device and not device_sums:  # host sums wait for each chunk's copies
+                        landed = torch.cuda.Event(blocking=True)  # its waiter sleeps rather than spins
+                        landed.record(self.stream)
+                    events.append(landed)
+                    if i == 0:
+                        after_first_chunk()
+                copied = torch.cuda.Event(blocking=True)
+                copied.record(self.stream)
+            if not device_sums:
                 return list(self._pool.map(sum_chunk, range(len(pieces_by_chunk))))
-            lanes, done = device_lanes
+            t1 = time.perf_counter()
+            # device sums once the copies are queued (the copy engine starts at once; building the one
+            # launch costs the CPU 1-15 ms at 1-16 GiB), reading the sources beside the copies
+            lanes, done = self._sum_on_device(ready, pieces_by_chunk, sources)
             t2 = time.perf_counter()
             copied.synchronize()  # every copy landed (host pieces' bytes are summed from the slot)
             t3 = time.perf_counter()
             done.synchronize()
-            self.last_phases = {"queue_sums": t1 - t0, "queue_copies": t2 - t1, "copies_landed": t3 - t0,
+            self.last_phases = {"queue_copies": t1 - t0, "queue_sums": t2 - t1, "copies_landed": t3 - t0,
                                 "sums_landed": time.perf_counter() - t0}
             on_host = iter(lanes.tolist())  # (the lanes were copied to page-locked memory, after the sums)
             sums = []
@@ -445,6 +450,7 @@ class RestoreStagings:
         self._after = {d: stream_point(d) for d in devices}
         self._local = threading.local()
         self._all: list[RestoreStaging] = []
+        self._joins: list[torch.cuda.Stream] = []  # :meth:`after_copies`'s streams
         self._lock = threading.Lock()
 
     def here(self, device: torch.device) -> RestoreStaging:
@@ -459,8 +465,30 @@ class RestoreStagings:
                 self._all.append(st)
         return st
 
+    @contextlib.contextmanager
+    def after_copies(self) -> Iterator[None]:
+        """Caller's thread, once every copy is queued: inside, the current stream of each device is one
+        that waits for every staging stream's copies so far - work queued there (the lanes of pieces
+        copied straight from a page-locked slot, the value guard's sums) runs as soon as the bytes have
+        landed, its launches made while the copies are still in flight. :meth:`finish` waits for it too."""
+        with self._lock:
+            stagings = list(self._all)
+        with contextlib.ExitStack() as inside:
+            for device, after in self._after.items():
+                join = torch.cuda.Stream(device=device)
+                join.wait_event(after)
+                for st in stagings:
+                    if st.device == device:
+                        join.wait_event(stream_point(device, st.stream))
+                self._joins.append(join)
+                inside.enter_context(torch.cuda.stream(join))
+            yield
+
     def finish(self) -> None:
-        """Every thread's copies done (call after the threads' work, also after an error)."""
+        """Every thread's copies done, and what was queued :meth:`after_copies` (call after the threads'
+        work, also after an error)."""
         with self._lock:
             for st in self._all:
                 st.finish()
+        for join in self._joins:
+            join.synchronize()

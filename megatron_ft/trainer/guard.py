@@ -47,11 +47,16 @@ Worked example::
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
+
+from .device_staging import stream_point
+
+log = logging.getLogger("megatron_ft.trainer.guard")
 
 #: elements checked per ``torch.isfinite`` call (its temporary: this many bytes)
 BLOCK_ELEMENTS = 1 << 22
@@ -60,19 +65,82 @@ BLOCK_ELEMENTS = 1 << 22
 def non_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The names of the floating-point tensors holding a NaN or an infinity, in order. Not
     collective; reads each tensor once (on its own device)."""
-    screened = [(name, t.detach().reshape(-1)) for name, t in tensors.items()
-                if (t.is_floating_point() or t.is_complex()) and t.numel()]
-    if not screened:
-        return []
-    sums_finite = [_block_sums_finite(flat) for _, flat in screened]  # queued where each tensor lives
-    flags: list[bool] = [True] * len(screened)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, flat) in enumerate(screened):
-        by_device.setdefault(flat.device, []).append(i)
-    for idx in by_device.values():  # one wait per device, not one per block
-        for i, ok in zip(idx, torch.stack([sums_finite[i] for i in idx]).cpu().tolist()):
-            flags[i] = bool(ok)
-    return [name for (name, flat), ok in zip(screened, flags) if not ok and not bool(torch.isfinite(flat).all())]
+    return ValueScreen(tensors).result()
+
+
+class ValueScreen:
+    """:func:`non_finite` in two steps, so that a restore can queue the reads on the device while its
+    copies are still landing: the constructor queues every tensor's reads on the current stream of its
+    device (no host synchronisation; on the CPU they run there and then) and records where they end;
+    :meth:`result` waits for them, once per device, on the caller's current stream. The tensors must not
+    change in between. Not thread-safe; not collective.
+
+    On the CPU each tensor is read in blocks (:func:`_block_sums_finite`); the floating-point tensors of a
+    CUDA device are read together by one fused reduction (:func:`_norms_finite`: a few launches for the
+    whole state, where blocks cost several launches per tensor - about 1 ms for 32 tensors on the H200).
+
+    >>> s = ValueScreen({"w": torch.tensor([1.0, float("inf")]), "b": torch.ones(2)})
+    >>> s.result()
+    ['w']
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.screened = [(name, t.detach().reshape(-1)) for name, t in tensors.items()
+                         if (t.is_floating_point() or t.is_complex()) and t.numel()]
+        #: (indices into ``screened``, whether each one's sums are finite), queued where the tensors live
+        self.pending: list[tuple[list[int], torch.Tensor]] = []
+        fused: dict[tuple[torch.device, torch.dtype], list[int]] = {}  # (the fused kernel takes one dtype)
+        for i, (_, flat) in enumerate(self.screened):
+            if _fusable(flat):
+                fused.setdefault((flat.device, flat.dtype), []).append(i)
+            else:
+                self.pending.append(([i], _block_sums_finite(flat).reshape(1)))
+        for idx in fused.values():
+            flats = [self.screened[i][1] for i in idx]
+            try:
+                self.pending.append((idx, _norms_finite(flats)))
+            except (RuntimeError, TypeError) as e:  # this torch cannot: blocks, as on the CPU (said once)
+                _FUSED["usable"] = False
+                log.warning("the value guard's fused reduction failed (%s): reading tensors block by block", e)
+                self.pending.extend(([i], _block_sums_finite(f).reshape(1)) for i, f in zip(idx, flats))
+        self.queued = {d: stream_point(d) if d.type == "cuda" else None for d in {f.device for _, f in self.screened}}
+
+    def result(self) -> list[str]:
+        ok = [True] * len(self.screened)
+        by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+        for idx, finite in self.pending:
+            by_device.setdefault(finite.device, []).append((idx, finite))
+        for device, parts in by_device.items():  # one wait per device
+            ev = self.queued.get(device)
+            if ev is not None:  # the reads were queued on another stream, perhaps
+                torch.cuda.current_stream(device).wait_event(ev)
+            flags = torch.cat([finite for _, finite in parts]).cpu().tolist()
+            for i, flag in zip([i for idx, _ in parts for i in idx], flags):
+                ok[i] = bool(flag)
+        return [name for (name, flat), fine in zip(self.screened, ok)
+                if not fine and not bool(torch.isfinite(flat).all())]
+
+
+#: whether :func:`_norms_finite` works with this torch (turned off the first time it raises)
+_FUSED = {"usable": True}
+
+
+def _fusable(flat: torch.Tensor) -> bool:
+    """Whether ``flat`` is read by the fused reduction: a floating-point tensor on a CUDA device."""
+    return flat.device.type == "cuda" and flat.is_floating_point() and _FUSED["usable"]
+
+
+def _norms_finite(flats: list[torch.Tensor]) -> torch.Tensor:
+    """Whether each floating-point tensor of ``flats`` (all of one device and dtype) has a finite L1 norm,
+    summed in fp32: a bool tensor of ``len(flats)``, no host synchronisation. ``torch._foreach_norm`` (what
+    ``clip_grad_norm_`` uses) reads every tensor in one fused multi-tensor kernel on CUDA. A NaN or an
+    infinity anywhere makes the norm NaN or infinite; finite values whose norm overflows (the last one
+    here) are then checked value by value, as with the blocks.
+
+    >>> _norms_finite([torch.ones(3), torch.tensor([1.0, float("nan")]), torch.full((2,), 3e38)])
+    tensor([ True, False, False])
+    """
+    return torch.isfinite(torch.stack(torch._foreach_norm(flats, 1, dtype=torch.float32)))
 
 
 def _block_sums_finite(flat: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -97,6 +97,11 @@ class RestoreResult:
     rollbacks: int = 0  # versions the guard refused (every rank rolled back past them together)
     #: recovery.prefer: certified - whether the step is at or before the newest certified one (None: not asked)
     certified: Optional[bool] = None
+    #: seconds from the start of the restore at which each phase of the restored candidate ended:
+    #: ``listed`` (its tier's candidates), ``opened`` (header, identity, destinations), ``queued`` /
+    #: ``landed`` (GPU path: every copy queued / done), ``loaded`` (bytes in place and verified),
+    #: ``guarded`` (the value guard), ``finished`` (shards gathered, record applied), ``rewound``
+    phases: dict = field(default_factory=dict)
 
 
 class Container:
@@ -109,6 +114,8 @@ class Container:
 
     def __init__(self, path: str):
         self.path = path
+        #: GPU path, set by :meth:`load_verified`: when every copy was queued / had landed (``perf_counter``)
+        self.marks: dict[str, float] = {}
         self.mapped = STREAMING_RESTORE and shm.page_backing(os.path.dirname(path) or ".") == shm.HUGE
         self.fd = os.open(path, os.O_RDONLY)
         try:
@@ -138,10 +145,14 @@ class Container:
             raise snapfile.SnapshotFormatError(f"{self.path}: {len(self.version.get('chunks', []))} checksums for "
                                                f"{self.layout.num_chunks} chunks")
 
-    def load_verified(self, targets: dict) -> None:
+    def load_verified(self, targets: dict, after_copies: Optional[Callable[[], None]] = None) -> None:
         """Read every tensor into its destination and verify each chunk's checksum in the same pass.
         Raises on the first mismatch; the destinations may then hold part of this snapshot (the
-        caller handles that).
+        caller handles that). ``after_copies``, if given, is called on this thread once every byte is
+        read or (GPU path) its copy queued, with each device's current stream ordered after the copies
+        (:meth:`device_staging.RestoreStagings.after_copies`): what it queues there (the value guard's
+        reads) runs as the bytes land and is complete when this returns. Not called when a chunk
+        already failed on the host.
 
         CPU destinations, with the native library: each piece is read with ``pread`` in blocks of
         ``READ_BLOCK`` bytes into a per-thread buffer that stays in cache, then copied into the
@@ -239,24 +250,33 @@ class Container:
             return None
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
+        # (straight from a page-locked slot a thread only queues copies: one is enough, and no pool to start)
         on_gpu = any(device_staging.on_device(v) for v in views.values())
-        workers = max(1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS),
-                             self.layout.num_chunks))
+        workers = 1 if page_locked is not None else max(
+            1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS), self.layout.num_chunks))
         try:
             if workers == 1:
                 errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
             else:
                 with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
                     errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
+            if on_gpu:
+                self.marks["queued"] = time.perf_counter()
+            landed = [x for parts in verify_later.values() for _, x in parts if isinstance(x, _Landed)]
+            with stagings.after_copies():  # launched while the copies are in flight
+                _sum_landed(landed)
+                if after_copies is not None and not any(errors):
+                    after_copies()
         finally:
             stagings.finish()  # every device copy done before the blocks or the mapping go
+            if on_gpu:
+                self.marks["landed"] = time.perf_counter()
             if mapping is not None:
                 del src
                 mapping.close()
         if verify_later:  # GPU path: the device lanes to the host in one copy per device, then combined
             later = sorted(verify_later.items())
             device_parts = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
-            _sum_landed([x for x in device_parts if isinstance(x, _Landed)])
             lanes = [x.lanes if isinstance(x, _Landed) else x for x in device_parts]
             on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
             for i, parts in later:
@@ -536,6 +556,7 @@ class Restorer:
             if tier == "disk":
                 self._check_memory_known()
             by_step = {c.step: c for c in cands() if c.step not in refused and (upto is None or c.step <= upto)}
+            listed = time.perf_counter()
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
                             "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
@@ -562,30 +583,42 @@ class Restorer:
                 assert cont is not None
                 attempt.touched = True
                 bad_values: list[str] = []
+                marks = {"listed": listed, "opened": time.perf_counter()}
+                screens: list[guard.ValueScreen] = []  # the guard's reads, queued as the copies land
+
+                def screen_values() -> None:
+                    screens.append(guard.ValueScreen({n: t.saved_view() for n, t in targets.items()
+                                                      if t.values_checked}))
                 try:
-                    cont.load_verified(targets)
+                    cont.load_verified(targets, after_copies=screen_values if self.check_values else None)
                     ok = True
                 except (snapfile.SnapshotFormatError, OSError) as e:
                     ok = False
                     rejected.append(f"{tier} step {step}: {e}")
                     log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
                     self._invalidate(by_step[step])
+                marks.update(cont.marks, loaded=time.perf_counter())
                 if ok and self.check_values:
-                    bad_values = guard.non_finite({n: t.saved_view() for n, t in targets.items() if t.values_checked})
+                    if not screens:
+                        screen_values()
+                    bad_values = screens[0].result()
                     if bad_values:
                         ok = False
                         rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "
                                         f"({', '.join(bad_values[:3])})")
                         log.error("rank %d: %s step %d passed its checksums but holds NaN or Inf in %s: refused",
                                   self.rank, tier, step, ", ".join(bad_values[:5]))
+                marks["guarded"] = time.perf_counter()
                 all_ok, any_refused = self._agree(ok, bool(bad_values))
                 if all_ok:
                     finish_load(cont, adapter, targets)
+                    marks["finished"] = time.perf_counter()
                     extra = cont.version.get("extra", {})
                     cont.close()
                     self._rewind(step)
-                    return RestoreResult(by_step[step].source, step, time.perf_counter() - t0, extra, rejected,
-                                         len(refused))
+                    marks["rewound"] = end = time.perf_counter()
+                    return RestoreResult(by_step[step].source, step, end - t0, extra, rejected, len(refused),
+                                         phases={k: v - t0 for k, v in marks.items()})
                 cont.close()
                 if any_refused:  # a bad version, not a bad copy: every rank drops its copy and rolls back
                     refused.add(step)

@@ -209,3 +209,29 @@ def test_a_restore_beside_the_engine_reads_its_page_locked_slot_on_the_device(ag
     for k in want:
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
     eng.close()
+
+
+def test_the_guard_judges_the_restored_bytes_not_what_the_tensors_held_before(agent):
+    """The value guard's reads are queued behind the restore's copies, launched while they are in flight:
+    a version holding a NaN, restored into zeroed tensors from the slot this process page-locked, must be
+    refused (read before its bytes landed, the guard would see zeros and pass it) and the restore rolls
+    back to the version before it."""
+    c, m, opt, ad, eng = snapshot_of_step_1(agent)
+    want = snapshot_bytes(m, opt)
+    with torch.no_grad():
+        next(m.parameters()).view(-1)[123] = float("nan")
+    ad.extra = {"iteration": 2}
+    eng.snapshot(2, *ad.capture())
+    assert eng.wait().ok
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(ad)
+    assert (res.source, res.step, res.rollbacks) == ("local_memory", 1, 1), res
+    assert "non-finite values" in res.rejected[0], res.rejected
+    from megatron_ft.trainer import guard
+    assert guard._FUSED["usable"], "the guard's fused reduction failed on this device"
+    got = snapshot_bytes(m, opt)
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    eng.close()

@@ -270,3 +270,91 @@ def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_
         first = next((what, e) for st, what, e in ops if st is s)
         assert first[0] == "wait", f"a staging stream copied before waiting: {[w for st, w, _ in ops if st is s][:3]}"
         assert first[1].on is callers_stream and first[1].thread == caller
+
+
+def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, monkeypatch):
+    """What reads the restored bytes on the device - the lanes of pieces copied straight from a
+    page-locked slot, the value guard's sums - is queued on a stream that first waits for an event
+    recorded on every staging stream after its copies (and for the caller's point), before the host
+    waits for anything: launched while the copies are in flight, run once the bytes have landed.
+    Recorded with stubs (the bookkeeping); the bytes' order on a real device: ``tests/gpu``."""
+    from megatron_ft.trainer import guard, recovery
+
+    ops: list = []  # (stream, what, detail) in the order issued
+    current: list = []
+
+    class RecStream(Stream):
+        def __init__(self, *a, name="staging", **k):
+            self.name = name
+
+        def wait_event(self, e):
+            ops.append((self, "wait", e))
+
+        def synchronize(self):
+            ops.append((self, "sync", None))
+
+    class RecEvent(Event):
+        def record(self, s=None):
+            self.on = s
+            ops.append((s, "record", self))
+
+    @contextlib.contextmanager
+    def on_stream(s):
+        current.append(s)
+        yield
+        current.pop()
+
+    callers = RecStream(name="caller's")
+    monkeypatch.setattr(torch.cuda, "Stream", RecStream)
+    monkeypatch.setattr(torch.cuda, "Event", RecEvent)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[-1] if current else callers)
+    real_upload, real_sum, real_screen = device_staging.RestoreStaging.upload_page_locked, recovery._sum_landed, \
+        guard.ValueScreen.__init__
+
+    def upload(self, src, dst):
+        ops.append((self.stream, "copy", None))
+        return real_upload(self, src, dst)
+
+    def sum_landed(landed):
+        ops.append((current[-1] if current else callers, "lanes", len(landed)))
+        return real_sum(landed)
+
+    def screen(self, tensors):
+        ops.append((current[-1] if current else callers, "guard", None))
+        return real_screen(self, tensors)
+
+    monkeypatch.setattr(device_staging.RestoreStaging, "upload_page_locked", upload)
+    monkeypatch.setattr(recovery, "_sum_landed", sum_landed)
+    monkeypatch.setattr(guard.ValueScreen, "__init__", screen)
+    c = agent.client()
+    m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
+    ad = TorchStateAdapter(m)
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 10)
+    ad.extra = {"iteration": 1}
+    eng.snapshot(1, *ad.capture())
+    assert eng.wait().ok
+    eng.close()  # the slots stay page-locked in this process: the restore copies straight from them
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    ops.clear()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 1), r
+    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+    [(join, _, n)] = [op for op in ops if op[1] == "lanes"]
+    assert n > 0 and join is not callers, "the slot's pieces were summed on the caller's stream"
+    [guarded] = [i for i, op in enumerate(ops) if op[1] == "guard"]
+    assert ops[guarded][0] is join, "the guard read the bytes on another stream than the lanes"
+    copies = [i for i, op in enumerate(ops) if op[1] == "copy"]
+    staging = {ops[i][0] for i in copies}
+    waited = {e.on for s, what, e in ops if s is join and what == "wait"}
+    assert staging | {callers} <= waited, "the sums' stream did not wait for every staging stream"
+    for s in staging:
+        point = next(i for i, (st, what, e) in enumerate(ops) if st is join and what == "wait" and e.on is s)
+        assert point > max(i for i in copies if ops[i][0] is s), "waited for a point before the last copy"
+    first_sync = min(i for i, op in enumerate(ops) if op[1] == "sync")
+    assert first_sync > guarded, "the host waited for the copies before queueing the guard"
+    assert any(s is join and what == "sync" for s, what, _ in ops), "the host never waited for the sums' stream"
