@@ -42,7 +42,10 @@ import signal
 import socket
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:  # annotations only: subprocess is imported where a process is started
+    import subprocess
 
 from ..transport import wire
 from ..transport.wire import bind_private, stranger

@@ -25,7 +25,10 @@ import os
 import runpy
 import sys
 import time
-from typing import IO, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # annotations only: subprocess is imported where a process is started
+    import subprocess
 
 FORMAT = "megatron-ft-prestart/1"
 
