@@ -40,10 +40,11 @@ CPU run needs (fp32 everywhere, no fused kernels).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence
 
 import torch
 from torch.autograd.variable import Variable
@@ -52,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "install_cpu_compat",
     "install_upstream_cpu",
+    "bypassed",
     "is_installed",
     "CUDA_GENERATOR",
     "cpu_config_overrides",
@@ -309,6 +311,14 @@ class _DropForkWarning(logging.Filter):
 def is_installed() -> bool:
     """Whether :func:`install_cpu_compat` has installed the shims in this process."""
     return _installed
+
+
+def bypassed() -> ContextManager[Any]:
+    """A context in which torch calls skip this layer's mode - for megatron-ft's own bookkeeping on tensors
+    (reading shapes, strides and storages, encoding a state dict), which never asks for a CUDA device.
+    Every torch call otherwise passes through the mode's Python handler (a state dict's encoding: 0.83 ms
+    instead of 0.60 ms). A no-op where the layer is not installed (never with CUDA)."""
+    return torch._C.DisableTorchFunction() if _installed else contextlib.nullcontext()
 
 
 def install_cpu_compat() -> bool:

@@ -69,6 +69,7 @@ from ..capture.state import StateTensor, fresh_targets
 from ..trainer import in_process
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
+from . import cpu_compat
 from .checkpointing import checked_topology
 from .loop import TrainingLoop
 from .state import StepOnlyStorages
@@ -151,6 +152,10 @@ class _StateDictAdapter:
         snapshot is finished before that step), the others copied now; the rest as a JSON record."""
         sd = self.state_dict
         assert sd is not None
+        with cpu_compat.bypassed():  # on the CPU layer: no torch call below asks for a device
+            return self._capture(sd)
+
+    def _capture(self, sd: MCoreTensorAwareStateDict) -> tuple[list[StateTensor], dict]:
         record, tensors = treecodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict}, "state_dict")
         if record["omitted"] and not self._told_omitted:
             self._told_omitted = True

@@ -142,6 +142,38 @@ _check(
 )
 
 
+_check(
+    "bypassed_bookkeeping",
+    """
+    import argparse
+    from megatron_ft.capture import tree
+    from megatron_ft.megatron import cpu_compat
+    mode = cpu_compat._mode
+    calls = []
+    handler = type(mode).__torch_function__
+    type(mode).__torch_function__ = lambda self, *a, **k: calls.append(1) or handler(self, *a, **k)
+    w = torch.ones(3, 2)
+    state = {"args": argparse.Namespace(lr=1e-3, dims=[1, 2]), "w": w, "t": w.t(), "step": torch.tensor(4)}
+    plain = tree.encode(state)[0]
+    through_mode = len(calls)
+    calls.clear()
+    with cpu_compat.bypassed():
+        bypassed = tree.encode(state)[0]
+        storage = w.untyped_storage().data_ptr() == w.data_ptr()
+    skipped = len(calls)
+    after = torch.zeros(1, device="cuda").device.type  # the mode maps CUDA again after the bypass
+    type(mode).__torch_function__ = handler
+    result = [plain == bypassed, through_mode > 0, skipped, storage, after]
+    """,
+)
+
+
+def test_bookkeeping_bypasses_the_mode_and_encodes_the_same(installed_results: Dict[str, object]) -> None:
+    """megatron-ft's capture reads tensors' metadata under ``bypassed()``: the mode's Python handler
+    is not called there, the record is the same as through the mode, and the mode is back after."""
+    assert installed_results["bypassed_bookkeeping"] == [True, True, 0, True, "cpu"]
+
+
 def test_mode_type_names(installed_results: Dict[str, object]) -> None:
     assert installed_results["mode_type_names"] == [
         "torch.cuda.FloatTensor",
