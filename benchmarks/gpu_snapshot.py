@@ -312,6 +312,8 @@ def table(results: list[dict]) -> str:
                      f"H2D from it alone {med(r['h2d_from_slot']):.4f} s; clean with no training kernels beside it: "
                      + ", ".join(f"{m} {med(r[f'clean_idle_{m}']):.4f} s" for m in ("host", "device")
                                  if f"clean_idle_{m}" in r)
+                     + f"; restores from page-locked slots in order (s): "
+                       f"{', '.join(f'{x:.4f}' for x in r['restore'])} (the first pays what a process's first restore does)"
                      + "; worker phases (median s): " + rounded(r["phases"])
                      + "; restore phases (median s): " + rounded(r["restore_phases"]))
     return "\n".join(rows) + "\n\n" + "\n".join(restores) + "\n\n" + "\n".join(alone)
