@@ -214,40 +214,61 @@ def test_slots_that_cannot_be_page_locked_still_take_snapshots(agent, monkeypatc
     assert torch.equal(m.weight, want)
 
 
-def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_copy(agent, monkeypatch):
-    """The restore's copies run on streams of their own, from several threads; the destinations were
-    allocated (and perhaps zero-filled) on the caller's stream. Each staging stream's first operation
-    must be a wait for an event recorded on the caller's current stream, by the caller's thread,
-    before any copy. Recorded with stubs: this checks the bookkeeping; that a queued zero-fill really
-    lands before the restored bytes is checked on a GPU (``tests/gpu/test_device_staging.py``)."""
-    import threading
+class Recorded:
+    """CUDA streams and events stubbed to record what is issued where: ``ops`` holds (stream, what,
+    detail) in the order issued - a stream's ``wait`` for an event, its ``sync``, an event's ``record``
+    (the event knows the stream ``on`` and the ``thread`` it was recorded from). ``torch.cuda.stream``
+    makes a stream current for the calling thread; ``current()`` is that stream, else ``callers``
+    (the restoring thread's own stream)."""
 
-    caller = threading.get_ident()
-    ops: list = []  # (stream, what, detail) in the order issued
+    def __init__(self, monkeypatch):
+        import threading
 
-    class RecStream(Stream):
-        def __init__(self, *a, name="staging", **k):
-            self.name = name
+        ops: list = []
+        local = threading.local()
 
-        def wait_event(self, e):
-            ops.append((self, "wait", e))
+        class RecStream(Stream):
+            def __init__(self, *a, name="staging", **k):
+                self.name = name
 
-    class RecEvent(Event):
-        def record(self, s=None):
-            self.on, self.thread = s, threading.get_ident()
+            def wait_event(self, e):
+                ops.append((self, "wait", e))
 
-    callers_stream = RecStream(name="caller's")
-    monkeypatch.setattr(torch.cuda, "Stream", RecStream)
-    monkeypatch.setattr(torch.cuda, "Event", RecEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: callers_stream)
-    upload = device_staging.RestoreStaging.upload
+            def synchronize(self):
+                ops.append((self, "sync", None))
 
-    def recorded_upload(self, k, dst):
-        ops.append((self.stream, "copy", None))
-        return upload(self, k, dst)
+        class RecEvent(Event):
+            def record(self, s=None):
+                self.on, self.thread = s, threading.get_ident()
+                ops.append((s, "record", self))
 
-    monkeypatch.setattr(device_staging.RestoreStaging, "upload", recorded_upload)
-    monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 4)  # several restore threads
+        @contextlib.contextmanager
+        def on_stream(s):
+            stack = local.__dict__.setdefault("stack", [])
+            stack.append(s)
+            try:
+                yield
+            finally:
+                stack.pop()
+
+        self.ops, self.local, self.callers = ops, local, RecStream(name="caller's")
+        monkeypatch.setattr(torch.cuda, "Stream", RecStream)
+        monkeypatch.setattr(torch.cuda, "Event", RecEvent)
+        monkeypatch.setattr(torch.cuda, "stream", on_stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: self.current())
+
+    def current(self):
+        stack = self.local.__dict__.get("stack")
+        return stack[-1] if stack else self.callers
+
+    def streams(self) -> list:
+        """The streams other than the caller's that something was issued on, in order of first use."""
+        return list(dict.fromkeys(s for s, _, _ in self.ops if isinstance(s, Stream) and s is not self.callers))
+
+
+def snapshot_of_step_1_then_zeroed(agent):
+    """A model snapshotted as step 1 (the engine closed: its slots stay page-locked in this process), then
+    its parameters zeroed; returns (client, model, identity, the state to restore)."""
     c = agent.client()
     m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
     ad = TorchStateAdapter(m)
@@ -261,15 +282,43 @@ def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
+    return c, m, ident, want
+
+
+def restore_step_1(agent, c, m, ident, want) -> None:
     r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
     assert (r.source, r.step) == ("local_memory", 1), r
     assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
-    streams = list(dict.fromkeys(s for s, what, _ in ops if s is not callers_stream))
+
+
+def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_copy(agent, monkeypatch):
+    """The restore's copies run on streams of their own, from several threads; the destinations were
+    allocated (and perhaps zero-filled) on the caller's stream. Each staging stream's first operation
+    must be a wait for an event recorded on the caller's current stream, by the caller's thread,
+    before any copy. Recorded with stubs: this checks the bookkeeping; that a queued zero-fill really
+    lands before the restored bytes is checked on a GPU (``tests/gpu/test_device_staging.py``)."""
+    import threading
+
+    caller = threading.get_ident()
+    rec = Recorded(monkeypatch)
+    upload = device_staging.RestoreStaging.upload
+
+    def recorded_upload(self, k, dst):
+        rec.ops.append((self.stream, "copy", None))
+        return upload(self, k, dst)
+
+    monkeypatch.setattr(device_staging.RestoreStaging, "upload", recorded_upload)
+    monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 4)  # several restore threads
+    state = snapshot_of_step_1_then_zeroed(agent)
+    device_staging.release_page_locked()  # as a fresh process: through pinned blocks, from several threads
+    rec.ops.clear()  # (the snapshot's own streams)
+    restore_step_1(agent, *state)
+    streams = rec.streams()
     assert len(streams) >= 2, "the restore copied from several threads"
     for s in streams:
-        first = next((what, e) for st, what, e in ops if st is s)
-        assert first[0] == "wait", f"a staging stream copied before waiting: {[w for st, w, _ in ops if st is s][:3]}"
-        assert first[1].on is callers_stream and first[1].thread == caller
+        first = next((what, e) for st, what, e in rec.ops if st is s)
+        assert first[0] == "wait", f"a staging stream copied before waiting: {[w for st, w, _ in rec.ops if st is s][:3]}"
+        assert first[1].on is rec.callers and first[1].thread == caller
 
 
 def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, monkeypatch):
@@ -280,35 +329,8 @@ def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, m
     Recorded with stubs (the bookkeeping); the bytes' order on a real device: ``tests/gpu``."""
     from megatron_ft.trainer import guard, recovery
 
-    ops: list = []  # (stream, what, detail) in the order issued
-    current: list = []
-
-    class RecStream(Stream):
-        def __init__(self, *a, name="staging", **k):
-            self.name = name
-
-        def wait_event(self, e):
-            ops.append((self, "wait", e))
-
-        def synchronize(self):
-            ops.append((self, "sync", None))
-
-    class RecEvent(Event):
-        def record(self, s=None):
-            self.on = s
-            ops.append((s, "record", self))
-
-    @contextlib.contextmanager
-    def on_stream(s):
-        current.append(s)
-        yield
-        current.pop()
-
-    callers = RecStream(name="caller's")
-    monkeypatch.setattr(torch.cuda, "Stream", RecStream)
-    monkeypatch.setattr(torch.cuda, "Event", RecEvent)
-    monkeypatch.setattr(torch.cuda, "stream", on_stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: current[-1] if current else callers)
+    rec = Recorded(monkeypatch)
+    ops, callers = rec.ops, rec.callers
     real_upload, real_sum, real_screen = device_staging.RestoreStaging.upload_page_locked, recovery._sum_landed, \
         guard.ValueScreen.__init__
 
@@ -317,33 +339,19 @@ def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, m
         return real_upload(self, src, dst)
 
     def sum_landed(landed):
-        ops.append((current[-1] if current else callers, "lanes", len(landed)))
+        ops.append((rec.current(), "lanes", len(landed)))
         return real_sum(landed)
 
     def screen(self, tensors):
-        ops.append((current[-1] if current else callers, "guard", None))
+        ops.append((rec.current(), "guard", None))
         return real_screen(self, tensors)
 
     monkeypatch.setattr(device_staging.RestoreStaging, "upload_page_locked", upload)
     monkeypatch.setattr(recovery, "_sum_landed", sum_landed)
     monkeypatch.setattr(guard.ValueScreen, "__init__", screen)
-    c = agent.client()
-    m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
-    ad = TorchStateAdapter(m)
-    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
-    eng = SnapshotEngine(c, 0, ident, 1 << 10)
-    ad.extra = {"iteration": 1}
-    eng.snapshot(1, *ad.capture())
-    assert eng.wait().ok
-    eng.close()  # the slots stay page-locked in this process: the restore copies straight from them
-    want = {k: v.clone() for k, v in m.state_dict().items()}
-    with torch.no_grad():
-        for p in m.parameters():
-            p.zero_()
+    state = snapshot_of_step_1_then_zeroed(agent)  # the restore copies straight from the page-locked slots
     ops.clear()
-    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
-    assert (r.source, r.step) == ("local_memory", 1), r
-    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+    restore_step_1(agent, *state)
     [(join, _, n)] = [op for op in ops if op[1] == "lanes"]
     assert n > 0 and join is not callers, "the slot's pieces were summed on the caller's stream"
     [guarded] = [i for i, op in enumerate(ops) if op[1] == "guard"]
