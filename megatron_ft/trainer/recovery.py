@@ -176,12 +176,14 @@ class Container:
                 log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
         src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
         # GPU path (nothing is allocated for CPU targets); on the caller's thread: see its ordering rule
-        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK, device_staging.devices_of(views.values()))
+        devices = device_staging.devices_of(views.values())  # GPU path: the destinations' devices (else none)
+        on_gpu = bool(devices)
+        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK, devices)
         # GPU path: chunks with pieces on a device are verified on the device, after the copies
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
         page_locked = None  # GPU path: a uint8 tensor over the container's page-locked bytes
-        if on_device_sums and device_staging.devices_of(views.values()):
+        if on_device_sums and on_gpu:
             page_locked = self._page_locked()
 
         def upload(p, dst: torch.Tensor) -> torch.Tensor:
@@ -251,7 +253,6 @@ class Container:
 
         # chunks are independent and the read + checksum calls release the GIL: use the idle cores
         # (straight from a page-locked slot a thread only queues copies: one is enough, and no pool to start)
-        on_gpu = any(device_staging.on_device(v) for v in views.values())
         workers = 1 if page_locked is not None else max(
             1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS), self.layout.num_chunks))
         try:
