@@ -128,6 +128,7 @@ def test_a_tree_that_does_not_import_is_refused_naming_the_missing_module(tmp_pa
         megatron_lm.check_imports(str(tmp_path))
 
 
+@pytest.mark.slow  # 28 s: a start-up saving, not a recovery; the default suite stays under 15 minutes
 @needs_upstream
 def test_the_cpu_layer_skips_the_warm_up_of_fusions_it_turned_off(tree):
     """Upstream compiles its fused bias+activation and bias+dropout+add functions at start whatever

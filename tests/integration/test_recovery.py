@@ -78,6 +78,7 @@ def test_all_trainers_of_a_node_killed_before_snapshot(tmp_path, reference_dir):
     assert s["restarted_by"] == "fast round 1" and len(s["kept_in_place"]) == 2, s  # the other node's two ranks
 
 
+@pytest.mark.slow  # default-suite time (CI < 15 min); the in-place rejoin itself is in the default suite
 def test_with_in_process_restart_off_every_trainer_is_replaced(tmp_path, reference_dir):
     cfg = ftconfig.load(None).model_dump(mode="json")
     cfg["launch"]["in_process_restart"] = False

@@ -248,6 +248,7 @@ def test_a_failed_trainer_is_replaced_in_a_fast_round_beneath_its_worker(tmp_pat
     assert rounds == [["round", "0", "True", "1"], ["round", "1", "True", "1"], ["round", "2", "True", "1"]], rounds
 
 
+@pytest.mark.slow  # 27 s of real rounds (default-suite time); the budget's rule: tests/unit/test_fast_restart.py
 def test_fast_rounds_end_at_the_budget_and_never_retry_an_end_of_the_job(tmp_path, warm_pool):
     rc, rounds, err = rounds_worker(tmp_path, warm_pool[0], code=7, fail_rounds=9, budget=2)
     assert rc == 7 and [r[1] for r in rounds] == ["0", "1", "2"], (rc, rounds, err)  # then torchrun's turn
