@@ -15,6 +15,7 @@ No pickle: JSON and raw bytes only.
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -137,6 +138,14 @@ def read_layout(buf: Any, hdr: Optional[Header] = None) -> Layout:
     raw = bytes(buf[g.layout_off: g.layout_off + g.layout_len])
     if zlib.crc32(raw) != hdr.layout_crc:
         raise SnapshotFormatError("layout record checksum mismatch")
+    return _parsed_layout(raw)
+
+
+@functools.lru_cache(maxsize=32)
+def _parsed_layout(raw: bytes) -> Layout:
+    """``raw`` parsed, once per process for the same bytes: a rank's layout is the same in every
+    snapshot, and a restore that parses it again spends a fifth of its time before the first copy
+    there (32 tensors). :class:`Layout` is frozen, so one object serves every caller."""
     try:
         return Layout.from_json(raw)
     except (ValueError, KeyError) as e:

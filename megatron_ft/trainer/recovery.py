@@ -116,7 +116,7 @@ class Container:
         self.path = path
         #: GPU path, set by :meth:`load_verified`: when every copy was queued / had landed (``perf_counter``)
         self.marks: dict[str, float] = {}
-        self.mapped = STREAMING_RESTORE and shm.page_backing(os.path.dirname(path) or ".") == shm.HUGE
+        self.mapped = STREAMING_RESTORE and shm.backing_of(os.path.dirname(path) or ".") == shm.HUGE
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))

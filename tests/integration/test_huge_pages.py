@@ -77,6 +77,27 @@ def huge_dir(tmp_path):
         subprocess.run(["umount", "-l", d], check=False)
 
 
+def test_a_directorys_backing_is_looked_up_once_per_mount(tmp_path, monkeypatch):
+    """A restore asks for the backing of every container's directory: read from the system once, and
+    again when a tmpfs is mounted there (another device)."""
+    d = str(tmp_path / "later-huge")
+    os.makedirs(d)
+    reads = []
+    real = shm.page_backing
+    monkeypatch.setattr(shm, "page_backing", lambda directory: reads.append(directory) or real(directory))
+    before = shm.backing_of(d)
+    assert shm.backing_of(d) == before and reads == [d]  # the second answer from the process's table
+    out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "shm-mount", d, "--size", "16m"],
+                         capture_output=True, text=True)
+    if out.returncode == 2 and "failed" in out.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    try:
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert before != shm.HUGE and shm.backing_of(d) == shm.HUGE and reads == [d, d]
+    finally:
+        subprocess.run(["umount", "-l", d], check=False)
+
+
 def test_snapshots_on_a_huge_page_mount_restore_through_the_mapping(huge_dir, tmp_path):
     assert shm.page_backing(huge_dir) == shm.HUGE
     again = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "shm-mount", huge_dir, "--size", "64m"],

@@ -79,7 +79,7 @@ def read_path(request, monkeypatch):
     monkeypatch.setattr(recovery, "STREAMING_RESTORE", path != "in-place")
     monkeypatch.setattr(recovery, "READ_BLOCK", 4096)  # pieces span several read blocks
     backing = shm.HUGE if path == "mapped" else shm.SMALL
-    monkeypatch.setattr(recovery.shm, "page_backing", lambda directory: backing)
+    monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: backing)
     return path
 
 
