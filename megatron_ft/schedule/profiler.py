@@ -36,7 +36,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from ..config import _fail
 from .spans import (EVENT_KINDS, P2P_KINDS, Event, IdleSpan, LinkModel, TimelineSummary, _mean_var, average_spans,
