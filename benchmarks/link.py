@@ -14,16 +14,21 @@ jobs in turn (interleaved: the machine's drift reaches every kind alike):
   version as soon as it is clean (whenever the link is free of the previous one);
 * ``pipelined`` (GEMINI) and ``bubble`` (BAFT): ``redundancy.transport: scheduled`` in that
   ``schedule.mode``, ``schedule.idle: network``, the link's rate as ``schedule.bandwidth_mib_s``
-  (an operator knows theirs), after ``--profile`` iterations profiled without checkpoint traffic.
+  (an operator knows theirs), after ``--profile`` iterations profiled without checkpoint traffic;
+* ``agent-dscp``: the agent transport with ``network.replication_dscp: 8`` (CS1, lower effort): on a
+  bed with ``--classes`` (a network with traffic classes: every link queues that DSCP behind
+  everything else, ``megatron_ft.testing.hosts.shaping``) the copies take what training leaves of
+  the link; without classes it is the agent transport.
 
 A figure is the median over the repetitions of a job's mean iteration time after the profile (the
-same iterations in every job). Targets, per rate: ``pipelined`` and ``bubble`` <= 3 % over ``none`` and <= half of the agent
+same iterations in every job). Targets, per rate: ``pipelined``, ``bubble`` and ``agent-dscp`` <= 3 % over ``none`` and <= half of the agent
 transport's overhead. They must be met where the profiled network idle time covers the checkpoint's
 bytes at that rate (the plan fits: ``fits``, idle left >= 0); elsewhere the table shows the idle time
 per iteration and the traffic time the bytes need, which explain the miss.
 
     python3 benchmarks/link.py                             # 20 and 200 Mbit/s, 5 repetitions
     python3 benchmarks/link.py --rates 100mbit --reps 1 --no-docs
+    python3 benchmarks/link.py --classes --kinds none,agent,agent-dscp,pipelined   # its own section
 
 Needs root, iproute2 and the megatron extra (the test bed's requirements); writes its section of
 docs/benchmarks.md.
@@ -48,14 +53,16 @@ from _docs import write_section  # noqa: E402
 
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.testing import demo  # noqa: E402
-from megatron_ft.testing.hosts import HostBed, unavailable_reason  # noqa: E402
+from megatron_ft.testing.hosts import LOWER_EFFORT_DSCP, HostBed, unavailable_reason  # noqa: E402
 from megatron_ft.transport.credential import job_secret_file  # noqa: E402
 
 DOCS = scheduling.DOCS
 HEADING = "## Checkpoint traffic on a rate-limited link"
+HEADING_CLASSES = "## Checkpoint traffic on a rate-limited link with traffic classes"
 OVERHEAD_MAX = 0.03  # scheduled over none
 RATIO_MAX = 0.5  # scheduled overhead / agent overhead
-KINDS = ("none", "agent", "pipelined", "bubble")
+KINDS = ("none", "agent", "pipelined", "bubble", "agent-dscp")
+JUDGED = ("pipelined", "bubble", "agent-dscp")  # against the targets
 
 
 def rate_bits(rate: str) -> float:
@@ -73,14 +80,15 @@ def rate_bits(rate: str) -> float:
 def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> ftconfig.FTConfig:
     """The job of ``kind`` (one of :data:`KINDS`) on the bed's two hosts."""
     cfg = scheduling.job_config(2, "none" if kind == "none" else "scheduled", workdir, args, [])
-    if kind == "agent":
+    if kind in ("agent", "agent-dscp"):
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "agent"})
     elif kind != "none":  # the plan's link: the rate the bed gives it
         cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
     secret = job_secret_file("", {}, workdir, multi_host=False)  # one file the bed's hosts all read
+    dscp = LOWER_EFFORT_DSCP if kind == "agent-dscp" else 0
     return ftconfig.replace(cfg, run_id=f"blink-{kind}-{os.getpid()}", launch={"master_addr": "node0"},
-                            health={"host_pattern": "node{node}"}, network={"interface": "eth0"},
-                            security={"secret_file": secret})
+                            health={"host_pattern": "node{node}"},
+                            network={"interface": "eth0", "replication_dscp": dscp}, security={"secret_file": secret})
 
 
 def run_job(bed: HostBed, kind: str, rate: str, iters: int, args: argparse.Namespace, tag: str) -> str:
@@ -119,12 +127,22 @@ def plan_figures(run_dir: str, iterations: int) -> dict:
             "container_bytes": max(t["plan"]["nbytes"] for t in trs), "fits": all(s["fits"] for s in scheds)}
 
 
+def copies_completed(run_dir: str) -> int:
+    """How many versions became complete in the group during an agent-transport job (node 0's agent
+    says so for each): what the copies achieved, beside what training paid for them."""
+    try:
+        with open(os.path.join(run_dir, "node0", "agent.log"), encoding="utf-8") as f:
+            return len({m.group(1) for m in demo.GROUP_COMPLETE.finditer(f.read())})
+    except OSError:
+        return 0
+
+
 def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
     """Every repetition's figures at ``rate``: rows of {rate, rep, mode, iteration_s, ...}."""
     rows = []
     first = args.profile + 1  # the first iteration measured (its predecessor's end is known)
     iters = args.profile + args.measured
-    with HostBed(2, shm_mib=args.shm_mib, rate=rate) as bed:
+    with HostBed(2, shm_mib=args.shm_mib, rate=rate, classes=args.classes) as bed:
         for rep in range(args.reps):
             for kind in args.kinds:
                 t0 = time.time()
@@ -132,10 +150,15 @@ def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
                 row = {"rate": rate, "rep": rep, "mode": kind, "iteration_s": mean_after(d, first), "run_dir": d}
                 if kind in ("pipelined", "bubble"):
                     row.update(plan_figures(d, iters - args.profile))
+                elif kind != "none":  # the agents copy whenever they can: how often they got a copy through
+                    copies = copies_completed(d)
+                    row.update(copies=copies, iterations=iters, interval_achieved=iters / copies if copies else None)
                 rows.append(row)
                 print(f"[{rate} rep {rep}] {kind}: {row['iteration_s']:.3f} s/it"
                       + (f" (planned {row.get('planned_mode')}, a copy every {row.get('interval_planned')} it)"
-                         if "planned_mode" in row else "") + f" ({time.time() - t0:.0f} s)", flush=True)
+                         if "planned_mode" in row else "")
+                  + (f" ({row['copies']} copies complete in {iters} it)" if "copies" in row else "")
+                  + f" ({time.time() - t0:.0f} s)", flush=True)
     return rows
 
 
@@ -147,10 +170,14 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
     for key, s in out.items():
         s["iteration_s"] = statistics.median(r["iteration_s"] for r in s["reps"])
         for k in ("idle_s", "transfer_s", "idle_left_s", "interval_planned", "interval_achieved", "container_bytes",
-                  "stall_s"):
+                  "stall_s", "copies", "iterations"):
             vals = [r[k] for r in s["reps"] if r.get(k) is not None]
             if vals:
                 s[k] = statistics.median(vals)
+        if any("copies" in r for r in s["reps"]):  # the agents' copies over every repetition, not a median of some
+            copies, iters = sum(r["copies"] for r in s["reps"]), sum(r["iterations"] for r in s["reps"])
+            s["interval_achieved"] = iters / copies if copies else None
+            s["copies"], s["iterations"] = copies, iters
         if any("fits" in r for r in s["reps"]):
             s["fits"] = all(r.get("fits") for r in s["reps"])
             s["planned_mode"] = "/".join(sorted({r.get("planned_mode", "?") for r in s["reps"]}))
@@ -167,12 +194,18 @@ def verdicts(summary: dict, rates: list[str]) -> list[str]:
         if not none or not agent:
             continue
         agent_over = agent / none - 1
-        for mode in ("pipelined", "bubble"):
+        for mode in JUDGED:
             s = summary.get((rate, mode))
             if s is None:
                 continue
             over = s["iteration_s"] / none - 1
             ok = over <= OVERHEAD_MAX and (agent_over <= 0 or over <= RATIO_MAX * agent_over)
+            if "idle_s" not in s:  # not planned into idle time (agent-dscp): met or not, by the figures
+                every = {k: (f"{x['interval_achieved']:.1f} it" if x.get("interval_achieved") else "none completed")
+                         for k, x in (("it", s), ("agent", summary[(rate, "agent")]))}
+                out.append(f"{rate} {mode}: {'met' if ok else 'MISSED'} ({over:+.1%} vs none; agent {agent_over:+.1%}; "
+                           f"a copy every {every['it']}, the agent transport's every {every['agent']})")
+                continue
             covered = bool(s.get("fits")) and s.get("idle_left_s", -1) >= 0
             why = (f"idle {s.get('idle_s', 0):.3f} s/it, the copy needs {s.get('transfer_s', 0):.3f} s/it "
                    f"({s.get('container_bytes', 0) / 2**20:.1f} MiB every {s.get('interval_planned', '?')} it)")
@@ -206,6 +239,10 @@ def table(summary: dict, rates: list[str]) -> str:
                 plan = [s["planned_mode"], f"{s['idle_s']:.3f}", f"{s['transfer_s']:.3f}",
                         f"{s['interval_planned']:.0f}{achieved}", f"{s['container_bytes'] / 2**20:.1f}",
                         f"{s.get('stall_s', 0.0):.4f}"]
+            elif "copies" in s:  # the agent transport: no plan, the copies it got through
+                got = (f"- / {s['interval_achieved']:.1f} ({s['copies']} in {s['iterations']} it)"
+                       if s.get("interval_achieved") else f"- / none in {s['iterations']} it")
+                plan = ["-", "-", "-", got, "-", "-"]
             lines.append(f"| {rate} | {mode} | {it:.3f} | {vs_none} | {reps} | " + " | ".join(plan) + " |")
     return "\n".join(lines)
 
@@ -214,7 +251,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rates", default="20mbit,200mbit", help="link rates (tc: 100mbit, 1gbit, ...)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"jobs of {KINDS}, in turn")
+    ap.add_argument("--kinds", default=None, help=f"jobs of {KINDS}, in turn (default: all; agent-dscp only "
+                                                   f"with --classes)")
     ap.add_argument("--measured", type=int, default=30, help="iterations measured after the profile")
     ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
     ap.add_argument("--hidden", type=int, default=128)
@@ -227,11 +265,15 @@ def main() -> int:
     ap.add_argument("--shm-mib", type=int, default=512, help="each host's /dev/shm")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--workdir", default="/tmp/megatron-ft/bench-link")
+    ap.add_argument("--classes", action="store_true",
+                    help="links with traffic classes: the lower-effort DSCP queues behind everything else")
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
     args.idle = "network"  # GEMINI: the link's idle spans (the scheduled jobs' schedule.idle)
     args.segment = 2  # scheduling.job_config's compare settings (no modes compared here)
     rates = [r for r in args.rates.split(",") if r]
+    if args.kinds is None:
+        args.kinds = ",".join(k for k in KINDS if args.classes or k != "agent-dscp")
     args.kinds = [k for k in args.kinds.split(",") if k]
     if [k for k in args.kinds if k not in KINDS]:
         ap.error(f"--kinds: {args.kinds} not among {KINDS}")
@@ -259,11 +301,15 @@ def main() -> int:
                 f"Linux {platform.release()}, Python {platform.python_version()}; 1-min load average {load0:.1f} at the "
                 f"start, {os.getloadavg()[0]:.1f} at the end.\n\n"
                 + __doc__.split("\n\n", 1)[1].split("    python3")[0].strip() + "\n\n"
-                f"Model: megatron-core GPT, {args.layers_per_stage} layers per stage, hidden {args.hidden}, "
+                + ("Links with traffic classes (`--classes`): instead of one token bucket, an HTB tree of the same "
+                   "rate and burst whose default class is guaranteed the whole rate, and whose lower class (DSCP 8, "
+                   "CS1) borrows what the default class leaves (`megatron_ft.testing.hosts.shaping`).\n\n"
+                   if args.classes else "")
+                + f"Model: megatron-core GPT, {args.layers_per_stage} layers per stage, hidden {args.hidden}, "
                 f"sequence {args.seq}, {args.micro_batches} micro-batches per iteration; R = {args.reserved_mib:g} MiB, "
                 f"p = {args.p}, mu = {args.mu}, {args.profile} profiled iterations.\n\n"
                 + text + "\n\n" + "\n".join(f"- {v}" for v in found) + "\n")
-        write_section(DOCS, HEADING, body)
+        write_section(DOCS, HEADING_CLASSES if args.classes else HEADING, body)
     return 0
 
 

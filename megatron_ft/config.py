@@ -306,6 +306,13 @@ class NetworkConfig(_Section):
     generation its launcher hosts) listens on that interface's address only, and the trainers get
     ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` from it unless their environment sets them. The
     names in ``health.hosts`` / ``health.host_pattern`` must resolve to addresses on that network.
+
+    ``replication_dscp``: the DiffServ code point the agents' connections to their peers carry (the
+    snapshot copies and parity of ``redundancy.transport: agent``; the IP header's TOS / traffic class
+    byte is ``dscp << 2``). 0 leaves them unmarked. On a network whose switches and hosts give a lower
+    class to ``8`` (CS1, the usual "lower effort" class) the job's collectives go first and the copies
+    take what they leave of the link (docs/operators.md). The scheduled transport's chunks travel on the
+    job's own backend (gloo, NCCL) and are not marked.
     """
 
     interface: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_.:@-]{0,15}$"),
@@ -314,6 +321,7 @@ class NetworkConfig(_Section):
     #: the agents' peer transport (snapshot copies, parity, rebuilds): every agent of a job with
     #: ``redundancy.scheme`` other than none listens on ``peer_port`` (``+ node`` on one machine)
     peer_port: _int(1024, 65535) = 29600
+    replication_dscp: _int(0, 63) = 0
 
 
 class SecurityConfig(_Section):

@@ -225,12 +225,14 @@ class Redundancy:
     def client(self, node: int, within_s: Optional[float] = None) -> wire.Client:
         """A connection to ``node``'s agent (its address looked up at each (re)connect: a restarted
         agent listens on a new port); bounded by ``agent.request_timeout_s``, and with ``within_s`` its
-        address lookup and every call by that too."""
-        secret = self.agent.secret
+        address lookup and every call by that too. What this agent sends on it (the copies and parity it
+        replicates, requests) carries ``network.replication_dscp``; what the peer answers does not."""
+        secret, dscp = self.agent.secret, self.cfg.network.replication_dscp
         if within_s is None:
-            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError, secret=secret)
+            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError, secret=secret,
+                               dscp=dscp)
         return wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
-                           error=PeerError, secret=secret)
+                           error=PeerError, secret=secret, dscp=dscp)
 
 
     # ------------------------------------------------------------------ sending (one version)

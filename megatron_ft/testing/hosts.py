@@ -9,7 +9,8 @@ Each host is what a node of a real cluster has to itself:
   its own host name (``node0``, ``node1``, ...) and an ``/etc/hosts`` that resolves every host's name
   (optionally a host's own name to ``127.0.1.1``, as Debian's installer writes it);
 * optionally a link rate, on both ends of its link (``tc ... tbf`` shapes egress only), and a delay
-  where the kernel has ``netem``.
+  where the kernel has ``netem``; optionally traffic classes on the link (:func:`shaping`): packets
+  marked with the lower-effort DSCP queue behind everything else, as on a network with classes.
 
 A host is held by one *holder* process (``sleep infinity`` in the host's namespaces); a command runs in
 the host with ``nsenter --target <holder> --net --mount --uts`` - no ``ip netns exec``, which remounts
@@ -275,14 +276,48 @@ def teardown(tag: str) -> None:
         pass
 
 
+#: the DSCP a link with classes queues behind everything else (CS1, "lower effort")
+LOWER_EFFORT_DSCP = 8
+
+
+def shaping(dev: str, rate: str, classes: bool = False) -> list[list[str]]:
+    """``tc`` arguments that limit ``dev``'s egress to ``rate``: one token bucket (``tbf``, 256 KiB of
+    burst, 100 ms of queue), or with ``classes`` an HTB tree of the same rate and burst whose default
+    class is guaranteed the whole rate and whose lower class - packets whose DSCP is
+    :data:`LOWER_EFFORT_DSCP` - is guaranteed almost nothing and borrows what the default class leaves
+    (this kernel has no ``prio`` qdisc; HTB and ``u32`` it has).
+
+    >>> shaping("eth0", "20mbit")
+    [['qdisc', 'add', 'dev', 'eth0', 'root', 'tbf', 'rate', '20mbit', 'burst', '256kb', 'latency', '100ms']]
+    >>> print(" ".join(shaping("eth0", "20mbit", classes=True)[-1]))  # DSCP 8 is TOS byte 0x20
+    filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip tos 0x20 0xfc flowid 1:20
+    """
+    if not classes:
+        return [["qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]]
+    burst = ["burst", "256kb", "cburst", "256kb"]
+    return [
+        ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"],
+        ["class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate, *burst],
+        ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", rate, "ceil", rate,
+         *burst, "prio", "0"],
+        ["class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", "64kbit", "ceil", rate,
+         *burst, "prio", "1"],
+        ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "tos",
+         hex(LOWER_EFFORT_DSCP << 2), "0xfc", "flowid", "1:20"],
+    ]
+
+
 @dataclass
 class HostBed:
     """``hosts`` hosts of their own; ``shm_mib``: each one's /dev/shm; ``rate``: a tbf rate for every
-    link (e.g. ``"100mbit"``; None: unlimited); ``delay_ms``: needs netem (:attr:`delay_applied` says);
-    ``loopback_names``: hosts whose own name resolves to 127.0.1.1 in their /etc/hosts."""
+    link (e.g. ``"100mbit"``; None: unlimited); ``classes``: with ``rate``, the links queue the
+    lower-effort DSCP behind everything else (:func:`shaping`); ``delay_ms``: needs netem
+    (:attr:`delay_applied` says); ``loopback_names``: hosts whose own name resolves to 127.0.1.1 in
+    their /etc/hosts."""
     hosts: int
     shm_mib: int = 512
     rate: Optional[str] = None
+    classes: bool = False
     delay_ms: float = 0.0
     loopback_names: frozenset = frozenset()
     plan: BedPlan = field(init=False)
@@ -294,6 +329,8 @@ class HostBed:
     def __post_init__(self) -> None:
         if self.hosts < 1:
             raise ValueError(f"hosts={self.hosts} is invalid: must be >= 1")
+        if self.classes and not self.rate:
+            raise ValueError("classes=True needs a rate: the classes share a link's limited rate")
         self.plan = BedPlan(f"{os.getpid() % 100000:05d}{int(time.time() * 1000) % 1000:03d}", self.hosts)
 
     # ------------------------------------------------------------------ lifetime
@@ -362,8 +399,8 @@ class HostBed:
                     self.delay_applied = True
                     continue
             if self.rate:
-                _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                     "burst", "256kb", "latency", "100ms")
+                for argv in shaping(dev, self.rate, self.classes):
+                    _run("tc", "-n", where, *argv)
 
     def _start(self, i: int) -> None:
         """Host ``i``'s holder: its mount and UTS namespaces, /dev/shm, name and /etc/hosts."""

@@ -334,8 +334,21 @@ def _tune_tcp(sock: socket.socket) -> None:
             pass
 
 
-def open_socket(address: Address, timeout: float) -> socket.socket:
-    """Connect to ``address`` (bounded by ``timeout``, which then bounds every read and write)."""
+def mark(sock: socket.socket, dscp: int) -> None:
+    """Give the packets ``sock`` sends the DiffServ code point ``dscp`` (0-63; the IPv4 TOS or IPv6
+    traffic class byte is ``dscp << 2``), so that a network with traffic classes can queue them apart
+    (:attr:`megatron_ft.config.NetworkConfig.replication_dscp`). Needs no privilege."""
+    if not 0 <= dscp <= 63:
+        raise ValueError(f"dscp {dscp!r}: must be an integer from 0 to 63")
+    if sock.family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, dscp << 2)
+    else:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+
+
+def open_socket(address: Address, timeout: float, dscp: int = 0) -> socket.socket:
+    """Connect to ``address`` (bounded by ``timeout``, which then bounds every read and write); a TCP
+    connection's packets carry ``dscp`` (:func:`mark`) when it is not 0."""
     if isinstance(address, str):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout)
@@ -347,6 +360,8 @@ def open_socket(address: Address, timeout: float) -> socket.socket:
         return s
     s = socket.create_connection(tuple(address), timeout=timeout)
     _tune_tcp(s)
+    if dscp:
+        mark(s, dscp)  # before the first byte: the handshake's SYN went unmarked, no data did
     return s
 
 
@@ -499,12 +514,13 @@ class Client:
     ``address`` may be a callable that resolves the address at each (re)connect (a peer that
     restarted listens elsewhere). ``greeting`` is sent first on every connection (the agent's
     ``hello``); its reply is kept as :attr:`greeted`. ``error`` is the :class:`RemoteError`
-    subclass raised for a refusal. The connection opens on the first request or :meth:`connect`.
+    subclass raised for a refusal. The connection opens on the first request or :meth:`connect`;
+    over TCP its packets carry ``dscp`` (:func:`mark`; 0: unmarked).
     """
 
     def __init__(self, address: Union[Address, Callable[[], Address]], timeout: float,
                  greeting: Optional[dict] = None, error: type = RemoteError, reconnects: int = 1,
-                 secret: Optional[bytes] = None):
+                 secret: Optional[bytes] = None, dscp: int = 0):
         if not timeout or timeout <= 0:
             raise ValueError(f"timeout={timeout!r}: a positive number of seconds is required")
         self._address = address
@@ -514,6 +530,7 @@ class Client:
         self.error = error
         self.reconnects = reconnects
         self.secret = secret  # a TCP server's challenge is answered with it (None: it asks for none)
+        self.dscp = dscp
         self._sock: Optional[socket.socket] = None
         self._lock = threading.Lock()
         self._where = "" if callable(address) else describe(address)  # for messages: the last address used
@@ -574,7 +591,7 @@ class Client:
     def _open_locked(self) -> None:
         address = self._address() if callable(self._address) else self._address
         self._where = describe(address)
-        self._sock = open_socket(address, self.timeout)
+        self._sock = open_socket(address, self.timeout, self.dscp)
         if self.secret is not None and not isinstance(address, str):
             answer_challenge(self._sock, self.secret)
         if self.greeting is not None:

@@ -87,6 +87,51 @@ def test_hosts_have_their_own_names_addresses_and_memory_and_leave_nothing(bed_a
     assert leftovers(tag) == {"namespaces": [], "mounts": [], "state": False, "reaper": []}
 
 
+def class_bytes(ns: str) -> dict[str, int]:
+    """Bytes each HTB class of ``ns``'s eth0 has sent (``tc -s class show``)."""
+    out = subprocess.run(["tc", "-s", "-n", ns, "class", "show", "dev", "eth0"], capture_output=True, text=True).stdout
+    found, current = {}, None
+    for line in out.splitlines():
+        f = line.split()
+        if f[:2] == ["class", "htb"]:
+            current = f[2]
+        elif f[:1] == ["Sent"] and current:
+            found[current] = int(f[1])
+    return found
+
+
+def test_a_link_with_classes_carries_the_lower_effort_dscp_in_its_lower_class(bed_allowed):
+    """On a bed with traffic classes, what a connection marked with the lower-effort DSCP sends (as the
+    agents' replication connections are, with ``network.replication_dscp: 8``) is queued in the link's
+    lower class; what an unmarked one sends (the collectives) in the default class."""
+    with hosts.HostBed(2, shm_mib=8, rate="200mbit", classes=True) as bed:
+        srv = bed.popen(1, [sys.executable, "-c", textwrap.dedent("""
+            import socket
+            s = socket.create_server(('0.0.0.0', 7002))
+            for _ in range(2):
+                c, _ = s.accept()
+                while c.recv(1 << 20):
+                    pass""")])
+        sent = bed.run(0, [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from megatron_ft.transport import wire
+            for dscp, mib in (({hosts.LOWER_EFFORT_DSCP}, 3), (0, 1)):
+                for _ in range(100):
+                    try:
+                        s = wire.open_socket(('node1', 7002), 10, dscp)
+                        break
+                    except ConnectionRefusedError:
+                        time.sleep(0.05)
+                s.sendall(bytes(mib << 20))
+                s.close()
+            print('sent')""")], env={**os.environ, "PYTHONPATH": REPO})
+        assert sent.stdout.split() == ["sent"], sent.stderr
+        srv.wait(timeout=30)
+        got = class_bytes(bed.plan.host_ns(0))
+        assert 3 << 20 <= got["1:20"] < (3 << 20) * 1.2, got  # the marked connection's bytes (and its headers)
+        assert 1 << 20 <= got["1:10"] < 3 << 20, got  # the unmarked one's, with the handshakes and acks
+
+
 def test_a_harness_killed_in_the_middle_leaves_nothing_behind(bed_allowed, tmp_path):
     """The process that made a bed is SIGKILLed while its hosts run processes: its reaper tears
     everything down (processes, /dev/shm, namespaces)."""

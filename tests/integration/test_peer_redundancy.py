@@ -290,3 +290,32 @@ def test_a_stranger_without_the_jobs_secret_gets_nothing_from_the_peer_transport
 
     wait_for("the agent to log the refusals", lambda: refusals() >= 8, 10, lambda: cluster.logs([0]))
     cluster.train(2, start=3)  # the job's own exchange goes on
+
+
+def test_the_agents_replication_connections_carry_the_configured_dscp(tmp_path):
+    """``network.replication_dscp``: what each agent sends its peers (the copies) carries that DSCP in its
+    IP header (``ss --tos`` reads it from the kernel's socket), so a network with traffic classes can
+    queue it behind the collectives; 0 (the default) leaves the connections unmarked."""
+    import subprocess
+
+    from megatron_ft import network
+
+    def peer_tos(cfg) -> list[str]:
+        ports = {str(network.peer_port(cfg, n)) for n in range(2)}
+        out = subprocess.run(["ss", "-tn", "--tos", "state", "established"], capture_output=True, text=True).stdout
+        return [f.split("tos:")[1].split()[0] for f in out.splitlines()[1:]
+                if len(f.split()) > 3 and f.split()[3].rsplit(":", 1)[-1] in ports and "tos:" in f]
+
+    seen = {}
+    for dscp in (8, 0):
+        c = LocalCluster(str(tmp_path / f"d{dscp}"), 2, make_model, chunk_bytes=1 << 14,
+                         config={"network": {"replication_dscp": dscp}}, scheme="replica", replicas=2)
+        try:
+            c.train(2)
+            wait_for("a complete version in the group", lambda: all(
+                (c.status(n)["redundancy"]["complete_step"] or -1) >= 1 for n in range(2)), 30)
+            seen[dscp] = peer_tos(c.cfg)
+        finally:
+            c.close()
+    assert seen[8].count("0x20") >= 2, seen  # each agent's connection to the other, marked
+    assert seen[0] and set(seen[0]) <= {"0", "0x0"}, seen  # ss prints an unmarked socket as tos:0
