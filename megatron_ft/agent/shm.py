@@ -156,9 +156,9 @@ _BACKING_OF: dict[tuple[str, int], str] = {}
 def backing_of(directory: str) -> str:
     """:func:`page_backing` of ``directory``, read from the system once per process and mount: keyed by
     the directory and its device (a tmpfs mounted there later is another device). A restore asks for
-    every container it opens; reading ``/proc/mounts`` each time was a third of the time before its
-    first copy (32 tensors, 2 cores). A change of ``shmem_enabled`` while the process runs is not seen
-    (it decides only whether a restore maps the slot or reads it: speed, not what is read)."""
+    every container it opens, before its first copy; it read ``/proc/mounts`` every time. A change of
+    ``shmem_enabled`` while the process runs is not seen (it decides only whether a restore maps the
+    slot or reads it: speed, not what is read)."""
     try:
         key = (directory, os.stat(directory).st_dev)
     except OSError:

@@ -141,11 +141,13 @@ def read_layout(buf: Any, hdr: Optional[Header] = None) -> Layout:
     return _parsed_layout(raw)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _parsed_layout(raw: bytes) -> Layout:
-    """``raw`` parsed, once per process for the same bytes: a rank's layout is the same in every
-    snapshot, and a restore that parses it again spends a fifth of its time before the first copy
-    there (32 tensors). :class:`Layout` is frozen, so one object serves every caller."""
+    """``raw`` parsed (and its fingerprint checked) once per process for the same bytes: a rank's layout
+    is the same in every snapshot, and a restore spent part of its time before the first copy parsing it
+    again (docs/benchmarks.md, "the restore's own work before its first copy"). :class:`Layout` is
+    frozen, so one object serves every caller; a few layouts are kept (a process restores its own rank,
+    a rebuild its peers')."""
     try:
         return Layout.from_json(raw)
     except (ValueError, KeyError) as e:
