@@ -285,7 +285,9 @@ def shaping(dev: str, rate: str, classes: bool = False) -> list[list[str]]:
     burst, 100 ms of queue), or with ``classes`` an HTB tree of the same rate and burst whose default
     class is guaranteed the whole rate and whose lower class - packets whose DSCP is
     :data:`LOWER_EFFORT_DSCP` - is guaranteed almost nothing and borrows what the default class leaves
-    (this kernel has no ``prio`` qdisc; HTB and ``u32`` it has).
+    (this kernel has no ``prio`` qdisc; HTB and ``u32`` it has). Training's packets are not delayed by
+    the lower class; a TCP connection in it can wait out seconds of backed-off retransmission timers
+    beside a busy default class (docs/benchmarks.md, traffic classes: findings).
 
     >>> shaping("eth0", "20mbit")
     [['qdisc', 'add', 'dev', 'eth0', 'root', 'tbf', 'rate', '20mbit', 'burst', '256kb', 'latency', '100ms']]
