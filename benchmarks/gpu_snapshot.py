@@ -46,11 +46,9 @@ import time
 from typing import Optional
 
 import torch
-import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft.capture import checksum  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
@@ -59,7 +57,7 @@ from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, pa
                                                 release_page_locked)
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
-from snapshot import BenchStateAdapter, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
+from snapshot import BenchStateAdapter, one_node_config, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
 
 GiB = 1 << 30
 TARGETS = {"stall": 0.1, "clean": 1.2, "restore": 1.25}
@@ -168,13 +166,7 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
     compute = Compute(args.compute_factor * raw_d2h)
 
     run_id = f"bgpu{os.getpid()}x{int(size_gib * 1024)}"
-    cfg = ftconfig.replace(ftconfig.load(None), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 1},
-                           parallel={"tensor": 1, "pipeline": 1}, snapshot={"chunk_mib": args.chunk_mib},
-                           agent={"shm_dir": args.shm_dir, "socket_dir": os.path.join(workdir, "sock")},
-                           persist={"dir": os.path.join(workdir, "persist"), "interval": 0, "on_failure": False})
-    cfg_path = os.path.join(workdir, f"{run_id}.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f)
+    cfg, cfg_path = one_node_config(run_id, workdir, args.shm_dir, snapshot={"chunk_mib": args.chunk_mib})
     agent = AgentProc(cfg, cfg_path).start()
     identity = {"run_id": run_id, "rank": 0, "world_size": 1}
     adapter = BenchStateAdapter(state)

@@ -24,18 +24,16 @@ import tempfile
 import time
 
 import torch
-import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
-from snapshot import BenchStateAdapter  # noqa: E402  (benchmarks/snapshot.py)
+from snapshot import BenchStateAdapter, one_node_config  # noqa: E402  (benchmarks/snapshot.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,13 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix="mft-restore-overhead-")
     run_id = f"brs{os.getpid()}"
-    cfg = ftconfig.replace(ftconfig.load(None), run_id=run_id, cluster={"nodes": 1, "ranks_per_node": 1},
-                           parallel={"tensor": 1, "pipeline": 1},
-                           agent={"shm_dir": args.shm_dir, "socket_dir": os.path.join(work, "sock")},
-                           persist={"dir": os.path.join(work, "persist"), "interval": 0, "on_failure": False})
-    cfg_path = os.path.join(work, "job.yaml")
-    with open(cfg_path, "w") as f:
-        yaml.safe_dump(cfg.to_dict(), f)
+    cfg, cfg_path = one_node_config(run_id, work, args.shm_dir)
     agent = AgentProc(cfg, cfg_path).start()
     client = agent.client()
     identity = {"run_id": run_id, "rank": 0, "world_size": 1}

@@ -764,23 +764,31 @@ def load_samples(out_dir: str, method: str, ranks: int) -> Optional[list[dict]]:
 RESULT_TYPES = {"raw": RawCopyResult, "mft": MegatronFTResult, "torch_save": TorchSaveResult, "dcp": DcpResult}
 
 
-def agent_config(b: Bench, c: ComboResult) -> tuple[ftconfig.FTConfig, str]:
-    """An isolated single-node job: own run id, socket dir and persist dir; no persisting."""
-    run_id = b.combo_run_id(c)
+def one_node_config(run_id: str, workdir: str, shm_dir: str, ranks: int = 1,
+                    **sections: dict) -> tuple[ftconfig.FTConfig, str]:
+    """An isolated single-node job of ``ranks`` ranks (TP = PP = 1): its own run id, socket dir and
+    persist dir under ``workdir``, slots in ``shm_dir``, no persisting; ``sections`` override more (e.g.
+    ``snapshot={"chunk_mib": 64}``). Written to ``workdir/<run_id>.yaml``; returns it and its path."""
     cfg = ftconfig.replace(ftconfig.FTConfig(), run_id=run_id,
-                           cluster={"nodes": 1, "ranks_per_node": c.ranks}, parallel={"tensor": 1, "pipeline": 1},
-                           agent={"shm_dir": b.shm_dir, "socket_dir": os.path.join(b.workdir, "sock")},
-                           persist={"dir": os.path.join(b.workdir, "persist"), "interval": 0, "on_failure": False})
-    path = os.path.join(b.workdir, f"{run_id}.yaml")
+                           cluster={"nodes": 1, "ranks_per_node": ranks}, parallel={"tensor": 1, "pipeline": 1},
+                           agent={"shm_dir": shm_dir, "socket_dir": os.path.join(workdir, "sock")},
+                           persist={"dir": os.path.join(workdir, "persist"), "interval": 0, "on_failure": False},
+                           **sections)
+    path = os.path.join(workdir, f"{run_id}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg.to_dict(), f)
     return cfg, path
 
 
+def agent_config(b: Bench, c: ComboResult) -> tuple[ftconfig.FTConfig, str]:
+    """An isolated single-node job for combination ``c`` (:func:`one_node_config`)."""
+    return one_node_config(b.combo_run_id(c), b.workdir, b.shm_dir, c.ranks)
+
+
 def start_agent(b: Bench, cfg: ftconfig.FTConfig, cfg_path: str) -> subprocess.Popen:
     """``python -m megatron_ft.agent --config CFG --node 0`` (as tests/conftest.py AgentProc)."""
     sock = socket_path(cfg.agent.socket_dir, cfg.run_id, 0)
-    os.makedirs(os.path.dirname(sock), exist_ok=True)
+    os.makedirs(os.path.dirname(sock), mode=0o700, exist_ok=True)  # the agent refuses a socket dir others can enter
     p = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", "--config", cfg_path, "--node", "0"],
                          stdout=open(cfg_path + ".agent.log", "ab"), stderr=subprocess.STDOUT,
                          start_new_session=True, cwd=REPO)
