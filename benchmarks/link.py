@@ -151,8 +151,7 @@ def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
                 if kind in ("pipelined", "bubble"):
                     row.update(plan_figures(d, iters - args.profile))
                 elif kind != "none":  # the agents copy whenever they can: how often they got a copy through
-                    copies = copies_completed(d)
-                    row.update(copies=copies, iterations=iters, interval_achieved=iters / copies if copies else None)
+                    row.update(copies=copies_completed(d), iterations=iters)
                 rows.append(row)
                 print(f"[{rate} rep {rep}] {kind}: {row['iteration_s']:.3f} s/it"
                       + (f" (planned {row.get('planned_mode')}, a copy every {row.get('interval_planned')} it)"
@@ -170,7 +169,7 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
     for key, s in out.items():
         s["iteration_s"] = statistics.median(r["iteration_s"] for r in s["reps"])
         for k in ("idle_s", "transfer_s", "idle_left_s", "interval_planned", "interval_achieved", "container_bytes",
-                  "stall_s", "copies", "iterations"):
+                  "stall_s"):
             vals = [r[k] for r in s["reps"] if r.get(k) is not None]
             if vals:
                 s[k] = statistics.median(vals)
