@@ -216,18 +216,11 @@ def test_a_tcp_server_with_the_jobs_secret_serves_only_clients_that_prove_it(cap
 def test_a_client_marks_its_tcp_connection_with_the_dscp_it_was_given():
     """The DSCP goes into the IP header's TOS byte (``dscp << 2``) of what the client sends; unmarked by
     default; a value outside 0-63 is refused naming it."""
-    class H:
-        def handle(self, conn, msg):
-            return {"pong": True}
-
-        def closed(self, conn):
-            pass
-
-    server = wire.Server(("127.0.0.1", 0), H(), name="dscp-test").start()
+    server = wire.Server(("127.0.0.1", 0), Echo(), name="dscp-test").start()
     clients = [wire.Client(server.address, timeout=5, dscp=d) for d in (8, 0)]
     try:
-        for c in clients:
-            assert c.request("holds")["pong"] is True
+        for d, c in zip((8, 0), clients):
+            assert c.request("echo", x=d)["x"] == d
         assert [c._sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for c in clients] == [0x20, 0]
         with pytest.raises(ValueError, match="dscp 64: must be an integer from 0 to 63"):
             wire.mark(clients[0]._sock, 64)
