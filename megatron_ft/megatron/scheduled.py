@@ -1,18 +1,23 @@
 """The scheduled transport in a megatron-core training loop: profile the first W
 iterations through :mod:`.hooks`, plan the sends of ``schedule.mode``
 (:func:`megatron_ft.schedule.modes.plan_sends_every`), then run them every iteration
-(:class:`megatron_ft.transport.scheduled.ScheduledTransport`).
+(:class:`megatron_ft.transport.scheduled.ScheduledTransport`). With network idle spans, the plan
+goes through the transport's link gate (:mod:`megatron_ft.schedule.link_gate`): this module feeds it
+training's network calls from the hooks (``p2p``, ``grad_sync``, ``param_sync``; removed at
+:meth:`ScheduledHooks.close`).
 
 Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
 ``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
 ``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
-chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``) for
+chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``; ``gate``:
+the chunks the link gate let go only after its longest wait, and its total wait, or null) for
 ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 """
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from typing import Any, Optional
 
@@ -20,7 +25,8 @@ import torch
 
 from . import hooks as mhooks
 from ..config import ScheduleConfig
-from ..schedule.modes import SendSchedule, free_share_of_waits, idle_spans, plan_sends_every
+from ..schedule.link_gate import capacity_s, chunk_limit, gaps_after_calls, position_windows
+from ..schedule.modes import SendSchedule, free_share_of_waits, gated, idle_spans, plan_sends_every
 from ..schedule.profiler import TRANSPORT_FORMAT, TRANSPORT_VERSION, Profiler, summarize_rank, write_rank_json
 from ..schedule.spans import IdleSpan, LinkModel
 from ..transport.scheduled import ScheduledTransport
@@ -31,6 +37,15 @@ log = logging.getLogger("megatron_ft.transport")
 TRAFFIC_ITERATIONS = 3  # iterations profiled from the first transfer on, with its chunks (for the timeline)
 WAIT_ITERATIONS = 20  # at most this many iterations after the plan wait for the first transfer
 MAX_ACTUAL, MAX_ITERATIONS_KEPT = 4096, 20000  # bounded records for the transport file
+
+
+def planning_spans(spans: tuple, profiled: bool, iteration_s: float) -> tuple:
+    """The idle spans the plan fills: ``spans`` when there are any; without any, one span of the whole
+    iteration if the profile could not be used, and none at all (one of no length at the iteration's
+    end, where every chunk then lands: the plan does not fit) if the profile saw the link never idle."""
+    if spans:
+        return tuple(spans)
+    return (IdleSpan(iteration_s, iteration_s),) if profiled else (IdleSpan(0.0, iteration_s),)
 
 
 class ScheduledHooks:
@@ -60,6 +75,7 @@ class ScheduledHooks:
         self.actual: list[dict] = []  # chunks sent: iteration, start, end (s from its start), bytes
         self.iteration_s: list[float] = []
         self.run_dir = os.environ.get("MFT_RUN_DIR")
+        self._gate_hooks: list = []  # callbacks feeding the transport's link gate (removed at close)
 
     @property
     def planned(self) -> bool:
@@ -129,11 +145,13 @@ class ScheduledHooks:
         link = LinkModel(sc.bandwidth_mib_s * 2**20, sc.alpha_s) if sc.bandwidth_mib_s else None
         data = self.profiler.to_dict()  # the first W iterations: no checkpoint traffic yet
         spans, bubbles = [], []
+        profiled = False
         try:
             summ = summarize_rank(data, link)
             link = link or LinkModel(summ.link.bandwidth, sc.alpha_s)
             spans, bubbles = list(summ.summary.idle_spans), list(summ.summary.bubbles)
             iteration_s = summ.summary.iteration_s
+            profiled = True
         except Exception as e:  # every rank must still reach the collectives below
             log.warning("rank %d: profile not usable (%s): one idle span per iteration", self.rank, e)
             link = link or LinkModel(1e9, sc.alpha_s)
@@ -143,10 +161,11 @@ class ScheduledHooks:
         if sc.idle != "network" and not on_gpu:  # the same on every rank: the exchange is collective
             share = free_share_of_waits(len(os.sched_getaffinity(0)), self.transport.ranks_on_my_host())
         idle, spans = idle_spans(sc.idle, on_gpu, spans, bubbles, share)
-        if not spans:
-            spans = (IdleSpan(0.0, iteration_s),)
+        spans = planning_spans(spans, profiled, iteration_s)
         wants_bubbles = "bubble" in (sc.compare_modes or (sc.mode,))
         peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
+        window, capacity = (self._gate_window(data, link, iteration_s) if idle.startswith("network") and profiled
+                            else (0.0, 0.0))
         nbytes = self._container_bytes()
         modes = sc.compare_modes or (sc.mode,)
         if sc.mode in modes:  # the configured mode first: the profiled iterations after the plan show it
@@ -156,7 +175,8 @@ class ScheduledHooks:
             if mode in ScheduleConfig.BASELINES:
                 agreed.append((mode, None))
                 continue
-            agreed.append((mode, self.transport.agree(self._schedule(mode, nbytes, link, spans, bubbles, peer))))
+            sched = self._schedule(mode, nbytes, link, spans, bubbles, peer)
+            agreed.append((mode, self.transport.agree(gated(sched, window, link, capacity) if sched else None)))
         if sc.compare_modes:
             self.rotation, self.rotation_index = agreed, 0
             self.segment_end = step + self._segment(agreed[0][1])
@@ -164,8 +184,49 @@ class ScheduledHooks:
         self.plan_info = {"link_bandwidth": link.bandwidth, "alpha_s": link.alpha_s, "nbytes": nbytes,
                           "idle": idle, "free_share": share, "spans": [[s.start, s.end] for s in spans],
                           "bubbles": [[b.start, b.end] for b in bubbles],
-                          "profiled_iteration_s": iteration_s, "planned_at_step": step,
+                          "profiled_iteration_s": iteration_s, "planned_at_step": step, "gate_window_s": window,
                           "schedules": {m: (s.to_dict() if s else None) for m, s in agreed}}
+
+    def _gate_window(self, profile: dict, link: LinkModel, iteration_s: float) -> tuple[float, float]:
+        """Send through the transport's link gate (:mod:`megatron_ft.schedule.link_gate`), fed from
+        here on by the pipeline hooks: its window after each of training's network calls, from the
+        profiled iterations (the first left out, as in the summary). Returns the median window (the
+        chunks are cut to half of it) and the link time per iteration the gate gives; (0.0, 0.0),
+        chunks at their planned offsets, when the profile saw no such call."""
+        its = profile["iterations"][1:self.planned_after] or profile["iterations"][:self.planned_after]
+        try:
+            windows = position_windows(gaps_after_calls(its, link), self.cfg.schedule.mu)
+        except Exception as e:  # every rank must still reach the planning collectives
+            log.warning("rank %d: no link gate, the profile's network calls are not usable: %s", self.rank, e)
+            return 0.0, 0.0
+        if not windows or max(windows) <= 0:
+            return 0.0, 0.0
+        typical = statistics.median(windows)
+        capacity = capacity_s(windows, link.time(chunk_limit(typical, link)))
+        gate = self.transport.use_link(link.bandwidth, max(iteration_s, max(windows)))
+        calls = {"started": [], "ended": 0}
+
+        def before(point: str, info: dict) -> None:
+            calls["started"].append(time.perf_counter())
+            gate.begin()
+
+        def after(point: str, info: dict) -> None:
+            start = calls["started"].pop() if calls["started"] else time.perf_counter()
+            sent = int(info.get("send_next") or 0) + int(info.get("send_prev") or 0) if point == "p2p.after" else 0
+            k = calls["ended"]
+            calls["ended"] = k + 1
+            gate.end(start, sent, windows[k] if k < len(windows) else min(windows))
+
+        def new_iteration(point: str, info: dict) -> None:
+            calls["ended"] = 0
+
+        self._gate_hooks.append(mhooks.HOOKS.add_callback("iteration.begin", new_iteration))
+        for op in ("p2p", "grad_sync", "param_sync"):
+            self._gate_hooks.append(mhooks.HOOKS.add_callback(op + ".before", before))
+            self._gate_hooks.append(mhooks.HOOKS.add_callback(op + ".after", after))
+        log.info("rank %d: link gate, %d windows of %.1f-%.1f ms, %.1f ms of link a iteration", self.rank,
+                 len(windows), min(windows) * 1e3, max(windows) * 1e3, capacity * 1e3)
+        return typical, capacity
 
     def _segment(self, sched: Optional[SendSchedule]) -> int:
         """Iterations a mode runs before the next (``compare_iterations``, made whole transfers)."""
@@ -197,6 +258,9 @@ class ScheduledHooks:
                 return None
 
     def close(self) -> None:
+        for handle in self._gate_hooks:
+            mhooks.HOOKS.remove_callback(handle)
+        self._gate_hooks.clear()
         try:
             self.transport.close()
         finally:
@@ -213,5 +277,7 @@ class ScheduledHooks:
                    (v for v in self.plan_info["schedules"].values() if v), None)), "plan": self.plan_info,
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
                "stall_by_mode": self.transport.stall_by_mode,
-               "iteration_s": self.iteration_s, "actual": self.actual}
+               "iteration_s": self.iteration_s, "actual": self.actual,
+               "gate": ({"forced": self.transport.gate.forced, "waited_s": self.transport.gate.waited_s}
+                        if self.transport.gate is not None else None)}
         write_rank_json(os.path.join(self.run_dir, "transport"), self.rank, out)

@@ -8,6 +8,9 @@ the network so that they do not slow training. Pure functions, no processes, no 
   span, the last span unbounded
 * :mod:`.baft`   - BAFT Algorithm 1 (bubbles shared with the previous stage, spilling into later
   iterations) and Algorithm 2 (per bubble, the layers that fill it best, by dynamic programming)
+* :mod:`.link_gate` - when a chunk may take the link while training runs: right after one of
+  training's network calls, within mu of the shortest idle span the profile saw after that call
+  (a state machine fed with the calls' times, and the windows and chunk sizes from a profile)
 * :mod:`.profiler` - per-rank timelines of the first W iterations (the records come from
   :mod:`megatron_ft.megatron.hooks`), the profile file, their summary into idle spans and bubbles
 * :mod:`.timeline` - ``megatron-ft timeline``: Chrome trace and PNG with the GEMINI plan laid over

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from . import baft, gemini
+from . import baft, gemini, link_gate
 from ..config import ScheduleConfig, _check_int, _fail
 from .spans import _EPS, IdleSpan, LinkModel
 
@@ -66,6 +66,9 @@ class SendSchedule:
     blocking: bool  # training waits until every send of the iteration is done
     planned_transfer_s: float  # sum of f(size) over the sends
     fits: bool  # every send inside (mu times) an idle span / shared bubble
+    #: > 0: the sends of an iteration go when the link gate opens (:mod:`.link_gate`, this window),
+    #: in their order, not at their planned offsets; 0: at their offsets
+    gate_window_s: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -80,6 +83,7 @@ class SendSchedule:
                 "memory_bytes": self.memory_bytes,
                 "interval_iterations": self.interval_iterations, "blocking": self.blocking,
                 "planned_transfer_s": self.planned_transfer_s, "fits": self.fits,
+                "gate_window_s": self.gate_window_s,
                 "sends": [[s.copy, s.iteration, None if s.at == AT_END else s.at, s.offset, s.size, s.buffer]
                           for s in self.sends]}
 
@@ -229,6 +233,44 @@ def plan_sends_every(min_interval: int, mode: str, nbytes: int, copies: int, lin
     if sched.interval_iterations < min_interval:
         sched = dataclasses.replace(sched, interval_iterations=min_interval)
     return sched
+
+
+def gated(schedule: SendSchedule, window_s: float, link: LinkModel, capacity_s: float = math.inf) -> SendSchedule:
+    """``schedule`` executed through the link gate whose windows are typically ``window_s``: every send
+    cut into chunks of half that (:func:`.link_gate.chunk_limit`), each piece keeping its send's copy, planned
+    time and buffer (pieces of one send share a key's time and are numbered by its ``seq``). Where
+    the gate gives less link time per iteration (``capacity_s``, :func:`.link_gate.capacity_s`) than
+    the plan uses, the transfer is spread over as many iterations as the gate needs (at most
+    :data:`MAX_ITERATIONS`), the chunks in order, an equal share of the bytes in each. Schedules in
+    which training waits (``blocking``, ``end``) are returned as they are.
+
+    >>> s = SendSchedule("pipelined", (Send(0, 0, 0.5, 0, 300000, 0), Send(0, 1, 0.0, 300000, 1000, 1)),
+    ...                  2, 300000, 2, False, 0.03, True)
+    >>> g = gated(s, 0.008, LinkModel(25e6))  # 100 kB in half of 8 ms at 25 MB/s
+    >>> [(x.iteration, x.at, x.offset, x.size) for x in g.sends], g.gate_window_s
+    ([(0, 0.5, 0, 100000), (0, 0.5, 100000, 100000), (0, 0.5, 200000, 100000), (1, 0.0, 300000, 1000)], 0.008)
+    >>> g = gated(s, 0.008, LinkModel(25e6), capacity_s=0.004)  # 4 ms a iteration: 12.04 ms need 4
+    >>> [x.iteration for x in g.sends], g.interval_iterations
+    ([0, 1, 2, 3], 4)
+    """
+    if schedule.blocking or window_s <= 0:
+        return schedule
+    limit = link_gate.chunk_limit(window_s, link)
+    out = []
+    for s in schedule.sends:
+        for off in range(0, s.size, limit):
+            out.append(dataclasses.replace(s, offset=s.offset + off, size=min(limit, s.size - off)))
+    transfer_s = sum(link.time(s.size) for s in out)
+    n = schedule.interval_iterations
+    if capacity_s > 0 and transfer_s > n * capacity_s + _EPS:
+        n = min(MAX_ITERATIONS, math.ceil(transfer_s / capacity_s - _EPS))
+        done, spread = 0.0, []
+        for s in out:
+            spread.append(dataclasses.replace(s, iteration=min(n - 1, int(done / transfer_s * n))))
+            done += link.time(s.size)
+        out = spread
+    return dataclasses.replace(schedule, sends=tuple(out), gate_window_s=window_s, planned_transfer_s=transfer_s,
+                               interval_iterations=max(n, schedule.interval_iterations))
 
 
 def _schedule(mode: str, sends: list[Send], buffers: int, buffer_bytes: int, blocking: bool, link: LinkModel,

@@ -153,11 +153,39 @@ def _iteration_end(events: Sequence[Event], iteration_end: Optional[float]) -> f
     return iteration_end
 
 
-def network_idle_spans(events: Sequence[Event], iteration_end: Optional[float] = None) -> tuple[IdleSpan, ...]:
-    """GEMINI: the parts of ``[0, iteration_end)`` in which no send, receive or collective runs
-    (``iteration_end`` defaults to the last event's end)."""
+def link_occupancy(event: Event, link: Optional[LinkModel]) -> tuple[float, float]:
+    """The part of the iteration in which ``event`` (a send, receive or collective) holds the link: its
+    recorded ``[start, end)``, and for a point-to-point transfer at least the time its bytes need at
+    ``link``'s rate - from its start for a send (the bytes leave from then on), up to its end for a
+    receive (the last byte arrives at its end). A send that returns before its bytes are on the wire
+    (a socket buffer, a shaper's burst allowance) does not free the link: the bytes still take their
+    time. A collective returns only once every byte has arrived: its recorded time covers them (and
+    its recorded bytes are its buffer's, not what crossed this link - none with one rank).
+
+    >>> link = LinkModel(bandwidth=100.0)
+    >>> link_occupancy(Event("send", 2.0, 2.1, 50), link), link_occupancy(Event("recv", 3.0, 3.2, 50), link)
+    ((2.0, 2.5), (2.7, 3.2))
+    >>> link_occupancy(Event("recv", 2.5, 5.0, 50), link)  # waited for the peer: the recorded time
+    (2.5, 5.0)
+    >>> link_occupancy(Event("collective", 8.0, 9.0, 1000), link)
+    (8.0, 9.0)
+    """
+    if link is None or not event.bytes or event.kind not in P2P_KINDS:
+        return event.start, event.end
+    need = link.time(event.bytes)
+    if event.kind == RECV:
+        return max(0.0, min(event.start, event.end - need)), event.end
+    return event.start, max(event.end, event.start + need)
+
+
+def network_idle_spans(events: Sequence[Event], iteration_end: Optional[float] = None,
+                       link: Optional[LinkModel] = None) -> tuple[IdleSpan, ...]:
+    """GEMINI: the parts of ``[0, iteration_end)`` in which no send, receive or collective holds the
+    link (``iteration_end`` defaults to the last event's end). With ``link``, each holds it for at
+    least its bytes' time (:func:`link_occupancy`); a transfer whose bytes outlast the iteration
+    leaves no idle time at its end."""
     end = _iteration_end(events, iteration_end)
-    busy = [(e.start, e.end) for e in events if e.kind in NETWORK_KINDS]
+    busy = [link_occupancy(e, link) for e in events if e.kind in NETWORK_KINDS]
     return tuple(IdleSpan(s, e) for s, e in _gaps(busy, 0.0, end))
 
 
@@ -214,7 +242,7 @@ def summarize_iteration(rank: int, events: Sequence[Event], link: LinkModel,
                         iteration_end: Optional[float] = None) -> TimelineSummary:
     """One iteration of one rank: idle spans and reserved bubbles (see the module example)."""
     end = _iteration_end(events, iteration_end)
-    return TimelineSummary(rank, end, network_idle_spans(events, end), pipeline_bubbles(events, link, end))
+    return TimelineSummary(rank, end, network_idle_spans(events, end, link), pipeline_bubbles(events, link, end))
 
 
 def _mean_var(xs: Sequence[float]) -> tuple[float, float]:

@@ -63,7 +63,7 @@ INTERFACE = "eth0"
 #: how long a process started on a host may take to join its namespaces
 ENTER_WAIT_S = 10.0
 #: what the bed needs from the machine (Debian packages: iproute2, util-linux, procps)
-TOOLS = ("ip", "tc", "nsenter", "unshare", "mount")
+TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "taskset")
 
 
 class BedUnavailable(RuntimeError):
@@ -322,6 +322,9 @@ class HostBed:
     classes: bool = False
     delay_ms: float = 0.0
     loopback_names: frozenset = frozenset()
+    #: every process of host i runs on core i (modulo the machine's): hosts that do not take each
+    #: other's CPU, as separate machines would not (benchmarks; the default shares every core)
+    own_cores: bool = False
     plan: BedPlan = field(init=False)
     holders: dict[int, subprocess.Popen] = field(default_factory=dict, init=False)
     delay_applied: bool = field(default=False, init=False)
@@ -429,7 +432,10 @@ class HostBed:
         return os.path.join(self._workdir, f"ready{i}")
 
     def command(self, i: int, argv: list[str]) -> list[str]:
-        """``argv`` as run on host ``i`` (its network, mounts and name)."""
+        """``argv`` as run on host ``i`` (its network, mounts and name; with ``own_cores``, its core)."""
+        if self.own_cores:
+            argv = ["taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))]),
+                    *argv]
         return ["nsenter", f"--target={self.holders[i].pid}", "--net", "--mount", "--uts", "--", *argv]
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:

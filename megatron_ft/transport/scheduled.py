@@ -44,6 +44,16 @@ times) and waits for it in ``blocking`` / ``end`` modes and when a transfer is f
 receiver threads hand each announced transfer (its table and the agent's block) to the driver and
 wait until the driver has received every chunk of it.
 
+**The link gate** (:class:`GateClock`, a :class:`~megatron_ft.schedule.link_gate.LinkGate` on the
+clock, made by :meth:`ScheduledTransport.use_link`). A schedule with ``gate_window_s`` > 0 ignores
+its chunks' planned offsets: the training thread reports each of its own network calls to the gate
+(begin / end, from the pipeline hooks), and the driver sends a chunk only once the gate lets it onto
+the link (:func:`exchange_gated` on gloo: every receive of the release posted at once, each send
+after the gate; on NCCL each batch with a send waits for the gate, still in key order). A chunk
+waits at most ``2 x quiet_s`` (then goes, counted in ``GateClock.forced``). Lock order: the gate's
+lock is a leaf - taken by the training thread's hooks and the driver, never held while waiting on
+anything else.
+
 Wire format on ``ctrl``, no pickle: a header of 8 int64 ``[MAGIC, VERSION, kind, start, step,
 length, nchunks, columns]`` (kind 1 = transfer, 2 = bye, 3 = no transfer this time; ``start``: the
 iteration step after which the transfer started, the same on every rank), then for a transfer an
@@ -72,7 +82,7 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -82,6 +92,7 @@ from ..agent import shm
 from ..agent.protocol import AgentClient
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
+from ..schedule.link_gate import LinkGate
 from ..schedule.modes import SendSchedule
 from .p2p_batch import (END_BOUND, RECV, SEND, Op, Planned, batch_p2p, data_timeout_s, plan_transfer,
                         release_bound, send_keys)
@@ -163,9 +174,83 @@ def exchange(group: Any, batch: list[Op], stream: Optional[Any] = None) -> None:
                 op.done.set_exception(e)
         raise
     for op in batch:
-        if op.on_done is not None:
-            op.on_done(issued, finished)
-        op.done.set_result((issued, finished))
+        _resolve(op, issued, finished)
+
+
+def exchange_gated(group: Any, ops: Sequence[Op], gate: "GateClock") -> None:
+    """CPU (gloo) only: every receive of ``ops`` posted at once (a receive takes nothing of this rank's
+    link), then each send in key order once ``gate`` lets it onto the link, waited on the host;
+    then the receives waited. Each operation's ``on_done`` runs and its ``done`` is resolved as in
+    :func:`exchange`. Deadlock-free on gloo: every receive of the release is posted before any send
+    waits, on both ends, and a source's chunks match its receives in key order (one tag)."""
+    ops = sorted(ops, key=lambda o: o.key)
+    posted: list = []
+    try:
+        for op in ops:
+            if op.direction == RECV:
+                posted.append((op, dist.irecv(op.tensor, op.peer, group=group, tag=TAG_CHUNK), time.perf_counter()))
+        for op in ops:
+            if op.direction != SEND:
+                continue
+            gate.wait(op.tensor.numel())
+            issued = time.perf_counter()
+            dist.isend(op.tensor, op.peer, group=group, tag=TAG_CHUNK).wait()
+            _resolve(op, issued, time.perf_counter())
+        for op, work, issued in posted:
+            work.wait()
+            _resolve(op, issued, time.perf_counter())
+    except BaseException as e:
+        for op in ops:
+            if not op.done.done():
+                op.done.set_exception(e)
+        raise
+
+
+def _resolve(op: Op, issued: float, finished: float) -> None:
+    if op.on_done is not None:
+        op.on_done(issued, finished)
+    op.done.set_result((issued, finished))
+
+
+class GateClock:
+    """A :class:`~megatron_ft.schedule.link_gate.LinkGate` on ``time.perf_counter()``, shared by the
+    training thread (:meth:`begin` / :meth:`end` around each of training's network operations, from
+    the pipeline hooks) and the p2p driver (:meth:`wait` before each send). One lock, held only
+    inside these methods; :meth:`wait` sleeps on it and gives up after ``max_wait_s`` (the chunk
+    then goes anyway: a gate that never opens must not hold a transfer for ever), counted in
+    ``forced``."""
+
+    def __init__(self, bandwidth: float, quiet_s: float, max_wait_s: float):
+        self._cond = threading.Condition()
+        self.gate = LinkGate(bandwidth, 0.0, quiet_s)
+        self.max_wait_s = max_wait_s
+        self.forced = 0
+        self.waited_s = 0.0
+
+    def begin(self) -> None:
+        with self._cond:
+            self.gate.begin(time.perf_counter())
+
+    def end(self, start: float, nbytes: int = 0, window_s: Optional[float] = None) -> None:
+        with self._cond:
+            self.gate.end(start, time.perf_counter(), nbytes, window_s)
+            self._cond.notify_all()
+
+    def wait(self, nbytes: int) -> None:
+        t0 = now = time.perf_counter()
+        with self._cond:
+            while True:
+                at = self.gate.earliest(now, nbytes)
+                if at is not None and at <= now:
+                    break
+                left = t0 + self.max_wait_s - now
+                if left <= 0:
+                    self.forced += 1
+                    break
+                self._cond.wait(min(left, at - now) if at is not None else left)  # woken by end()
+                now = time.perf_counter()
+            self.gate.sent(now, nbytes)
+            self.waited_s += now - t0
 
 
 class _Driver:
@@ -254,6 +339,7 @@ class _Transfer:
     releases: list = field(default_factory=list)  # Future per release
     completed: collections.deque = field(default_factory=collections.deque)  # (issued, finished, bytes) per send
     sent: int = 0
+    gated: bool = False  # its sends go when the link gate opens (the schedule's gate_window_s > 0)
 
 
 class ScheduledTransport:
@@ -291,6 +377,8 @@ class ScheduledTransport:
             self._recv_clients[src] = AgentClient(agent_socket, cfg.agent.request_timeout_s)
             self._recv_clients[src].connect(hello)
         self.schedule: Optional[SendSchedule] = None
+        #: the link gate (:meth:`use_link`): the training thread reports its network operations to it
+        self.gate: Optional[GateClock] = None
         self.label = ""  # the mode in use (use()'s label: a schedule's mode, or "local" / "off" without one)
         self.phase = 0  # transfers start at snapshot steps = phase (mod interval)
         self.current: Optional[_Transfer] = None
@@ -356,6 +444,14 @@ class ScheduledTransport:
         if schedule is not None:
             log.info("rank %d: %s schedule, %d sends, a checkpoint every %d iteration(s), data timeout %d s",
                      self.rank, schedule.mode, len(schedule.sends), schedule.interval_iterations, self._timeout_s)
+
+    def use_link(self, bandwidth: float, quiet_s: float) -> GateClock:
+        """Make the link gate for a link of ``bandwidth`` bytes/s (training thread, before the first
+        :meth:`use` of a gated schedule): schedules with ``gate_window_s`` > 0 send through it.
+        ``quiet_s``: after this long without training's network use the link counts as idle (and a
+        chunk waits at most twice that for the gate)."""
+        self.gate = GateClock(bandwidth, quiet_s, 2 * quiet_s)
+        return self.gate
 
     def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
         """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
@@ -445,7 +541,8 @@ class ScheduledTransport:
         sends = sch.sends if seg is not None else ()
         keys = send_keys([(s.iteration, s.at) for s in sends])
         cur = _Transfer(agreed if seg is not None else -1, seg, step, self._data, self._timeout_s,
-                        [(k, self.dsts[s.copy], s.offset, s.size) for s, k in zip(sends, keys)], self._send_buf)
+                        [(k, self.dsts[s.copy], s.offset, s.size) for s, k in zip(sends, keys)], self._send_buf,
+                        gated=sch.gate_window_s > 0 and self.gate is not None)
         self.current = cur
         if seg is not None:
             self.last_step = agreed
@@ -584,10 +681,19 @@ class ScheduledTransport:
             while cur.cursor < len(cur.plan) and cur.plan[cur.cursor].key < bound:
                 todo.append(cur.plan[cur.cursor])
                 cur.cursor += 1
-            for batch in batch_p2p([self._op(cur, p, base) for p in todo]):
-                delay = min(op.due for op in batch) - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
+            ops = [self._op(cur, p, base) for p in todo]
+            gate = self.gate if cur.gated else None
+            if gate is not None and self._stream is None:  # CPU: sends when the link gate opens
+                exchange_gated(cur.group, ops, gate)
+                return
+            for batch in batch_p2p(ops):
+                sending = sum(op.tensor.numel() for op in batch if op.direction == SEND)
+                if gate is not None and sending:  # GPU: each batch with a send waits for the gate
+                    gate.wait(sending)
+                else:
+                    delay = min(op.due for op in batch) - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
                 exchange(cur.group, batch, self._stream)
         except Exception as e:  # the peers' streams are out of step with this one now: stop
             self.failed = self.failed or f"transfer started after step {cur.started_at}: {e}"

@@ -6,8 +6,11 @@ bytes its sender's slot held (checked then, and removed), the transfers it recor
 transport failed.
 
 Run: python scheduled_job.py --out DIR --world 2 --replicas 2 --modes pipelined,end [--skip-pin R:N]
-[--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank, tests/gpu/test_scheduled_nccl.py)
-(``--skip-pin R:N``: rank R's agent refuses its N-th pin, so R announces no transfer that time)
+[--calls [--gate-ms W]] [--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank,
+tests/gpu/test_scheduled_nccl.py)
+(``--skip-pin R:N``: rank R's agent refuses its N-th pin, so R announces no transfer that time;
+``--calls``: training's own network calls at fixed times of each iteration; ``--gate-ms``: they
+report to the link gate, whose window is W ms, and the chunks wait for it)
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ NBYTES = 3 * 2**20 + 12345  # not a multiple of a chunk (--nbytes)
 RESERVED, SUB_BUFFERS = 2**20, 2  # (--reserved)
 ITERS = 10
 ITERATION_S = 0.04
+#: --calls: training's network calls, seconds into each iteration: over the planned spans' times
+#: (see schedule()), so that chunks sent at their planned offsets start inside them
+CALLS = [(0.001, 0.009), (0.011, 0.019), (0.021, 0.029), (0.031, 0.036)]
+LINK_BYTES_S = 400e6
 
 
 def slot_bytes(rank: int, step: int) -> np.ndarray:
@@ -81,7 +88,7 @@ def schedule(mode: str, copies: int):
     from megatron_ft.schedule.modes import plan_sends
     from megatron_ft.schedule.spans import IdleSpan, LinkModel
 
-    link = LinkModel(400e6)  # a chunk of 512 KiB: 1.3 ms planned
+    link = LinkModel(LINK_BYTES_S)  # a chunk of 512 KiB: 1.3 ms planned
     spans = [IdleSpan(0.0, 0.004), IdleSpan(0.01, 0.012), IdleSpan(0.02, 0.03)]
     return plan_sends(mode, NBYTES, copies, link, RESERVED, SUB_BUFFERS, 0.9, spans, spans, spans)
 
@@ -105,20 +112,45 @@ def main(rank: int, args) -> None:
     FakeAgent.refuse_pin = {int(s) for r, s in (x.split(":") for x in args.skip_pin if x) if int(r) == rank}
     scheduled.AgentClient = FakeAgent
     step = {"agreed": -1}
-    t = scheduled.ScheduledTransport(cfg, rank, "unused", {}, lambda: step["agreed"])
+    chunks: list = []  # (issued, finished) of each chunk this rank sent
+    t = scheduled.ScheduledTransport(cfg, rank, "unused", {}, lambda: step["agreed"],
+                                     emit=lambda name, kind, start, end, *a: chunks.append((start, end)))
     modes = args.modes.split(",")
-    sched = t.agree(schedule(modes[rank % len(modes)], args.replicas - 1))
+    sched = schedule(modes[rank % len(modes)], args.replicas - 1)
+    gate = None
+    if args.gate_ms:  # training's network calls report to the link gate; the chunks wait for it
+        from megatron_ft.schedule.modes import gated
+        from megatron_ft.schedule.spans import LinkModel
+
+        gate = t.use_link(LINK_BYTES_S, quiet_s=1.0)
+        sched = gated(sched, args.gate_ms / 1e3, LinkModel(LINK_BYTES_S))
+    sched = t.agree(sched)
     t.use(sched, 0, sched.mode)
+    calls: list = []  # (start, end) of each simulated network call of training
     for it in range(ITERS):
         t.begin_iteration()
-        time.sleep(ITERATION_S)
+        t0 = time.perf_counter()
+        if args.calls:  # training's own network use at fixed times of the iteration (sleeps)
+            for a, b in CALLS:
+                time.sleep(max(0.0, t0 + a - time.perf_counter()))
+                start = time.perf_counter()
+                if gate is not None:
+                    gate.begin()
+                time.sleep(b - a)
+                if gate is not None:
+                    gate.end(start, 0, args.gate_ms / 1e3)
+                calls.append((start, time.perf_counter()))
+        time.sleep(max(0.0, t0 + ITERATION_S - time.perf_counter()))
         step["agreed"] = it
         t.end_iteration(it)
     t.close()
+    # a chunk that started while one of training's calls ran (the collision the gate prevents)
+    inside = sum(1 for issued, _ in chunks if any(a <= issued < b for a, b in calls))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"done": FakeAgent.done, "exact": FakeAgent.exact, "records": t.records, "failed": t.failed,
                    "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
-                   "pins": FakeAgent.pins, "interval": sched.interval_iterations}, f)
+                   "pins": FakeAgent.pins, "interval": sched.interval_iterations, "chunks": len(chunks),
+                   "chunks_inside_calls": inside, "gate_forced": gate.forced if gate else 0}, f)
     dist.destroy_process_group()
 
 
@@ -163,6 +195,8 @@ if __name__ == "__main__":
     p.add_argument("--skip-pin", default="", type=lambda s: s.split(","))
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--nbytes", type=int, default=NBYTES)
+    p.add_argument("--calls", action="store_true", help="training uses the network (CALLS) in every iteration")
+    p.add_argument("--gate-ms", type=float, default=0.0, help="send through the link gate with this window")
     p.add_argument("--reserved", type=int, default=RESERVED)
     a = p.parse_args()
     a.port = free_port()

@@ -132,6 +132,22 @@ def test_a_link_with_classes_carries_the_lower_effort_dscp_in_its_lower_class(be
         assert 1 << 20 <= got["1:10"] < 3 << 20, got  # the unmarked one's, with the handshakes and acks
 
 
+def test_hosts_with_cores_of_their_own_run_every_process_on_theirs(bed_allowed):
+    """``own_cores``: what runs on host i, and what it starts, is bound to core i (modulo the
+    machine's cores), so that two hosts do not take each other's CPU (the link benchmark's hosts)."""
+    cores = sorted(os.sched_getaffinity(0))
+    probe = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)), subprocess.run([sys.executable, " \
+            "'-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, text=True).stdout)"
+    with hosts.HostBed(2, shm_mib=8, own_cores=True) as bed:
+        for i in (0, 1):
+            out = bed.run(i, [sys.executable, "-c", probe]).stdout.split()  # its own, and its child's
+            want = str([cores[i % len(cores)]])
+            assert out == [want, want], (i, out)
+    with hosts.HostBed(1, shm_mib=8) as bed:  # the default: every core
+        assert bed.run(0, [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]).stdout.strip() \
+            == str(cores)
+
+
 def test_a_harness_killed_in_the_middle_leaves_nothing_behind(bed_allowed, tmp_path):
     """The process that made a bed is SIGKILLed while its hosts run processes: its reaper tears
     everything down (processes, /dev/shm, namespaces)."""

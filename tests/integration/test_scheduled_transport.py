@@ -29,6 +29,19 @@ def test_mixed_modes_and_a_rank_with_nothing_to_send_at_one_start(tmp_path):
     assert len(ranks[0]["done"]) == len(ranks[1]["records"])
 
 
+def test_through_the_link_gate_no_chunk_starts_while_training_uses_the_network(tmp_path):
+    # training "sends" 8 ms in every 10 ms of the first 36 ms of each iteration, over the plan's
+    # idle spans; at their planned offsets the chunks start inside those calls, through the gate
+    # (window 1.5 ms after each call) only between them, and every block still arrives exact
+    gated = run(tmp_path / "gated", "--world", "2", "--modes", "pipelined", "--calls", "--gate-ms", "1.5")
+    check(gated)
+    for r, out in gated.items():
+        assert out["chunks"] > 10 and out["chunks_inside_calls"] <= 1, (r, out)  # one: a descheduled sender
+    offsets = run(tmp_path / "offsets", "--world", "2", "--modes", "pipelined", "--calls")
+    check(offsets)
+    assert sum(out["chunks_inside_calls"] for out in offsets.values()) > 4, offsets
+
+
 @pytest.mark.slow  # 12 s; the two ranks' and the mixed modes' runs keep the driver's ordering in the default suite
 def test_a_ring_and_two_copies_per_rank(tmp_path):
     ring = run(tmp_path / "ring", "--world", "3", "--replicas", "2", "--modes", "blocking,pipelined,end")
