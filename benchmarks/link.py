@@ -200,7 +200,8 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
 
 def verdicts(summary: dict, rates: list[str]) -> list[str]:
     """Per rate and scheduled mode: met, or missed with why (a miss where the idle time covers the bytes
-    is a failure of the transport)."""
+    is a failure of the transport; where it does not, the copies cannot keep up whatever training
+    pays, and the figures say how far apart the two are)."""
     out = []
     for rate in rates:
         none = summary.get((rate, "none"), {}).get("iteration_s")
@@ -226,13 +227,13 @@ def verdicts(summary: dict, rates: list[str]) -> list[str]:
             covered = bool(s.get("fits")) and s.get("idle_left_s", -1) >= 0
             why = (f"idle {s.get('idle_s', 0):.3f} s/it, the copy needs {s.get('transfer_s', 0):.3f} s/it "
                    f"({s.get('container_bytes', 0) / 2**20:.1f} MiB every {s.get('interval_planned', '?')} it)")
-            if ok:
-                out.append(f"{rate} {mode}: met ({over:+.1%} vs none; agent {agent_over:+.1%}{local_part})")
-            elif covered:
-                out.append(f"{rate} {mode}: MISSED although the idle time covers the bytes ({over:+.1%} vs none; "
-                           f"agent {agent_over:+.1%}{local_part}; {why})")
-            else:
+            if not covered:  # the plan itself says the copies cannot keep up without slowing training
                 out.append(f"{rate} {mode}: missed, the idle time does not cover the bytes ({over:+.1%} vs none; "
+                           f"agent {agent_over:+.1%}{local_part}; {why})")
+            elif ok:
+                out.append(f"{rate} {mode}: met ({over:+.1%} vs none; agent {agent_over:+.1%}{local_part})")
+            else:
+                out.append(f"{rate} {mode}: MISSED although the idle time covers the bytes ({over:+.1%} vs none; "
                            f"agent {agent_over:+.1%}{local_part}; {why})")
     return out
 
