@@ -37,7 +37,13 @@ the same state, so that a snapshot's copy costs about 1 % of an iteration on the
 device-to-host copy of a GPU host does not take the GPU's compute (at 64 it took 12 %, and no
 transport could be within 3 % of ``none``).
 
+``--paired N`` adds one job per repetition in which ``off`` (no snapshot, no traffic), ``local`` and
+``pipelined`` take turns of ``--turn`` iterations (``schedule.compare_modes``): each turn is compared
+with the ``off`` turn next to it, so that the machine's drift between jobs and within one cancels (the
+separate jobs' medians move by 10 % between runs on this machine); its lines follow the verdicts.
+
     python3 benchmarks/link.py                             # 50 and 200 Mbit/s, 5 repetitions
+    python3 benchmarks/link.py --rates 200mbit --kinds none --paired 90 --no-docs   # paired turns
     python3 benchmarks/link.py --rates 100mbit --reps 1 --no-docs
     python3 benchmarks/link.py --classes --kinds none,agent,agent-dscp,pipelined   # its own section
 
@@ -74,6 +80,7 @@ OVERHEAD_MAX = 0.03  # scheduled over none
 RATIO_MAX = 0.5  # scheduled overhead / agent overhead
 KINDS = ("none", "local", "agent", "pipelined", "bubble", "agent-dscp")
 JUDGED = ("pipelined", "bubble", "agent-dscp")  # against the targets
+PAIRED_MODES = ("off", "local", "pipelined")  # --paired: one job per repetition, these in turn
 
 
 def rate_bits(rate: str) -> float:
@@ -95,6 +102,10 @@ def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> 
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "agent"})
     elif kind == "local":  # snapshots every iteration, no copy leaves the host
         cfg = ftconfig.replace(cfg, schedule={"compare_modes": ["local"]})
+    elif kind == "paired":  # off, local and pipelined in turn inside one job
+        cfg = ftconfig.replace(cfg, schedule={"mode": "pipelined", "compare_modes": list(PAIRED_MODES),
+                                              "compare_iterations": args.turn,
+                                              "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
     elif kind != "none":  # the plan's link: the rate the bed gives it
         cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
     if kind != "none":
@@ -159,6 +170,15 @@ def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
     iters = args.profile + args.measured
     with HostBed(2, shm_mib=args.shm_mib, rate=rate, classes=args.classes, own_cores=args.own_cores) as bed:
         for rep in range(args.reps):
+            if args.paired:
+                t0 = time.time()
+                d = run_job(bed, "paired", rate, args.profile + args.paired, args, f"{rate}-{rep}")
+                for r in scheduling.mode_results(d, 2, args):
+                    rows.append({"rate": rate, "rep": rep, "mode": f"{r['mode']} (paired)", "paired": True,
+                                 "iteration_s": r["iteration_s"], "turns": r["turns"], "run_dir": d})
+                print(f"[{rate} rep {rep}] paired job: " + ", ".join(
+                    f"{r['mode']} {r['iteration_s']:.3f}" for r in rows if r["rep"] == rep and r.get("paired")
+                    and r["rate"] == rate) + f" s/it ({time.time() - t0:.0f} s)", flush=True)
             for kind in args.kinds:
                 t0 = time.time()
                 d = run_job(bed, kind, rate, iters, args, f"{rate}-{rep}")
@@ -238,6 +258,26 @@ def verdicts(summary: dict, rates: list[str]) -> list[str]:
     return out
 
 
+def paired(rows: list[dict], rates: list[str]) -> list[str]:
+    """The paired jobs' lines: per rate, each mode's turns against the ``off`` turn next to it in the
+    same job (the median over every repetition's turn pairs: the machine's drift between jobs, and
+    between turns, cancels), beside the modes' job means."""
+    out = []
+    for rate in rates:
+        by: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["rate"] == rate and r.get("paired"):
+                by.setdefault(r["mode"].split(" ")[0], []).append(r)
+        for mode in PAIRED_MODES[1:]:
+            pairs = [a / b - 1 for m, o in zip(by.get(mode, []), by.get("off", []))
+                     for a, b in zip(m["turns"], o["turns"])]
+            if pairs:
+                means = ", ".join(f"{m['iteration_s']:.3f}/{o['iteration_s']:.3f}" for m, o in zip(by[mode], by["off"]))
+                out.append(f"{rate} paired: {mode} {statistics.median(pairs):+.1%} over off (median of {len(pairs)} "
+                           f"turn pairs; job means {mode}/off: {means} s)")
+    return out
+
+
 def table(summary: dict, rates: list[str]) -> str:
     lines = ["| link | job | iteration (s), median | vs none | repetitions (s) | planned | idle/it (s) | "
              "copy traffic/it (s) | a copy every (it, planned / achieved) | MiB per copy | training waited/it (s) |",
@@ -288,6 +328,9 @@ def main() -> int:
                     help="links with traffic classes: the lower-effort DSCP queues behind everything else")
     ap.add_argument("--own-cores", action=argparse.BooleanOptionalAction, default=True,
                     help="each host on a core of its own (default), as separate machines")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="also one job per repetition of N iterations with off, local and pipelined in turn")
+    ap.add_argument("--turn", type=int, default=6, help="iterations per turn in the paired job (whole transfers)")
     ap.add_argument("--no-docs", action="store_true")
     args = ap.parse_args()
     args.idle = "network"  # GEMINI: the link's idle spans (the scheduled jobs' schedule.idle)
@@ -312,7 +355,7 @@ def main() -> int:
         rows += measure_rate(rate, args)
     summary = summarize(rows)
     text = table(summary, rates)
-    found = verdicts(summary, rates)
+    found = verdicts(summary, rates) + paired(rows, rates)
     minutes = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60
     print(text)
     print("\n".join(found))
