@@ -493,7 +493,7 @@ class ScheduleConfig(_Section):
     mode: _choice(Mode) = "pipelined"
     sub_buffers: _int(1, 64) = 4  # p
     reserved_mib: _num(0.0, strict=True) = 64.0  # R: sender-side buffer memory for checkpoint traffic
-    mu: _num(0.0, 1.0, strict=True) = 0.9  # share of each profiled idle span the plan may use
+    mu: _num(0.0, 1.0, strict=True) = 0.9  # share of each profiled idle span the plan (and the link gate) may use
     profile_iterations: _int(2) = 20  # W (GEMINI: 20)
     bandwidth_mib_s: _num(0.0) = 0.0  # link for the plan; 0 = estimated from the profile's P2P transfers
     alpha_s: _num(0.0) = 0.0  # per-chunk start-up time of the link model f(s) = alpha + s/B

@@ -9,6 +9,8 @@ Skipped without enough CUDA devices (CI has none); run on a machine with two or 
 * The first batch on the data group follows the eager barrier ``agree()`` runs, so it needs no rank
   that is not its peer; with three GPUs, a ring (each rank sends to the next only) checks that.
 * The driver thread issues on its rank's device (a new thread starts on device 0).
+* Through the link gate, each batch with a send waits for it (in key order) and no chunk starts
+  inside one of training's simulated network calls.
 The gloo runs of the same job are tests/integration/test_scheduled_transport.py."""
 import os
 import sys
@@ -42,3 +44,12 @@ def test_a_ring_on_nccl(tmp_path):
                     "--nbytes", str(64 * 2**20 + 3), "--reserved", str(32 * 2**20))
     check_transfers(ring)
     assert [out["srcs"] for _, out in sorted(ring.items())] == [[2], [0], [1]]
+
+
+@pytest.mark.skipif(gpus() < 2, reason="needs two CUDA devices")
+def test_through_the_link_gate_on_nccl(tmp_path):
+    # the gated path on NCCL: each batch with a send waits for the gate, in key order (on gloo the
+    # receives are posted at once instead); both ways, every block exact, no chunk inside a call
+    out = run_nccl(tmp_path, "--world", "2", "--modes", "pipelined", "--calls", "--gate-ms", "1.5")
+    check_transfers(out)
+    assert all(r["chunks"] > 10 and r["chunks_inside_calls"] <= 1 for r in out.values()), out
