@@ -98,16 +98,16 @@ def rate_bits(rate: str) -> float:
 def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> ftconfig.FTConfig:
     """The job of ``kind`` (one of :data:`KINDS`) on the bed's two hosts."""
     cfg = scheduling.job_config(2, "none" if kind == "none" else "scheduled", workdir, args, [])
+    link_mib_s = round(rate_bits(rate) / 8 / 2**20, 3)  # the plan's link: the rate the bed gives it
     if kind in ("agent", "agent-dscp"):
         cfg = ftconfig.replace(cfg, redundancy={"scheme": "replica", "replicas": 2, "transport": "agent"})
     elif kind == "local":  # snapshots every iteration, no copy leaves the host
         cfg = ftconfig.replace(cfg, schedule={"compare_modes": ["local"]})
     elif kind == "paired":  # off, local and pipelined in turn inside one job
         cfg = ftconfig.replace(cfg, schedule={"mode": "pipelined", "compare_modes": list(PAIRED_MODES),
-                                              "compare_iterations": args.turn,
-                                              "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
-    elif kind != "none":  # the plan's link: the rate the bed gives it
-        cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": round(rate_bits(rate) / 8 / 2**20, 3)})
+                                              "compare_iterations": args.turn, "bandwidth_mib_s": link_mib_s})
+    elif kind != "none":
+        cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": link_mib_s})
     if kind != "none":
         cfg = ftconfig.replace(cfg, snapshot={"interval": args.snapshot_interval})
     secret = job_secret_file("", {}, workdir, multi_host=False)  # one file the bed's hosts all read
@@ -269,11 +269,12 @@ def paired(rows: list[dict], rates: list[str]) -> list[str]:
             if r["rate"] == rate and r.get("paired"):
                 by.setdefault(r["mode"].split(" ")[0], []).append(r)
         for mode in PAIRED_MODES[1:]:
-            pairs = [a / b - 1 for m, o in zip(by.get(mode, []), by.get("off", []))
-                     for a, b in zip(m["turns"], o["turns"])]
-            if pairs:
+            turns = {m: {"turns_by_round": [r["turns"] for r in by.get(m, [])]} for m in (mode, "off")}
+            over = scheduling.paired_overhead(turns[mode], turns["off"])
+            if over is not None:
+                pairs = sum(min(len(a), len(b)) for a, b in zip(*(t["turns_by_round"] for t in turns.values())))
                 means = ", ".join(f"{m['iteration_s']:.3f}/{o['iteration_s']:.3f}" for m, o in zip(by[mode], by["off"]))
-                out.append(f"{rate} paired: {mode} {statistics.median(pairs):+.1%} over off (median of {len(pairs)} "
+                out.append(f"{rate} paired: {mode} {over:+.1%} over off (median of {pairs} "
                            f"turn pairs; job means {mode}/off: {means} s)")
     return out
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..config import _check_num
-from .spans import _EPS, NETWORK_KINDS, SEND, LinkModel
+from .spans import _EPS, NETWORK_KINDS, SEND, Event, LinkModel, link_occupancy
 
 CALL_SOURCES = ("p2p", "ddp")  # the hooks' records of the calls that report to the gate
 MIN_CHUNK_BYTES = 64 << 10  # no chunk is cut smaller (per-chunk cost); a window shorter than its time
@@ -121,7 +121,7 @@ def training_calls(events: Sequence[dict]) -> list[tuple[float, float, int]]:
 def gaps_after_calls(iterations: Sequence[dict], link: LinkModel) -> list[list[float]]:
     """Per recorded iteration (the profile's ``{"start", "end", "events"}``, consecutive): the idle
     span after each of training's calls (:func:`training_calls`), from its bytes being off the link
-    (its end, or its start plus what it sent at ``link``'s rate if later) to the next call's start -
+    (:func:`~.spans.link_occupancy` of what it sent) to the next call's start -
     for the iteration's last call, the next iteration's first (the last iteration's last: its end).
     Never negative.
 
@@ -136,7 +136,8 @@ def gaps_after_calls(iterations: Sequence[dict], link: LinkModel) -> list[list[f
     timeline = []  # per iteration: absolute (start, free) per call
     for it in iterations:
         base = it["start"]
-        timeline.append([(base + a, base + max(b, a + n / link.bandwidth)) for a, b, n in training_calls(it["events"])])
+        timeline.append([(base + a, base + link_occupancy(Event(SEND, a, b, n), link)[1])
+                         for a, b, n in training_calls(it["events"])])
     out = []
     for i, calls in enumerate(timeline):
         nxt = next((t[0][0] for t in timeline[i + 1:] if t), iterations[i]["end"] if i == len(timeline) - 1 else None)

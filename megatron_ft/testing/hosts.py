@@ -434,8 +434,8 @@ class HostBed:
     def command(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` as run on host ``i`` (its network, mounts and name; with ``own_cores``, its core)."""
         if self.own_cores:
-            argv = ["taskset", "--cpu-list", str(sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))]),
-                    *argv]
+            cores = sorted(os.sched_getaffinity(0))
+            argv = ["taskset", "--cpu-list", str(cores[i % len(cores)]), *argv]
         return ["nsenter", f"--target={self.holders[i].pid}", "--net", "--mount", "--uts", "--", *argv]
 
     def popen(self, i: int, argv: list[str], **kw) -> subprocess.Popen:

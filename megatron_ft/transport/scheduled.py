@@ -169,9 +169,7 @@ def exchange(group: Any, batch: list[Op], stream: Optional[Any] = None) -> None:
             stream.synchronize()
         finished = time.perf_counter()
     except BaseException as e:
-        for op in batch:
-            if not op.done.done():
-                op.done.set_exception(e)
+        _fail_pending(batch, e)
         raise
     for op in batch:
         _resolve(op, issued, finished)
@@ -200,9 +198,7 @@ def exchange_gated(group: Any, ops: Sequence[Op], gate: "GateClock") -> None:
             work.wait()
             _resolve(op, issued, time.perf_counter())
     except BaseException as e:
-        for op in ops:
-            if not op.done.done():
-                op.done.set_exception(e)
+        _fail_pending(ops, e)
         raise
 
 
@@ -210,6 +206,13 @@ def _resolve(op: Op, issued: float, finished: float) -> None:
     if op.on_done is not None:
         op.on_done(issued, finished)
     op.done.set_result((issued, finished))
+
+
+def _fail_pending(ops: Sequence[Op], error: BaseException) -> None:
+    """Every operation of ``ops`` not resolved yet gets ``error`` (its batch failed)."""
+    for op in ops:
+        if not op.done.done():
+            op.done.set_exception(error)
 
 
 class GateClock:
