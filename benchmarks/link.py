@@ -110,6 +110,8 @@ def job_config(kind: str, rate: str, workdir: str, args: argparse.Namespace) -> 
         cfg = ftconfig.replace(cfg, schedule={"mode": kind, "bandwidth_mib_s": link_mib_s})
     if kind != "none":
         cfg = ftconfig.replace(cfg, snapshot={"interval": args.snapshot_interval})
+    if kind not in ("none", "local", "agent", "agent-dscp"):
+        cfg = ftconfig.replace(cfg, schedule={"min_interval": args.min_interval})
     secret = job_secret_file("", {}, workdir, multi_host=False)  # one file the bed's hosts all read
     dscp = LOWER_EFFORT_DSCP if kind == "agent-dscp" else 0
     return ftconfig.replace(cfg, run_id=f"blink-{kind}-{os.getpid()}", launch={"master_addr": "node0"},
@@ -150,7 +152,21 @@ def plan_figures(run_dir: str, iterations: int) -> dict:
             "interval_planned": max(s["interval_iterations"] for s in scheds),
             "interval_achieved": iterations / sent if sent else None,
             "stall_s": max(sum(t.get("stall_by_mode", {}).values()) for t in trs) / max(1, iterations),
+            "cpu_ms": transport_cpu_ms(run_dir, next(iter(trs[0]["plan"]["schedules"]))),  # the configured mode's label
             "container_bytes": max(t["plan"]["nbytes"] for t in trs), "fits": all(s["fits"] for s in scheds)}
+
+
+def transport_cpu_ms(run_dir: str, label: str) -> "float | None":
+    """The CPU time of the scheduled transport's own threads (its driver, which makes every chunk's
+    system calls, and its receivers; ``cpu_s`` of ``transport/rank*.json``) per iteration run in mode
+    ``label``, on the busiest rank, in ms: on a CPU host it comes out of the cores that train."""
+    out = []
+    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
+        t = json.load(open(os.path.join(run_dir, "transport", f)))
+        n = sum(1 for rec in t["iteration_s"] if rec[1] == label)
+        if n and t.get("cpu_s"):
+            out.append(sum(t["cpu_s"].values()) / n * 1e3)
+    return max(out) if out else None
 
 
 def copies_completed(run_dir: str) -> int:
@@ -175,7 +191,8 @@ def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
                 d = run_job(bed, "paired", rate, args.profile + args.paired, args, f"{rate}-{rep}")
                 for r in scheduling.mode_results(d, 2, args):
                     rows.append({"rate": rate, "rep": rep, "mode": f"{r['mode']} (paired)", "paired": True,
-                                 "iteration_s": r["iteration_s"], "turns": r["turns"], "run_dir": d})
+                                 "iteration_s": r["iteration_s"], "turns": r["turns"], "run_dir": d,
+                                 "cpu_ms": transport_cpu_ms(d, r["mode"]) if r["mode"] not in ("off", "local") else None})
                 print(f"[{rate} rep {rep}] paired job: " + ", ".join(
                     f"{r['mode']} {r['iteration_s']:.3f}" for r in rows if r["rep"] == rep and r.get("paired")
                     and r["rate"] == rate) + f" s/it ({time.time() - t0:.0f} s)", flush=True)
@@ -204,7 +221,7 @@ def summarize(rows: list[dict]) -> dict[tuple[str, str], dict]:
     for key, s in out.items():
         s["iteration_s"] = statistics.median(r["iteration_s"] for r in s["reps"])
         for k in ("idle_s", "transfer_s", "idle_left_s", "interval_planned", "interval_achieved", "container_bytes",
-                  "stall_s"):
+                  "stall_s", "cpu_ms"):
             vals = [r[k] for r in s["reps"] if r.get(k) is not None]
             if vals:
                 s[k] = statistics.median(vals)
@@ -274,15 +291,19 @@ def paired(rows: list[dict], rates: list[str]) -> list[str]:
             if over is not None:
                 pairs = sum(min(len(a), len(b)) for a, b in zip(*(t["turns_by_round"] for t in turns.values())))
                 means = ", ".join(f"{m['iteration_s']:.3f}/{o['iteration_s']:.3f}" for m, o in zip(by[mode], by["off"]))
+                cpu = [r["cpu_ms"] for r in by[mode] if r.get("cpu_ms") is not None]
+                cpu_part = (f"; the transport's threads {statistics.median(cpu):.1f} ms of CPU per {mode} iteration"
+                            if cpu else "")
                 out.append(f"{rate} paired: {mode} {over:+.1%} over off (median of {pairs} "
-                           f"turn pairs; job means {mode}/off: {means} s)")
+                           f"turn pairs; job means {mode}/off: {means} s{cpu_part})")
     return out
 
 
 def table(summary: dict, rates: list[str]) -> str:
     lines = ["| link | job | iteration (s), median | vs none | repetitions (s) | planned | idle/it (s) | "
-             "copy traffic/it (s) | a copy every (it, planned / achieved) | MiB per copy | training waited/it (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "copy traffic/it (s) | a copy every (it, planned / achieved) | MiB per copy | training waited/it (s) | "
+             "transport CPU/it (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate in rates:
         none = summary.get((rate, "none"), {}).get("iteration_s")
         for mode in KINDS:
@@ -292,16 +313,16 @@ def table(summary: dict, rates: list[str]) -> str:
             it = s["iteration_s"]
             vs_none = f"{it / none - 1:+.1%}" if none and mode != "none" else "-"
             reps = ", ".join(f"{r['iteration_s']:.3f}" for r in s["reps"])
-            plan = ["-"] * 6
+            plan = ["-"] * 7
             if "idle_s" in s:
                 achieved = f" / {s['interval_achieved']:.1f}" if s.get("interval_achieved") else ""
                 plan = [s["planned_mode"], f"{s['idle_s']:.3f}", f"{s['transfer_s']:.3f}",
                         f"{s['interval_planned']:.0f}{achieved}", f"{s['container_bytes'] / 2**20:.1f}",
-                        f"{s.get('stall_s', 0.0):.4f}"]
+                        f"{s.get('stall_s', 0.0):.4f}", f"{s['cpu_ms']:.1f}" if s.get("cpu_ms") is not None else "-"]
             elif "copies" in s:  # the agent transport: no plan, the copies it got through
                 got = (f"- / {s['interval_achieved']:.1f} ({s['copies']} in {s['iterations']} it)"
                        if s.get("interval_achieved") else f"- / none in {s['iterations']} it")
-                plan = ["-", "-", "-", got, "-", "-"]
+                plan = ["-", "-", "-", got, "-", "-", "-"]
             lines.append(f"| {rate} | {mode} | {it:.3f} | {vs_none} | {reps} | " + " | ".join(plan) + " |")
     return "\n".join(lines)
 
@@ -321,6 +342,8 @@ def main() -> int:
     ap.add_argument("--p", type=int, default=4, help="sub-buffers")
     ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
     ap.add_argument("--mu", type=float, default=0.9)
+    ap.add_argument("--min-interval", type=int, default=1,
+                    help="schedule.min_interval of the scheduled jobs: a peer copy at most every N iterations")
     ap.add_argument("--snapshot-interval", type=int, default=1, help="snapshot.interval (iterations)")
     ap.add_argument("--shm-mib", type=int, default=512, help="each host's /dev/shm")
     ap.add_argument("--timeout", type=float, default=900)

@@ -10,7 +10,8 @@ Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled 
 ``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
 ``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
 chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``; ``gate``:
-the chunks the link gate let go only after its longest wait, and its total wait, or null) for
+the chunks the link gate let go only after its longest wait, and its total wait, or null; ``cpu_s``:
+the CPU time of the transport's driver and receiver threads) for
 ``megatron-ft timeline`` and ``benchmarks/scheduling.py``.
 """
 from __future__ import annotations
@@ -276,7 +277,7 @@ class ScheduledHooks:
                "schedule": (self.plan_info["schedules"].get(self.cfg.schedule.mode) or next(
                    (v for v in self.plan_info["schedules"].values() if v), None)), "plan": self.plan_info,
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
-               "stall_by_mode": self.transport.stall_by_mode,
+               "stall_by_mode": self.transport.stall_by_mode, "cpu_s": self.transport.cpu_s,
                "iteration_s": self.iteration_s, "actual": self.actual,
                "gate": ({"forced": self.transport.gate.forced, "waited_s": self.transport.gate.waited_s}
                         if self.transport.gate is not None else None)}

@@ -30,8 +30,7 @@ Every rank releases the same bounds in the same order, so each executes its plan
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 SEND, RECV = "send", "recv"
@@ -113,7 +112,7 @@ class Op:
     is staged from (a send) or copied to (a receive) on the GPU path, None where ``tensor`` is the
     host memory itself (CPU) or a received chunk has nowhere to go. ``due``: the earliest
     ``time.perf_counter()`` to issue it. ``on_done(issued, finished)`` runs on the executor's thread
-    once its batch completed; ``done`` is resolved then too (with an exception if the batch failed)."""
+    once it completed (a failed batch raises on that thread instead: the executor's caller sees it)."""
     peer: int
     direction: str  # SEND | RECV
     tensor: Any
@@ -121,7 +120,6 @@ class Op:
     due: float = 0.0
     host: Any = None
     on_done: Optional[Callable[[float, float], None]] = None
-    done: Future = field(default_factory=Future)
 
 
 def batch_p2p(ops: Sequence[Any]) -> list[list[Any]]:

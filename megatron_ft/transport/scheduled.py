@@ -84,7 +84,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -137,40 +136,35 @@ def schedule_timeout_s(schedule: SendSchedule) -> int:
 
 def exchange(group: Any, batch: list[Op], stream: Optional[Any] = None) -> None:
     """Issue ``batch`` as one ``batch_isend_irecv`` on ``group``, wait for it on the host, then run each
-    operation's ``on_done`` and resolve its ``done``. Only the thread that owns ``group`` calls this.
+    operation's ``on_done``. Only the thread that owns ``group`` calls this.
 
     ``stream`` (GPU only, None on CPU): the transport's side stream. Sends are staged host -> device
     on it and it is synchronized before the batch is issued; after the batch it waits for NCCL's
     work (``Work.wait`` orders the current stream after it) and copies received chunks device ->
     host, and is synchronized again before anything is resolved, so a staging buffer is reused and
     a block released only once its bytes are where they belong. Nothing here runs on the default
-    stream, so no copy queues behind training kernels. Raises what the batch raised (every
-    operation's ``done`` gets the exception)."""
-    try:
-        if stream is not None:  # ---- GPU only
-            with torch.cuda.stream(stream):
-                for op in batch:
-                    if op.direction == SEND and op.host is not None:
-                        op.tensor.copy_(op.host, non_blocking=True)
-            stream.synchronize()
-        issued = time.perf_counter()
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.direction == SEND else dist.irecv, op.tensor,
-                                                   op.peer, group, TAG_CHUNK) for op in batch])
-        if stream is None:  # gloo: each work waited exactly once (a second wait blocks for ever)
+    stream, so no copy queues behind training kernels. Raises what the batch raised."""
+    if stream is not None:  # ---- GPU only
+        with torch.cuda.stream(stream):
+            for op in batch:
+                if op.direction == SEND and op.host is not None:
+                    op.tensor.copy_(op.host, non_blocking=True)
+        stream.synchronize()
+    issued = time.perf_counter()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.direction == SEND else dist.irecv, op.tensor,
+                                               op.peer, group, TAG_CHUNK) for op in batch])
+    if stream is None:  # gloo: each work waited exactly once (a second wait blocks for ever)
+        for w in works:
+            w.wait()
+    else:  # ---- GPU only: NCCL's wait does not block the host; the stream's synchronize does
+        with torch.cuda.stream(stream):
             for w in works:
                 w.wait()
-        else:  # ---- GPU only: NCCL's wait does not block the host; the stream's synchronize does
-            with torch.cuda.stream(stream):
-                for w in works:
-                    w.wait()
-                for op in batch:
-                    if op.direction == RECV and op.host is not None:
-                        op.host.copy_(op.tensor, non_blocking=True)
-            stream.synchronize()
-        finished = time.perf_counter()
-    except BaseException as e:
-        _fail_pending(batch, e)
-        raise
+            for op in batch:
+                if op.direction == RECV and op.host is not None:
+                    op.host.copy_(op.tensor, non_blocking=True)
+        stream.synchronize()
+    finished = time.perf_counter()
     for op in batch:
         _resolve(op, issued, finished)
 
@@ -178,41 +172,34 @@ def exchange(group: Any, batch: list[Op], stream: Optional[Any] = None) -> None:
 def exchange_gated(group: Any, ops: Sequence[Op], gate: "GateClock") -> None:
     """CPU (gloo) only: every receive of ``ops`` posted at once (a receive takes nothing of this rank's
     link), then each send in key order once ``gate`` lets it onto the link, waited on the host;
-    then the receives waited. Each operation's ``on_done`` runs and its ``done`` is resolved as in
-    :func:`exchange`. Deadlock-free on gloo: every receive of the release is posted before any send
-    waits, on both ends, and a source's chunks match its receives in key order (one tag)."""
+    then the receives waited. Each operation's ``on_done`` runs as in :func:`exchange`.
+    Deadlock-free on gloo: every receive of the release is posted before any send waits, on both
+    ends, and a source's chunks match its receives in key order (one tag).
+
+    The operations go to ``group``'s process group directly (``ProcessGroup.send`` / ``recv``, what
+    ``torch.distributed.isend`` / ``irecv`` call after their checks, made once here for all): this
+    runs once per chunk, on a thread that shares the interpreter lock with training."""
     ops = sorted(ops, key=lambda o: o.key)
+    ranks = {peer: dist.get_group_rank(group, peer) for peer in {op.peer for op in ops}}
     posted: list = []
-    try:
-        for op in ops:
-            if op.direction == RECV:
-                posted.append((op, dist.irecv(op.tensor, op.peer, group=group, tag=TAG_CHUNK), time.perf_counter()))
-        for op in ops:
-            if op.direction != SEND:
-                continue
-            gate.wait(op.tensor.numel())
-            issued = time.perf_counter()
-            dist.isend(op.tensor, op.peer, group=group, tag=TAG_CHUNK).wait()
-            _resolve(op, issued, time.perf_counter())
-        for op, work, issued in posted:
-            work.wait()
-            _resolve(op, issued, time.perf_counter())
-    except BaseException as e:
-        _fail_pending(ops, e)
-        raise
+    for op in ops:
+        if op.direction == RECV:
+            posted.append((op, group.recv([op.tensor], ranks[op.peer], TAG_CHUNK), time.perf_counter()))
+    for op in ops:
+        if op.direction != SEND:
+            continue
+        gate.wait(op.tensor.numel())
+        issued = time.perf_counter()
+        group.send([op.tensor], ranks[op.peer], TAG_CHUNK).wait()
+        _resolve(op, issued, time.perf_counter())
+    for op, work, issued in posted:
+        work.wait()
+        _resolve(op, issued, time.perf_counter())
 
 
 def _resolve(op: Op, issued: float, finished: float) -> None:
     if op.on_done is not None:
         op.on_done(issued, finished)
-    op.done.set_result((issued, finished))
-
-
-def _fail_pending(ops: Sequence[Op], error: BaseException) -> None:
-    """Every operation of ``ops`` not resolved yet gets ``error`` (its batch failed)."""
-    for op in ops:
-        if not op.done.done():
-            op.done.set_exception(error)
 
 
 class GateClock:
@@ -258,10 +245,12 @@ class GateClock:
 
 class _Driver:
     """The p2p driver: one daemon thread running submitted jobs one at a time, in submission order.
-    Every operation on the transport's data groups runs in its jobs (see the module docstring)."""
+    Every operation on the transport's data groups runs in its jobs (see the module docstring).
+    ``cpu_s``: the CPU time the thread has spent in its jobs (read it after :meth:`stop`)."""
 
     def __init__(self, name: str, device: torch.device):
         self._device = device
+        self.cpu_s = 0.0
         self._q: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -287,10 +276,13 @@ class _Driver:
             fut, fn, args = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            t0 = time.thread_time()
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # the submitter sees it in the future
                 fut.set_exception(e)
+            finally:
+                self.cpu_s += time.thread_time() - t0
 
 
 @dataclass(eq=False)
@@ -304,7 +296,7 @@ class _Incoming:
     step: int = -1
     length: int = 0
     rows: list = field(default_factory=list)  # (key, offset, size), the source's chunk table
-    dst: Optional[np.ndarray] = None  # the agent's block (None: nowhere to put it, drained and dropped)
+    dst: Optional[torch.Tensor] = None  # the agent's block, uint8 (None: nowhere to put it, drained and dropped)
     stage: Optional[torch.Tensor] = None  # GPU: where chunks land; CPU: scratch for chunks with nowhere to go
     remaining: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -334,6 +326,7 @@ class _Transfer:
     timeout_s: int
     own: list  # this rank's sends: (key, dst, offset, size)
     send_buf: Optional[torch.Tensor] = None  # GPU: the device staging buffer of sends
+    view: Optional[torch.Tensor] = None  # seg's bytes, uint8 (driver thread, from the plan on; dropped before close)
     iteration: int = 0  # next iteration of the schedule to release
     plan: Optional[list[Planned]] = None  # set by the driver once every source's header is in
     cursor: int = 0  # plan[:cursor] released
@@ -391,6 +384,7 @@ class ScheduledTransport:
         self._ctrl_pending: list = []
         self._gone: set[int] = set()  # sources that said bye or whose receiver stopped (driver thread)
         self._inbox: dict[int, "queue.Queue[_Incoming]"] = {src: queue.Queue() for src in self.srcs}
+        self._recv_cpu: dict[int, float] = {}  # source -> its receiver thread's CPU time, once it ended
         self._driver = _Driver(f"mft-sched-p2p-r{rank}", self.device)
         self._receivers = [threading.Thread(target=self._recv_loop, args=(src,), daemon=True,
                                             name=f"mft-sched-recv-r{rank}-from{src}") for src in self.srcs]
@@ -612,6 +606,12 @@ class ScheduledTransport:
                 cl.close(orderly=True)
 
     @property
+    def cpu_s(self) -> dict[str, float]:
+        """CPU time of the transport's own threads (after :meth:`close`): the driver's jobs (the chunks'
+        system calls and their bookkeeping) and the receiver threads (headers, the agent's blocks)."""
+        return {"driver": self._driver.cpu_s, "receivers": sum(self._recv_cpu.values())}
+
+    @property
     def stall_s(self) -> float:
         return sum(self.stall_by_mode.values())
 
@@ -666,6 +666,7 @@ class ScheduledTransport:
         except Exception as e:
             log.warning("rank %d: could not release step %d: %s", self.rank, cur.step, e)
         if self.failed is None:  # else a batch may still read it: it goes with the process
+            cur.view = None
             cur.seg.close()
         del self.records[:-MAX_RECORDS]
         self.records.append({"step": cur.step, "bytes": cur.sent, "finish_wait_s": waited, "mode": self.label,
@@ -724,6 +725,10 @@ class ScheduledTransport:
             if inc.kind == KIND_TRANSFER:
                 incoming[src] = inc
         cur.incoming = incoming
+        if cur.seg is not None:  # one view of the slot, sliced per chunk
+            with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
+                warnings.simplefilter("ignore", UserWarning)
+                cur.view = torch.frombuffer(cur.seg.mm, dtype=torch.uint8)
         cur.plan = plan_transfer(cur.own, {src: inc.rows for src, inc in incoming.items()})
         for inc in incoming.values():
             inc.remaining = len(inc.rows)
@@ -736,9 +741,7 @@ class ScheduledTransport:
     def _op(self, cur: _Transfer, p: Planned, base: Optional[float]) -> Op:
         due = 0.0 if base is None else base + max(p.key[1], 0) / 1000.0
         if p.direction == SEND:
-            with warnings.catch_warnings():  # the mapping is read-only on purpose; torch warns about that
-                warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(cur.seg.mm, dtype=torch.uint8, count=p.size, offset=p.offset)
+            src = cur.view[p.offset: p.offset + p.size]
 
             def sent(issued: float, finished: float, size: int = p.size) -> None:
                 cur.completed.append((issued, finished, size))
@@ -747,7 +750,7 @@ class ScheduledTransport:
                 return Op(p.peer, SEND, src, p.key, due, on_done=sent)
             return Op(p.peer, SEND, cur.send_buf[: p.size], p.key, due, host=src, on_done=sent)
         inc = cur.incoming[p.peer]
-        window = torch.from_numpy(inc.dst[p.offset: p.offset + p.size]) if inc.inside(p.offset, p.size) else None
+        window = inc.dst[p.offset: p.offset + p.size] if inc.inside(p.offset, p.size) else None
         if self._stream is None:  # gloo receives into the block's window (or scratch: drained and dropped)
             return Op(p.peer, RECV, window if window is not None else inc.stage[: p.size], p.key, due,
                       on_done=inc.arrived)
@@ -786,6 +789,7 @@ class ScheduledTransport:
             log.info("rank %d: receiving from rank %d stopped: %s", self.rank, src, e)
         finally:
             inbox.put(_Incoming(src, KIND_BYE, -1))
+            self._recv_cpu[src] = time.thread_time()
 
     def _receive_transfer(self, inc: _Incoming) -> None:
         """Open the agent's block for ``inc``, hand it to the driver, wait until every chunk landed
@@ -799,10 +803,10 @@ class ScheduledTransport:
         seg = None
         if not info.get("ignored"):
             try:
-                seg = shm.open_segment(info["path"], writable=True, populate=False)
+                seg = shm.open_segment(info["path"], writable=True)  # mapped at once, not a fault per page while chunks land
             except Exception as e:  # received anyway, then dropped
                 log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, step, src, e)
-        inc.dst = seg.array if seg is not None else None
+        inc.dst = torch.from_numpy(seg.array) if seg is not None else None
         self._inbox[src].put(inc)
         while not inc.done.wait(1.0):
             if self.failed is not None or self._stopped:

@@ -150,7 +150,8 @@ def main(rank: int, args) -> None:
         json.dump({"done": FakeAgent.done, "exact": FakeAgent.exact, "records": t.records, "failed": t.failed,
                    "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
                    "pins": FakeAgent.pins, "interval": sched.interval_iterations, "chunks": len(chunks),
-                   "chunks_inside_calls": inside, "gate_forced": gate.forced if gate else 0}, f)
+                   "chunks_inside_calls": inside, "gate_forced": gate.forced if gate else 0,
+                   "cpu_s": t.cpu_s}, f)
     dist.destroy_process_group()
 
 

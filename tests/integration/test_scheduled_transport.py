@@ -37,6 +37,8 @@ def test_through_the_link_gate_no_chunk_starts_while_training_uses_the_network(t
     check(gated)
     for r, out in gated.items():
         assert out["chunks"] > 10 and out["chunks_inside_calls"] <= 1, (r, out)  # one: a descheduled sender
+        # the transport counts its own threads' CPU (the driver moved every chunk; each receiver ended)
+        assert out["cpu_s"]["driver"] > 0 and out["cpu_s"]["receivers"] > 0, out["cpu_s"]
     offsets = run(tmp_path / "offsets", "--world", "2", "--modes", "pipelined", "--calls")
     check(offsets)
     assert sum(out["chunks_inside_calls"] for out in offsets.values()) > 4, offsets
