@@ -41,9 +41,13 @@ transport could be within 3 % of ``none``).
 ``pipelined`` take turns of ``--turn`` iterations (``schedule.compare_modes``): each turn is compared
 with the ``off`` turn next to it, so that the machine's drift between jobs and within one cancels (the
 separate jobs' medians move by 10 % between runs on this machine); its lines follow the verdicts.
+The scheduled jobs also report the CPU time of the transport's own threads per iteration (``cpu_s`` of
+the transport file): on these CPU hosts it comes out of the cores that train. ``--min-interval N``
+(``schedule.min_interval``) sends a copy at most every N iterations.
 
     python3 benchmarks/link.py                             # 50 and 200 Mbit/s, 5 repetitions
     python3 benchmarks/link.py --rates 200mbit --kinds none --paired 90 --no-docs   # paired turns
+    python3 benchmarks/link.py --rates 200mbit --kinds none --paired 144 --min-interval 12 --no-docs
     python3 benchmarks/link.py --rates 100mbit --reps 1 --no-docs
     python3 benchmarks/link.py --classes --kinds none,agent,agent-dscp,pipelined   # its own section
 
@@ -269,9 +273,11 @@ def verdicts(summary: dict, rates: list[str]) -> list[str]:
                            f"agent {agent_over:+.1%}{local_part}; {why})")
             elif ok:
                 out.append(f"{rate} {mode}: met ({over:+.1%} vs none; agent {agent_over:+.1%}{local_part})")
-            else:
+            else:  # what the copies add to the snapshots' own cost, and the CPU the transport took for them
+                traffic = (f"; {s['iteration_s'] / local - 1:+.1%} over local" if local else "") + (
+                    f", the transport's threads {s['cpu_ms']:.1f} ms of CPU per iteration" if s.get("cpu_ms") else "")
                 out.append(f"{rate} {mode}: MISSED although the idle time covers the bytes ({over:+.1%} vs none; "
-                           f"agent {agent_over:+.1%}{local_part}; {why})")
+                           f"agent {agent_over:+.1%}{local_part}{traffic}; {why})")
     return out
 
 
