@@ -614,11 +614,13 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     elif args.redundancy:  # the demo's own cluster for the scheme
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy])
     if args.transport == "scheduled":  # the config says why if the scheme is not replica
-        # profile a few iterations, then plan: the first scheduled copy is complete well before --kill-at;
-        # idle "auto": on CPU the bubbles while a core is free (none with 4 ranks on 2 cores)
+        # profile a few iterations, then plan (the loss waits for the first complete copy, below): at
+        # least 4, since the plan's link is the fastest pipeline transfer the profile saw, and a loaded
+        # machine's first iterations saw 5 MiB/s on loopback (a copy every 27 iterations, none within
+        # the job); idle "auto": on CPU the bubbles while a core is free (none with 4 ranks on 2 cores)
         cfg = ftconfig.replace(cfg, redundancy={"transport": "scheduled"},
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
-                                   2, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
+                                   4, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     if getattr(args, "hosts", False):
         # hosts of their own: every host has the default ports to itself; the job's secret is a file every
         # host reads (the bed's hosts share this machine's file system but /dev/shm)

@@ -300,7 +300,7 @@ def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tm
     """``redundancy.transport: scheduled`` with upstream's loop (its training-loop hooks come from the
     patch series): the trainers profile, plan and send the peer copies themselves - the agents send
     none - so recovering the lost node from peer memory proves the copies arrived."""
-    s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=10,
+    s = demo(tmp_path, "--fail=node", "--redundancy=replica", "--transport=scheduled", "--kill-at=6", iters=14,
              source=release_source(release))
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
     assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s

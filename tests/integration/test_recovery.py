@@ -163,10 +163,11 @@ def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
 def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, reference_dir):
     """The trainers send the copies (planned chunks, rotating sub-buffers; the agents do not
     exchange at all with ``transport: scheduled``); the lost node's ranks come back bit for bit."""
-    # 16 iterations: the trainers' first copy follows their profiled iterations at the plan's interval,
+    # 24 iterations: the trainers' first copy follows their profiled iterations at the plan's interval,
     # which a loaded machine lengthens; the demo loses the node once the group holds a copy (it failed
-    # here at 10 iterations: nothing complete by the kill, a fresh start)
-    s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", "--iters=16",
+    # here at 10 iterations: nothing complete by the kill, a fresh start; and at 16 with 2 profiled
+    # iterations, whose link estimate of 5 MiB/s planned a copy every 27 iterations)
+    s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", "--iters=24",
                   f"--workdir={tmp_path / 'demo'}", f"--reference-dir={tmp_path / 'ref'}", "--fail=node",
                   "--redundancy=replica", "--transport=scheduled", f"--kill-at={KILL_AT}"], timeout=900)
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
