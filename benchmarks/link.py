@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import re
@@ -143,8 +142,7 @@ def plan_figures(run_dir: str, iterations: int) -> dict:
     job without a bubble shared with its receiver plans ``pipelined``), the idle time per iteration, the
     copy's traffic time per iteration, the interval planned and achieved, training's wait per iteration,
     the copy's bytes, and whether every send fits its span."""
-    trs = [json.load(open(os.path.join(run_dir, "transport", f))) for f in sorted(os.listdir(
-        os.path.join(run_dir, "transport")))]
+    trs = list(scheduling.transport_records(run_dir).values())
     scheds = [next((s for s in t["plan"]["schedules"].values() if s), None) for t in trs]
     if not all(scheds):
         return {}
@@ -156,17 +154,16 @@ def plan_figures(run_dir: str, iterations: int) -> dict:
             "interval_planned": max(s["interval_iterations"] for s in scheds),
             "interval_achieved": iterations / sent if sent else None,
             "stall_s": max(sum(t.get("stall_by_mode", {}).values()) for t in trs) / max(1, iterations),
-            "cpu_ms": transport_cpu_ms(run_dir, next(iter(trs[0]["plan"]["schedules"]))),  # the configured mode's label
+            "cpu_ms": transport_cpu_ms(trs, next(iter(trs[0]["plan"]["schedules"]))),  # the configured mode's label
             "container_bytes": max(t["plan"]["nbytes"] for t in trs), "fits": all(s["fits"] for s in scheds)}
 
 
-def transport_cpu_ms(run_dir: str, label: str) -> "float | None":
+def transport_cpu_ms(trs: "list[dict]", label: str) -> "float | None":
     """The CPU time of the scheduled transport's own threads (its driver, which makes every chunk's
-    system calls, and its receivers; ``cpu_s`` of ``transport/rank*.json``) per iteration run in mode
-    ``label``, on the busiest rank, in ms: on a CPU host it comes out of the cores that train."""
+    system calls, and its receivers; ``cpu_s`` of the ranks' transport files ``trs``) per iteration
+    run in mode ``label``, on the busiest rank, in ms: on a CPU host it comes out of the cores that train."""
     out = []
-    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
-        t = json.load(open(os.path.join(run_dir, "transport", f)))
+    for t in trs:
         n = sum(1 for rec in t["iteration_s"] if rec[1] == label)
         if n and t.get("cpu_s"):
             out.append(sum(t["cpu_s"].values()) / n * 1e3)
@@ -193,10 +190,11 @@ def measure_rate(rate: str, args: argparse.Namespace) -> list[dict]:
             if args.paired:
                 t0 = time.time()
                 d = run_job(bed, "paired", rate, args.profile + args.paired, args, f"{rate}-{rep}")
+                trs = list(scheduling.transport_records(d).values())
                 for r in scheduling.mode_results(d, 2, args):
                     rows.append({"rate": rate, "rep": rep, "mode": f"{r['mode']} (paired)", "paired": True,
                                  "iteration_s": r["iteration_s"], "turns": r["turns"], "run_dir": d,
-                                 "cpu_ms": transport_cpu_ms(d, r["mode"]) if r["mode"] not in ("off", "local") else None})
+                                 "cpu_ms": transport_cpu_ms(trs, r["mode"]) if r["mode"] not in ("off", "local") else None})
                 print(f"[{rate} rep {rep}] paired job: " + ", ".join(
                     f"{r['mode']} {r['iteration_s']:.3f}" for r in rows if r["rep"] == rep and r.get("paired")
                     and r["rate"] == rate) + f" s/it ({time.time() - t0:.0f} s)", flush=True)

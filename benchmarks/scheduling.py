@@ -93,13 +93,20 @@ def run_job(pp: int, kind: str, iters: int, args: argparse.Namespace, modes: lis
     return run_dir
 
 
+def transport_records(run_dir: str) -> dict[int, dict]:
+    """Every rank's transport file of a job (``transport/rank*.json``), by rank."""
+    out = {}
+    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
+        with open(os.path.join(run_dir, "transport", f)) as fh:
+            t = json.load(fh)
+        out[t["rank"]] = t
+    return out
+
+
 def mode_results(run_dir: str, pp: int, args: argparse.Namespace, suffix: str = "") -> list[dict]:
     """Per mode of a compare job: its iterations (the first of each segment left out: it finishes the
     previous mode's transfer), schedule and transfers."""
-    tr = {}
-    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
-        t = json.load(open(os.path.join(run_dir, "transport", f)))
-        tr[t["rank"]] = t
+    tr = transport_records(run_dir)
     t0 = tr[0]
     turns: dict[str, list[list[float]]] = {}  # per mode, per turn: its iterations (the k-th turns are neighbours)
     prev = None
