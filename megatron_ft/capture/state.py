@@ -12,7 +12,7 @@ saves only its slice (REFT); ``group`` is the process group that re-assembles it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Optional, Protocol
+from typing import Any, Callable, Collection, Optional, Protocol
 
 import numpy as np
 import torch
@@ -51,6 +51,17 @@ class StateTensor:
             lo, hi = self.shard.bounds()
             shape = (hi - lo,)
         return TensorSpec(self.name, dtype_name(self.tensor.dtype), shape, self.shard)
+
+
+@dataclass(frozen=True)
+class LaterCapture:
+    """A step's state taken on the training thread and encoded on the snapshot worker (an adapter's
+    ``capture_later()``): ``encode()`` returns what :meth:`StateAdapter.capture` would have returned
+    when the state was taken - it reads only what stays unchanged until the next optimizer step (the
+    adapter copied the rest when taking it). ``device``: the CUDA device of its tensors (None: host),
+    whose current stream the worker's copies wait for from the moment of taking."""
+    encode: Callable[[], "tuple[list[StateTensor], dict]"]
+    device: Optional[torch.device] = None
 
 
 class StateAdapter(Protocol):

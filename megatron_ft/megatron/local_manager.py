@@ -65,7 +65,7 @@ from .. import config as ftconfig
 from .. import fatal
 from ..capture import tree as treecodec
 from ..capture.layout import Layout
-from ..capture.state import StateTensor, fresh_targets
+from ..capture.state import LaterCapture, StateTensor, fresh_targets
 from ..trainer import in_process
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
@@ -148,42 +148,67 @@ class _StateDictAdapter:
         self._told_padding = False
 
     def capture(self) -> tuple[list[StateTensor], dict]:
-        """The state dict's tensors by reference where only the optimizer step writes them (the
-        snapshot is finished before that step), the others copied now; the rest as a JSON record."""
+        """The state dict's tensors and JSON record, now (:meth:`capture_later`, encoded at once)."""
+        return self.capture_later().encode()
+
+    def capture_later(self) -> LaterCapture:
+        """Training thread: the state dict taken - its containers, namespaces and objects copied
+        (:func:`~megatron_ft.capture.tree.freeze`: training may change the run's arguments and anything
+        else Megatron put in it as soon as ``save()`` returns), its tensors by reference where only
+        the optimizer step writes them (the snapshot is finished before that step), the others copied
+        now. The walk into a JSON record and the layout run on the snapshot worker
+        (:class:`~megatron_ft.capture.state.LaterCapture`): about a third of the training thread's
+        time of encoding it here."""
         sd = self.state_dict
         assert sd is not None
-        with cpu_compat.bypassed():  # on the CPU layer: no torch call below asks for a device
-            return self._capture(sd)
+        stable = self.step_only() if self.step_only is not None else None
+        padding = getattr(sd, "padding_ids", frozenset())
+        copied = [0]
+        devices: list[torch.device] = []
+        unchecked: set[int] = set()  # id() of the taken padding tensors (held by the frozen tree)
 
-    def _capture(self, sd: MCoreTensorAwareStateDict) -> tuple[list[StateTensor], dict]:
-        record, tensors = treecodec.encode({"common": sd.common, "sharded": sd.sharded_state_dict}, "state_dict")
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if not t.is_contiguous():
+                kept = t.contiguous()
+            elif t.dim() == 0 or (stable is not None and t.untyped_storage().data_ptr() not in stable):
+                kept = t.clone()  # e.g. Adam's step (updated in place) or a module buffer: own it
+                copied[0] += kept.nbytes
+            else:
+                kept = t
+            if id(t) in padding:
+                unchecked.add(id(kept))
+            if kept.is_cuda and not devices:
+                devices.append(kept.device)
+            return kept
+
+        with cpu_compat.bypassed():  # on the CPU layer: no torch call below asks for a device
+            frozen = treecodec.freeze({"common": sd.common, "sharded": sd.sharded_state_dict}, take)
+        iteration, step_only = self.iteration, stable is not None
+        return LaterCapture(lambda: self._encode(frozen, iteration, copied[0] if step_only else None, unchecked),
+                            devices[0] if devices else None)
+
+    def _encode(self, frozen: dict, iteration: int, copied: Optional[int],
+                unchecked: set[int]) -> tuple[list[StateTensor], dict]:
+        """The frozen state dict as the snapshot's tensors and JSON record (snapshot worker)."""
+        with cpu_compat.bypassed():
+            record, tensors = treecodec.encode(frozen, "state_dict")
         if record["omitted"] and not self._told_omitted:
             self._told_omitted = True
             log.info("in-memory checkpoint: args attributes that are not data are not kept: %s",
                      ", ".join(record["omitted"][:10]))
-        stable = self.step_only() if self.step_only is not None else None
-        padding = getattr(sd, "padding_ids", frozenset())
-        unchecked = [i for i, t in enumerate(tensors) if id(t) in padding] if padding else []
-        out = []
-        copied = 0
-        for i, (path, t) in enumerate(zip(record["names"], tensors)):
-            if not t.is_contiguous():
-                t = t.contiguous()
-            elif t.dim() == 0 or (stable is not None and t.untyped_storage().data_ptr() not in stable):
-                t = t.clone()  # e.g. Adam's step (updated in place) or a module buffer: own it
-                copied += t.nbytes
-            out.append(StateTensor(tensor_name(i, path), t))
-        if not self._told_copied and stable is not None:
+        out = [StateTensor(tensor_name(i, path), t) for i, (path, t) in enumerate(zip(record["names"], tensors))]
+        if not self._told_copied and copied is not None:
             self._told_copied = True
             log.info("in-memory checkpoint: %d of %d bytes copied when taken (not parameters or optimizer state), "
                      "the rest in the background", copied, sum(t.tensor.nbytes for t in out))
-        extra = {"state_dict": record, "iteration": self.iteration}
-        if unchecked:
-            extra["padding"] = unchecked  # tensor indices whose values a restore does not judge
+        extra = {"state_dict": record, "iteration": iteration}
+        padding = [i for i, t in enumerate(tensors) if id(t) in unchecked]
+        if padding:
+            extra["padding"] = padding  # tensor indices whose values a restore does not judge
             if not self._told_padding:
                 self._told_padding = True
                 log.info("in-memory checkpoint: %d of %d tensors are megatron-core's padding (kept, not judged "
-                         "by their values on restore)", len(unchecked), len(tensors))
+                         "by their values on restore)", len(padding), len(tensors))
         return out, extra
 
     def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:

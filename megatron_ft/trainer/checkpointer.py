@@ -279,13 +279,15 @@ class InMemoryCheckpointer:
         t0 = time.perf_counter()
         if hasattr(self.adapter, "progress"):
             self.adapter.progress = {"iteration": iteration, "consumed_samples": consumed_samples}
+        later = getattr(self.adapter, "capture_later", None)  # the encoding on the worker (see LaterCapture)
         try:
-            tensors, extra = self.adapter.capture()
+            taken = later() if later is not None else self.adapter.capture()
         except Exception as e:  # a state we cannot capture costs this snapshot, never the training
             log.warning("rank %d: could not capture the state of step %d: %s", self.rank, iteration, e)
             stats = self.engine.skip(iteration, f"capture failed: {e}")
         else:
-            stats = self.engine.snapshot(iteration, tensors, extra, loss)
+            stats = (self.engine.snapshot_later(iteration, taken, loss) if later is not None
+                     else self.engine.snapshot(iteration, *taken, loss))
         stats.stall_s = time.perf_counter() - t0  # and, in before_optimizer_step, the wait for the copy
         if self.cfg.snapshot.synchronous:
             self.before_optimizer_step()

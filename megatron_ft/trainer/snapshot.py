@@ -36,7 +36,7 @@ from ..agent import shm
 from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout, plan_layout
-from ..capture.state import StateTensor
+from ..capture.state import LaterCapture, StateTensor
 from . import device_staging
 from .recovery import MAX_GPU_HOST_THREADS, threads_here
 
@@ -100,7 +100,12 @@ class _Job:
     ready: Any = None  # GPU path: event after the optimizer step, which the device-to-host copies wait for
     begin: bool = False  # the worker asks the agent for a slot first
     loss: Optional[float] = None  # the step's training loss, recorded by the agent at commit (the guard's history)
+    later: Optional[LaterCapture] = None  # the worker encodes the state first (then registers its layout)
     done: threading.Event = field(default_factory=threading.Event)
+
+
+def _finite(loss: Optional[float]) -> Optional[float]:
+    return loss if loss is not None and math.isfinite(loss) else None
 
 
 class SnapshotEngine:
@@ -137,12 +142,40 @@ class SnapshotEngine:
         t0 = time.perf_counter()
         self.wait()
         stats = SnapshotStats(step, False)
-        registered = False
+        registered = self._register(step, tensors, stats)
+        # the worker asks the agent for a slot (``begin``): a round trip training need not wait for
+        job = _Job(step, tensors if registered else [], extra, None, time.time(), stats, begin=registered,
+                   loss=_finite(loss))
+        if registered and self._staging is not None:
+            job.ready = self._staging.ready_point()
+        return self._start(job, t0)
+
+    def snapshot_later(self, step: int, later: LaterCapture, loss: Optional[float] = None) -> SnapshotStats:
+        """:meth:`snapshot` of a state the worker encodes first (and whose layout it registers), so
+        that the training thread only hands it over: for adapters whose encoding walks a large
+        structure (Megatron-LM's state dict). On the GPU path the copies wait for an event recorded
+        here, after whatever the adapter queued when it took the state."""
+        t0 = time.perf_counter()
+        self.wait()
+        job = _Job(step, [], {}, None, time.time(), SnapshotStats(step, False), loss=_finite(loss), later=later)
+        if later.device is not None:  # GPU path
+            job.ready = device_staging.stream_point(later.device)
+        return self._start(job, t0)
+
+    def _start(self, job: _Job, t0: float) -> SnapshotStats:
+        job.stats.capture_s = time.perf_counter() - t0
+        self._pending = job
+        self._q.put(job)
+        return job.stats
+
+    def _register(self, step: int, tensors: list[StateTensor], stats: SnapshotStats) -> bool:
+        """Register ``tensors``' layout with the agent if it changed; False (logged, retried
+        :data:`REGISTER_RETRY_STEPS` later) if it cannot be: no snapshot this step."""
         try:
             if step < self._register_retry_step:
                 raise RuntimeError(f"registration failed earlier; retrying at step {self._register_retry_step}")
             self._ensure_registered(tensors)
-            registered = True
+            return True
         except Exception as e:  # no snapshot this step; training goes on
             if self.required and getattr(e, "kind", "") == "SharedMemoryError":
                 fatal.end_job(f"rank {self.rank}: no shared memory for its snapshot slots: {e} "
@@ -151,15 +184,7 @@ class SnapshotEngine:
                 self._register_retry_step = step + REGISTER_RETRY_STEPS
                 log.warning("rank %d: snapshot of step %d skipped: %s", self.rank, step, e)
             stats.error = f"not started: {e}"
-        # the worker asks the agent for a slot (``begin``): a round trip training need not wait for
-        job = _Job(step, tensors if registered else [], extra, None, time.time(), stats, begin=registered,
-                   loss=loss if loss is not None and math.isfinite(loss) else None)
-        if registered and self._staging is not None:
-            job.ready = self._staging.ready_point()
-        stats.capture_s = time.perf_counter() - t0
-        self._pending = job
-        self._q.put(job)
-        return stats
+            return False
 
     def skip(self, step: int, reason: str) -> SnapshotStats:
         """Take part in step ``step``'s agreement without a snapshot (e.g. the state could not be
@@ -220,6 +245,8 @@ class SnapshotEngine:
             if job is None:
                 return
             try:
+                if job.later is not None:
+                    self._encode(job)
                 if job.begin:
                     t0 = time.perf_counter()
                     job.slot = self._begin(job)
@@ -241,6 +268,21 @@ class SnapshotEngine:
             if len(self.history) > 1000:
                 del self.history[:500]
             job.done.set()
+
+    def _encode(self, job: _Job) -> None:
+        """A later capture's state encoded and its layout registered (worker); a failure costs this
+        snapshot only (the job still takes part in the agreement)."""
+        t0 = time.perf_counter()
+        later, job.later = job.later, None
+        try:
+            tensors, job.extra = later.encode()
+        except Exception as e:
+            job.stats.error = f"not started: capture failed: {e}"
+            log.warning("rank %d: could not capture the state of step %d: %s", self.rank, job.step, e)
+        else:
+            job.begin = self._register(job.step, tensors, job.stats)
+            job.tensors = tensors if job.begin else []
+        job.stats.phases["capture"] = time.perf_counter() - t0
 
     def _begin(self, job: _Job) -> Optional[int]:
         """The agent's slot for ``job`` (it keeps the other slot's version intact), or None: no

@@ -19,7 +19,8 @@ and optimizer, and copies in the background); train iterations 1..N; after each,
 caller); then train iteration N+1 (its optimizer step must wait for the last copy) and dump
 ``save.it{N+1}``. The state dict also holds ``probe``, a tensor that is neither a parameter nor
 optimizer state, set to the iteration before each save and overwritten right after it returns (as
-a MoE router's expert bias changes before the next step): the snapshot must hold the value at save.
+a MoE router's expert bias changes before the next step), and the run's arguments change right after
+it too (a list among them, in place): the snapshot must hold the values at save.
 ``--phase load``: fresh model, scrambled (random parameters, other RNG seeds); restore; write ``found.json``; dump ``load.it{F}``;
 train one iteration; dump ``load.it{F+1}``.
 """
@@ -147,8 +148,13 @@ def main() -> int:
             PROBE.fill_(iteration)
             tasd, _ = mgr.tensor_aware_state_dict_cls.from_state_dict(
                 state_dict(objs, iteration), algo="fully_parallel", parallelization_group=dp)
+            args.mft_probe = [iteration]
             req = mgr.save(tasd, iteration, is_async=iteration > a.iters // 2)
             PROBE.fill_(-1.0)
+            # training changes its arguments as soon as save() returns (Megatron: args.curr_iteration, the
+            # consumed samples): the snapshot holds them as they were at save
+            args.consumed_train_samples = -1
+            args.mft_probe.append(-1)
             assert (req is None) == (iteration <= a.iters // 2), req
         iteration, consumed = train_one(objs, iteration, consumed)
         dump(objs, a.out, f"save.it{iteration}", iteration, consumed)
@@ -163,6 +169,7 @@ def main() -> int:
             common = tasd.to_state_dict(None, algo="fully_parallel", parallelization_group=dp)  # rank0 pass
             assert common["iteration"] == found and common["args"].attention_backend is AttnBackend.auto, common
             assert torch.equal(common["probe"], torch.full((1024,), float(found))), common["probe"][:4]
+            assert common["args"].mft_probe == [found], common["args"].mft_probe
             tasd, name = mgr.load()
             init_optimizer_state(objs)
             sd = tasd.to_state_dict(state_dict(objs, None, is_loading=True), algo="fully_parallel",

@@ -235,3 +235,46 @@ def test_megatron_padding_is_restored_but_not_judged_by_its_values(tmp_path):
     targets = adapter.targets(layout, through_json(extra))
     assert [n for n, t in targets.items() if not t.values_checked] == [pad_name]
     assert all(t.values_checked for n, t in targets.items() if n != pad_name)
+
+
+def test_a_frozen_state_encodes_as_the_state_did_when_frozen_whatever_changes_after():
+    """What the snapshot worker encodes after ``save()`` returned (Megatron-LM's adapter): changes
+    training makes to the original right after - the run's arguments, a list in them, a dict, an
+    object's field, a numpy array - do not reach the frozen copy; each tensor is taken once."""
+    from collections import defaultdict, namedtuple
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.transformer.enums import AttnBackend
+
+    w, step = torch.arange(6.0).reshape(2, 3), torch.tensor(3.0)
+    Pair = namedtuple("Pair", "a b")
+    args = argparse.Namespace(lr=3e-4, paths=["a", "b"], be=AttnBackend.flash, fn=print, shape=torch.Size([2, 3]))
+    state = {"args": args, "iteration": 7,
+             "w": ShardedTensor.from_rank_offsets("w", w, (0, 0, 2), replica_id=(0, 1, 0)),
+             "rng": ShardedObject("rng", [{"np": np.arange(4, dtype=np.uint32), "t": step}], (1,), (0,)),
+             "groups": [{"params": [0, 1], "betas": (0.9, 0.999), "lr": 1e-3}],
+             "od": OrderedDict(a=[1]), "dd": defaultdict(list, b=[2]), "pair": Pair([3], step),
+             "scaler": LossScaler(1.0), "buf": bytearray(b"\x01"), "mixed": (1, [2]), "again": w}
+    before, tensors_before = tree.encode(state, "sd")
+    taken = []
+    frozen = tree.freeze(state, lambda t: taken.append(t) or t)
+    assert [id(t) for t in taken] == [id(w), id(step)]  # each tensor object once
+    args.lr, args.paths[0], args.be = 1.0, "x", AttnBackend.local
+    state["iteration"] = 8
+    state["w"].global_offset = (9, 9)
+    state["rng"].data[0]["np"][:] = 0
+    state["groups"][0]["params"].append(2)
+    state["od"]["a"].append(0)
+    state["dd"]["b"].append(0)
+    state["pair"].a.append(0)
+    state["scaler"].cur_scale = 2.0
+    state["buf"][0] = 9
+    state["mixed"][1].append(0)
+    after, tensors_after = tree.encode(frozen, "sd")
+    assert after == before
+    assert [t is u for t, u in zip(tensors_after, tensors_before)] == [True, False, True]  # the numpy array: copied
+    assert tree.encode(state, "sd")[0] != before  # the changes are real: the original encodes differently
+    clones = tree.freeze(state, torch.clone)
+    _, tensors = tree.encode(clones, "sd")
+    assert tensors[0] is not w and torch.equal(tensors[0], w) and clones["again"] is clones["w"].data
