@@ -65,6 +65,9 @@ class LaterCapture:
 
 
 class StateAdapter(Protocol):
+    """An adapter may also offer ``capture_later() -> LaterCapture`` (Megatron-LM's checkpoint tier): the
+    trainer then takes the state on the training thread and leaves its encoding to the snapshot worker."""
+
     def capture(self) -> tuple[list[StateTensor], dict]:
         """Tensors (views or small owned clones) and the JSON-able record of this step."""
 
