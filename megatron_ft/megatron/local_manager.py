@@ -157,7 +157,7 @@ class _StateDictAdapter:
         else Megatron put in it as soon as ``save()`` returns), its tensors by reference where only
         the optimizer step writes them (the snapshot is finished before that step), the others copied
         now. The walk into a JSON record and the layout run on the snapshot worker
-        (:class:`~megatron_ft.capture.state.LaterCapture`): about a third of the training thread's
+        (:class:`~megatron_ft.capture.state.LaterCapture`): about half the training thread's
         time of encoding it here."""
         sd = self.state_dict
         assert sd is not None

@@ -279,6 +279,7 @@ class ScheduledHooks:
                "transfers": self.transport.records, "stall_s": self.transport.stall_s,
                "stall_by_mode": self.transport.stall_by_mode, "cpu_s": self.transport.cpu_s,
                "iteration_s": self.iteration_s, "actual": self.actual,
-               "gate": ({"forced": self.transport.gate.forced, "waited_s": self.transport.gate.waited_s}
+               "gate": ({"forced": self.transport.gate.forced, "waited_s": self.transport.gate.waited_s,
+                         "wakeups": self.transport.gate.wakeups}
                         if self.transport.gate is not None else None)}
         write_rank_json(os.path.join(self.run_dir, "transport"), self.rank, out)

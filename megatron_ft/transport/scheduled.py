@@ -208,7 +208,9 @@ class GateClock:
     the pipeline hooks) and the p2p driver (:meth:`wait` before each send). One lock, held only
     inside these methods; :meth:`wait` sleeps on it and gives up after ``max_wait_s`` (the chunk
     then goes anyway: a gate that never opens must not hold a transfer for ever), counted in
-    ``forced``."""
+    ``forced``. :meth:`end` wakes the waiting driver only if the gate now lets its chunk go before the
+    driver would wake by itself: each wake-up is a thread switch on a core training may need, and most
+    of training's calls open no window the chunk fits (``wakeups`` counts them)."""
 
     def __init__(self, bandwidth: float, quiet_s: float, max_wait_s: float):
         self._cond = threading.Condition()
@@ -216,6 +218,9 @@ class GateClock:
         self.max_wait_s = max_wait_s
         self.forced = 0
         self.waited_s = 0.0
+        self.wakeups = 0
+        self._waiting: Optional[int] = None  # the bytes of the chunk the driver waits with
+        self._wake_at = math.inf  # when the waiting driver wakes by itself
 
     def begin(self) -> None:
         with self._cond:
@@ -223,22 +228,33 @@ class GateClock:
 
     def end(self, start: float, nbytes: int = 0, window_s: Optional[float] = None) -> None:
         with self._cond:
-            self.gate.end(start, time.perf_counter(), nbytes, window_s)
-            self._cond.notify_all()
+            now = time.perf_counter()
+            self.gate.end(start, now, nbytes, window_s)
+            if self._waiting is not None:
+                at = self.gate.earliest(now, self._waiting)
+                if at is not None and at < self._wake_at:
+                    self._cond.notify_all()
 
     def wait(self, nbytes: int) -> None:
         t0 = now = time.perf_counter()
         with self._cond:
-            while True:
-                at = self.gate.earliest(now, nbytes)
-                if at is not None and at <= now:
-                    break
-                left = t0 + self.max_wait_s - now
-                if left <= 0:
-                    self.forced += 1
-                    break
-                self._cond.wait(min(left, at - now) if at is not None else left)  # woken by end()
-                now = time.perf_counter()
+            self._waiting = nbytes
+            try:
+                while True:
+                    at = self.gate.earliest(now, nbytes)
+                    if at is not None and at <= now:
+                        break
+                    left = t0 + self.max_wait_s - now
+                    if left <= 0:
+                        self.forced += 1
+                        break
+                    timeout = min(left, at - now) if at is not None else left
+                    self._wake_at = now + timeout
+                    self._cond.wait(timeout)  # or woken by end()
+                    self.wakeups += 1
+                    now = time.perf_counter()
+            finally:
+                self._waiting, self._wake_at = None, math.inf
             self.gate.sent(now, nbytes)
             self.waited_s += now - t0
 

@@ -143,3 +143,35 @@ def test_schedules_where_training_waits_and_a_zero_window_are_not_gated():
     plan = _plan()
     assert gated(plan, 0.0, LINK) is plan
     assert math.isclose(gated(plan, 0.008, LinkModel(25e6)).planned_transfer_s, 900_000 / 25e6)
+
+
+def test_the_sender_is_woken_only_by_a_call_that_lets_its_chunk_go():
+    """GateClock (the gate on the clock, two threads): training's calls whose windows a waiting chunk
+    does not fit leave the sender asleep (a wake-up is a thread switch on a core training may need);
+    the call that opens a window it fits wakes it at once. Timing-free: the quiet time (10 s) is far
+    beyond the test, so the sender never wakes by itself."""
+    import threading
+    import time
+
+    from megatron_ft.transport.scheduled import GateClock
+
+    clock = GateClock(bandwidth=1e6, quiet_s=10.0, max_wait_s=20.0)  # a 100 kB chunk: 0.1 s on the wire
+    clock.gate.sent(time.perf_counter(), 500_000)  # the chunks before it hold the link for 0.5 s more
+    clock.begin()  # training is on the link when the sender starts to wait
+    sent = threading.Event()
+    sender = threading.Thread(target=lambda: (clock.wait(100_000), sent.set()), daemon=True)
+    sender.start()
+    deadline = time.monotonic() + 10
+    while clock._waiting is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    start = time.perf_counter()
+    clock.end(start, 0, window_s=0.001)  # 1 ms windows: behind the earlier chunks it never fits one
+    for _ in range(49):  # a call every 2 ms: time enough for a woken sender to run between them
+        time.sleep(0.002)
+        clock.begin()
+        clock.end(time.perf_counter(), 0, window_s=0.001)
+    time.sleep(0.05)
+    assert not sent.is_set() and clock.wakeups <= 1, clock.wakeups  # the first end(): its own wake time
+    clock.begin()
+    clock.end(time.perf_counter(), 0, window_s=2.0)  # a window of 2 s: it goes once the earlier chunks are off
+    assert sent.wait(5.0) and clock.wakeups <= 3 and clock.forced == 0, (clock.wakeups, clock.forced)
