@@ -1109,6 +1109,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             f"{st['raw_copy_s'] * 1e3:.2f} ms: {st['stall_vs_raw_copy']}x"
             + (f"; Megatron's whole save call {st['megatron_save_median_s'] * 1e3:.1f} ms (its state dict and ours)"
                if "megatron_save_median_s" in st else ""))
+        if st["raw_copy_s"] < 1e-3:
+            say("   (a copy this small takes microseconds: the ratio shows the fixed cost of taking a snapshot, not "
+                "a copy's; a state of hundreds of MB per rank gives the figure that means something)")
     for pr in problems[:10]:
         say(f"   ! {pr}")
     say("=" * 72)
