@@ -230,7 +230,7 @@ class Encoder:
             if how == "enum":
                 return {"$obj": tag, "state": self.encode(v.value, (path, ".", "value"))}
             if how == "fields":
-                _FIELDS_OF_ALLOWED[cls] = (tag, tuple(f.name for f in dataclasses.fields(cls)))  # the fast path above from now on
+                _remember_fields(cls, tag)  # the fast path above from now on
                 return self.encode(v, path, lenient)
             return {"$obj": tag, "state": self.encode(dict(vars(v)), (path, ".", f"<{tag}>"), lenient)}
         if isinstance(v, enum.Enum):
@@ -309,6 +309,12 @@ class Encoder:
 
 #: allow-listed dataclasses met so far -> (tag, field names): encoded without the type tests
 _FIELDS_OF_ALLOWED: dict[type, tuple[str, tuple[str, ...]]] = {}
+
+
+def _remember_fields(cls: type, tag: str) -> None:
+    """Note allow-listed dataclass ``cls`` (tagged ``tag``) and its field names, for the encoder's and
+    the freezer's fast path."""
+    _FIELDS_OF_ALLOWED[cls] = (tag, tuple(f.name for f in dataclasses.fields(cls)))
 
 
 def encode(state: Any, path: str = "state") -> tuple[dict, list[torch.Tensor]]:
@@ -395,7 +401,7 @@ class _Freezer:
         tag = _tag_of(v)
         if tag is not None and tag in ALLOWED:
             if ALLOWED[tag][2] == "fields":
-                _FIELDS_OF_ALLOWED[cls] = (tag, tuple(f.name for f in dataclasses.fields(cls)))
+                _remember_fields(cls, tag)
                 return self(v)
             out = copy_module.copy(v)
             out.__dict__.update(self._dict(vars(v)))
