@@ -7,7 +7,9 @@
 #      the compiled kernel against the host's sums; device and host sums writing the same digests; a
 #      restore in the process reading its page-locked slot; the restore ordering (a zero-fill queued on
 #      the training stream behind a long kernel lands before the restored bytes); the value guard, queued
-#      behind the restore's copies, judging the restored bytes (a NaN version refused, rolled back);
+#      behind the restore's copies, judging the restored bytes (a NaN version refused, rolled back); the
+#      later capture (Megatron-LM's path: encoded and registered on the worker) copying what the training
+#      stream queued before the hand-over, not after;
 #   3. megatron-ft demo --config configs/gpu/1x1.yaml --fail trainer: megatron-core's GPT on the GPU,
 #      a trainer SIGKILLed, resumed from the agent's memory, bit-exact with deterministic algorithms;
 #   4. benchmarks/scheduling.py at PP=4 on the machine's cores (CPU, CUDA hidden): only when asked (STEPS),

@@ -235,3 +235,38 @@ def test_the_guard_judges_the_restored_bytes_not_what_the_tensors_held_before(ag
     for k in want:
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
     eng.close()
+
+
+def test_a_later_capture_copies_what_the_training_stream_queued_before_the_hand_over(agent):
+    """Megatron-LM's path (``SnapshotEngine.snapshot_later``): the training thread takes the state - here
+    owned copies queued on its stream behind a long kernel (``torch.cuda._sleep``) and a write - and hands
+    it over; the worker encodes it, registers the layout (the staging and the page-locked slots made on
+    the worker) and copies. The copies must wait for the point of the hand-over: without it they read the
+    copies' destinations before the write lands and the restore finds the old weights. A write to the
+    model queued after the hand-over is not in the snapshot."""
+    from megatron_ft.capture.state import LaterCapture
+
+    c = agent.client()
+    m, opt = model_on_gpu(0)
+    held, _ = model_on_gpu(1)  # the taken state's own tensors
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the training stream
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(1.5)  # the step's result, behind the long kernel
+        for p, q in zip(held.parameters(), m.parameters()):
+            p.copy_(q)  # the taking
+    taken = TorchStateAdapter(held)
+    taken.extra = {"iteration": 1}
+    st = eng.snapshot_later(1, LaterCapture(taken.capture, torch.device("cuda", torch.cuda.current_device())))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(-7.0)  # the next step's write, after the hand-over
+    assert eng.wait().ok and st.ok, st
+    assert "capture" in st.phases
+    eng.close()
+    m2, _ = model_on_gpu(2)
+    res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m2))
+    assert (res.source, res.step) == ("local_memory", 1), res
+    assert all(bool((p == 1.5).all()) for p in m2.parameters()), "the copies did not wait for the hand-over"

@@ -366,3 +366,69 @@ def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, m
     first_sync = min(i for i, op in enumerate(ops) if op[1] == "sync")
     assert first_sync > guarded, "the host waited for the copies before queueing the guard"
     assert any(s is join and what == "sync" for s, what, _ in ops), "the host never waited for the sums' stream"
+
+
+@pytest.mark.parametrize("sums", ["host", "device"])
+def test_a_later_capture_copies_after_the_point_the_training_thread_handed_it_over(agent, sums, monkeypatch):
+    """Megatron-LM's path (``snapshot_later``): the training thread takes the state (clones queued on its
+    stream) and hands it over; the worker encodes it, registers its layout - making the staging and
+    page-locking the slots there - and copies. The copies must wait for an event recorded on the training
+    thread's current stream, by the training thread, at the hand-over (after the taking), not for one
+    recorded later on the worker. Recorded with stubs (the bookkeeping); that the bytes of a clone queued
+    behind a long kernel are the ones copied: ``tests/gpu``."""
+    import threading
+
+    from megatron_ft.capture.state import LaterCapture
+
+    monkeypatch.setattr(device_staging, "default_sums", lambda: sums)
+    rec = Recorded(monkeypatch)
+    ops, callers, trainer = rec.ops, rec.callers, threading.get_ident()
+    c = agent.client()
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
+    ident = {"run_id": agent.cfg.run_id, "rank": 0, "world_size": 1}
+    eng = SnapshotEngine(c, 0, ident, 1 << 10)
+    encoded_on = []
+    for s in (1, 2):
+        with torch.no_grad():
+            m[0].weight.add_(1.0)
+        taken = TorchStateAdapter(m)  # the taking: owned copies of the parameters, queued on the training stream
+        held = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
+        held.load_state_dict(m.state_dict())
+        taken.model, taken.extra = held, {"iteration": s}
+        ops.append((callers, "take", None))
+
+        def encode(ad=taken):
+            encoded_on.append(threading.get_ident())
+            return ad.capture()
+
+        st = eng.snapshot_later(s, LaterCapture(encode, torch.device("cuda", 0)))
+        with torch.no_grad():  # training goes on at once: the next step's write is not in this snapshot
+            m[0].weight.add_(100.0)
+        assert eng.wait().ok and st.ok, st
+        with torch.no_grad():
+            m[0].weight.sub_(100.0)
+    want = {k: v.clone() for k, v in m.state_dict().items()}
+    assert eng._staging is not None, "the worker's registration made no staging for the device state"
+    eng.close()
+    assert encoded_on and trainer not in encoded_on, "the state was encoded on the training thread"
+    staging = [s for s in rec.streams() if s is not callers]
+    assert staging, "nothing was copied on a staging stream"
+    takes = [i for i, op in enumerate(ops) if op[1] == "take"]
+    waited = 0
+    for s in staging:  # the first thing queued on it (a host wait for an idle stream queues nothing)
+        what, e = next(((what, e) for on, what, e in ops if on is s and what != "sync"), (None, None))
+        if what is None:
+            continue
+        waited += 1
+        assert what == "wait", f"a staging stream's first operation was {what!r}, not a wait for the hand-over"
+        assert e.on is callers and e.thread == trainer, "the copies waited for a point not taken at the hand-over"
+        recorded = next(i for i, op in enumerate(ops) if op == (callers, "record", e))
+        assert any(t < recorded for t in takes), "the point was recorded before the taking"
+    assert waited, "no staging stream waited for the hand-over"
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+    r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
+    assert (r.source, r.step) == ("local_memory", 2), r
+    assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
