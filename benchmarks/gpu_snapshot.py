@@ -20,15 +20,18 @@ the GPU, side by side in one run:
   - *restore* = ``Restorer.restore`` from the agent's memory into zeroed GPU tensors (checksums
     verified), bit-exact against a copy of the state taken before (checked, not timed): first in the
     process whose snapshot engine page-locked the slots (an in-process restart, a guard's rollback: the
-    copy engine reads the slot), then after the engine has closed, as a fresh process finds the slots
-    (on a huge-page tmpfs the restore page-locks its mapping, else it goes through pinned blocks).
+    copy engine reads the slot), then after the engine has closed, as a fresh process finds the slots,
+    both ways a fresh process can take, alternating: page-locking the slot range by range while the
+    copies go, and through pinned bounce blocks (``device_staging.FRESH_RESTORE``: ``auto`` ships the
+    first on a huge-page tmpfs, the second on 4 KiB pages).
 
 Targets (docs/benchmarks.md): stall <= 0.1x the raw device-to-host copy, clean <= 1.2x (judged with the
 sums where they ship, :func:`~megatron_ft.trainer.device_staging.default_sums`), restore <= 1.25x the
 raw host-to-device copy. No on-device shadow copy is made: the GPU memory allocated beyond the state and
 the stand-in's matrices during the snapshots is reported (``extra_gpu_bytes``: the checksums'
 temporaries). Beside them, the one-time costs: the first snapshot (the agent creating the slots, the
-engine page-locking them) and page-locking one slot alone; and the device sums alone.
+engine page-locking them) and page-locking one slot alone, whole on one thread and in ranges on the
+restore's threads; and the device sums alone.
 
     python3 benchmarks/gpu_snapshot.py --sizes-gib 1,16 --json /tmp/gpu_snapshot.json
 """
@@ -53,14 +56,17 @@ from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft.capture import checksum  # noqa: E402
 from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
-from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, page_locked_mapping,  # noqa: E402
-                                                release_page_locked)
-from megatron_ft.trainer.recovery import Restorer  # noqa: E402
+from megatron_ft.trainer import device_staging  # noqa: E402
+from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, lock_while_copying,  # noqa: E402
+                                                page_locked_mapping, release_page_locked)
+from megatron_ft.trainer.recovery import MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, one_node_config, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
 
 GiB = 1 << 30
 TARGETS = {"stall": 0.1, "clean": 1.2, "restore": 1.25}
+#: the ways a fresh process restores (``device_staging.FRESH_RESTORE``): page-locking while copying, bounce blocks
+FRESH_WAYS = ("page-lock", "bounce")
 
 
 def med(xs: list[float]) -> float:
@@ -134,13 +140,15 @@ def copy_pieces(host: torch.Tensor, state: dict[str, torch.Tensor], to_host: boo
         off += b.numel()
 
 
-def page_lock_alone(path: str) -> float:
-    """Page-locking one whole slot file in this process (as :func:`page_lock_files` does), alone."""
-    entry = PageLockedFile(path)
+def page_lock_alone(path: str, threads: int = 0) -> float:
+    """Seconds to map and page-lock one whole slot file in this process, alone: on this thread (as a
+    snapshot engine does) or in ranges on ``threads`` threads (as a fresh process's restore does)."""
+    t0 = time.perf_counter()
+    entry = PageLockedFile(path, threads=threads)
     try:
-        if not entry.registration.ok:
-            raise RuntimeError(f"page-locking {path} failed: {entry.registration.error}")
-        return entry.registration.seconds
+        if not (entry.wait_range(0, entry.array.nbytes) and entry.ok):
+            raise RuntimeError(f"page-locking {path} failed: {entry.error}")
+        return time.perf_counter() - t0
     finally:
         entry.close()
 
@@ -175,9 +183,10 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
     modes = [m for m in args.sums.split(",") if m]
     keys = [f"{k}_{m}" for m in modes for k in ("snapshot_call", "wait", "stall", "clean", "compute_with_snapshot",
                                                   "clean_idle")]
-    out: dict[str, list] = {k: [] for k in keys + ["compute_alone", "restore", "restore_fresh"]}
+    fresh = [f"restore_fresh_{way}" for way in FRESH_WAYS]
+    out: dict[str, list] = {k: [] for k in keys + ["compute_alone", "restore"] + fresh}
     phases: dict[str, list[dict]] = {m: [] for m in modes}
-    restore_phases: dict[str, list[dict]] = {"restore": [], "restore_fresh": []}
+    restore_phases: dict[str, list[dict]] = {k: [] for k in ["restore"] + fresh}
     step = 0
 
     def restore_checked(key: str) -> None:
@@ -242,8 +251,18 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
         engine.close()
         release_page_locked()  # the process's page-locked slots go: now as a fresh process finds them
         res["page_lock_slot_s"] = [page_lock_alone(newest["path"]) for _ in range(args.reps)]
-        for _ in range(args.reps):
-            restore_checked("restore_fresh")
+        res["page_lock_ranges_s"] = [page_lock_alone(newest["path"], threads_here(MAX_GPU_HOST_THREADS))
+                                     for _ in range(args.reps)]
+        res["fresh_shipped"] = FRESH_WAYS[0] if lock_while_copying(res["shm_pages"]) else FRESH_WAYS[1]
+        for rep in range(args.reps):
+            for way in (FRESH_WAYS if rep % 2 == 0 else FRESH_WAYS[::-1]):
+                release_page_locked()  # as a fresh process finds the slots
+                device_staging.FRESH_RESTORE = way
+                try:
+                    restore_checked(f"restore_fresh_{way}")
+                finally:
+                    device_staging.FRESH_RESTORE = "auto"
+        release_page_locked()
         del reference
     finally:
         engine.close()
@@ -257,7 +276,8 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
                      "clean": med(out[f"clean_{res['sums_shipped']}"]) / raw_d2h,
                      "restore": med(out["restore"]) / raw_h2d}
     res["ratios_other"] = {f"{k}_{m}": med(out[f"{k}_{m}"]) / raw_d2h for m in modes for k in ("stall", "clean")}
-    res["ratios_other"]["restore_fresh"] = med(out["restore_fresh"]) / raw_h2d
+    for way in FRESH_WAYS:
+        res["ratios_other"][f"restore_fresh_{way}"] = med(out[f"restore_fresh_{way}"]) / raw_h2d
     res["pass"] = {k: res["ratios"][k] <= v for k, v in TARGETS.items()}
     del state, compute
     torch.cuda.empty_cache()
@@ -268,9 +288,11 @@ def table(results: list[dict]) -> str:
     rows = ["| state/rank | raw D2H (s) | raw H2D (s) | sums | stall (s) | stall/raw | clean (s) | clean/raw | "
             "compute alone / with snapshot (s) |",
             "|---|---|---|---|---|---|---|---|---|"]
-    restores = ["| state/rank | restore, slots page-locked by this process (s) | /raw H2D | restore, fresh process (s) "
-                "| /raw H2D | page-locking one slot alone (s) | first snapshot (s) | device sums alone (s) | extra GPU memory |",
-                "|---|---|---|---|---|---|---|---|---|"]
+    restores = ["| state/rank | restore, slots page-locked by this process (s) | /raw H2D | restore, fresh process, "
+                "page-locking while copying (s) | /raw H2D | restore, fresh process, bounce blocks (s) | /raw H2D | "
+                "page-locking one slot alone: whole / in ranges (s) | first snapshot (s) | device sums alone (s) | "
+                "extra GPU memory |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "skipped" in r:
             rows.append(f"| {r['size_gib']:g} GiB | skipped: {r['skipped']} |" + " |" * 7)
@@ -293,8 +315,11 @@ def table(results: list[dict]) -> str:
                 f"{med(r[f'compute_with_snapshot_{mode}']):.4f} |")
         restores.append(
             f"| {what} | {med(r['restore']):.4f} | {q['restore']:.3f} ({'PASS' if p['restore'] else 'FAIL'}, <= "
-            f"{TARGETS['restore']}) | {med(r['restore_fresh']):.4f} | {r['ratios_other']['restore_fresh']:.3f} | "
-            f"{med(r['page_lock_slot_s']):.3f} | {r['first_call_s']:.2f} (page-locking {r['register_s']:.2f}) | "
+            f"{TARGETS['restore']}) | "
+            + "".join(f"{med(r[f'restore_fresh_{w}']):.4f}{' (shipped)' if w == r['fresh_shipped'] else ''} | "
+                      f"{r['ratios_other'][f'restore_fresh_{w}']:.3f} | " for w in FRESH_WAYS)
+            + f"{med(r['page_lock_slot_s']):.3f} / {med(r['page_lock_ranges_s']):.3f} | "
+            f"{r['first_call_s']:.2f} (page-locking {r['register_s']:.2f}) | "
             f"{med(r['device_sums']):.4f} | {r['extra_gpu_bytes'] / 2**20:.1f} MiB |")
     alone = []
     for r in results:

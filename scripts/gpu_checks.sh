@@ -2,14 +2,16 @@
 # The GPU machine's checks, in one run (docs/benchmarks.md "GPU snapshot path"; docs/gpu.md):
 #   1. benchmarks/gpu_snapshot.py: stall / clean (checksums summed on the host and on the device) / restore
 #      against raw pinned copies, 1 and 16 GiB per rank, the slots on a huge-page tmpfs (SHM_DIR, mounted
-#      here when root: the agent creates them faster there), restores in-process and as a fresh process;
+#      here when root: the agent creates them faster there), restores in-process and as a fresh process
+#      (page-locking while copying and through pinned blocks, alternating);
 #   2. pytest tests/gpu and the checksum kernel's tests: the GPU snapshot path bit-exact, CUDA RNG included;
 #      the compiled kernel against the host's sums; device and host sums writing the same digests; a
 #      restore in the process reading its page-locked slot; the restore ordering (a zero-fill queued on
 #      the training stream behind a long kernel lands before the restored bytes); the value guard, queued
 #      behind the restore's copies, judging the restored bytes (a NaN version refused, rolled back); the
 #      later capture (Megatron-LM's path: encoded and registered on the worker) copying what the training
-#      stream queued before the hand-over, not after;
+#      stream queued before the hand-over, not after; a fresh process's restore, page-locking the slot
+#      range by range while copying and through pinned blocks, bit-exact both ways;
 #   3. megatron-ft demo --config configs/gpu/1x1.yaml --fail trainer: megatron-core's GPT on the GPU,
 #      a trainer SIGKILLed, resumed from the agent's memory, bit-exact with deterministic algorithms;
 #   4. benchmarks/scheduling.py at PP=4 on the machine's cores (CPU, CUDA hidden): only when asked (STEPS),

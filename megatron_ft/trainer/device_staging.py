@@ -29,9 +29,13 @@ in this process (:func:`page_locked_mapping`: an in-process restart, whose earli
 it) the copy engine reads the slot straight into the tensors, and the lanes of all those pieces are
 summed in one launch queued behind every copy (:meth:`RestoreStagings.after_copies`, with the value
 guard's reads: both launched while the copies are in flight, run as soon as the bytes have landed).
-Otherwise (a fresh process) the bytes go through pinned bounce blocks in rotation: a block is read
-from the slot and copied to the device, and refilled only after its copy's event has completed
-(page-locking a slot costs more than the whole copy, also on a huge-page tmpfs: docs/gpu.md); each
+A fresh process (no engine of it page-locked the slot) on a huge-page tmpfs page-locks the slot itself,
+in ranges on several threads (:func:`page_lock_while_copying`), and copies each range straight from the
+slot as soon as it is locked, while later ranges are still being locked (page-locking a whole 16 GiB
+slot first took longer than the copy on the H200); the process keeps it for its snapshots. Otherwise
+(4 KiB pages, where page-locking costs twice the bounce's time: :data:`FRESH_RESTORE`; or a range that
+could not be page-locked) the bytes go through pinned bounce blocks in rotation: a block is read
+from the slot and copied to the device, and refilled only after its copy's event has completed; each
 piece's lanes are computed on its stream after its copies. The restore combines the lanes with the
 host pieces' and compares every chunk with its stored checksum after ``finish()`` (every copy done).
 A mismatch fails the restore as on CPU (the caller then overwrites or discards
@@ -108,23 +112,32 @@ def _cudart_ok(err) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
+def made_current(device: Optional[torch.device]):
+    """``device`` made the calling thread's current CUDA device (a new thread's is device 0: a CUDA call
+    there would create a context on another rank's GPU), or nothing where ``device`` is None."""
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+
+
 class HostRegistration:
-    """A host address range page-locked for the GPU (``cudaHostRegister``) until :meth:`close`.
+    """A host address range page-locked for the GPU (``cudaHostRegister``; with unified addressing,
+    portable to every context) until :meth:`close`, made and released with ``device`` current.
 
     Not thread-safe; its owner (a :class:`PageLockedFile`) closes it before the memory is unmapped."""
 
-    def __init__(self, address: int, nbytes: int):
-        self.address, self.nbytes = address, nbytes
-        cudart = torch.cuda.cudart()
-        t0 = time.perf_counter()
-        err = cudart.cudaHostRegister(address, nbytes, 0)
-        self.seconds = time.perf_counter() - t0
+    def __init__(self, address: int, nbytes: int, device: Optional[torch.device] = None):
+        self.address, self.nbytes, self.device = address, nbytes, device
+        with made_current(device):
+            cudart = torch.cuda.cudart()
+            t0 = time.perf_counter()
+            err = cudart.cudaHostRegister(address, nbytes, 0)
+            self.seconds = time.perf_counter() - t0
         self.ok = _cudart_ok(err)
         self.error = "" if self.ok else str(err)
 
     def close(self) -> None:
         if self.ok:
-            torch.cuda.cudart().cudaHostUnregister(self.address)
+            with made_current(self.device):
+                torch.cuda.cudart().cudaHostUnregister(self.address)
             self.ok = False
 
 
@@ -137,11 +150,42 @@ class HostRegistration:
 # new layout) or with :func:`release_page_locked`; otherwise with the process.
 
 
-class PageLockedFile:
-    """One slot file mapped read-write (shared) and page-locked in this process until :meth:`close`."""
+#: a fresh process's restore page-locks its slot in ranges of this size, several at a time, and copies
+#: each range as soon as it is locked (:class:`PageLockedFile` with ``threads``)
+LOCK_RANGE = 256 << 20
+#: ... each range a whole number of these (a huge page: the ranges of one mapping never share a page)
+LOCK_ALIGN = 2 << 20
+#: how long a restore waits for one range to be page-locked before it reads that range through bounce blocks
+LOCK_WAIT_S = 60.0
 
-    def __init__(self, path: str):
-        self.path = path
+
+def lock_ranges(nbytes: int, span: Optional[int] = None, align: Optional[int] = None) -> list[tuple[int, int]]:
+    """Consecutive ranges covering ``[0, nbytes)``, each ``span`` bytes (default :data:`LOCK_RANGE`)
+    rounded down to a multiple of ``align`` (default :data:`LOCK_ALIGN`) but the last.
+
+    >>> lock_ranges(10 << 20, 4 << 20)
+    [(0, 4194304), (4194304, 8388608), (8388608, 10485760)]
+    >>> lock_ranges(3 << 20, 1 << 20)   # a span under one page is one page
+    [(0, 2097152), (2097152, 3145728)]
+    >>> lock_ranges(0)
+    []
+    """
+    align = LOCK_ALIGN if align is None else align
+    span = max(align, (LOCK_RANGE if span is None else span) // align * align)
+    return [(lo, min(lo + span, nbytes)) for lo in range(0, nbytes, span)]
+
+
+class PageLockedFile:
+    """One slot file mapped read-write (shared) and page-locked in this process until :meth:`close`.
+
+    Page-locked whole on the calling thread (``threads=0``: the snapshot engine's worker), or in
+    :func:`lock_ranges`, ``threads`` at a time on threads of its own, first ranges first (a fresh
+    process's restore, which copies each range once :meth:`wait_range` says it is locked, while later
+    ranges are still being locked). ``device``: the CUDA device current while page-locking (the rank's).
+    Thread-safe; :meth:`close` waits for the ranges still being locked."""
+
+    def __init__(self, path: str, threads: int = 0, span: Optional[int] = None, device: Optional[torch.device] = None):
+        self.path, self.device = path, device
         fd = os.open(path, os.O_RDWR)
         try:
             self._mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
@@ -149,10 +193,84 @@ class PageLockedFile:
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mm, np.uint8)
-        self.registration = HostRegistration(self.array.ctypes.data, self.array.nbytes)
+        base, nbytes = self.array.ctypes.data, self.array.nbytes
+        self.ranges = lock_ranges(nbytes, span) if threads > 0 else [(0, nbytes)]
+        self._span = self.ranges[0][1] if self.ranges else 1
+        self.registrations: list[Optional[HostRegistration]] = [None] * len(self.ranges)
+        self._errors: list[str] = []
+        self._locked = [threading.Event() for _ in self.ranges]
+        self._closing = False
+        self._pool: Optional[ThreadPoolExecutor] = None
+        if threads <= 0:
+            for i in range(len(self.ranges)):
+                self._lock(base, i)
+        else:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mft-page-lock")
+            for i in range(len(self.ranges)):
+                self._pool.submit(self._lock, base, i)
+            self._pool.shutdown(wait=False)
+
+    def _lock(self, base: int, i: int) -> None:
+        lo, hi = self.ranges[i]
+        try:
+            if not self._closing:
+                reg = HostRegistration(base + lo, hi - lo, self.device)
+                self.registrations[i] = reg
+                if not reg.ok:
+                    self._errors.append(reg.error)
+        except Exception as e:  # the range is read through bounce blocks; the error is reported
+            self._errors.append(f"{type(e).__name__}: {e}")
+        finally:
+            self._locked[i].set()
+
+    def wait_range(self, lo: int, hi: int, timeout: float = LOCK_WAIT_S) -> bool:
+        """Whether bytes ``[lo, hi)`` of the file are page-locked, once every range holding them was
+        tried (each wait at most ``timeout`` seconds: False after it)."""
+        if hi <= lo:
+            return True
+        for i in range(lo // self._span, min((hi - 1) // self._span + 1, len(self.ranges))):
+            if not self._locked[i].wait(timeout):
+                return False
+            reg = self.registrations[i]
+            if reg is None or not reg.ok:
+                return False
+        return True
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` cut where one page-locked range ends and the next begins: a copy from host memory
+        that spans two registrations may not be taken as page-locked by the driver, so each copy stays
+        inside one.
+
+        >>> f = PageLockedFile.__new__(PageLockedFile); f._span = 100
+        >>> f.pieces(50, 120), f.pieces(100, 200), f.pieces(10, 20)
+        ([(50, 100), (100, 120)], [(100, 200)], [(10, 20)])
+        """
+        cuts = range((lo // self._span + 1) * self._span, hi, self._span)
+        edges = [lo, *cuts, hi]
+        return list(zip(edges[:-1], edges[1:]))
+
+    @property
+    def done(self) -> bool:
+        """Every range tried (without waiting)."""
+        return all(e.is_set() for e in self._locked)
+
+    @property
+    def ok(self) -> bool:
+        """Every range tried and page-locked (without waiting)."""
+        return self.done and all(r is not None and r.ok for r in self.registrations)
+
+    @property
+    def error(self) -> str:
+        """Why a range could not be page-locked ("" if none failed so far)."""
+        return self._errors[0] if self._errors else ""
 
     def close(self) -> None:
-        self.registration.close()
+        self._closing = True  # ranges not started yet are not locked
+        for e in self._locked:
+            e.wait(LOCK_WAIT_S)
+        for reg in self.registrations:
+            if reg is not None:
+                reg.close()
         self.array = None
         try:
             self._mm.close()
@@ -172,10 +290,12 @@ def _file_key(path: str) -> Optional[tuple[int, int]]:
     return st.st_dev, st.st_ino
 
 
-def page_lock_files(paths: Sequence[str]) -> tuple[list[Optional[np.ndarray]], list[str], int]:
-    """Each file of ``paths`` mapped and page-locked in this process (reusing earlier entries); entries
-    for other files are released. Returns each file's whole mapping (None where page-locking failed), the
-    reasons of the failures and how many files were page-locked now (not reused)."""
+def page_lock_files(paths: Sequence[str], device: Optional[torch.device] = None
+                    ) -> tuple[list[Optional[np.ndarray]], list[str], int]:
+    """Each file of ``paths`` mapped and page-locked in this process with ``device`` current (reusing
+    earlier entries, also one a restore is still page-locking: waited for); entries for other files are
+    released. Returns each file's whole mapping (None where page-locking failed), the reasons of the
+    failures and how many files were page-locked now (not reused)."""
     arrays: list[Optional[np.ndarray]] = []
     errors: list[str] = []
     fresh = 0
@@ -185,17 +305,20 @@ def page_lock_files(paths: Sequence[str]) -> tuple[list[Optional[np.ndarray]], l
             _LOCKED.pop(key).close()
         for path, key in zip(paths, keys):
             entry = _LOCKED.get(key) if key is not None else None
+            if entry is not None and not (entry.wait_range(0, entry.array.nbytes) and entry.ok):
+                _LOCKED.pop(key).close()  # a restore's ranges, not all locked: try the whole file once more
+                entry = None
             if entry is None:
                 try:
-                    entry = PageLockedFile(path)
+                    entry = PageLockedFile(path, device=device)
                 except OSError as e:
                     arrays.append(None)
                     errors.append(f"{path}: {e}")
                     continue
-                if not entry.registration.ok:
+                if not entry.ok:
                     entry.close()
                     arrays.append(None)
-                    errors.append(entry.registration.error)
+                    errors.append(entry.error)
                     continue
                 fresh += 1
                 if key is not None:
@@ -206,11 +329,76 @@ def page_lock_files(paths: Sequence[str]) -> tuple[list[Optional[np.ndarray]], l
 
 def page_locked_mapping(path: str) -> Optional[np.ndarray]:
     """The whole file at ``path`` (bytes from its offset 0) as this process mapped and page-locked it
-    for its snapshots, or None. Read by a restore on the training thread while no snapshot is in flight."""
+    for its snapshots (every range locked), or None. Read by a restore on the training thread while no
+    snapshot is in flight."""
     key = _file_key(path)
     with _LOCKED_GUARD:
         entry = _LOCKED.get(key) if key is not None else None
-        return entry.array if entry is not None else None
+        return entry.array if entry is not None and entry.ok else None
+
+
+#: a fresh process's restore from a slot no earlier engine of the process page-locked: ``auto`` page-locks
+#: the slot while copying (:func:`page_lock_while_copying`) where the slot is on a huge-page tmpfs, and
+#: goes through pinned bounce blocks on 4 KiB pages (where page-locking costs more than the bounce:
+#: docs/gpu.md); ``page-lock`` and ``bounce`` choose one everywhere (the GPU benchmark compares them)
+FRESH_RESTORE = "auto"
+FRESH_RESTORE_CHOICES = ("auto", "page-lock", "bounce")
+
+
+def lock_while_copying(backing: str, choice: Optional[str] = None) -> bool:
+    """Whether a fresh process's restore page-locks a slot whose directory has page ``backing``
+    (:func:`megatron_ft.agent.shm.page_backing`) while copying it, rather than reading it through
+    bounce blocks.
+
+    >>> [lock_while_copying(b, c) for b, c in [("huge", "auto"), ("small", "auto"), ("small", "page-lock")]]
+    [True, False, True]
+    >>> lock_while_copying("huge", "sometimes")
+    Traceback (most recent call last):
+    ...
+    ValueError: FRESH_RESTORE 'sometimes': one of ('auto', 'page-lock', 'bounce')
+    """
+    choice = FRESH_RESTORE if choice is None else choice
+    if choice not in FRESH_RESTORE_CHOICES:
+        raise ValueError(f"FRESH_RESTORE {choice!r}: one of {FRESH_RESTORE_CHOICES}")
+    return choice == "page-lock" or (choice == "auto" and backing == "huge")
+
+
+def page_lock_while_copying(path: str, threads: int, device: Optional[torch.device] = None
+                            ) -> Optional[PageLockedFile]:
+    """The slot at ``path`` being page-locked in this process with ``device`` current (the restore's
+    destination), range by range on ``threads`` threads (the
+    caller copies each range once :meth:`PageLockedFile.wait_range` allows), kept for the process's
+    snapshots like the engine's own (:func:`page_lock_files` reuses it); None - nothing kept, the
+    caller reads through bounce blocks - when the file cannot be mapped or its first range cannot be
+    page-locked (said once). Training thread, while no snapshot is in flight."""
+    key = _file_key(path)
+    if key is None:
+        return None
+    try:
+        entry = PageLockedFile(path, threads=max(1, threads), device=device)
+    except OSError as e:
+        _say_once("map", f"could not map {path} to page-lock it for a restore ({e}): reading it through pinned blocks")
+        return None
+    if not entry.wait_range(0, 1):
+        entry.close()
+        _say_once("lock", f"could not page-lock {path} for a restore ({entry.error or 'timed out'}): "
+                  f"reading it through pinned blocks")
+        return None
+    with _LOCKED_GUARD:
+        old = _LOCKED.pop(key, None)
+        _LOCKED[key] = entry
+    if old is not None:
+        old.close()
+    return entry
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(what: str, msg: str) -> None:
+    if what not in _SAID:
+        _SAID.add(what)
+        log.warning("%s", msg)
 
 
 def release_page_locked() -> None:
@@ -255,7 +443,7 @@ class SnapshotStaging:
         mappings from now on (:attr:`areas`); the reasons of any that could not be page-locked (empty: all
         pinned; those slots are written through the caller's own mapping, staged by the driver)."""
         t0 = time.perf_counter()
-        self.areas, errors, fresh = page_lock_files([slot.path for slot in slots])
+        self.areas, errors, fresh = page_lock_files([slot.path for slot in slots], self.device)
         self.register_s = time.perf_counter() - t0
         log.info("page-locked %d snapshot slot(s) in %.2f s (%d already page-locked by this process)", fresh,
                  self.register_s, sum(a is not None for a in self.areas) - fresh)
@@ -282,6 +470,12 @@ class SnapshotStaging:
         checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
         assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
         host). Blocks until every copy and sum is done; an error leaves no copy running."""
+        with made_current(self.device):  # every CUDA call of this (worker) thread on the rank's device
+            return self._copy_and_sum(ready, area, pieces_by_chunk, chunk_bounds, sources, after_first_chunk)
+
+    def _copy_and_sum(self, ready: torch.cuda.Event, area: np.ndarray, pieces_by_chunk: list,
+                      chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
+                      after_first_chunk: Callable[[], None]) -> list[int]:
         t0 = time.perf_counter()
         self.last_phases = {}
         if self.sums == "device" and default_sums() == "host":
@@ -290,10 +484,11 @@ class SnapshotStaging:
         dst = torch.from_numpy(area)
         events: list[Optional[torch.cuda.Event]] = []
 
-        def sum_chunk(i: int) -> int:
+        def sum_chunk(i: int) -> int:  # (a pool thread: the rank's device made current for its CUDA call)
             landed = events[i]
             if landed is not None:
-                landed.synchronize()
+                with made_current(self.device):
+                    landed.synchronize()
             lo, hi = chunk_bounds(i)
             chunk = checksum.ChunkSum(hi - lo)
             for p in pieces_by_chunk[i]:
@@ -301,7 +496,7 @@ class SnapshotStaging:
             return chunk.finish()
 
         try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 for i, pieces in enumerate(pieces_by_chunk):
                     from_device = False

@@ -183,8 +183,9 @@ class Container:
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
         page_locked = None  # GPU path: a uint8 tensor over the container's page-locked bytes
+        locking = None  # ... being page-locked range by range while the copies are queued (a fresh process)
         if on_device_sums and on_gpu:
-            page_locked = self._page_locked()
+            page_locked, locking = self._page_locked(devices[0])
 
         def upload(p, dst: torch.Tensor) -> torch.Tensor:
             """GPU path: a piece to the device - straight from a page-locked slot, else through the
@@ -192,9 +193,11 @@ class Container:
             stage = stagings.here(dst.device)
             part = _byte_view(dst)[p.src_start:p.src_end]
             at = base + p.dst_offset
-            if page_locked is not None:  # summed after every copy, all pieces in one launch (below)
-                stage.upload_page_locked(page_locked[at: at + part.numel()], part)
-                return _Landed(part)
+            if page_locked is not None and (locking is None or locking.wait_range(at, at + part.numel())):
+                end = at + part.numel()
+                for lo, hi in locking.pieces(at, end) if locking is not None else [(at, end)]:
+                    stage.upload_page_locked(page_locked[lo:hi], part[lo - at: hi - at])  # each inside one range
+                return _Landed(part)  # summed after every copy, all such pieces in one launch (below)
             for off in range(0, part.numel(), GPU_READ_BLOCK):
                 k, block = stage.block()
                 n = min(GPU_READ_BLOCK, part.numel() - off)
@@ -259,8 +262,12 @@ class Container:
             if workers == 1:
                 errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
             else:
+                def on_its_device(i: int) -> Optional[str]:  # a pool thread's current device is 0, not the rank's
+                    with device_staging.made_current(devices[0] if len(devices) == 1 else None):
+                        return one_chunk(i)
+
                 with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
-                    errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
+                    errors = list(pool.map(on_its_device, range(self.layout.num_chunks)))
             if on_gpu:
                 self.marks["queued"] = time.perf_counter()
             landed = [x for parts in verify_later.values() for _, x in parts if isinstance(x, _Landed)]
@@ -288,17 +295,26 @@ class Container:
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
 
-    def _page_locked(self) -> Optional[torch.Tensor]:
+    def _page_locked(self, device: torch.device
+                     ) -> tuple[Optional[torch.Tensor], Optional[device_staging.PageLockedFile]]:
         """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
-        copy engine to read without a bounce: the mapping this process page-locked for its snapshots (an
-        in-process restart), or None (copy through pinned blocks). A restore does not page-lock a slot
-        itself: on the H200 machine that took 0.38-0.45 s per 16 GiB even on a huge-page tmpfs, more than
-        the whole copy (docs/gpu.md)."""
+        copy engine to read without a bounce, and the page-locking still under way (or None): the
+        mapping this process page-locked for its snapshots (an in-process restart); else, in a fresh
+        process where :func:`device_staging.lock_while_copying` says so (a slot on a huge-page tmpfs),
+        the slot page-locked range by range while the copies are queued - each range copied once it
+        is locked, and kept for the process's snapshots; else (None, None): through pinned blocks."""
+        need = self.header.geometry.data_off + self.layout.data_nbytes
         mapping = device_staging.page_locked_mapping(self.path)
-        if mapping is None or mapping.nbytes < self.header.geometry.data_off + self.layout.data_nbytes:
-            return None
-        log.info("%s: restoring straight from the slot page-locked by this process for its snapshots", self.path)
-        return torch.from_numpy(mapping)
+        if mapping is not None and mapping.nbytes >= need:
+            log.info("%s: restoring straight from the slot page-locked by this process for its snapshots", self.path)
+            return torch.from_numpy(mapping), None
+        if not device_staging.lock_while_copying(shm.backing_of(os.path.dirname(self.path) or ".")):
+            return None, None
+        locking = device_staging.page_lock_while_copying(self.path, threads_here(MAX_GPU_HOST_THREADS), device)
+        if locking is None or locking.array is None or locking.array.nbytes < need:
+            return None, None
+        log.info("%s: restoring straight from the slot, page-locking it range by range as the copies go", self.path)
+        return torch.from_numpy(locking.array), locking
 
     def _map(self) -> mmap.mmap:
         """The whole container, read-only. A file shorter than its header says is refused here:

@@ -270,3 +270,41 @@ def test_a_later_capture_copies_what_the_training_stream_queued_before_the_hand_
     res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m2))
     assert (res.source, res.step) == ("local_memory", 1), res
     assert all(bool((p == 1.5).all()) for p in m2.parameters()), "the copies did not wait for the hand-over"
+
+
+@pytest.mark.parametrize("way", ["page-lock", "bounce"])
+def test_a_fresh_process_restores_bit_exact_either_way(agent, way, monkeypatch, caplog):
+    """A fresh process (no page-locked slot of its own): page-locking the slot range by range while the
+    copies go (several ranges of 64 KiB, on three threads), or through pinned blocks. Bit-exact either
+    way; page-locked, the slot stays page-locked for the process's next engine, which reuses it."""
+    monkeypatch.setattr(device_staging, "FRESH_RESTORE", way)
+    monkeypatch.setattr(device_staging, "LOCK_RANGE", 64 << 10)
+    monkeypatch.setattr(device_staging, "LOCK_ALIGN", 64 << 10)
+    monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 3)
+    c, m, opt, ad, eng = snapshot_of_step_1(agent)
+    want = snapshot_bytes(m, opt)
+    eng.close()
+    device_staging.release_page_locked()
+    m2, opt2 = model_on_gpu(1)
+    with caplog.at_level("INFO", logger="megatron_ft"):
+        res = Restorer(0, 1, identity(agent.cfg), agent.cfg.run_id, agent.cfg.persist.dir, c).restore(
+            TorchStateAdapter(m2, opt2))
+    assert (res.source, res.step) == ("local_memory", 1), res
+    got = snapshot_bytes(m2, opt2)
+    for k in want:
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    locked = any("page-locking it range by range" in r.getMessage() for r in caplog.records)
+    assert locked == (way == "page-lock"), [r.getMessage() for r in caplog.records][-5:]
+    [v] = [x for x in c.request("list", rank=0)["versions"] if x["step"] == 1]
+    assert (device_staging.page_locked_mapping(v["path"]) is not None) == (way == "page-lock")
+    eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)  # the next engine
+    ad2 = TorchStateAdapter(m2, opt2)
+    ad2.extra = {"iteration": 2}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="megatron_ft"):
+        eng.snapshot(2, *ad2.capture())
+        assert eng.wait().ok
+    eng.close()
+    if way == "page-lock":
+        assert any("(1 already page-locked by this process)" in r.getMessage() for r in caplog.records)
+    device_staging.release_page_locked()

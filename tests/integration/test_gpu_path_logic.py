@@ -81,6 +81,7 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
     want = {k: v.clone() for k, v in m.state_dict().items()}
     eng.close()
     device_staging.release_page_locked()  # as a fresh process finds the slots: through pinned blocks
+    monkeypatch.setattr(device_staging, "FRESH_RESTORE", "bounce")
     torch.manual_seed(5)
     m2 = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
@@ -100,7 +101,7 @@ def test_the_gpu_path_snapshots_and_restores_bit_exact_and_rejects_corruption(ag
     assert r.step == 1 and "checksum mismatch" in r.rejected[0], r
 
 
-def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot(agent, caplog):
+def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot(agent, caplog, monkeypatch):
     """The process keeps its page-locked slots across snapshot engines (an in-process restart closes one
     and makes the next): a restore copies straight from them, no bounce block is made, a flipped bit is
     still caught; the next engine reuses them instead of page-locking again; once released, a restore
@@ -153,6 +154,7 @@ def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot
     assert r.step == 2 and "checksum mismatch" in r.rejected[0], r
     device_staging.release_page_locked()
     assert device_staging.page_locked_mapping(v["path"]) is None
+    monkeypatch.setattr(device_staging, "FRESH_RESTORE", "bounce")  # (a fresh process on 4 KiB pages)
     r = restore(expect_bounce=True)
     assert r.step == 2, r
 
@@ -309,6 +311,7 @@ def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_
 
     monkeypatch.setattr(device_staging.RestoreStaging, "upload", recorded_upload)
     monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 4)  # several restore threads
+    monkeypatch.setattr(device_staging, "FRESH_RESTORE", "bounce")
     state = snapshot_of_step_1_then_zeroed(agent)
     device_staging.release_page_locked()  # as a fresh process: through pinned blocks, from several threads
     rec.ops.clear()  # (the snapshot's own streams)
@@ -432,3 +435,78 @@ def test_a_later_capture_copies_after_the_point_the_training_thread_handed_it_ov
     r = Restorer(0, 1, ident, agent.cfg.run_id, agent.cfg.persist.dir, c).restore(TorchStateAdapter(m))
     assert (r.source, r.step) == ("local_memory", 2), r
     assert all(torch.equal(m.state_dict()[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("refuse", ["none", "one holding device bytes", "the first"])
+def test_a_fresh_process_page_locks_its_slot_range_by_range_while_copying(agent, refuse, monkeypatch, caplog):
+    """A fresh process (no page-locked slot of its own) on a huge-page tmpfs page-locks the slot it
+    restores in ranges, several threads at once, and copies each range straight from the slot once it is
+    locked: no bounce block, bit-exact, and the next engine's snapshots reuse the ranges (no second
+    page-locking of that slot). A range that cannot be page-locked is read through bounce blocks (the
+    restore still bit-exact); if the first cannot, nothing is page-locked and the restore goes through
+    blocks, said once."""
+    calls: list[int] = []  # the sizes page-locked since the restore began (the refused ones included)
+    armed, refused = [False], set()  # refused: range indices (with one thread, the ranges go in order)
+
+    class Ranged(CudaRuntime):
+        def cudaHostRegister(self, ptr, n, flags):
+            if not armed[0]:
+                return 0
+            calls.append(n)
+            return 999 if len(calls) - 1 in refused else 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Ranged())
+    monkeypatch.setattr(device_staging, "FRESH_RESTORE", "page-lock")
+    span = 512  # ranges shorter than the 1 KiB chunks: copies from the slot would span two of them
+    monkeypatch.setattr(device_staging, "LOCK_RANGE", span)
+    monkeypatch.setattr(device_staging, "LOCK_ALIGN", span)
+    monkeypatch.setattr("megatron_ft.trainer.recovery.threads_here", lambda n: 3 if refuse == "none" else 1)
+    c, m, ident, want = snapshot_of_step_1_then_zeroed(agent)
+    device_staging.release_page_locked()  # a fresh process
+    [v] = c.request("list", rank=0)["versions"]
+    seg = shm.open_segment(v["path"])
+    nbytes, data_off = seg.size, snapfile.read_header(seg.mm).geometry.data_off
+    layout = snapfile.read_layout(bytes(seg.mm[:data_off]), snapfile.read_header(seg.mm))
+    seg.close()
+    if refuse == "the first":
+        refused.add(0)
+    elif refuse != "none":  # the last range holding a piece of a "device" tensor (300 elements or more)
+        refused.add(max((data_off + p.dst_offset) // span for ps in layout.all_pieces() for p in ps
+                        if layout.entries[p.entry_index].spec.numel >= 300))
+        assert 0 not in refused
+    armed[0] = True
+    bounce, straight = [], []  # straight: (address, bytes) of each copy from the slot's mapping
+    real, real_upload = device_staging.pinned_bytes, device_staging.RestoreStaging.upload_page_locked
+    monkeypatch.setattr(device_staging, "pinned_bytes", lambda n: bounce.append(n) or real(n))
+
+    def upload(self, src, dst):
+        straight.append((src.data_ptr(), src.numel()))
+        return real_upload(self, src, dst)
+
+    monkeypatch.setattr(device_staging.RestoreStaging, "upload_page_locked", upload)
+    with caplog.at_level("INFO", logger="megatron_ft"):
+        restore_step_1(agent, c, m, ident, want)
+    said = [r.getMessage() for r in caplog.records]
+    if refuse == "the first":
+        assert bounce and not any("range by range" in x for x in said), said
+        assert sum("could not page-lock" in x for x in said) == 1
+        assert device_staging.page_locked_mapping(v["path"]) is None
+        return
+    assert any("range by range" in x for x in said), said
+    assert len(calls) == -(-nbytes // span) > 3, (len(calls), nbytes)
+    assert sum(calls) == nbytes, "the ranges cover the slot file"
+    assert bool(bounce) == bool(refused), "a refused range goes through blocks, none otherwise"
+    if refused:
+        assert device_staging.page_locked_mapping(v["path"]) is None, "a slot with a range not locked is not whole"
+        return
+    base = device_staging.page_locked_mapping(v["path"]).ctypes.data
+    assert straight and all((a - base) // span == (a + n - 1 - base) // span for a, n in straight), \
+        "a copy from the slot spans two page-locked ranges"
+    calls.clear()
+    eng = SnapshotEngine(c, 0, ident, 1 << 10)  # the next engine: the restored slot is reused
+    ad = TorchStateAdapter(m)
+    ad.extra = {"iteration": 2}
+    eng.snapshot(2, *ad.capture())
+    assert eng.wait().ok
+    eng.close()
+    assert len(calls) == 1, f"the engine page-locked {len(calls)} slots, not only the one the restore had not"
