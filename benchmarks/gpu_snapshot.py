@@ -58,7 +58,7 @@ from megatron_ft.testing.helpers import remove_run_segments  # noqa: E402
 from megatron_ft.testing.sim import AgentProc  # noqa: E402
 from megatron_ft.trainer import device_staging  # noqa: E402
 from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, lock_while_copying,  # noqa: E402
-                                                page_locked_mapping, release_page_locked)
+                                                page_locked_file, release_page_locked)
 from megatron_ft.trainer.recovery import MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, one_node_config, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
@@ -242,7 +242,7 @@ def one_size(size_gib: float, args, workdir: str) -> dict:
                                                   for t in state.values()]) for _ in range(args.reps)]
         newest = max(client.request("list", rank=0)["versions"], key=lambda v: v["step"])
         # the copies alone between the state and a page-locked slot (the older one is written)
-        slots = {seg.path: torch.from_numpy(page_locked_mapping(seg.path)) for seg in engine._slots}
+        slots = {seg.path: torch.from_numpy(page_locked_file(seg.path).array) for seg in engine._slots}
         newer = slots.pop(newest["path"])
         older = next(iter(slots.values()))
         res["d2h_into_slot"] = [timed_cuda(lambda: copy_pieces(older, state, to_host=True)) for _ in range(args.reps)]

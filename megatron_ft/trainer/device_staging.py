@@ -25,7 +25,7 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
 Restore (host -> device), :class:`RestoreStaging`: per restore thread, a stream of its own, which
 first waits for an event the restoring thread recorded on its current stream (:class:`RestoreStagings`:
 the destinations' allocation or zero-fill queued there lands first). From a slot that is page-locked
-in this process (:func:`page_locked_mapping`: an in-process restart, whose earlier engine page-locked
+in this process (:func:`page_locked_file`: an in-process restart, whose earlier engine page-locked
 it) the copy engine reads the slot straight into the tensors, and the lanes of all those pieces are
 summed in one launch queued behind every copy (:meth:`RestoreStagings.after_copies`, with the value
 guard's reads: both launched while the copies are in flight, run as soon as the bytes have landed).
@@ -182,7 +182,8 @@ class PageLockedFile:
     :func:`lock_ranges`, ``threads`` at a time on threads of its own, first ranges first (a fresh
     process's restore, which copies each range once :meth:`wait_range` says it is locked, while later
     ranges are still being locked). ``device``: the CUDA device current while page-locking (the rank's).
-    Thread-safe; :meth:`close` waits for the ranges still being locked."""
+    Every copy from or into it stays inside one range (:meth:`pieces`). Thread-safe; :meth:`close` waits
+    for the ranges being locked at that moment (one ``cudaHostRegister`` call each) and unlocks them."""
 
     def __init__(self, path: str, threads: int = 0, span: Optional[int] = None, device: Optional[torch.device] = None):
         self.path, self.device = path, device
@@ -195,10 +196,11 @@ class PageLockedFile:
         self.array = np.frombuffer(self._mm, np.uint8)
         base, nbytes = self.array.ctypes.data, self.array.nbytes
         self.ranges = lock_ranges(nbytes, span) if threads > 0 else [(0, nbytes)]
-        self._span = self.ranges[0][1] if self.ranges else 1
+        self._span = max(1, self.ranges[0][1] if self.ranges else 1)
         self.registrations: list[Optional[HostRegistration]] = [None] * len(self.ranges)
         self._errors: list[str] = []
         self._locked = [threading.Event() for _ in self.ranges]
+        self._guard = threading.Lock()  # registrations, _errors, _closing (never held across a CUDA call)
         self._closing = False
         self._pool: Optional[ThreadPoolExecutor] = None
         if threads <= 0:
@@ -208,18 +210,24 @@ class PageLockedFile:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mft-page-lock")
             for i in range(len(self.ranges)):
                 self._pool.submit(self._lock, base, i)
-            self._pool.shutdown(wait=False)
 
     def _lock(self, base: int, i: int) -> None:
         lo, hi = self.ranges[i]
         try:
-            if not self._closing:
-                reg = HostRegistration(base + lo, hi - lo, self.device)
-                self.registrations[i] = reg
-                if not reg.ok:
-                    self._errors.append(reg.error)
+            with self._guard:
+                if self._closing:
+                    return
+            reg = HostRegistration(base + lo, hi - lo, self.device)
+            with self._guard:
+                if not self._closing:
+                    self.registrations[i] = reg
+                    if not reg.ok:
+                        self._errors.append(reg.error)
+                    return
+            reg.close()  # closed meanwhile: nothing keeps this range locked
         except Exception as e:  # the range is read through bounce blocks; the error is reported
-            self._errors.append(f"{type(e).__name__}: {e}")
+            with self._guard:
+                self._errors.append(f"{type(e).__name__}: {e}")
         finally:
             self._locked[i].set()
 
@@ -236,16 +244,16 @@ class PageLockedFile:
                 return False
         return True
 
-    def pieces(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """``[lo, hi)`` cut where one page-locked range ends and the next begins: a copy from host memory
-        that spans two registrations may not be taken as page-locked by the driver, so each copy stays
-        inside one.
+    def pieces(self, lo: int, hi: int, offset: int = 0) -> list[tuple[int, int]]:
+        """``[lo, hi)`` - bytes at file offsets ``offset + lo`` to ``offset + hi`` - cut where one
+        page-locked range ends and the next begins: a copy that spans two registrations need not be
+        taken as page-locked by the driver, so each copy stays inside one.
 
         >>> f = PageLockedFile.__new__(PageLockedFile); f._span = 100
-        >>> f.pieces(50, 120), f.pieces(100, 200), f.pieces(10, 20)
-        ([(50, 100), (100, 120)], [(100, 200)], [(10, 20)])
+        >>> f.pieces(50, 120), f.pieces(100, 200), f.pieces(10, 20), f.pieces(0, 50, offset=80)
+        ([(50, 100), (100, 120)], [(100, 200)], [(10, 20)], [(0, 20), (20, 50)])
         """
-        cuts = range((lo // self._span + 1) * self._span, hi, self._span)
+        cuts = range(((lo + offset) // self._span + 1) * self._span - offset, hi, self._span)
         edges = [lo, *cuts, hi]
         return list(zip(edges[:-1], edges[1:]))
 
@@ -262,13 +270,20 @@ class PageLockedFile:
     @property
     def error(self) -> str:
         """Why a range could not be page-locked ("" if none failed so far)."""
-        return self._errors[0] if self._errors else ""
+        with self._guard:
+            return self._errors[0] if self._errors else ""
 
     def close(self) -> None:
-        self._closing = True  # ranges not started yet are not locked
+        """Unlock and unmap (no copy may be in flight from or into it). Ranges not started are not
+        locked; one being locked is unlocked by its thread when its call returns."""
+        with self._guard:
+            self._closing = True
+            regs, self.registrations = self.registrations, [None] * len(self.ranges)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
         for e in self._locked:
-            e.wait(LOCK_WAIT_S)
-        for reg in self.registrations:
+            e.set()  # (a range cancelled before it started)
+        for reg in regs:
             if reg is not None:
                 reg.close()
         self.array = None
@@ -279,7 +294,7 @@ class PageLockedFile:
 
 
 _LOCKED: dict[tuple[int, int], PageLockedFile] = {}
-_LOCKED_GUARD = threading.Lock()
+_LOCKED_GUARD = threading.Lock()  # _LOCKED only: never held while page-locking or waiting
 
 
 def _file_key(path: str) -> Optional[tuple[int, int]]:
@@ -291,50 +306,83 @@ def _file_key(path: str) -> Optional[tuple[int, int]]:
 
 
 def page_lock_files(paths: Sequence[str], device: Optional[torch.device] = None
-                    ) -> tuple[list[Optional[np.ndarray]], list[str], int]:
+                    ) -> tuple[list[Optional[PageLockedFile]], list[str], int]:
     """Each file of ``paths`` mapped and page-locked in this process with ``device`` current (reusing
     earlier entries, also one a restore is still page-locking: waited for); entries for other files are
-    released. Returns each file's whole mapping (None where page-locking failed), the reasons of the
-    failures and how many files were page-locked now (not reused)."""
-    arrays: list[Optional[np.ndarray]] = []
-    errors: list[str] = []
-    fresh = 0
+    released. Returns each file's entry (None where page-locking failed), the reasons of the failures
+    and how many files were page-locked now (not reused). The snapshot engine's worker, while no
+    restore runs."""
     keys = [_file_key(p) for p in paths]
     with _LOCKED_GUARD:
-        for key in [k for k in _LOCKED if k not in keys]:
-            _LOCKED.pop(key).close()
-        for path, key in zip(paths, keys):
-            entry = _LOCKED.get(key) if key is not None else None
-            if entry is not None and not (entry.wait_range(0, entry.array.nbytes) and entry.ok):
-                _LOCKED.pop(key).close()  # a restore's ranges, not all locked: try the whole file once more
-                entry = None
-            if entry is None:
-                try:
-                    entry = PageLockedFile(path, device=device)
-                except OSError as e:
-                    arrays.append(None)
-                    errors.append(f"{path}: {e}")
-                    continue
-                if not entry.ok:
-                    entry.close()
-                    arrays.append(None)
-                    errors.append(entry.error)
-                    continue
-                fresh += 1
-                if key is not None:
-                    _LOCKED[key] = entry
-            arrays.append(entry.array)
-    return arrays, errors, fresh
+        stale = [_LOCKED.pop(k) for k in [k for k in _LOCKED if k not in keys]]
+        found = [_LOCKED.get(k) if k is not None else None for k in keys]
+    for entry in stale:
+        entry.close()
+    files: list[Optional[PageLockedFile]] = []
+    errors: list[str] = []
+    fresh = 0
+    for path, key, entry in zip(paths, keys, found):
+        if entry is not None and not (entry.wait_range(0, entry.array.nbytes) and entry.ok):
+            _forget(key, entry)  # a restore's ranges, not all locked: try the whole file once more
+            entry = None
+        if entry is None:
+            try:
+                entry = PageLockedFile(path, device=device)
+            except OSError as e:
+                files.append(None)
+                errors.append(f"{path}: {e}")
+                continue
+            if not entry.ok:
+                entry.close()
+                files.append(None)
+                errors.append(entry.error)
+                continue
+            fresh += 1
+            if key is not None:
+                _keep(key, entry)
+        files.append(entry)
+    return files, errors, fresh
 
 
-def page_locked_mapping(path: str) -> Optional[np.ndarray]:
-    """The whole file at ``path`` (bytes from its offset 0) as this process mapped and page-locked it
-    for its snapshots (every range locked), or None. Read by a restore on the training thread while no
-    snapshot is in flight."""
+def _keep(key: tuple[int, int], entry: PageLockedFile) -> None:
+    """``entry`` kept for the process; an entry it replaces is closed."""
+    with _LOCKED_GUARD:
+        old = _LOCKED.get(key)
+        _LOCKED[key] = entry
+    if old is not None and old is not entry:
+        old.close()
+
+
+def forget_page_locked(path: str, entry: PageLockedFile) -> None:
+    """``entry`` (the file at ``path``) no longer kept for the process, and closed (no copy in flight)."""
+    _forget(_file_key(path), entry)
+
+
+def _forget(key: Optional[tuple[int, int]], entry: PageLockedFile) -> None:
+    """``entry`` no longer kept (if it still is) and closed."""
+    with _LOCKED_GUARD:
+        if key is not None and _LOCKED.get(key) is entry:
+            del _LOCKED[key]
+    entry.close()
+
+
+def page_locked_file(path: str) -> Optional[PageLockedFile]:
+    """The file at ``path`` as this process mapped and page-locked it for its snapshots (every range
+    locked), or None. Read by a restore on the training thread while no snapshot is in flight."""
     key = _file_key(path)
     with _LOCKED_GUARD:
         entry = _LOCKED.get(key) if key is not None else None
-        return entry.array if entry is not None and entry.ok else None
+    return entry if entry is not None and entry.ok else None
+
+
+def release_page_locked() -> None:
+    """Unlock and unmap every slot this process page-locked (as if the process were new). Only while no
+    snapshot engine is copying and no restore is reading."""
+    with _LOCKED_GUARD:
+        entries = list(_LOCKED.values())
+        _LOCKED.clear()
+    for entry in entries:
+        entry.close()
 
 
 #: a fresh process's restore from a slot no earlier engine of the process page-locked: ``auto`` page-locks
@@ -384,11 +432,7 @@ def page_lock_while_copying(path: str, threads: int, device: Optional[torch.devi
         _say_once("lock", f"could not page-lock {path} for a restore ({entry.error or 'timed out'}): "
                   f"reading it through pinned blocks")
         return None
-    with _LOCKED_GUARD:
-        old = _LOCKED.pop(key, None)
-        _LOCKED[key] = entry
-    if old is not None:
-        old.close()
+    _keep(key, entry)
     return entry
 
 
@@ -399,14 +443,6 @@ def _say_once(what: str, msg: str) -> None:
     if what not in _SAID:
         _SAID.add(what)
         log.warning("%s", msg)
-
-
-def release_page_locked() -> None:
-    """Unlock and unmap every slot this process page-locked (as if the process were new). Only while no
-    snapshot engine is copying and no restore is reading."""
-    with _LOCKED_GUARD:
-        while _LOCKED:
-            _LOCKED.popitem()[1].close()
 
 
 class SnapshotStaging:
@@ -431,6 +467,7 @@ class SnapshotStaging:
         if self.sums not in SUM_PLACES:
             raise ValueError(f"snapshot sums {self.sums!r}: one of {SUM_PLACES}")
         self.sum_stream = torch.cuda.Stream(device=device, priority=-1)  # the highest priority torch offers
+        self.files: list[Optional[PageLockedFile]] = []  # per slot index: the slot page-locked (None: not)
         self.areas: list[Optional[np.ndarray]] = []  # per slot index: its page-locked mapping (None: not)
         self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
@@ -443,7 +480,8 @@ class SnapshotStaging:
         mappings from now on (:attr:`areas`); the reasons of any that could not be page-locked (empty: all
         pinned; those slots are written through the caller's own mapping, staged by the driver)."""
         t0 = time.perf_counter()
-        self.areas, errors, fresh = page_lock_files([slot.path for slot in slots], self.device)
+        self.files, errors, fresh = page_lock_files([slot.path for slot in slots], self.device)
+        self.areas = [f.array if f is not None else None for f in self.files]
         self.register_s = time.perf_counter() - t0
         log.info("page-locked %d snapshot slot(s) in %.2f s (%d already page-locked by this process)", fresh,
                  self.register_s, sum(a is not None for a in self.areas) - fresh)
@@ -456,7 +494,7 @@ class SnapshotStaging:
     def unregister(self) -> None:
         """Stop using the page-locked mappings (a new layout's slots are registered next). The process
         keeps them for a restore until :func:`page_lock_files` is given other files."""
-        self.areas = []
+        self.files, self.areas = [], []
 
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
@@ -465,17 +503,22 @@ class SnapshotStaging:
 
     def copy_and_sum(self, ready: torch.cuda.Event, area: np.ndarray, pieces_by_chunk: list,
                      chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
-                     after_first_chunk: Callable[[], None] = lambda: None) -> list[int]:
+                     after_first_chunk: Callable[[], None] = lambda: None,
+                     cut: Optional[Callable[[int, int], list[tuple[int, int]]]] = None) -> list[int]:
         """Copy every piece of every chunk into ``area`` (the slot's data area) and return the chunks'
         checksums (:data:`checksum.ALGORITHM`, as :class:`checksum.ChunkSum` computes them from the
         assembled bytes). ``sources[i]`` is entry i's saved bytes (flat uint8, on the device or on the
-        host). Blocks until every copy and sum is done; an error leaves no copy running."""
+        host). ``cut(lo, hi)``: ``area[lo:hi]`` in pieces that each lie in one page-locked range
+        (:meth:`PageLockedFile.pieces`), one copy each. Blocks until every copy and sum is done; an error
+        leaves no copy running."""
         with made_current(self.device):  # every CUDA call of this (worker) thread on the rank's device
-            return self._copy_and_sum(ready, area, pieces_by_chunk, chunk_bounds, sources, after_first_chunk)
+            return self._copy_and_sum(ready, area, pieces_by_chunk, chunk_bounds, sources, after_first_chunk,
+                                      cut or (lambda lo, hi: [(lo, hi)]))
 
     def _copy_and_sum(self, ready: torch.cuda.Event, area: np.ndarray, pieces_by_chunk: list,
                       chunk_bounds: Callable[[int], tuple[int, int]], sources: list[torch.Tensor],
-                      after_first_chunk: Callable[[], None]) -> list[int]:
+                      after_first_chunk: Callable[[], None],
+                      cut: Callable[[int, int], list[tuple[int, int]]]) -> list[int]:
         t0 = time.perf_counter()
         self.last_phases = {}
         if self.sums == "device" and default_sums() == "host":
@@ -502,7 +545,9 @@ class SnapshotStaging:
                     from_device = False
                     for p in pieces:
                         src = sources[p.entry_index][p.src_start:p.src_end]
-                        dst[p.dst_offset: p.dst_offset + src.numel()].copy_(src, non_blocking=on_device(src))
+                        for lo, hi in cut(p.dst_offset, p.dst_offset + src.numel()):
+                            part = src[lo - p.dst_offset: hi - p.dst_offset]
+                            dst[lo:hi].copy_(part, non_blocking=on_device(part))
                         from_device = from_device or on_device(src)
                     landed = None
                     if from_device and not device_sums:  # host sums wait for each chunk's copies
@@ -596,15 +641,16 @@ class RestoreStaging:
         self._next = 0
 
     def block(self) -> tuple[int, torch.Tensor]:
-        if not self._blocks:
-            self._blocks = [pinned_bytes(self._block_bytes) for _ in range(BLOCKS)]
-        k = self._next
-        self._next = (k + 1) % BLOCKS
-        ev = self._events[k]
-        if ev is not None:
-            ev.synchronize()
-            self._events[k] = None
-        return k, self._blocks[k]
+        with made_current(self.device):  # (a restore thread: its own current device is 0)
+            if not self._blocks:
+                self._blocks = [pinned_bytes(self._block_bytes) for _ in range(BLOCKS)]
+            k = self._next
+            self._next = (k + 1) % BLOCKS
+            ev = self._events[k]
+            if ev is not None:
+                ev.synchronize()
+                self._events[k] = None
+            return k, self._blocks[k]
 
     def upload(self, k: int, dst: torch.Tensor) -> None:
         """Copy the first ``dst.numel()`` bytes of block ``k`` into ``dst`` (a uint8 view of device memory)."""

@@ -182,10 +182,10 @@ class Container:
         # GPU path: chunks with pieces on a device are verified on the device, after the copies
         on_device_sums = self.version["checksum"] == checksum.ALGORITHM
         verify_later: dict[int, list] = {}
-        page_locked = None  # GPU path: a uint8 tensor over the container's page-locked bytes
-        locking = None  # ... being page-locked range by range while the copies are queued (a fresh process)
+        locked = None  # GPU path: the container page-locked in this process (perhaps still being, range by range)
         if on_device_sums and on_gpu:
-            page_locked, locking = self._page_locked(devices[0])
+            locked = self._page_locked(devices[0])
+        page_locked = torch.from_numpy(locked.array) if locked is not None else None
 
         def upload(p, dst: torch.Tensor) -> torch.Tensor:
             """GPU path: a piece to the device - straight from a page-locked slot, else through the
@@ -193,10 +193,9 @@ class Container:
             stage = stagings.here(dst.device)
             part = _byte_view(dst)[p.src_start:p.src_end]
             at = base + p.dst_offset
-            if page_locked is not None and (locking is None or locking.wait_range(at, at + part.numel())):
-                end = at + part.numel()
-                for lo, hi in locking.pieces(at, end) if locking is not None else [(at, end)]:
-                    stage.upload_page_locked(page_locked[lo:hi], part[lo - at: hi - at])  # each inside one range
+            if locked is not None and page_locked is not None and locked.wait_range(at, at + part.numel()):
+                for lo, hi in locked.pieces(at, at + part.numel()):  # each copy inside one page-locked range
+                    stage.upload_page_locked(page_locked[lo:hi], part[lo - at: hi - at])
                 return _Landed(part)  # summed after every copy, all such pieces in one launch (below)
             for off in range(0, part.numel(), GPU_READ_BLOCK):
                 k, block = stage.block()
@@ -295,26 +294,28 @@ class Container:
         if bad:
             raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
 
-    def _page_locked(self, device: torch.device
-                     ) -> tuple[Optional[torch.Tensor], Optional[device_staging.PageLockedFile]]:
-        """GPU path: this container's bytes in page-locked memory (a uint8 tensor from offset 0), for the
-        copy engine to read without a bounce, and the page-locking still under way (or None): the
-        mapping this process page-locked for its snapshots (an in-process restart); else, in a fresh
-        process where :func:`device_staging.lock_while_copying` says so (a slot on a huge-page tmpfs),
-        the slot page-locked range by range while the copies are queued - each range copied once it
-        is locked, and kept for the process's snapshots; else (None, None): through pinned blocks."""
+    def _page_locked(self, device: torch.device) -> Optional[device_staging.PageLockedFile]:
+        """GPU path: this container page-locked in this process, for the copy engine to read without a
+        bounce (perhaps still being page-locked: copy a range once ``wait_range`` allows): the file this
+        process page-locked for its snapshots (an in-process restart); else, in a fresh process where
+        :func:`device_staging.lock_while_copying` says so (a slot on a huge-page tmpfs), the slot
+        page-locked range by range while the copies are queued, and kept for the process's snapshots;
+        else None: through pinned blocks."""
         need = self.header.geometry.data_off + self.layout.data_nbytes
-        mapping = device_staging.page_locked_mapping(self.path)
-        if mapping is not None and mapping.nbytes >= need:
+        locked = device_staging.page_locked_file(self.path)
+        if locked is not None and locked.array.nbytes >= need:
             log.info("%s: restoring straight from the slot page-locked by this process for its snapshots", self.path)
-            return torch.from_numpy(mapping), None
+            return locked
         if not device_staging.lock_while_copying(shm.backing_of(os.path.dirname(self.path) or ".")):
-            return None, None
+            return None
         locking = device_staging.page_lock_while_copying(self.path, threads_here(MAX_GPU_HOST_THREADS), device)
-        if locking is None or locking.array is None or locking.array.nbytes < need:
-            return None, None
+        if locking is None:
+            return None
+        if locking.array.nbytes < need:  # (read through blocks, which find it short)
+            device_staging.forget_page_locked(self.path, locking)
+            return None
         log.info("%s: restoring straight from the slot, page-locking it range by range as the copies go", self.path)
-        return torch.from_numpy(locking.array), locking
+        return locking
 
     def _map(self) -> mmap.mmap:
         """The whole container, read-only. A file shorter than its header says is refused here:

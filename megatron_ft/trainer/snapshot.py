@@ -20,6 +20,7 @@ coordination collective never hangs); the agreed step is the newest one *every* 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import queue
@@ -305,9 +306,12 @@ class SnapshotEngine:
         area = self._data_area(job, seg)[hdr.geometry.data_off: hdr.geometry.data_off + layout.data_nbytes]
         if job.ready is not None:  # GPU path: straight into the page-locked slot, on a side stream
             assert self._staging is not None
+            files = self._staging.files
+            locked = files[job.slot] if job.slot < len(files) else None
             sums = self._staging.copy_and_sum(
                 job.ready, area, self._pieces, layout.chunk_bounds, [_bytes_of(t.saved_view()) for t in job.tensors],
-                after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank))
+                after_first_chunk=lambda: faultpoints.reached("mid-copy", job.step, self.rank),
+                cut=functools.partial(locked.pieces, offset=hdr.geometry.data_off) if locked is not None else None)
             job.stats.phases.update(self._staging.last_phases)
         else:
             sums = self._copy_and_sum(job, area)

@@ -296,7 +296,7 @@ def test_a_fresh_process_restores_bit_exact_either_way(agent, way, monkeypatch, 
     locked = any("page-locking it range by range" in r.getMessage() for r in caplog.records)
     assert locked == (way == "page-lock"), [r.getMessage() for r in caplog.records][-5:]
     [v] = [x for x in c.request("list", rank=0)["versions"] if x["step"] == 1]
-    assert (device_staging.page_locked_mapping(v["path"]) is not None) == (way == "page-lock")
+    assert (device_staging.page_locked_file(v["path"]) is not None) == (way == "page-lock")
     eng = SnapshotEngine(c, 0, identity(agent.cfg), 1 << 16)  # the next engine
     ad2 = TorchStateAdapter(m2, opt2)
     ad2.extra = {"iteration": 2}

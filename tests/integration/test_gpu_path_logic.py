@@ -4,6 +4,7 @@ What it checks: pieces land at the right offsets, checksums summed apart combine
 restore verifies (``device_staging`` + ``recovery``), the lanes path still rejects a corrupted slot.
 The real thing on a GPU: ``tests/gpu`` (``scripts/gpu_checks.sh``)."""
 import contextlib
+import time
 
 import pytest
 import torch
@@ -52,6 +53,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: CudaRuntime())
     monkeypatch.setattr(device_staging, "pinned_bytes", lambda n: torch.empty(n, dtype=torch.uint8))
     monkeypatch.setattr(device_staging, "on_device", lambda t: t.numel() >= 300)
+    device_staging._SAID.clear()  # (what is said once per process: once per test)
     yield
     device_staging.release_page_locked()  # the process keeps page-locked slots across engines: not across tests
 
@@ -153,7 +155,7 @@ def test_a_restore_in_the_same_process_copies_straight_from_its_page_locked_slot
     r = restore(expect_bounce=False)
     assert r.step == 2 and "checksum mismatch" in r.rejected[0], r
     device_staging.release_page_locked()
-    assert device_staging.page_locked_mapping(v["path"]) is None
+    assert device_staging.page_locked_file(v["path"]) is None
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", "bounce")  # (a fresh process on 4 KiB pages)
     r = restore(expect_bounce=True)
     assert r.step == 2, r
@@ -399,7 +401,7 @@ def test_a_later_capture_copies_after_the_point_the_training_thread_handed_it_ov
         held = torch.nn.Sequential(torch.nn.Linear(33, 77), torch.nn.Linear(77, 5))
         held.load_state_dict(m.state_dict())
         taken.model, taken.extra = held, {"iteration": s}
-        ops.append((callers, "take", None))
+        ops.append((callers, "take", s))
 
         def encode(ad=taken):
             encoded_on.append(threading.get_ident())
@@ -426,9 +428,13 @@ def test_a_later_capture_copies_after_the_point_the_training_thread_handed_it_ov
         waited += 1
         assert what == "wait", f"a staging stream's first operation was {what!r}, not a wait for the hand-over"
         assert e.on is callers and e.thread == trainer, "the copies waited for a point not taken at the hand-over"
-        recorded = next(i for i, op in enumerate(ops) if op == (callers, "record", e))
-        assert any(t < recorded for t in takes), "the point was recorded before the taking"
     assert waited, "no staging stream waited for the hand-over"
+    # each step's copies waited for a point recorded after that step's taking, before the next step's
+    points = [next(i for i, op in enumerate(ops) if op == (callers, "record", e))
+              for on, what, e in ops if what == "wait" and on in staging and e.on is callers]
+    for k, t in enumerate(takes):
+        nxt = takes[k + 1] if k + 1 < len(takes) else len(ops)
+        assert any(t < r < nxt for r in points), f"step {k + 1}'s copies waited for no point after its taking"
     with torch.no_grad():
         for p in m.parameters():
             p.zero_()
@@ -444,18 +450,39 @@ def test_a_fresh_process_page_locks_its_slot_range_by_range_while_copying(agent,
     locked: no bounce block, bit-exact, and the next engine's snapshots reuse the ranges (no second
     page-locking of that slot). A range that cannot be page-locked is read through bounce blocks (the
     restore still bit-exact); if the first cannot, nothing is page-locked and the restore goes through
-    blocks, said once."""
+    blocks, said once. Every page-locking call is made with the rank's device current (a new thread's
+    is device 0), and no copy from a range is queued before that range's page-locking returned."""
+    import threading
+
     calls: list[int] = []  # the sizes page-locked since the restore began (the refused ones included)
     armed, refused = [False], set()  # refused: range indices (with one thread, the ranges go in order)
+    locked_at: list[tuple[int, int, float]] = []  # (address, bytes, when the call returned)
+    current = threading.local()  # the device each thread made current (the torch.cuda.device stub)
+    elsewhere: list[str] = []  # page-locking calls made with no device current
+
+    @contextlib.contextmanager
+    def device(d):
+        before = getattr(current, "d", None)
+        current.d = d
+        try:
+            yield
+        finally:
+            current.d = before
 
     class Ranged(CudaRuntime):
         def cudaHostRegister(self, ptr, n, flags):
+            if getattr(current, "d", None) is None:
+                elsewhere.append(threading.current_thread().name)
             if not armed[0]:
                 return 0
             calls.append(n)
+            if refuse == "none":
+                time.sleep(0.0005)  # (copies queued meanwhile would come first)
+            locked_at.append((ptr, n, time.perf_counter()))
             return 999 if len(calls) - 1 in refused else 0
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Ranged())
+    monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", "page-lock")
     span = 512  # ranges shorter than the 1 KiB chunks: copies from the slot would span two of them
     monkeypatch.setattr(device_staging, "LOCK_RANGE", span)
@@ -480,33 +507,46 @@ def test_a_fresh_process_page_locks_its_slot_range_by_range_while_copying(agent,
     monkeypatch.setattr(device_staging, "pinned_bytes", lambda n: bounce.append(n) or real(n))
 
     def upload(self, src, dst):
-        straight.append((src.data_ptr(), src.numel()))
+        straight.append((src.data_ptr(), src.numel(), time.perf_counter()))
         return real_upload(self, src, dst)
 
     monkeypatch.setattr(device_staging.RestoreStaging, "upload_page_locked", upload)
     with caplog.at_level("INFO", logger="megatron_ft"):
         restore_step_1(agent, c, m, ident, want)
     said = [r.getMessage() for r in caplog.records]
+    assert not elsewhere, f"page-locked on threads with no device current: {sorted(set(elsewhere))}"
     if refuse == "the first":
         assert bounce and not any("range by range" in x for x in said), said
         assert sum("could not page-lock" in x for x in said) == 1
-        assert device_staging.page_locked_mapping(v["path"]) is None
+        assert device_staging.page_locked_file(v["path"]) is None
         return
     assert any("range by range" in x for x in said), said
     assert len(calls) == -(-nbytes // span) > 3, (len(calls), nbytes)
     assert sum(calls) == nbytes, "the ranges cover the slot file"
     assert bool(bounce) == bool(refused), "a refused range goes through blocks, none otherwise"
     if refused:
-        assert device_staging.page_locked_mapping(v["path"]) is None, "a slot with a range not locked is not whole"
+        assert device_staging.page_locked_file(v["path"]) is None, "a slot with a range not locked is not whole"
         return
-    base = device_staging.page_locked_mapping(v["path"]).ctypes.data
-    assert straight and all((a - base) // span == (a + n - 1 - base) // span for a, n in straight), \
+    base = device_staging.page_locked_file(v["path"]).array.ctypes.data
+    assert straight and all((a - base) // span == (a + n - 1 - base) // span for a, n, _ in straight), \
         "a copy from the slot spans two page-locked ranges"
+    for a, n, queued in straight:
+        [returned] = [t for ptr, size, t in locked_at if ptr <= a < ptr + size]
+        assert queued > returned, "a copy from a range was queued before the range was page-locked"
+    cuts = []
+    real_copy = device_staging.SnapshotStaging.copy_and_sum
+    monkeypatch.setattr(device_staging.SnapshotStaging, "copy_and_sum",
+                        lambda self, *a, **k: cuts.append(k.get("cut")) or real_copy(self, *a, **k))
     calls.clear()
     eng = SnapshotEngine(c, 0, ident, 1 << 10)  # the next engine: the restored slot is reused
     ad = TorchStateAdapter(m)
-    ad.extra = {"iteration": 2}
-    eng.snapshot(2, *ad.capture())
-    assert eng.wait().ok
+    for s in (2, 3):  # into the other slot, then into the one the restore page-locked
+        ad.extra = {"iteration": s}
+        eng.snapshot(s, *ad.capture())
+        assert eng.wait().ok
     eng.close()
     assert len(calls) == 1, f"the engine page-locked {len(calls)} slots, not only the one the restore had not"
+    assert not elsewhere, f"page-locked on threads with no device current: {sorted(set(elsewhere))}"
+    # each copy into a slot stays inside one page-locked range: one piece for the slot locked whole,
+    # cut at the ranges for the one the restore locked
+    assert sorted(len(cut(0, 2 * span)) for cut in cuts) in ([1, 2], [1, 3]), "copies not cut at the ranges"
