@@ -193,7 +193,7 @@ class Container:
             stage = stagings.here(dst.device)
             part = _byte_view(dst)[p.src_start:p.src_end]
             at = base + p.dst_offset
-            if locked is not None and page_locked is not None and locked.wait_range(at, at + part.numel()):
+            if locked is not None and locked.wait_range(at, at + part.numel()):
                 for lo, hi in locked.pieces(at, at + part.numel()):  # each copy inside one page-locked range
                     stage.upload_page_locked(page_locked[lo:hi], part[lo - at: hi - at])
                 return _Landed(part)  # summed after every copy, all such pieces in one launch (below)
