@@ -210,6 +210,7 @@ class PageLockedFile:
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mft-page-lock")
             for i in range(len(self.ranges)):
                 self._pool.submit(self._lock, base, i)
+            self._pool.shutdown(wait=False)  # its threads end with the last range (close() may cancel the rest)
 
     def _lock(self, base: int, i: int) -> None:
         lo, hi = self.ranges[i]
