@@ -127,10 +127,7 @@ class HostRegistration:
     def __init__(self, address: int, nbytes: int, device: Optional[torch.device] = None):
         self.address, self.nbytes, self.device = address, nbytes, device
         with made_current(device):
-            cudart = torch.cuda.cudart()
-            t0 = time.perf_counter()
-            err = cudart.cudaHostRegister(address, nbytes, 0)
-            self.seconds = time.perf_counter() - t0
+            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
         self.ok = _cudart_ok(err)
         self.error = "" if self.ok else str(err)
 
@@ -469,7 +466,6 @@ class SnapshotStaging:
             raise ValueError(f"snapshot sums {self.sums!r}: one of {SUM_PLACES}")
         self.sum_stream = torch.cuda.Stream(device=device, priority=-1)  # the highest priority torch offers
         self.files: list[Optional[PageLockedFile]] = []  # per slot index: the slot page-locked (None: not)
-        self.areas: list[Optional[np.ndarray]] = []  # per slot index: its page-locked mapping (None: not)
         self._pool = ThreadPoolExecutor(max(1, sum_threads), thread_name_prefix="mft-d2h-sum")
         self._warned = False
         self.register_s = 0.0  # the last registration's time (page-locking is paid once per layout)
@@ -482,7 +478,6 @@ class SnapshotStaging:
         pinned; those slots are written through the caller's own mapping, staged by the driver)."""
         t0 = time.perf_counter()
         self.files, errors, fresh = page_lock_files([slot.path for slot in slots], self.device)
-        self.areas = [f.array if f is not None else None for f in self.files]
         self.register_s = time.perf_counter() - t0
         log.info("page-locked %d snapshot slot(s) in %.2f s (%d already page-locked by this process)", fresh,
                  self.register_s, sum(a is not None for a in self.areas) - fresh)
@@ -495,7 +490,12 @@ class SnapshotStaging:
     def unregister(self) -> None:
         """Stop using the page-locked mappings (a new layout's slots are registered next). The process
         keeps them for a restore until :func:`page_lock_files` is given other files."""
-        self.files, self.areas = [], []
+        self.files = []
+
+    @property
+    def areas(self) -> list[Optional[np.ndarray]]:
+        """Per slot index: its page-locked mapping, the whole file (None: not page-locked)."""
+        return [f.array if f is not None else None for f in self.files]
 
     def ready_point(self) -> torch.cuda.Event:
         """Training thread, right after the optimizer step: an event on the current stream that the
@@ -593,7 +593,7 @@ class SnapshotStaging:
         """Queue the lanes of every device piece (in chunk order) on the sum stream after ``ready``; the
         lanes land in one page-locked (pieces, 16) int64 tensor, complete when the returned event is."""
         device_pieces = [p for pieces in pieces_by_chunk for p in pieces if on_device(sources[p.entry_index])]
-        with torch.cuda.device(self.device), torch.cuda.stream(self.sum_stream):
+        with torch.cuda.stream(self.sum_stream):  # (the worker's device made current by copy_and_sum)
             self.sum_stream.wait_event(ready)
             lanes = torch.empty(len(device_pieces), 16, dtype=torch.int64, device=self.device)
             checksum.pieces_lanes([sources[p.entry_index][p.src_start:p.src_end] for p in device_pieces], lanes)
@@ -627,7 +627,8 @@ def default_sums() -> str:
 class RestoreStaging:
     """One restore thread's host -> device path: pinned bounce blocks in rotation, its own stream.
 
-    Used by one thread only. Its stream first waits for ``after`` (the restore's start on the
+    Used by one thread only; each method makes the staging's device current for its CUDA calls (the
+    restore's pool threads start on device 0). Its stream first waits for ``after`` (the restore's start on the
     caller's stream: see :class:`RestoreStagings`). :meth:`block` hands out the next block once its
     earlier copy has completed; :meth:`upload` copies a filled block to the device asynchronously;
     :meth:`finish` waits for every copy."""

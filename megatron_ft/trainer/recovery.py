@@ -260,13 +260,9 @@ class Container:
         try:
             if workers == 1:
                 errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
-            else:
-                def on_its_device(i: int) -> Optional[str]:  # a pool thread's current device is 0, not the rank's
-                    with device_staging.made_current(devices[0] if len(devices) == 1 else None):
-                        return one_chunk(i)
-
+            else:  # (each RestoreStaging makes its device current for its CUDA calls: a pool thread's is 0)
                 with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
-                    errors = list(pool.map(on_its_device, range(self.layout.num_chunks)))
+                    errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
             if on_gpu:
                 self.marks["queued"] = time.perf_counter()
             landed = [x for parts in verify_later.values() for _, x in parts if isinstance(x, _Landed)]
