@@ -758,6 +758,8 @@ class Agent:
                                    "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
             for rank, ref in refs.items():
                 nbytes += persist.write_container(ref.segment.mm, persist.rank_file(base, self.run_id, step, rank))
+            persist.mark_persisted(base, self.run_id, step, self.node, {r: ref.segment.mm for r, ref in refs.items()},
+                                   self.cfg.cluster.world_size)  # this node's files are durable: its marker
         finally:
             self.unpin(refs)
         dt = time.perf_counter() - t0
