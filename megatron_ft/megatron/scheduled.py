@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 
 from . import hooks as mhooks
+from ..agent import shm
+from ..agent.protocol import AgentClient
 from ..config import ScheduleConfig
 from ..schedule.link_gate import capacity_s, chunk_limit, gaps_after_calls, position_windows
 from ..schedule.modes import SendSchedule, free_share_of_waits, gated, idle_spans, plan_sends_every
@@ -55,7 +57,13 @@ class ScheduledHooks:
         self.rank = ckpt.rank
         hello = {"rank": ckpt.rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
                  "run_id": cfg.run_id, "role": "transport"}
-        self.transport = ScheduledTransport(cfg, ckpt.rank, ckpt.client.socket_path, hello,
+
+        def connect() -> AgentClient:  # one connection to this node's agent per caller thread
+            client = AgentClient(ckpt.client.socket_path, cfg.agent.request_timeout_s)
+            client.connect(hello)
+            return client
+
+        self.transport = ScheduledTransport(cfg, ckpt.rank, connect, shm.open_segment,
                                             lambda: ckpt.engine.last_agreed, emit=self._actual)
         self.planned_after = cfg.schedule.profile_iterations  # plan from these (no checkpoint traffic yet)
         # the profile ends TRAFFIC_ITERATIONS after the first transfer started (the first snapshot

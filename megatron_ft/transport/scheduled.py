@@ -16,11 +16,17 @@ idle), so all ranks send the same version and the group holds a consistent cut. 
 every ``interval_iterations`` iterations, at the same iteration on every rank; a failure midway
 leaves the block incomplete and the previous complete version in use.
 
-**Process groups, threads, timeouts.** The transport makes its own groups:
+**Process groups, threads, timeouts.** The transport makes its own groups, each spanning only the
+ranks that exchange copies with this one (:func:`exchange_ranks`: this rank's local index on the nodes
+of its redundancy group that send or receive a copy; a pair of ranks for two-node replica groups,
+never the world unless the plan's group is the world), created by those ranks alone
+(:func:`member_group`: ``use_local_synchronization`` where torch has it); a rank that exchanges with
+nobody makes none:
 
-* ``ctl`` (gloo, torch's default timeout): the planning collectives (:meth:`ScheduledTransport.agree`,
-  :meth:`~ScheduledTransport.exchange_bubbles`, :meth:`~ScheduledTransport.ranks_on_my_host`), on the
-  training thread.
+* ``ctl`` (gloo, torch's default timeout): the planning exchange of bubbles
+  (:meth:`~ScheduledTransport.exchange_bubbles`), on the training thread. The two planning steps that
+  must be the same on every rank (:meth:`ScheduledTransport.agree`, :meth:`~ScheduledTransport.ranks_on_my_host`)
+  run on the job's default group, which already exists: no group of the world is made.
 * ``ctrl`` (gloo, :data:`CTRL_TIMEOUT` = 24 h): each transfer's header and chunk table, and the bye.
   The training thread sends them; one receiver thread per source rank (``mft-sched-recv-r{R}-from{S}``)
   receives them, and waits in that receive from one checkpoint to the next for as long as training
@@ -29,7 +35,7 @@ leaves the block incomplete and the previous complete version in use.
   timeout of :func:`~megatron_ft.transport.p2p_batch.data_timeout_s` of the agreed schedules (60 s
   unless a chunk needs more than 6 s at the planned rate; :func:`schedule_timeout_s`). Created by
   :meth:`~ScheduledTransport.agree` (collective) with an eager barrier, so the communicator is built
-  with every rank taking part (``batch_isend_irecv`` requires that of the first collective call on
+  with every rank of the group taking part (``batch_isend_irecv`` requires that of the first collective call on
   an NCCL group); from then on **only the p2p driver thread** (``mft-sched-p2p-r{R}``) touches it: NCCL
   communicators are not thread-safe, and one communicator's operations run on one stream in issue
   order. The driver executes every chunk in the order of :mod:`megatron_ft.transport.p2p_batch`
@@ -71,6 +77,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import math
 import queue
@@ -87,8 +94,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..agent import shm
-from ..agent.protocol import AgentClient
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
 from ..schedule.link_gate import LinkGate
@@ -123,6 +128,76 @@ def peers_of(cfg: Any, rank: int) -> tuple[list[int], list[int]]:
     srcs = [n * rpn + local for n in range(topo.nodes) if n != node
             and node in holders_of_whole(plan, n * rpn + local)[1:]]
     return dsts, srcs
+
+
+def _exchanging(plan: Any, rpn: int, group: Any, local: int) -> tuple[int, ...]:
+    """The ranks of local index ``local`` on the nodes of redundancy group ``group`` that send or
+    receive a whole copy (sorted; empty when nobody in it does)."""
+    nodes: set[int] = set()
+    for n in group.members:
+        holders = holders_of_whole(plan, n * rpn + local)
+        if len(holders) > 1:
+            nodes.update(holders)
+    return tuple(sorted(n * rpn + local for n in nodes))
+
+
+def exchange_ranks(cfg: Any, rank: int) -> tuple[int, ...]:
+    """The ranks the scheduled transport's groups of ``rank`` span: every rank of ``rank``'s local
+    index on the nodes of its redundancy group that sends or receives a copy (so every rank it sends
+    to or receives from, :func:`peers_of`), sorted; ``(rank,)`` when it exchanges with nobody. Every
+    rank of the result computes the same tuple.
+
+    Four nodes of one rank, replica m = 2 (groups {0, 1} and {2, 3}): rank 2's groups span (2, 3)."""
+    plan = plan_from_config(cfg)
+    rpn = cfg.cluster.ranks_per_node
+    node, local = divmod(rank, rpn)
+    ranks = _exchanging(plan, rpn, plan.groups[plan.node_group[node]], local)
+    return ranks if rank in ranks else (rank,)
+
+
+def all_exchange_ranks(cfg: Any) -> list[tuple[int, ...]]:
+    """Every :func:`exchange_ranks` of more than one rank in the job, in one order every rank computes
+    (redundancy group, then local index): the groups a rank must take part in creating where torch
+    cannot create a group among its members alone."""
+    plan = plan_from_config(cfg)
+    rpn = cfg.cluster.ranks_per_node
+    out = []
+    for group in plan.groups:
+        for local in range(rpn):
+            ranks = _exchanging(plan, rpn, group, local)
+            if len(ranks) > 1:
+                out.append(ranks)
+    return out
+
+
+#: whether this torch creates a group among its members alone (``new_group(use_local_synchronization=True)``)
+LOCAL_SYNCHRONIZATION = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
+
+
+def member_group(ranks: Sequence[int], every: Callable[[], Sequence[Sequence[int]]], backend: str,
+                 timeout: Optional[timedelta] = None) -> Any:
+    """A process group of ``ranks`` (this rank among them, more than one), made by them alone: with
+    ``use_local_synchronization=True`` the ranks outside it never call ``new_group`` for it, and
+    only its members meet in the store. Without that argument (an older torch), or for an NCCL group
+    when the default group is bound to a device (torch then splits the default group's communicator,
+    which every rank of the default group must join), every rank calls ``new_group`` for each of
+    ``every()`` in that order, as torch requires, and gets the one it is in.
+
+    Contract with ``use_local_synchronization`` (torch names such a group after its ranks and the
+    number of groups this process belongs to): the members must have made the same number of
+    groups they belong to before, and make the transport's groups in the same order."""
+    kw = {"backend": backend} if timeout is None else {"backend": backend, "timeout": timeout}
+    bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    if LOCAL_SYNCHRONIZATION and not (bound and backend == "nccl"):
+        return dist.new_group(ranks=list(ranks), use_local_synchronization=True, **kw)
+    mine = None
+    for group_ranks in every():
+        group = dist.new_group(ranks=list(group_ranks), **kw)
+        if tuple(group_ranks) == tuple(ranks):
+            mine = group
+    if mine is None:
+        raise ValueError(f"ranks {list(ranks)} are not among the groups every rank makes")
+    return mine
 
 
 def schedule_timeout_s(schedule: SendSchedule) -> int:
@@ -336,7 +411,7 @@ class _Transfer:
     """One transfer slot: every rank has one at each transfer start, with or without its own
     snapshot to send (``seg`` None: it sends nothing, but receives what its sources send)."""
     step: int  # the snapshot step sent (-1: none)
-    seg: Optional[shm.Segment]
+    seg: Any  # the slot's mapped segment (``open_segment``'s), or None
     started_at: int  # the snapshot step after which it started
     group: Any  # its data group
     timeout_s: int
@@ -358,21 +433,31 @@ class ScheduledTransport:
     """One per trainer rank. The training loop calls :meth:`begin_iteration` at the start of each
     iteration and :meth:`end_iteration` after the optimizer step, before the next snapshot starts
     (the snapshot engine is idle there); :meth:`agree` (collective: every rank, in the same order)
-    and :meth:`use` (at the same step on every rank) once the profile is planned."""
+    and :meth:`use` (at the same step on every rank) once the profile is planned.
 
-    def __init__(self, cfg: Any, rank: int, agent_socket: str, hello: dict, last_agreed: Callable[[], int],
-                 emit: Optional[Callable[..., None]] = None):
+    The node's agent comes in through two callables (this layer imports nothing of the agent's):
+    ``connect()`` returns a new connection to it, greeted (``request(op, **kwargs) -> dict`` and
+    ``close(orderly=True)``: a connected :class:`megatron_ft.agent.protocol.AgentClient`), called once
+    for the training thread and once per source rank, whose receiver thread has its own;
+    ``open_segment(path, writable=..., populate=...)`` maps a slot or block file the agent names
+    (:func:`megatron_ft.agent.shm.open_segment`: ``.mm``, ``.array``, ``.size``, ``.close()``).
+    Constructing it is collective over :func:`exchange_ranks` (the ranks that make its groups)."""
+
+    def __init__(self, cfg: Any, rank: int, connect: Callable[[], Any], open_segment: Callable[..., Any],
+                 last_agreed: Callable[[], int], emit: Optional[Callable[..., None]] = None):
         self.cfg, self.rank = cfg, rank
         self.last_agreed = last_agreed
         self.emit = emit or (lambda *a, **k: None)
+        self._open_segment = open_segment
         self.dsts, self.srcs = peers_of(cfg, rank)
+        self.members = exchange_ranks(cfg, rank)  # every group this transport makes spans these
         self.backend = dist.get_backend()
         # GPU: NCCL moves device staging buffers (each chunk copied host -> device first); CPU: gloo
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                        else torch.device("cpu"))
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None  # GPU only
-        self.ctl = dist.new_group(backend="gloo")  # planning collectives (training thread)
-        self.ctrl = dist.new_group(backend="gloo", timeout=CTRL_TIMEOUT)  # headers, tables, byes
+        self.ctl = self._group("gloo")  # the bubble exchange (training thread)
+        self.ctrl = self._group("gloo", CTRL_TIMEOUT)  # headers, tables, byes
         self._groups: dict[int, Any] = {}  # timeout (s) -> data group
         self._agreed: dict[SendSchedule, int] = {}  # schedule agree() returned -> its data group's timeout
         self._data: Any = None  # the data group of the schedule in use, and its timeout
@@ -380,14 +465,10 @@ class ScheduledTransport:
         self._send_buf: Optional[torch.Tensor] = None
         self.failed: Optional[str] = None  # set once the transport broke: it stops for the rest of the run
         self._stopped = False
-        self.client = AgentClient(agent_socket, cfg.agent.request_timeout_s)  # the training thread's (pin / unpin)
-        self.client.connect(hello)
+        self.client = connect()  # the training thread's (pin / unpin)
         # each receiver thread has its own connection: a receiver waiting on its agent (e.g. for a
         # sender's size to be published) must never hold up the training thread's requests
-        self._recv_clients = {}
-        for src in self.srcs:
-            self._recv_clients[src] = AgentClient(agent_socket, cfg.agent.request_timeout_s)
-            self._recv_clients[src].connect(hello)
+        self._recv_clients = {src: connect() for src in self.srcs}
         self.schedule: Optional[SendSchedule] = None
         #: the link gate (:meth:`use_link`): the training thread reports its network operations to it
         self.gate: Optional[GateClock] = None
@@ -408,15 +489,23 @@ class ScheduledTransport:
             t.start()
         log.info("rank %d: scheduled transport, sends to %s, receives from %s", rank, self.dsts, self.srcs)
 
+    def _group(self, backend: str, timeout: Optional[timedelta] = None) -> Any:
+        """A new group of :attr:`members` (:func:`member_group`); None when this rank exchanges with nobody."""
+        if len(self.members) < 2:
+            return None
+        return member_group(self.members, lambda: all_exchange_ranks(self.cfg), backend, timeout)
+
     # ------------------------------------------------------------------ planning (training thread)
     def agree(self, schedule: Optional[SendSchedule]) -> Optional[SendSchedule]:
-        """Collective: every rank passes its own schedule; all take the largest interval, so
-        transfers start at the same steps everywhere, and the largest data timeout
-        (:func:`schedule_timeout_s`), whose data group is made here if it is new. If one rank has
-        none (it could not plan), nobody sends: None everywhere."""
+        """Collective over the job's default group (every rank, no group made for it): every rank
+        passes its own schedule; all take the largest interval, so transfers start at the same steps
+        everywhere (a ``compare_modes`` rotation switches modes at the same step on every rank), and
+        the largest data timeout (:func:`schedule_timeout_s`), whose data group is made here if it is
+        new. If one rank has none (it could not plan), nobody sends: None everywhere."""
         t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1,
                           schedule_timeout_s(schedule) if schedule else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
+        t = t.to(self.device)  # the default group's backend: NCCL on GPUs
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         n, missing, timeout_s = (int(x) for x in t.tolist())
         if missing or schedule is None:
             log.error("rank %d: a rank could not plan its checkpoint traffic: no scheduled transfers", self.rank)
@@ -427,14 +516,14 @@ class ScheduledTransport:
         return out
 
     def _data_group(self, timeout_s: int) -> Any:
-        """The data group with ``timeout_s``; a new one is made (collective) with an eager barrier:
-        its communicator is built with every rank taking part, before the driver's first batch."""
-        group = self._groups.get(timeout_s)
-        if group is None:
-            group = dist.new_group(backend=self.backend, timeout=timedelta(seconds=timeout_s))
-            if self.device.type == "cuda":
+        """The data group with ``timeout_s``; a new one is made (collective over :attr:`members`) with
+        an eager barrier: its communicator is built with every member taking part, before the driver's
+        first batch. None when this rank exchanges with nobody."""
+        if timeout_s not in self._groups:
+            group = self._group(self.backend, timedelta(seconds=timeout_s))
+            if group is not None and self.device.type == "cuda":
                 dist.barrier(group=group, device_ids=[self.device.index])
-            else:
+            elif group is not None:
                 dist.barrier(group=group)
             self._groups[timeout_s] = group
             log.info("rank %d: scheduled transport data group, timeout %d s", self.rank, timeout_s)
@@ -467,21 +556,25 @@ class ScheduledTransport:
         return self.gate
 
     def exchange_bubbles(self, bubbles: list) -> dict[int, list]:
-        """All ranks' reserved bubbles ``[(start, end), ...]`` (a fixed-size float tensor, no pickle)."""
+        """Collective over :attr:`members`: their reserved bubbles ``[(start, end), ...]``, by global
+        rank (this rank's own, and those of every rank it sends to; a fixed-size float tensor, no pickle)."""
         cap = 64
         mine = torch.full((cap, 2), -1.0, dtype=torch.float64)
         for i, (a, b) in enumerate(bubbles[:cap]):
             mine[i, 0], mine[i, 1] = a, b
-        out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, mine, group=self.ctl)
-        return {r: [(float(a), float(b)) for a, b in t.tolist() if a >= 0] for r, t in enumerate(out)}
+        out = [mine]
+        if self.ctl is not None:
+            out = [torch.empty_like(mine) for _ in self.members]
+            dist.all_gather(out, mine, group=self.ctl)
+        return {r: [(float(a), float(b)) for a, b in t.tolist() if a >= 0] for r, t in zip(self.members, out)}
 
     def ranks_on_my_host(self) -> int:
-        """Collective: how many training ranks share this rank's host (by host name, exchanged as a
-        64-bit hash: several simulated nodes on one machine share its cores)."""
-        mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+        """Collective over the job's default group (CPU only: every rank): how many training ranks
+        share this rank's host (by host name, exchanged as a 64-bit hash: several simulated nodes on
+        one machine share its cores)."""
+        mine = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64).to(self.device)
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, mine, group=self.ctl)
+        dist.all_gather(out, mine)
         return sum(1 for t in out if int(t.item()) == int(mine.item()))
 
     # ------------------------------------------------------------------ training thread
@@ -566,7 +659,7 @@ class ScheduledTransport:
             self._reap()
         self._stalled(time.perf_counter() - t0)
 
-    def _pin_newest(self) -> tuple[Optional[shm.Segment], int]:
+    def _pin_newest(self) -> tuple[Any, int]:
         """The slot of the newest agreed step, pinned and mapped read-only; (None, step) when there
         is nothing new to send or the agent would not give it (a checkpoint that cannot start never
         stops training: this rank announces no transfer this time)."""
@@ -579,7 +672,7 @@ class ScheduledTransport:
             log.warning("rank %d: scheduled transfer of step %d not started: %s", self.rank, agreed, e)
             return None, agreed
         try:
-            return shm.open_segment(info["path"], writable=False, populate=False), agreed  # never written here
+            return self._open_segment(info["path"], writable=False, populate=False), agreed  # never written here
         except Exception as e:
             log.warning("rank %d: slot of step %d not readable, transfer not started: %s", self.rank, agreed, e)
             try:
@@ -819,7 +912,7 @@ class ScheduledTransport:
         seg = None
         if not info.get("ignored"):
             try:
-                seg = shm.open_segment(info["path"], writable=True)  # mapped at once, not a fault per page while chunks land
+                seg = self._open_segment(info["path"], writable=True)  # mapped at once, not a fault per page while chunks land
             except Exception as e:  # received anyway, then dropped
                 log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, step, src, e)
         inc.dst = torch.from_numpy(seg.array) if seg is not None else None

@@ -2,8 +2,9 @@
 ``--world`` processes, one per simulated node, each a :class:`ScheduledTransport` whose agent is a
 stand-in writing slots and blocks as files; a short training loop of sleeps. Each rank writes
 ``rank{R}.json``: the blocks its agent was told are complete, whether each held exactly the
-bytes its sender's slot held (checked then, and removed), the transfers it recorded and whether the
-transport failed.
+bytes its sender's slot held (checked then, and removed), the transfers it recorded, whether the
+transport failed, and the ranks of every process group the process created (``new_groups``: each
+``torch.distributed.new_group`` call, recorded on its way to torch).
 
 Run: python scheduled_job.py --out DIR --world 2 --replicas 2 --modes pipelined,end [--skip-pin R:N]
 [--calls [--gate-ms W]] [--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank,
@@ -95,6 +96,7 @@ def schedule(mode: str, copies: int):
 
 def main(rank: int, args) -> None:
     from megatron_ft import config as ftconfig
+    from megatron_ft.agent import shm
     from megatron_ft.transport import scheduled
 
     global NBYTES, RESERVED
@@ -110,10 +112,19 @@ def main(rank: int, args) -> None:
                            redundancy={"scheme": "replica", "replicas": args.replicas, "transport": "scheduled"})
     FakeAgent.dir, FakeAgent.rank = args.out, rank
     FakeAgent.refuse_pin = {int(s) for r, s in (x.split(":") for x in args.skip_pin if x) if int(r) == rank}
-    scheduled.AgentClient = FakeAgent
     step = {"agreed": -1}
     chunks: list = []  # (issued, finished) of each chunk this rank sent
-    t = scheduled.ScheduledTransport(cfg, rank, "unused", {}, lambda: step["agreed"],
+    made: list = []  # the ranks of every process group this process creates from here on
+    new_group = dist.new_group
+
+    def recording_new_group(ranks=None, *a, **kw):
+        made.append({"ranks": sorted(ranks) if ranks is not None else list(range(args.world)),
+                     "local": bool(kw.get("use_local_synchronization"))})
+        return new_group(ranks, *a, **kw)
+
+    dist.new_group = recording_new_group
+    t = scheduled.ScheduledTransport(cfg, rank, lambda: FakeAgent("unused", 30), shm.open_segment,
+                                     lambda: step["agreed"],
                                      emit=lambda name, kind, start, end, *a: chunks.append((start, end)))
     modes = args.modes.split(",")
     sched = schedule(modes[rank % len(modes)], args.replicas - 1)
@@ -149,6 +160,7 @@ def main(rank: int, args) -> None:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"done": FakeAgent.done, "exact": FakeAgent.exact, "records": t.records, "failed": t.failed,
                    "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
+                   "new_groups": made, "local_synchronization": scheduled.LOCAL_SYNCHRONIZATION,
                    "pins": FakeAgent.pins, "interval": sched.interval_iterations, "chunks": len(chunks),
                    "chunks_inside_calls": inside, "gate_forced": gate.forced if gate else 0,
                    "cpu_s": t.cpu_s}, f)

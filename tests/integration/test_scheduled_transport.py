@@ -52,3 +52,19 @@ def test_a_ring_and_two_copies_per_rank(tmp_path):
     two = run(tmp_path / "two", "--world", "3", "--replicas", "3", "--modes", "pipelined")
     check(two)
     assert all(len(out["srcs"]) == 2 and len(out["done"]) >= 4 for out in two.values())
+
+
+def test_four_ranks_in_two_pairs_make_groups_of_their_pair_only(tmp_path):
+    # replica m = 2 on four nodes: nodes {0, 1} and {2, 3} copy to each other. Every group the
+    # transport makes (the bubble exchange's, the headers', the data group) spans the rank's pair,
+    # and only the pair's ranks call new_group for it: no group of the world, no call for a group
+    # a rank is not in (a world-sized group per plan is a full mesh at 16,384 ranks)
+    ranks = run(tmp_path, "--world", "4", "--replicas", "2", "--modes", "pipelined")
+    check(ranks)
+    for r, out in ranks.items():
+        pair = [0, 1] if r < 2 else [2, 3]
+        assert out["srcs"] == out["dsts"] == [p for p in pair if p != r], (r, out["srcs"], out["dsts"])
+        assert len(out["new_groups"]) == 3, (r, out["new_groups"])  # ctl, ctrl, one data group
+        assert all(g["ranks"] == pair for g in out["new_groups"]), (r, out["new_groups"])
+        if out["local_synchronization"]:
+            assert all(g["local"] for g in out["new_groups"]), (r, out["new_groups"])
