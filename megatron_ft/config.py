@@ -140,6 +140,11 @@ class SnapshotConfig(_Section):
     #: finish each snapshot before training goes on (its copy and the ranks' agreement become training
     #: time). Off: the copy runs during the next forward/backward and the optimizer step waits for it.
     synchronous: Flag = False
+    #: who decides which step every rank holds: ``agents`` (the default: each trainer waits only for its
+    #: own copy; the node agents aggregate the commits through the store, off the training path) or
+    #: ``collective`` (every snapshot ends in a MIN all-reduce over every rank, which the next optimizer
+    #: step waits for: the design of before, kept for comparison in benchmarks/scale.py)
+    agreement: Literal["agents", "collective"] = "agents"
 
     @model_validator(mode="before")
     @classmethod
@@ -819,7 +824,7 @@ def command_flags(argv: list[str]) -> argparse.Namespace:
 
 #: settings that a trainer and its node's agent must agree on (a trainer that sees a difference refuses to start)
 SHARED_SETTINGS = ("persist.dir", "persist.interval", "persist.keep", "redundancy.scheme", "snapshot.interval",
-                   "recovery.prefer")
+                   "recovery.prefer", "snapshot.agreement")
 
 
 def shared_settings(cfg: FTConfig) -> dict[str, Any]:

@@ -14,7 +14,10 @@ op              request                                     reply
 hello           rank, local_rank, pid, run_id[, role]       node, agent_pid, settings
 register        rank, layout                                slots: [path, ...], adopted
 begin           rank, step                                  slot (index) | refused, busy
-commit          rank, slot, step[, loss] (step's loss)      -
+commit          rank, slot, step[, loss] (step's loss)      agreed (the job's agreed step, as
+                                                            this agent knows it; agents mode)
+skip            rank, step (no snapshot of it: the job's    agreed
+                agreement must not wait for this rank)
 abort           rank, slot                                  -
 global          rank, step (consistent on every rank)       -
 rewind          rank, step (the job resumes from it)        -
@@ -67,7 +70,7 @@ class RankOnly(Request):  # list, peer_list, losses, sched_unpin
     rank: Rank
 
 
-class RankStep(Request):  # begin, global, rewind, invalidate, refuse, certify, watch, recover, sched_pin
+class RankStep(Request):  # begin, skip, global, rewind, invalidate, refuse, certify, watch, recover, sched_pin
     rank: Rank
     step: Step
 
@@ -109,7 +112,7 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 
 
 MESSAGES = Messages("agent", {
-    "hello": Hello, "register": Register, "begin": RankStep, "commit": Commit, "abort": Abort,
+    "hello": Hello, "register": Register, "begin": RankStep, "skip": RankStep, "commit": Commit, "abort": Abort,
     "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
     "certify": RankStep, "watch": RankStep,
     "list": RankOnly, "peer_list": RankOnly,

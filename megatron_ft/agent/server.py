@@ -36,8 +36,10 @@ from ..capture.layout import Layout
 from ..redundancy.plan import plan_from_config
 from ..transport import wire
 from ..transport.messages import Request
+from .agreement import PendingAgreement, Verdict, node_report, resolved
+from .job_agreement import JobAgreement
 from .protocol import MESSAGES, Hello, socket_path
-from .versions import TransitionError, VersionTable
+from .versions import CLEAN, TransitionError, VersionTable
 
 log = logging.getLogger("megatron_ft.agent")
 
@@ -147,6 +149,11 @@ class Agent:
         self.losses: dict[int, dict[int, float]] = {}  # rank -> {step: loss} of its newest committed steps
         self.rollbacks: dict[int, int] = {}  # rank -> versions refused since the guard last passed
         self.certified: dict[int, set[int]] = {}  # rank -> steps certified (the newest LOSS_HISTORY)
+        # the job-wide agreement (snapshot.agreement: agents): each local rank's newest finished step,
+        # this node's side of the agreement (start_agreement), what it skipped while a step was pending
+        self.seen: dict[int, int] = {}
+        self.agreement: Optional[JobAgreement] = None
+        self.skipped_pending = 0
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -170,6 +177,17 @@ class Agent:
         if self.redundancy is not None:
             for rank, size in self.slot_sizes().items():
                 self.redundancy.publish_size(rank, size)
+
+    def start_agreement(self) -> None:
+        """Join the job-wide agreement (``snapshot.agreement: agents``; after :meth:`start_peers`: through
+        the store where the job has one, else decided on this node alone)."""
+        if self.cfg.snapshot.agreement != "agents" or self.agreement is not None:
+            return
+        self.agreement = JobAgreement(self.node, self.cfg.cluster.nodes if self.store is not None else 1, self.store,
+                                      self._protect_agreed, self._agreed_locally,
+                                      poll_s=max(0.5, 2 * self.cfg.health.heartbeat_s)).start()
+        with self.lock:
+            self._report()
 
     # ------------------------------------------------------------------ segments
     def adopt_existing(self) -> int:
@@ -439,9 +457,55 @@ class Agent:
             if self._peer_refusal:  # the node cannot hold its peers' blocks: no snapshot it could protect
                 raise shm.SharedMemoryError(self._peer_refusal)
             self._check_intact(rank)
-            slot = self.table.begin(rank, step, keep, staging_only)
+            try:
+                self._refuse_if_pending(rank, self.table.choose(rank, step, keep, staging_only), step)
+                slot = self.table.begin(rank, step, keep, staging_only)
+            except Exception:
+                self._finished(rank, step)  # this rank will not hold step: the agreement must not wait for it
+                raise
             self._mirror(rank, [slot])
             return slot.index
+
+    def _refuse_if_pending(self, rank: int, slot, step: int) -> None:
+        """:class:`PendingAgreement` if ``slot`` (the one ``begin`` would hand out) holds a version the job
+        has not resolved yet (lock held)."""
+        if self.agreement is None or slot.state != CLEAN:
+            return
+        verdict = self.agreement.verdict
+        if not resolved(slot.step, verdict, self.table.clean_steps(), self.seen):
+            self.skipped_pending += 1
+            raise PendingAgreement(f"rank {rank}: snapshot of step {step} skipped: its step {slot.step} waits for "
+                                   f"the job's agreement (agreed: step {verdict.agreed})")
+
+    def _finished(self, rank: int, step: int) -> None:
+        """``rank`` is done with ``step`` (committed, failed or skipped): this node's report (lock held)."""
+        if step > self.seen.get(rank, -1):
+            self.seen[rank] = step
+            self._report()
+
+    def _report(self) -> None:
+        """This node's agreement report, handed to the reporting thread (lock held; no I/O)."""
+        if self.agreement is not None:
+            self.agreement.report(node_report(self.table.clean_steps(), self.seen, self.cfg.cluster.ranks_per_node))
+
+    def skip(self, rank: int, step: int) -> None:
+        """The trainer takes no snapshot of ``step`` (its state could not be captured or registered)."""
+        with self.lock:
+            self._finished(rank, step)
+
+    def _protect_agreed(self, verdict: Verdict) -> None:
+        """The job's new verdict becomes this node's, and its agreed step, where every local rank holds
+        it, the protected version - together, under the lock (then ``_agreed_locally`` exchanges and
+        persists it, outside)."""
+        with self.lock:
+            assert self.agreement is not None
+            self.agreement.verdict = verdict
+            ranks = list(self.table.ranks)
+            if (verdict.agreed < 0 or len(ranks) < self.cfg.cluster.ranks_per_node
+                    or any(self.table.get(r).slot_with(verdict.agreed) is None for r in ranks)):
+                return
+            for r in ranks:
+                self.table.agree(r, verdict.agreed)
 
     def commit(self, rank: int, slot_idx: int, step: int, loss: Optional[float] = None) -> None:
         with self.lock:
@@ -458,6 +522,8 @@ class Agent:
             others = [o for o in self.table.get(rank).slots if o is not s]
             self.table.commit(rank, slot_idx, step)
             self._mirror(rank, [s, *others])
+            self.seen[rank] = max(step, self.seen.get(rank, -1))
+            self._report()
             if loss is not None:
                 history = self.losses.setdefault(rank, {})
                 history[step] = loss
@@ -516,7 +582,9 @@ class Agent:
 
     def abort(self, rank: int, slot_idx: int) -> None:
         with self.lock:
+            step = self.table.slot(rank, slot_idx).step
             self._mirror(rank, [self.table.abort(rank, slot_idx)])
+            self._finished(rank, step)
 
     def invalidate(self, rank: int, step: int) -> bool:
         """A trainer found this version corrupt: never offer it again."""
@@ -536,6 +604,8 @@ class Agent:
             # a rank not registered yet (a replacement node before its first snapshot) holds nothing to drop
             emptied = self.table.rewind(rank, step) if rank in self.table.ranks else []
             self._mirror(rank, emptied)
+            self.seen[rank] = step  # the steps after it begin again
+            self._report()
             self.persisted = [p for p in self.persisted if p <= step]
             interval = self.cfg.persist.interval
             if interval > 0:
@@ -548,9 +618,15 @@ class Agent:
         return {"dropped": len(emptied)}
 
     def mark_global(self, rank: int, step: int) -> None:
-        """``step`` is clean on every rank of the job (the trainers agreed on it)."""
+        """``step`` is clean on every rank of the job (the trainers agreed on it, or restored it)."""
         with self.lock:
             self.table.agree(rank, step)
+        self._agreed_locally()
+
+    def _agreed_locally(self) -> None:
+        """Every local rank's agreed step known: the step all of them agreed on is exchanged with the
+        group and persisted when due."""
+        with self.lock:
             low = self.table.agreed_low(self.cfg.cluster.ranks_per_node)
             persist_step = None
             interval = self.cfg.persist.interval
@@ -594,6 +670,9 @@ class Agent:
                 "persist_errors": list(self.persist_errors[-5:]),
                 "pending_persists": self._persist_q.qsize(),
                 "root": self.store.root if self.store is not None else None,
+                "agreement": ({"agreed": self.agreement.verdict.agreed, "abandoned": list(self.agreement.verdict.abandoned),
+                               "skipped_pending": self.skipped_pending, "seen": {str(r): s for r, s in self.seen.items()}}
+                              if self.agreement is not None else None),
                 "shared_memory": {"slots": self._slot_bytes(), "peer_blocks_reserved": self._peer_reserved,
                                   "limit": self.cfg.agent.shm_limit_mib << 20, "refused": self._peer_refusal},
             }
@@ -825,7 +904,10 @@ class Agent:
             return {"slot": self.begin(r.rank, r.step)}
         if op == "commit":
             self.commit(r.rank, r.slot, r.step, r.loss)
-            return {}
+            return {"agreed": self.agreement.verdict.agreed} if self.agreement is not None else {}
+        if op == "skip":
+            self.skip(r.rank, r.step)
+            return {"agreed": self.agreement.verdict.agreed} if self.agreement is not None else {}
         if op == "abort":
             self.abort(r.rank, r.slot)
             return {}
@@ -964,6 +1046,8 @@ class Agent:
             self._server.close()
         if self._persist_thread is not None:
             self._persist_thread.join(timeout=300)  # let queued persists finish
+        if self.agreement is not None:
+            self.agreement.close()
         if self.monitor is not None:
             self.monitor.stop()
         if self.redundancy is not None:
@@ -1037,6 +1121,7 @@ def serve(cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes], launcher_p
     agent = Agent(cfg, node, secret)
     agent.adopt_existing()
     agent.start_peers()
+    agent.start_agreement()
 
     def on_signal(signum, frame):  # clean shutdown on SIGTERM / SIGINT
         threading.Thread(target=agent.shutdown, daemon=True).start()

@@ -135,6 +135,13 @@ class VersionTable:
         """The slot to write ``step`` into, now WRITING. ``keep``: steps whose slots must stay
         (the group's complete version, one being exchanged). ``staging_only`` (an rs parity node's
         single slot, whose packets data nodes hold whole): only ``keep`` and pins protect."""
+        slot = self.choose(rank, step, keep, staging_only)
+        self.get(rank).forget(slot)
+        slot.state, slot.step = WRITING, step
+        return slot
+
+    def choose(self, rank: int, step: int, keep: Iterable[int] = (), staging_only: bool = False) -> SlotState:
+        """The slot :meth:`begin` would hand out for ``step`` (nothing changes); :class:`BusyError` if none."""
         rv = self.get(rank)
         kept = {id(s) for st in keep if (s := rv.slot_with(st)) is not None}
         if not staging_only:  # a staging slot is never kept for a mark: the group holds its versions
@@ -146,10 +153,7 @@ class VersionTable:
             held = ", ".join(s.describe() + (" (pinned: persisting or sending)" if s.pins else " (protected)")
                              for s in rv.slots)
             raise BusyError(f"rank {rank}: no free slot for step {step}: {held}")
-        slot = min(free, key=lambda s: (s.state != EMPTY, s.step))
-        rv.forget(slot)
-        slot.state, slot.step = WRITING, step
-        return slot
+        return min(free, key=lambda s: (s.state != EMPTY, s.step))
 
     def commit(self, rank: int, index: int, step: int) -> SlotState:
         s = self.slot(rank, index)

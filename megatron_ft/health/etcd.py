@@ -204,3 +204,16 @@ class EtcdStore:
 
     def delete(self, key: str) -> None:
         self.kv.delete(key)
+
+    #: how often :meth:`watch` reads the key (etcd3gw's watches are not used yet)
+    WATCH_POLL_S = 0.05
+
+    def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
+        """The key's value once it differs from ``value``, or after ``wait_s`` unchanged (read every
+        :data:`WATCH_POLL_S`)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            cur = self.kv.get(key)
+            if cur != value or time.monotonic() >= deadline:
+                return cur
+            time.sleep(min(self.WATCH_POLL_S, max(0.0, deadline - time.monotonic())))

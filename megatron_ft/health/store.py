@@ -94,6 +94,7 @@ class EmbeddedStore:
         self.kv: Optional[WireKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
+        self._watcher: Optional[tuple[int, WireKV]] = None  # (root, its connection) for watch()
 
     def endpoint(self, node: int) -> tuple[str, int]:
         return endpoint(self.hosts, self.base_port, node)
@@ -226,12 +227,39 @@ class EmbeddedStore:
     def delete(self, key: str) -> None:
         self._do(lambda kv: kv.delete(key))
 
+    def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
+        """The key's value at the root once it differs from ``value``, or after ``wait_s`` unchanged
+        (a long poll on a connection of its own, so that it blocks no other call; one caller at a time).
+        A root that does not answer raises :class:`StoreUnavailable` (the caller asks again later, when
+        :meth:`get` and the other calls have found the new root)."""
+        root = self.root
+        held = self._watcher
+        if held is None or held[0] != root:
+            if held is not None:
+                held[1].close()
+            self._watcher = None
+            held = self._watcher = (root, self._client(root))
+        try:
+            return held[1].watch(key, value, wait_s)
+        except StoreUnavailable:
+            held[1].close()
+            self._watcher = None
+            raise
+
+    def derive(self, prefix: str, fn) -> None:
+        """Keys this node's own server derives when it is the root (:meth:`KVServer.derive`; ``prefix``
+        under the job's)."""
+        self._server.derive(self.prefix + prefix, lambda k, v: {self.prefix + dk: dv for dk, dv in fn(k, v).items()})
+
     @property
     def is_root(self) -> bool:
         return self.root == self.node
 
     def close(self) -> None:
         """Stop this node's server and close the client (the agent's end)."""
+        if self._watcher is not None:
+            self._watcher[1].close()
+            self._watcher = None
         if self.kv is not None:
             self.kv.close()
         self._server.close()

@@ -13,7 +13,14 @@ set             key, value                  -
 compare_set     key, expected, desired      value afterwards (``""``: absent); ``expected == ""``
                                             means "only if absent" (etcd's and the KV protocol's rule)
 delete          key                         -
+watch           key, value, wait_s          the key's value once it differs from ``value`` (``null``:
+                                            absent), or after ``wait_s`` unchanged: a long poll, so a
+                                            waiter learns of a change at once without polling
 ==============  ==========================  =====================================================
+
+An owner of a server may *derive* keys (:meth:`KVServer.derive`): a function called, under the map's
+lock, with every ``set`` of a key under a given prefix, whose returned keys are set in the same step
+(the root agent's job-wide agreement is computed this way, in process, as the nodes' reports arrive).
 
 A key is at most :data:`KEY_MAX` bytes, a value :data:`VALUE_MAX`; a server holds at most
 :data:`KEYS_MAX` keys (a ``set`` of a new key beyond that is refused). The map lives in the agent's
@@ -36,9 +43,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Annotated, Optional
+import time
+from typing import Annotated, Callable, Optional
 
-from pydantic import Field, StrictStr
+from pydantic import Field, StrictFloat, StrictStr
 
 from ..transport import wire
 from ..transport.messages import Messages, Request
@@ -73,8 +81,22 @@ class Delete(Request):
     key: Key
 
 
+#: the longest a ``watch`` may wait (the client's bound is its timeout plus this)
+WATCH_MAX_S = 60.0
+
+
+class Watch(Request):
+    key: Key
+    value: Optional[Value] = None  # the value the waiter knows (None: absent)
+    wait_s: Annotated[StrictFloat, Field(ge=0.0, le=WATCH_MAX_S)]
+
+
 #: the coordination store's protocol
-STORE_MESSAGES = Messages("store", {"get": Get, "set": Set, "compare_set": CompareSet, "delete": Delete})
+STORE_MESSAGES = Messages("store", {"get": Get, "set": Set, "compare_set": CompareSet, "delete": Delete,
+                                    "watch": Watch})
+
+#: a derived key's function: (key under the prefix, new value) -> keys to set with it (full keys)
+Derive = Callable[[str, str], dict[str, str]]
 
 
 class _Map:
@@ -84,14 +106,19 @@ class _Map:
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._changed: dict[str, threading.Condition] = {}  # key -> its waiters (only keys watched)
+        self._derived: list[tuple[str, Derive]] = []
 
     def handle(self, conn: wire.Connection, msg: dict) -> dict:
         req = STORE_MESSAGES.parse(msg)
         with self._lock:
+            if isinstance(req, Watch):
+                return {"value": self._wait_locked(req.key, req.value, req.wait_s)}
             if isinstance(req, Get):
                 return {"value": self.data.get(req.key)}
             if isinstance(req, Delete):
                 self.data.pop(req.key, None)
+                self._notify(req.key)
                 return {}
             if isinstance(req, Set):
                 self._put(req.key, req.value)
@@ -107,6 +134,36 @@ class _Map:
         if key not in self.data and len(self.data) >= KEYS_MAX:
             raise ValueError(f"store holds {KEYS_MAX} keys already (KEYS_MAX): {key!r} refused")
         self.data[key] = value
+        self._notify(key)
+        for prefix, fn in self._derived:
+            if key.startswith(prefix):
+                for k, v in fn(key[len(prefix):], value).items():
+                    if self.data.get(k) != v:
+                        self.data[k] = v
+                        self._notify(k)
+
+    def _notify(self, key: str) -> None:
+        cond = self._changed.get(key)
+        if cond is not None:
+            cond.notify_all()
+
+    def _wait_locked(self, key: str, known: Optional[str], wait_s: float) -> Optional[str]:
+        """The key's value once it differs from ``known``, or after ``wait_s`` (lock held; released
+        while waiting)."""
+        cond = self._changed.get(key)
+        if cond is None:
+            cond = self._changed[key] = threading.Condition(self._lock)
+        deadline = time.monotonic() + wait_s
+        while self.data.get(key) == known:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            cond.wait(left)
+        return self.data.get(key)
+
+    def derive(self, prefix: str, fn: Derive) -> None:
+        with self._lock:
+            self._derived.append((prefix, fn))
 
     def closed(self, conn: wire.Connection) -> None:
         pass
@@ -125,6 +182,12 @@ class KVServer:
     def start(self) -> "KVServer":
         self._server.start()
         return self
+
+    def derive(self, prefix: str, fn: Derive) -> None:
+        """Call ``fn(key after prefix, value)`` under the map's lock with every ``set`` of a key under
+        ``prefix`` (full key, the job's prefix included); the keys it returns are set in the same step
+        (their watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
+        self._map.derive(prefix, fn)
 
     def close(self) -> None:
         self._server.close()
@@ -167,6 +230,12 @@ class WireKV:
 
     def delete(self, key: str) -> None:
         self._request("delete", key=self.prefix + key)
+
+    def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
+        """The key's value once it differs from ``value``, or after ``wait_s`` (at most
+        :data:`WATCH_MAX_S`) unchanged. Blocks this client's connection meanwhile: use one of its own."""
+        return self._request("watch", key=self.prefix + key, value=value, wait_s=float(min(wait_s, WATCH_MAX_S))
+                             ).get("value")
 
     def close(self) -> None:
         self._client.close()

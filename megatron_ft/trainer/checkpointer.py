@@ -11,8 +11,12 @@ Framework-neutral: it takes a StateAdapter (megatron, plain torch, ...). The tra
         ckpt.after_iteration(iteration, consumed_samples)
     ckpt.close()
 
-Every call is collective across all ranks (they create and use one gloo coordination group).
-Nothing here ever raises into training because a snapshot failed: failures are logged.
+Construction and ``restore()`` are collective across all ranks (they create and use one gloo
+coordination group). Snapshots are not: each rank waits only for its own copy and the node agents
+agree on the step every rank holds (``snapshot.agreement: agents``). ``after_iteration`` is
+collective while the guard watches the iterations after a restore and, with ``recovery.prefer:
+certified`` or ``interval: auto``, every iteration (those verdicts still go over the coordination
+group). Nothing here ever raises into training because a snapshot failed: failures are logged.
 """
 from __future__ import annotations
 
@@ -95,13 +99,15 @@ class InMemoryCheckpointer:
                       "(agent.required: false)", rank, path, e)
             self.client = None
         self.engine = (SnapshotEngine(self.client, rank, self.identity, cfg.snapshot.chunk_bytes, self.coord_group,
-                                      required=cfg.agent.required)
+                                      required=cfg.agent.required,
+                                      collective=cfg.snapshot.agreement == "collective")
                        if self.client is not None and cfg.snapshot.enabled else None)
         self._events = _EventLog(rank)
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
-        self._max = _max_over_ranks(self.coord_group)
+        self.world_collectives = {"iterations": 0, "restore": 0}  # megatron-ft's own, counted (scale benchmark)
+        self._max = _max_over_ranks(self.coord_group, self.world_collectives)
         # recovery.prefer: certified - every iteration's loss judged, the versions trained past certified
         self.certifier = (guard.Certifier(cfg.recovery.certify_after)
                           if cfg.recovery.prefer == "certified" and self.engine is not None else None)
@@ -113,6 +119,7 @@ class InMemoryCheckpointer:
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
     def restore(self) -> RestoreResult:
+        """Collective: every rank restores the same step (docs/recovery-time.md)."""
         started = time.time()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
                             self.client, self.coord_group, self.cfg.health.group_answer_s,
@@ -120,6 +127,7 @@ class InMemoryCheckpointer:
                             self.cfg.recovery.prefer == "certified")
         try:
             res = restorer.restore(self.adapter)
+            self.world_collectives["restore"] += restorer.world_collectives
         except RollbacksExhausted as e:  # every rank together: end the job, never restart into garbage
             self._events.write({"event": "restore", "source": "none", "step": -1, "rollbacks_exhausted": str(e)})
             fatal.end_job(str(e), fatal.EXIT_ROLLBACKS_EXHAUSTED)
@@ -315,7 +323,10 @@ class InMemoryCheckpointer:
         if self.engine is not None:
             self.engine.close()
             if self.engine.history:  # what training saw of its snapshots (the demo reports it)
-                self._events.write({"event": "snapshots", **stall_summary(self.engine.history)})
+                self._events.write({"event": "snapshots", **stall_summary(self.engine.history),
+                                    "agreement": self.cfg.snapshot.agreement,
+                                    "world_collectives": {"snapshots": self.engine.world_collectives,
+                                                          **self.world_collectives}})
         if self.client is not None:
             self.client.close(orderly=True)
         self._events.close()
@@ -330,8 +341,9 @@ class _Watch:
     history: dict
 
 
-def _max_over_ranks(group: Any):
-    """MAX all-reduce of a few floats over the coordination group (identity without one)."""
+def _max_over_ranks(group: Any, counts: dict):
+    """MAX all-reduce of a few floats over the coordination group (identity without one); each call
+    counted in ``counts["iterations"]``."""
     if group is None:
         return None
 
@@ -340,6 +352,7 @@ def _max_over_ranks(group: Any):
 
         t = torch.tensor(vals, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        counts["iterations"] += 1
         return t.tolist()
 
     return reduce

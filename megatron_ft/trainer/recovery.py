@@ -430,6 +430,7 @@ class Restorer:
         self.client = client
         self.coord_group = coord_group
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_collectives = 0  # collectives over the coordination group (every rank), counted
 
     # ------------------------------------------------------------------ candidates
     def local_candidates(self) -> list[Candidate]:
@@ -490,6 +491,7 @@ class Restorer:
         t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.coord_group))]
         dist.all_gather(parts, t, group=self.coord_group)
+        self.world_collectives += 1
         common = None
         for p in parts:
             s = {int(x) for x in p.tolist() if x >= 0}
@@ -505,6 +507,7 @@ class Restorer:
             return ok, refused
         t = torch.tensor([1 if ok else 0, 0 if refused else 1], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
+        self.world_collectives += 1
         return bool(t[0].item()), not bool(t[1].item())
 
     # ------------------------------------------------------------------ restore
@@ -556,6 +559,7 @@ class Restorer:
             return mine
         t = torch.tensor([mine], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.coord_group)
+        self.world_collectives += 1
         return int(t.item())
 
     def _through_tiers(self, adapter: StateAdapter, t0: float, attempt: "_Attempt",

@@ -4,7 +4,14 @@ Timeline of one snapshot at step s (REFT's clean/dirty double buffer)::
 
     main thread:  optimizer.step(s) -> snapshot(s) -> forward/backward(s+1) ... -> wait() -> optimizer.step(s+1)
     worker:                            begin -> copy chunk 0..n (fused copy+checksum) -> version record
-                                       -> commit (agent flips the slot CLEAN) -> agree on s with all ranks
+                                       -> commit (agent flips the slot CLEAN)
+
+``wait()`` waits for this rank's own copy only. Which step every rank holds is decided by the node
+agents off the training path (``snapshot.agreement: agents``, :mod:`megatron_ft.agent.agreement`):
+the commit's reply says the newest step the job agreed on as the agent knows it; a snapshot due
+while this rank's previous one still waits for the agreement is skipped by the agent (counted).
+``snapshot.agreement: collective`` keeps the design of before for comparison: the worker ends every
+snapshot with a MIN all-reduce over every rank, which the next optimizer step waits for.
 
 On a GPU the copies run on a dedicated CUDA stream straight into the page-locked slot, ordered after
 the optimizer step by an event (:mod:`.device_staging`); the training stream goes on meanwhile.
@@ -15,8 +22,9 @@ worker thread whose copy loop releases the GIL. ``wait()`` blocks only if the co
 when the next optimizer step is about to modify the tensors.
 
 A failed snapshot never stops training: the error is logged, the slot aborted, and the step is
-simply not snapshotted. Every rank still takes part in the agreement for that step (so the
-coordination collective never hangs); the agreed step is the newest one *every* rank committed.
+simply not snapshotted. The agent learns that this rank is done with the step either way (its
+commit, abort, refusal or ``skip``), so the job's agreement never waits for a step this rank will not
+hold; with the collective agreement every rank still takes part in the collective for that step.
 """
 from __future__ import annotations
 
@@ -59,6 +67,8 @@ class SnapshotStats:
     clean_at: float = 0.0  # wall clock when the agent marked it clean
     agreed_step: int = -1
     nbytes: int = 0
+    #: skipped by the agent: this rank's previous snapshot still waited for the job's agreement
+    pending: bool = False
     #: worker seconds by phase: begin (the agent's slot), copy (GPU path: copies and sums until both are
     #: done; host path: the fused copy and checksum), record (the version record), commit (the agent's reply)
     phases: dict = field(default_factory=dict)
@@ -73,7 +83,7 @@ def stall_summary(history: list[SnapshotStats]) -> dict:
     ...      nbytes=64), SnapshotStats(3, False, error="not started: x", stall_s=0.02), SnapshotStats(4, True, stall_s=0.03,
     ...      copy_s=0.1, nbytes=64)]
     >>> stall_summary(h)
-    {'taken': 3, 'failed': 1, 'stall_median_s': 0.025, 'stall_max_s': 0.5, 'copy_median_s': 0.1, 'nbytes': 64}
+    {'taken': 3, 'failed': 1, 'skipped_pending_agreement': 0, 'stall_median_s': 0.025, 'stall_max_s': 0.5, 'copy_median_s': 0.1, 'nbytes': 64}
     """
     def median(xs: list[float]) -> Optional[float]:
         xs = sorted(xs)
@@ -83,7 +93,8 @@ def stall_summary(history: list[SnapshotStats]) -> dict:
         return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
     ok = [h for h in history if h.ok]
-    return {"taken": len(ok), "failed": len(history) - len(ok),
+    skipped = sum(1 for h in history if h.pending)
+    return {"taken": len(ok), "failed": len(history) - len(ok) - skipped, "skipped_pending_agreement": skipped,
             "stall_median_s": median([h.stall_s for h in history]),
             "stall_max_s": max((h.stall_s for h in history), default=None),
             "copy_median_s": median([h.copy_s for h in ok]),
@@ -110,16 +121,20 @@ def _finite(loss: Optional[float]) -> Optional[float]:
 
 
 class SnapshotEngine:
-    """Trainer-side staging of snapshots into this rank's agent slots."""
+    """Trainer-side staging of snapshots into this rank's agent slots. ``coord_group``: with the
+    collective agreement (``collective=True``), the group of every rank the worker's MIN all-reduce
+    runs on; otherwise unused (the agents agree)."""
 
     def __init__(self, client: AgentClient, rank: int, identity: dict, chunk_size: int,
-                 coord_group: Any = None, agree: bool = True, required: bool = False):
+                 coord_group: Any = None, agree: bool = True, required: bool = False, collective: bool = False):
         self.client = client
         self.rank = rank
         self.identity = identity
         self.chunk_size = chunk_size
         self.coord_group = coord_group
-        self.agree = agree and dist.is_available() and dist.is_initialized()
+        self.collective = collective
+        self.agree = agree and collective and dist.is_available() and dist.is_initialized()
+        self.world_collectives = 0  # megatron-ft's collectives over every rank (the scale benchmark counts them)
         self.required = required  # no shared memory for the slots ends the job (agent.required)
         self.layout: Optional[Layout] = None
         self._pieces: list = []  # layout.all_pieces(), computed once per registration
@@ -198,7 +213,8 @@ class SnapshotEngine:
         return stats
 
     def wait(self) -> Optional[SnapshotStats]:
-        """Block until the pending snapshot (if any) is committed and agreed."""
+        """Block until the pending snapshot (if any) is committed (and, with the collective agreement,
+        agreed)."""
         job = self._pending
         if job is None:
             return None
@@ -254,6 +270,8 @@ class SnapshotEngine:
                     job.stats.phases["begin"] = time.perf_counter() - t0
                 if job.slot is not None:
                     self._write(job)
+                elif not job.stats.pending and not self.collective:
+                    self._skip(job)
             except Exception as e:
                 job.stats.error = f"{type(e).__name__}: {e}"
                 log.warning("rank %d: snapshot of step %d failed: %s", self.rank, job.step, job.stats.error)
@@ -262,7 +280,8 @@ class SnapshotEngine:
                 except Exception:
                     pass
             try:
-                self._agree(job)
+                if self.collective:
+                    self._agree(job)
             except Exception as e:
                 log.warning("rank %d: agreement for step %d failed: %s", self.rank, job.step, e)
             self.history.append(job.stats)
@@ -291,6 +310,11 @@ class SnapshotEngine:
         try:
             return int(self.client.request("begin", rank=self.rank, step=job.step)["slot"])
         except Exception as e:
+            if getattr(e, "kind", "") == "PendingAgreement":  # defined, counted, not a failure
+                job.stats.pending = True
+                job.stats.error = f"skipped: {e}"
+                log.info("rank %d: %s", self.rank, e)
+                return None
             if self.required and getattr(e, "kind", "") == "SharedMemoryError":  # the node's peers' blocks
                 fatal.end_job(f"rank {self.rank}: {e} (agent.required: false trains unprotected instead)")
             job.stats.error = f"not started: {e}"
@@ -320,8 +344,9 @@ class SnapshotEngine:
                   "extra": job.extra, "created": job.started, "identity": self.identity}
         snapfile.write_version(seg.mm, job.step, record)
         t2 = time.perf_counter()
-        self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step,
-                            **({"loss": float(job.loss)} if job.loss is not None else {}))
+        reply = self.client.request("commit", rank=self.rank, slot=job.slot, step=job.step,
+                                    **({"loss": float(job.loss)} if job.loss is not None else {}))
+        self._learn_agreed(job, reply)
         job.stats.phases.update(copy=t1 - t0, record=t2 - t1, commit=time.perf_counter() - t2)
         faultpoints.reached("after-commit", job.step, self.rank, area=area, path=seg.path, size=seg.size)
         job.stats.ok = True
@@ -358,11 +383,28 @@ class SnapshotEngine:
             sums.append(chunk.finish())
         return sums
 
+    def _skip(self, job: _Job) -> None:
+        """No snapshot of ``job``'s step on this rank: the agent learns it (the job's agreement then does
+        not wait for this rank's copy of it). Best effort."""
+        try:
+            self._learn_agreed(job, self.client.request("skip", rank=self.rank, step=job.step))
+        except (AgentError, OSError, ConnectionError) as e:
+            log.warning("rank %d: could not tell the agent step %d is skipped: %s", self.rank, job.step, e)
+
+    def _learn_agreed(self, job: _Job, reply: dict) -> None:
+        """The job's agreed step from an agent's reply (agents mode)."""
+        agreed = reply.get("agreed") if isinstance(reply, dict) else None
+        if isinstance(agreed, int):
+            job.stats.agreed_step = agreed
+            self.last_agreed = max(self.last_agreed, agreed)
+
     def _agree(self, job: _Job) -> None:
-        """All ranks: the newest step every rank has committed; tell the agent it is consistent."""
+        """All ranks (the collective agreement): the newest step every rank has committed; tell the
+        agent it is consistent."""
         if self.agree:
             t = torch.tensor([self.last_committed], dtype=torch.int64)
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
+            self.world_collectives += 1
             agreed = int(t.item())
         else:
             agreed = self.last_committed

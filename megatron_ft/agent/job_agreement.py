@@ -1,0 +1,184 @@
+"""The agent's side of the job-wide agreement (:mod:`.agreement` has the rule): it publishes this
+node's report, aggregates the reports where it is the root, and learns the job's verdict.
+
+Threads (both daemons, started by :meth:`JobAgreement.start`, ended by :meth:`close`):
+
+* ``agree-report``: sends the node's newest report (:meth:`report` only hands it over: the agent
+  calls it under its own lock, and no store call is ever made under that lock). Without a store
+  (a one-node job) :meth:`report` aggregates the report itself and protects the verdict at once, and
+  this thread runs ``after``.
+* ``agree-verdict`` (with a store): waits for the job's verdict to change (the store's ``watch``,
+  a long poll of at most ``poll_s``) and applies it. A store that does not answer is asked again
+  after ``poll_s`` (the heartbeat thread finds a new root meanwhile).
+
+The root aggregates in process: the embedded store derives the verdict key from every report set
+on the root's own server (:meth:`~megatron_ft.health.wire_store.KVServer.derive`), so a report
+costs the root one dictionary update and the watchers are woken at once. etcd has no such hook:
+the root agent reads the N reports once per ``poll_s`` and writes the verdict when it changes.
+
+Messages per agreed step (N nodes): N reports in, one verdict out to each of N watchers: 2N, two
+rounds, constant per node; the etcd root reads N keys per ``poll_s`` besides.
+
+The agent's two hooks: ``protect(verdict)`` makes the verdict this node's (:attr:`verdict` is set
+there, together with the protection of the agreed version, under the agent's lock: a ``begin`` never
+sees a step resolved whose agreed successor is not protected yet); ``after()`` does what follows
+outside that lock (the exchange and the persist of the agreed step). ``protect`` is called on the
+verdict thread, or (one-node job) on the caller of :meth:`report`, which holds the agent's
+re-entrant lock; ``after`` on this class's threads, never under a lock of this class.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+from .agreement import REPORT_KEY, VERDICT_KEY, Aggregator, NodeReport, Verdict, decide
+
+log = logging.getLogger("megatron_ft.agent")
+
+
+class JobAgreement:
+    """``store``: the job's store (None: a one-node job, decided here); ``protect``, ``after``: the
+    agent's hooks (above); ``poll_s``: the longest a watch waits before it asks again (the etcd root's
+    reading period too)."""
+
+    def __init__(self, node: int, nodes: int, store, protect: Callable[[Verdict], None],
+                 after: Callable[[], None], poll_s: float = 1.0):
+        self.node, self.nodes, self.store, self.poll_s = node, nodes, store, poll_s
+        self.protect, self.after = protect, after
+        self.verdict = Verdict()  # set by ``protect``
+        self._after_due = False
+        self.reports_sent = 0  # counted for the scale benchmark
+        self.verdicts_seen = 0
+        self._pending: Optional[NodeReport] = None
+        self._sent: Optional[NodeReport] = None
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._local = Aggregator(nodes) if store is None else None
+        self._root_agg = Aggregator(nodes)  # used where this node's own store server is the root's
+        self._threads: list[threading.Thread] = []
+        if store is not None and hasattr(store, "derive"):
+            store.derive(REPORT_KEY, self._derive)
+
+    def start(self) -> "JobAgreement":
+        targets = [("agree-report", self._report_loop)]
+        if self.store is not None:
+            targets.append(("agree-verdict", self._verdict_loop))
+            if not hasattr(self.store, "derive"):
+                targets.append(("agree-root", self._root_loop))
+        for name, fn in targets:
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    # ------------------------------------------------------------------ the node's report
+    def report(self, report: NodeReport) -> None:
+        """This node's newest report (non-blocking; a report superseded before it was sent is dropped)."""
+        if self._local is not None:  # a one-node job: decided here, at once
+            verdict = self._local.update(self.node, report)
+            if verdict != self.verdict:
+                self.protect(verdict)
+                with self._cond:
+                    self._after_due = True
+                    self._cond.notify()
+            return
+        with self._cond:
+            if report == self._sent and self._pending is None:
+                return
+            self._pending = report
+            self._cond.notify()
+
+    def _report_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while self._pending is None and not self._after_due and not self._stop.is_set():
+                    self._cond.wait(self.poll_s)
+                report, self._pending = self._pending, None
+                after, self._after_due = self._after_due, False
+            if after:
+                self.after()
+            if report is None:
+                continue
+            try:
+                self.store.publish(f"{REPORT_KEY}{self.node}", report.encode())
+                self._sent = report
+                self.reports_sent += 1
+            except Exception as e:  # the store moving: send it again once it answers
+                log.warning("agent node %d: could not report to the job's agreement (%s); again in %.1f s",
+                            self.node, e, self.poll_s)
+                with self._cond:
+                    if self._pending is None:
+                        self._pending = report
+                self._stop.wait(self.poll_s)
+
+    # ------------------------------------------------------------------ the job's verdict
+    def _verdict_loop(self) -> None:
+        known: Optional[str] = None
+        while not self._stop.is_set():
+            try:
+                value = self.store.watch(VERDICT_KEY, known, self.poll_s)
+            except Exception as e:
+                log.debug("agent node %d: watching the verdict: %s", self.node, e)
+                self._stop.wait(self.poll_s)
+                continue
+            if value == known or value is None:
+                continue
+            known = value
+            try:
+                verdict = Verdict.decode(value)
+            except (ValueError, KeyError, TypeError) as e:
+                log.error("agent node %d: ignored a malformed agreement verdict %r: %s", self.node, value[:200], e)
+                continue
+            self.verdicts_seen += 1
+            self._learn(verdict)
+
+    def _learn(self, verdict: Verdict) -> None:
+        if verdict != self.verdict:
+            self.protect(verdict)
+            self.after()
+
+    # ------------------------------------------------------------------ the root's aggregation
+    def _derive(self, key: str, value: str) -> dict[str, str]:
+        """The embedded store's hook on this node's own server (it runs only where reports arrive:
+        at the root). Under the store map's lock: quick, no I/O."""
+        try:
+            node = int(key)
+            report = NodeReport.decode(value)
+        except ValueError as e:
+            log.error("agent node %d (root): ignored the agreement report %r: %s", self.node, key, e)
+            return {}
+        if not 0 <= node < self.nodes:
+            log.error("agent node %d (root): ignored an agreement report from node %d of %d", self.node, node,
+                      self.nodes)
+            return {}
+        return {VERDICT_KEY: self._root_agg.update(node, report).encode()}
+
+    def _root_loop(self) -> None:
+        """A store without a hook (etcd): the root reads the N reports every ``poll_s``."""
+        last = None
+        while not self._stop.wait(self.poll_s):
+            try:
+                if not self.store.is_root:
+                    continue
+                reports = {}
+                for n in range(self.nodes):
+                    v = self.store.get(f"{REPORT_KEY}{n}")
+                    if v:
+                        try:
+                            reports[n] = NodeReport.decode(v)
+                        except ValueError:
+                            pass
+                verdict = decide(reports, self.nodes).encode()
+                if verdict != last:
+                    self.store.set(VERDICT_KEY, verdict)
+                    last = verdict
+            except Exception as e:
+                log.debug("agent node %d: aggregating the agreement: %s", self.node, e)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=self.poll_s + 2.0)
