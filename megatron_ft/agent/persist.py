@@ -19,6 +19,8 @@ Contracts:
   exists, so exactly one writer wins and the manifest never changes once there. Two agents that
   finish at the same moment both see the other's marker (each writes its own before it looks); a
   shared filesystem that shows one of them late leaves the step sealed by its markers only (below).
+  An agent reads the other markers only once ``nodes/`` holds enough of them to cover the world at
+  its own rank count, so the job reads O(nodes) markers per step, not O(nodes^2).
 * **Readers** (:func:`complete_steps`, on every rank's restore path) list the run directory (one
   entry per step) and per step read ``MANIFEST.json``: one open. Only a step without a manifest
   costs more: the ``nodes/`` directory (one entry per node) and each marker, O(nodes). A step is
@@ -27,8 +29,9 @@ Contracts:
   versioned JSON (``docs/formats.md``); one that is missing, torn, of another format or version,
   run or step is ignored, never an error: the step is then incomplete unless the rest covers it.
 * **Steps from before the markers** (rank files, no ``nodes/`` and no manifest) are *incomplete*:
-  the restore does not fall back to listing their R files. Such a step still restores from memory
-  tiers, and is pruned like any other.
+  the restore does not fall back to listing their R files. The disk tier does not offer such a step
+  (a job upgraded mid-run resumes from its memory tiers or a step persisted since); it is pruned
+  like any other.
 * What a reader may assume of a complete step: every rank's file was written whole. Not that it is
   still there or still good: restore verifies every chunk checksum, and a file a rank later renamed
   ``*.corrupt`` (refused or found corrupt) leaves the step listed; that rank's open fails and the
@@ -253,22 +256,24 @@ def _write_record(path: str, rec: dict, exclusive: bool = False) -> bool:
     return won
 
 
-def _markers(base: str, run_id: str, step: int) -> dict[int, set[int]]:
-    """node -> ranks, of the step's well-formed markers (O(nodes): one listing, one read each)."""
-    out: dict[int, set[int]] = {}
+def _marker_nodes(base: str, run_id: str, step: int) -> list[int]:
+    """The nodes with a marker file of the step (one listing of ``nodes/``, O(nodes) entries)."""
     try:
         with os.scandir(os.path.join(step_dir(base, run_id, step), NODES_DIR)) as it:
             names = [e.name for e in it]
     except (FileNotFoundError, NotADirectoryError):
-        return out
-    for name in names:
-        m = _NODE_RE.match(name)
-        if not m:
-            continue
-        rec = _read_record(marker_file(base, run_id, step, int(m.group(1))))
+        return []
+    return [int(m.group(1)) for m in map(_NODE_RE.match, names) if m]
+
+
+def _markers(base: str, run_id: str, step: int, nodes: Optional[list[int]] = None) -> dict[int, set[int]]:
+    """node -> ranks, of the step's well-formed markers (O(nodes): one listing, one read each)."""
+    out: dict[int, set[int]] = {}
+    for node in _marker_nodes(base, run_id, step) if nodes is None else nodes:
+        rec = _read_record(marker_file(base, run_id, step, node))
         ranks = marker_ranks(rec, run_id, step)
-        if ranks is not None and rec["node"] == int(m.group(1)):
-            out[rec["node"]] = ranks
+        if ranks is not None and rec["node"] == node:
+            out[node] = ranks
     return out
 
 
@@ -276,13 +281,17 @@ def _covers(ranks: set[int], world_size: int) -> bool:
     return all(r in ranks for r in range(world_size))
 
 
-def seal(base: str, run_id: str, step: int, world_size: int) -> bool:
+def seal(base: str, run_id: str, step: int, world_size: int, min_markers: int = 0) -> bool:
     """Write the step's manifest if its markers cover every rank ``0..world_size-1`` and no manifest
     exists yet (exactly one concurrent caller writes it). Returns whether the step is sealed by a
-    manifest now, whoever wrote it."""
+    manifest now, whoever wrote it. With fewer than ``min_markers`` marker files the markers are not
+    read (the caller knows the set cannot be complete yet): the step is left unsealed."""
     if os.path.exists(manifest_file(base, run_id, step)):
         return True
-    markers = _markers(base, run_id, step)
+    nodes = _marker_nodes(base, run_id, step)
+    if len(nodes) < min_markers:
+        return False
+    markers = _markers(base, run_id, step, nodes)
     covered = set().union(*markers.values()) if markers else set()
     if world_size <= 0 or not _covers(covered, world_size):
         return False
@@ -297,7 +306,12 @@ def mark_persisted(base: str, run_id: str, step: int, node: int, containers: Map
     """Node ``node``'s agent, once the files of ``step`` of all its ranks are durable (written by
     :func:`write_container`): write its marker listing them (``containers``: rank -> the CLEAN container
     each file was written from, for its size and record CRC), then :func:`seal` the step if this
-    marker completes the set. Returns whether the step is sealed by a manifest."""
+    marker completes the set. Returns whether the step is sealed by a manifest.
+
+    Cost: one listing of ``nodes/``; the markers are read only once there are as many as the world
+    needs at this node's rank count (nodes holding equal numbers of ranks: only the last to finish
+    reads them), so a step costs the job O(nodes) marker reads, not O(nodes^2). Were nodes to hold
+    unequal numbers, the step may stay sealed by its markers alone, which readers accept."""
     files = {}
     for rank, buf in containers.items():
         hdr = snapfile.read_header(buf)
@@ -306,7 +320,9 @@ def mark_persisted(base: str, run_id: str, step: int, node: int, containers: Map
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _fsync_dir(step_dir(base, run_id, step))  # the nodes/ entry is durable before the marker in it
     _write_record(path, node_marker(run_id, step, node, files))
-    return seal(base, run_id, step, world_size)
+    if not files:  # nothing of this node's completes the set
+        return os.path.exists(manifest_file(base, run_id, step))
+    return seal(base, run_id, step, world_size, min_markers=-(-world_size // len(files)))
 
 
 def step_complete(base: str, run_id: str, step: int, world_size: int) -> bool:

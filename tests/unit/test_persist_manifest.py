@@ -280,3 +280,24 @@ def test_sealed_steps_cost_one_read_each(tmp_path, monkeypatch, container):
         fs = FsCounter(m)
         assert persist.complete_steps(base, RUN, 256) == [5, 4, 3, 2, 1]
         assert fs.counts() == (1, 5, 5)
+
+
+def test_only_the_node_that_can_complete_the_set_reads_the_markers(tmp_path, monkeypatch, container):
+    base = str(tmp_path)
+    opens = []
+    with monkeypatch.context() as m:
+        real_open = builtins.open
+        m.setattr(builtins, "open", lambda *a, **k: (opens.append(a[0]), real_open(*a, **k))[1])
+        for n in range(8):
+            opens.clear()
+            sealed = persist_node(base, 3, n, range(n * 4, n * 4 + 4), 32, container)
+            markers_read = [p for p in opens if str(p).endswith(".json") and persist.NODES_DIR in str(p)]
+            assert (sealed, len(markers_read)) == ((False, 0) if n < 7 else (True, 8)), n
+    assert persist.complete_steps(base, RUN, 32) == [3]
+
+
+def test_nodes_of_unequal_rank_counts_complete_the_step_by_their_markers(tmp_path, container):
+    base = str(tmp_path)
+    persist_node(base, 3, 0, range(0, 8), 12, container)
+    assert not persist_node(base, 3, 1, range(8, 12), 12, container)  # 4 ranks: it expects 3 markers
+    assert persist.complete_steps(base, RUN, 12) == [3]  # complete all the same, by its 2 markers
