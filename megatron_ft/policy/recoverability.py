@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 import numpy as np
 
 from ..config import SCHEMES as CONFIGURED
+from .gemini_groups import placement_strategy as algorithm1
 
 #: the configured schemes, and GEMINI's ring placement as a model beside them
 SCHEMES = (*CONFIGURED, "ring")
@@ -181,15 +182,14 @@ class Placement:
 
 
 def placement_strategy(n: int, m: int) -> tuple[list[list[int]], str]:
-    """GEMINI Algorithm 1 (0-based node ids), from the planner :mod:`megatron_ft.redundancy.gemini`.
+    """GEMINI Algorithm 1 (0-based node ids, groups as lists): :mod:`megatron_ft.policy.gemini_groups`,
+    which the planner :mod:`megatron_ft.redundancy.gemini` uses too.
 
     >>> placement_strategy(4, 2)
     ([[0, 1], [2, 3]], 'group')
     >>> placement_strategy(5, 2)          # the remainder joins the last group, which becomes a ring
     ([[0, 1], [2, 3, 4]], 'mixed')
     """
-    from ..redundancy.gemini import placement_strategy as algorithm1
-
     groups, strategy = algorithm1(n, m)
     return [list(g) for g in groups], strategy
 

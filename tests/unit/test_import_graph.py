@@ -1,6 +1,7 @@
 """The package's import graph: no cycles (imports inside functions and ``importlib.import_module``
-calls count), and the runtime imports nothing of the harness (``megatron_ft.testing``: the demo,
-the chaos harness, simulation, fault injection). Read from the source, not by importing it."""
+calls count), the runtime imports nothing of the harness (``megatron_ft.testing``: the demo,
+the chaos harness, simulation, fault injection), and no module imports from a layer above its own
+(:data:`LAYERS`). Read from the source, not by importing it."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +12,25 @@ from conftest import REPO
 PKG = "megatron_ft"
 HARNESS = f"{PKG}.testing"
 ENTRY_POINTS = {f"{PKG}.cli"}  # the command line dispatches to the harness's commands (demo, chaos)
+
+#: The package's layers, lowest first. A module may import from its own layer and from the layers
+#: below it, never from one above (imports inside functions and relative imports included). An
+#: entry names a subpackage or a module relative to the package (``""``: the package's own
+#: ``__init__``); a module is in the layer of the longest entry that names it or a package above it,
+#: so ``transport.scheduled`` sits above the rest of ``transport``. Every module must be in one.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundation", {"", "config", "fatal", "faultpoints", "tiers", "network", "scheduler", "_native"}),
+    ("bytes, the wire, health", {"capture", "transport", "health"}),  # transport: wire, messages, p2p order
+    ("pure models", {"policy"}),
+    ("pure plans", {"redundancy", "schedule"}),
+    ("the scheduled transport", {"transport.scheduled"}),  # runs a schedule of a redundancy plan
+    ("the node's agent", {"agent"}),
+    ("warm spares", {"spares"}),
+    ("the trainer", {"trainer"}),
+    ("integrations and the launcher", {"megatron", "deepspeed", "launch", "deploy"}),
+    ("the harness", {"testing"}),  # never imported by the runtime (test_the_runtime_imports_nothing_...)
+    ("the command line", {"cli"}),  # the one entry point that dispatches to the harness (ENTRY_POINTS)
+]
 
 
 def package_modules(root: str = REPO) -> dict[str, str]:
@@ -136,3 +156,72 @@ def test_the_runtime_imports_nothing_from_the_harness():
                  if not (m == HARNESS or m.startswith(HARNESS + ".")) and m not in ENTRY_POINTS}
     assert {m: d for m, d in offenders.items() if d} == {}
     assert any(d.startswith(HARNESS) for d in g[f"{PKG}.cli"])  # the checker sees the cli's imports
+
+
+def _full(entry: str) -> str:
+    return f"{PKG}.{entry}" if entry else PKG
+
+
+def layer_of(module: str, layers: list[tuple[str, set[str]]] = LAYERS) -> int | None:
+    """Index in ``layers`` of ``module`` (the longest entry naming it or a package above it; the
+    entry ``""`` names the package's ``__init__`` only); None when no entry does."""
+    best: tuple[int, int] | None = None  # (entry length, layer)
+    for i, (_, entries) in enumerate(layers):
+        for e in entries:
+            full = _full(e)
+            if module == full or (e and module.startswith(full + ".")):
+                if best is None or len(full) > best[0]:
+                    best = (len(full), i)
+    return None if best is None else best[1]
+
+
+def upward_imports(g: dict[str, set[str]], layers: list[tuple[str, set[str]]] = LAYERS) -> list[str]:
+    """Every import in ``g`` from a module into a layer above its own, as
+    ``importer (its layer) imports imported (its layer)``, sorted."""
+    out = []
+    for importer, deps in g.items():
+        i = layer_of(importer, layers)
+        for imported in deps:
+            j = layer_of(imported, layers)
+            if i is not None and j is not None and j > i:
+                out.append(f"{importer} (layer {i}: {layers[i][0]}) imports {imported} "
+                           f"(layer {j}: {layers[j][0]})")
+    return sorted(out)
+
+
+def test_the_layer_checker_finds_upward_function_level_and_relative_imports(tmp_path):
+    pkg = tmp_path / PKG
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "high").mkdir()
+    for f in ("__init__.py", "low/__init__.py", "high/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from ..high import b\n")  # upward, inside a function
+    (pkg / "low" / "c.py").write_text("from ..high.b import g\n")  # upward, relative, a name of a module
+    (pkg / "low" / "d.py").write_text("from . import a\n")  # its own layer
+    (pkg / "high" / "b.py").write_text("from megatron_ft.low import a\ndef g():\n    pass\n")  # downward
+    layers = [("low", {"", "low"}), ("high", {"high"})]
+    modules = package_modules(str(tmp_path))
+    g = {n: imports_of(n, p, modules) for n, p in modules.items()}
+    assert upward_imports(g, layers) == [
+        f"{PKG}.low.a (layer 0: low) imports {PKG}.high.b (layer 1: high)",
+        f"{PKG}.low.c (layer 0: low) imports {PKG}.high.b (layer 1: high)"]
+
+
+def test_every_module_is_in_one_layer():
+    entries = [e for _, es in LAYERS for e in es]
+    assert len(entries) == len(set(entries)), "an entry is named in two layers"
+    assert [m for m in sorted(graph()) if layer_of(m) is None] == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    found = upward_imports(graph())
+    assert not found, "imports from a layer above the importer's own:\n" + "\n".join(found)
+
+
+def test_the_layers_forbid_the_scheduled_transport_the_agent_and_the_policy_the_planner():
+    # the two imports the rule was written against: the scheduled transport takes the agent's
+    # connection and segment mapping from its caller, and GEMINI's Algorithm 1 lives in the policy
+    assert layer_of(f"{PKG}.agent.shm") > layer_of(f"{PKG}.transport.scheduled")
+    assert layer_of(f"{PKG}.agent.protocol") > layer_of(f"{PKG}.transport.scheduled")
+    assert layer_of(f"{PKG}.redundancy.gemini") > layer_of(f"{PKG}.policy.recoverability")
+    assert layer_of(f"{PKG}.transport.wire") < layer_of(f"{PKG}.agent.server")  # the rest of transport stays low
