@@ -51,6 +51,12 @@ from .spares.lifetime import die_with_parent
 from .trainer.in_process import nccl_env_defaults
 from .transport import credential
 
+#: set in the trainers' environment unless it already sets them. ``TORCH_GLOO_LAZY_INIT=1``: a gloo
+#: group connects a pair of its ranks on their first operation together instead of connecting every
+#: pair (a full mesh) when the group is made, which at thousands of ranks is what stalls Megatron's
+#: and torch's eagerly made gloo groups (torch 2.13 reads it; docs/architecture.md, "At scale: groups")
+GLOO_ENV_DEFAULTS = {"TORCH_GLOO_LAZY_INIT": "1"}
+
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -246,6 +252,8 @@ class NodeLauncher:
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MFT_TRAINER_PORT=str(self.cfg.launch.trainer_port),
                    # how long a trainer looks for its round's store (a round whose host is gone never forms)
                    MFT_JOIN_TIMEOUT_S=str(self.cfg.launch.start_timeout_s))
+        for var, value in GLOO_ENV_DEFAULTS.items():  # torchrun passes them on to its workers
+            env.setdefault(var, value)  # a value of the user's environment wins
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
         env.pop("MFT_IN_PROCESS_GRACE_S", None)  # set below when in-process restart is on
         env.pop("MFT_IN_PROCESS_FD", None)

@@ -44,6 +44,21 @@ def test_the_launcher_applies_them_only_with_in_process_restart():
     assert "nccl_env_defaults(True)" in block and "env.setdefault(var, value)" in block
 
 
+def test_the_launcher_gives_every_trainer_lazy_gloo_unless_the_environment_sets_it():
+    """``TORCH_GLOO_LAZY_INIT=1`` in the environment torchrun passes on (tests/integration/test_lazy_gloo.py:
+    what it changes), applied before and independently of the in-process restart's settings."""
+    import inspect
+
+    from megatron_ft import launch
+
+    assert launch.GLOO_ENV_DEFAULTS == {"TORCH_GLOO_LAZY_INIT": "1"}
+    src = inspect.getsource(launch.NodeLauncher._run)
+    block = src[src.index("for var, value in GLOO_ENV_DEFAULTS.items():"):]
+    assert block.index("env.setdefault(var, value)") < block.index("if self.pool is not None:")
+    assert src.index("GLOO_ENV_DEFAULTS") > src.index("env = network.trainer_env(")  # the trainers' env, not the launcher's
+    assert src.index("GLOO_ENV_DEFAULTS") < src.index("self._run_torchrun(env)")
+
+
 # ---------------------------------------------------------------- the abort
 class FakeGroup:
     def __init__(self, name, backend, calls, group_calls=True):
