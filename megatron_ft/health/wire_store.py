@@ -41,6 +41,7 @@ memory only: a new root is re-filled by the agents' re-publishing (:class:`~.sto
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -108,12 +109,22 @@ class _Map:
         self._lock = threading.Lock()
         self._changed: dict[str, threading.Condition] = {}  # key -> its waiters (only keys watched)
         self._derived: list[tuple[str, Derive]] = []
+        # requests served, by op and by "op family" (the key's first part under the job's prefix, e.g.
+        # "set agree", "watch agreed"; a watch that ended unchanged also as "watch-timeout <family>"):
+        # the scale benchmark counts the store's messages with it (benchmarks/scale.py)
+        self.ops: collections.Counter = collections.Counter()
 
     def handle(self, conn: wire.Connection, msg: dict) -> dict:
         req = STORE_MESSAGES.parse(msg)
+        family = req.key.split("/")[2] if req.key.count("/") >= 2 else req.key
         with self._lock:
+            self.ops[req.op] += 1
+            self.ops[f"{req.op} {family}"] += 1
             if isinstance(req, Watch):
-                return {"value": self._wait_locked(req.key, req.value, req.wait_s)}
+                value = self._wait_locked(req.key, req.value, req.wait_s)
+                if value == req.value:
+                    self.ops[f"watch-timeout {family}"] += 1
+                return {"value": value}
             if isinstance(req, Get):
                 return {"value": self.data.get(req.key)}
             if isinstance(req, Delete):
@@ -188,6 +199,12 @@ class KVServer:
         ``prefix`` (full key, the job's prefix included); the keys it returns are set in the same step
         (their watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
         self._map.derive(prefix, fn)
+
+    def op_counts(self) -> dict[str, int]:
+        """Requests this server has served: by op (``"set"``) and by op and key family (``"set agree"``,
+        ``"watch agreed"``, ``"watch-timeout agreed"`` for a watch that ended unchanged). A copy."""
+        with self._map._lock:
+            return dict(self._map.ops)
 
     def close(self) -> None:
         self._server.close()

@@ -1,0 +1,539 @@
+"""A simulated cluster of many nodes on one machine, running the real agents, store and wire code,
+for the job-wide agreement's scale figures (``benchmarks/scale.py``) and its default-suite test.
+
+What is real: every node's :class:`~megatron_ft.agent.server.Agent` (``start_peers``: its embedded
+store server on ``127.0.0.1:health.store_port + node``, its heartbeats; ``start_agreement``: its
+reports and its watch of the verdict; ``serve_forever``: its Unix socket), the root's store and its
+in-process aggregation, the authenticated wire, the shared-memory slots. What is light: the trainers.
+Each node has one rank (``cluster.ranks_per_node: 1``) whose trainer is a :class:`LightTrainer`: it
+speaks the real trainer-agent protocol (:class:`~megatron_ft.agent.protocol.AgentClient`: ``hello``,
+``register`` of a one-tensor layout of 1 KiB, then per step ``begin`` -> a real version record
+written into the slot the agent handed out (``snapfile.write_version``, as ``SnapshotEngine._write``
+does, with the chunk checksums of the slot's data) -> ``commit``), but copies no state.
+
+Processes: the nodes are spread over ``procs`` worker processes (``python -m
+megatron_ft.testing.scale_bed``), each hosting its share of the agents in threads; the coordinator
+(:class:`ScaleBed`, in the caller's process) drives them over their stdin/stdout (one JSON line per
+command and per answer). Worker 0 hosts node 0, which becomes the root, and starts first.
+
+Sizing on one machine (pid_max 32,768 threads machine-wide, 20,000 descriptors and 65,530 mappings per
+process here): an agent has 7 threads (store server, heartbeat, report, verdict, Unix server, the
+trainer's connection handler, persist), the root's store serves 2 more per other node (the agent's
+store connection and its watch connection): 2,048 nodes are about 14,300 + 4,100 threads. Each
+worker raises RLIMIT_NOFILE to its hard limit and makes its threads' stacks 512 KiB (the mappings
+count 2 per thread). A node holds 2 slots of a few KiB (files in a tmpfs directory of the bed's own
+under /dev/shm, removed at the end; the Unix sockets in a short directory under /tmp, likewise).
+Ports: ``[base, base + nodes)`` for the stores (``health.store_port``; :func:`free_port_base` picks a
+range below the ephemeral ports that nothing listens on), the next ``nodes`` for the (unused) peer
+port setting. The health scan is not what is measured: heartbeats every ``heartbeat_s`` (2-5 s at
+large sizes, the root reads every heartbeat each period) and a long ``timeout_s`` so a loaded bed
+never judges a node failed.
+
+Per step the coordinator measures: each worker's first and last commit (monotonic clock: one
+machine), the time each agent learnt the agreed step (its ``protect`` hook wrapped: the moment the
+agent applied the verdict), the reports and verdicts counted by each agent's ``JobAgreement``, the
+root's store requests by op (:meth:`~megatron_ft.health.wire_store.KVServer.op_counts`), the
+workers' CPU seconds.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import resource
+import secrets
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+SECRET_ENV = "MFT_SCALE_BED_SECRET"
+#: the one tensor each light trainer registers: 256 float32 (1 KiB)
+TENSOR_NUMEL = 256
+
+
+def bed_config(run_id: str, nodes: int, base_port: int, shm_dir: str, socket_dir: str, persist_dir: str,
+               heartbeat_s: float, timeout_s: float) -> dict:
+    """The job's configuration (a dict for :func:`megatron_ft.config.from_dict`): ``nodes`` x 1 rank,
+    the agents' agreement, nothing persisted, no redundancy."""
+    return {
+        "run_id": run_id,
+        "cluster": {"nodes": nodes, "ranks_per_node": 1},
+        "parallel": {"tensor": 1, "pipeline": 1},
+        "snapshot": {"interval": 1, "chunk_mib": 1, "agreement": "agents"},
+        "persist": {"interval": 0, "dir": persist_dir, "on_failure": False},
+        "agent": {"shm_dir": shm_dir, "socket_dir": socket_dir, "connect_timeout_s": 300.0,
+                  "request_timeout_s": 120.0},
+        "health": {"store": "embedded", "store_port": base_port, "heartbeat_s": heartbeat_s, "timeout_s": timeout_s},
+        "network": {"peer_port": base_port + nodes},
+        "redundancy": {"scheme": "none"},
+    }
+
+
+def free_port_base(count: int, low: int = 10000, high: int = 32000, tries: int = 40) -> int:
+    """A base port with ``2 * count`` ports above it that nothing listens on now (below the ephemeral
+    range, so no client connection takes one meanwhile)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(low, high - 2 * count)
+        ok = True
+        for p in range(base, base + 2 * count):
+            s = socket.socket()
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                ok = False
+                break
+            finally:
+                s.close()
+        if ok:
+            return base
+    raise RuntimeError(f"no free range of {2 * count} ports in {low}-{high}")
+
+
+# ---------------------------------------------------------------------------------------- the trainers
+class LightTrainer:
+    """Node ``node``'s one rank: the real protocol, a 1 KiB layout, no state copied."""
+
+    def __init__(self, cfg, node: int):
+        from ..agent import shm
+        from ..agent.protocol import AgentClient, socket_path
+        from ..capture import checksum
+        from ..capture.layout import TensorSpec, plan_layout
+        from ..capture import snapfile
+
+        self.cfg, self.rank = cfg, node  # one rank per node: rank == node
+        self._snapfile = snapfile
+        self.client = AgentClient(socket_path(cfg.agent.socket_dir, cfg.run_id, node), cfg.agent.request_timeout_s)
+        self.client.connect({"rank": self.rank, "local_rank": 0, "pid": os.getpid(), "run_id": cfg.run_id},
+                            wait_s=60.0)
+        self.identity = {"run_id": cfg.run_id, "rank": self.rank, "world_size": cfg.cluster.world_size}
+        self.layout = plan_layout([TensorSpec("w", "float32", (TENSOR_NUMEL,))], cfg.snapshot.chunk_bytes,
+                                  self.identity)
+        reply = self.client.request("register", rank=self.rank, layout=self.layout.to_json().decode())
+        self.slots = [shm.open_segment(p) for p in reply["slots"]]
+        hdr = snapfile.read_header(self.slots[0].mm)
+        off = hdr.geometry.data_off
+        area = self.slots[0].array[off: off + self.layout.data_nbytes]
+        self.sums = [f"{checksum.checksum(area[lo:hi]):016x}"
+                     for lo, hi in (self.layout.chunk_bounds(i) for i in range(self.layout.num_chunks))]
+        self.agreed = -1
+
+    def step(self, step: int) -> float:
+        """begin -> version record -> commit; the time the commit was sent (monotonic)."""
+        slot = int(self.client.request("begin", rank=self.rank, step=step)["slot"])
+        record = {"chunks": self.sums, "checksum": "fl32x8-v1", "extra": {"iteration": step},
+                  "created": time.time(), "identity": self.identity}
+        self._snapfile.write_version(self.slots[slot].mm, step, record)
+        t = time.monotonic()
+        reply = self.client.request("commit", rank=self.rank, slot=slot, step=step)
+        self.agreed = max(self.agreed, int(reply.get("agreed", -1)))
+        return t
+
+    def close(self) -> None:
+        try:
+            self.client.close()  # bye: not a lost trainer
+        except Exception:
+            pass
+        for seg in self.slots:
+            seg.close()
+        self.slots = []
+
+
+# ---------------------------------------------------------------------------------------- a worker process
+def _raise_nofile() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _proc_counts() -> dict:
+    out = {"threads": threading.active_count()}
+    try:
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+        with open("/proc/self/maps") as f:
+            out["maps"] = sum(1 for _ in f)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_mib"] = round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+class _Worker:
+    def __init__(self, cfg, secret: bytes, nodes: range):
+        self.cfg, self.secret, self.nodes = cfg, secret, nodes
+        self.agents: list = []
+        self.trainers: list[LightTrainer] = []
+        self.cond = threading.Condition()
+        self.agreed: dict[int, int] = {}  # node -> the newest agreed step its agent applied
+        self.learnt: dict[int, dict[int, float]] = {}  # step -> node -> when (monotonic)
+
+    def _instrument(self, agent) -> None:
+        """Wrap the agent's ``protect`` hook: the moment it applied a verdict (the agent's code untouched)."""
+        ja = agent.agreement
+        inner, node = ja.protect, agent.node
+
+        def protect(verdict, inner=inner, node=node):
+            inner(verdict)
+            t = time.monotonic()
+            with self.cond:
+                if verdict.agreed > self.agreed.get(node, -1):
+                    self.agreed[node] = verdict.agreed
+                    self.learnt.setdefault(verdict.agreed, {})[node] = t
+                    self.cond.notify_all()
+
+        ja.protect = protect
+
+    def start(self, say) -> dict:
+        from ..agent.server import Agent
+
+        t0 = time.monotonic()
+        for n in self.nodes:
+            a = Agent(self.cfg, n, self.secret)
+            a.start_peers()
+            a.start_agreement()
+            self._instrument(a)
+            threading.Thread(target=a.serve_forever, name=f"agent-n{n}", daemon=True).start()
+            self.agents.append(a)
+            if n == 0:
+                say({"event": "root"})
+        for a in self.agents:
+            self.trainers.append(LightTrainer(self.cfg, a.node))
+        return {"event": "ready", "start_s": round(time.monotonic() - t0, 3), **_proc_counts()}
+
+    def _root_ops(self) -> Optional[dict]:
+        for a in self.agents:
+            if a.store is not None and a.store.is_root:
+                return a.store._server.op_counts()  # the root's own server: the job's store
+        return None
+
+    def counters(self) -> dict:
+        return {"reports": sum(a.agreement.reports_sent for a in self.agents),
+                "verdicts": sum(a.agreement.verdicts_seen for a in self.agents),
+                "skipped": sum(a.skipped_pending for a in self.agents),
+                "ops": self._root_ops(), "cpu_s": _cpu_s(), **_proc_counts()}
+
+    def step(self, step: int, timeout_s: float) -> dict:
+        commits = [t.step(step) for t in self.trainers]
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(self.agreed.get(a.node, -1) < step for a in self.agents):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            learnt = dict(self.learnt.get(step, {}))
+            behind = [a.node for a in self.agents if self.agreed.get(a.node, -1) < step]
+        return {"event": "step", "step": step, "first_commit": min(commits), "last_commit": max(commits),
+                "learnt": [learnt[n] for n in sorted(learnt)], "missing": behind, **self.counters()}
+
+    def stop(self) -> dict:
+        for t in self.trainers:
+            t.close()
+
+        def down(a) -> None:
+            try:
+                a.shutdown()
+            finally:
+                if a.store is not None:
+                    a.store.close()
+
+        threads = [threading.Thread(target=down, args=(a,), daemon=True) for a in self.agents]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        from ..agent import shm
+
+        left = [p for a in self.agents for _, _, p in shm.list_segments(self.cfg.agent.shm_dir, self.cfg.run_id, a.node)]
+        return {"event": "stopped", "left": left, "stuck": sum(t.is_alive() for t in threads)}
+
+
+def _worker_main() -> None:
+    spec = json.loads(sys.stdin.readline())
+    _raise_nofile()
+    threading.stack_size(spec.get("stack_kib", 512) << 10)
+    logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")), stream=sys.stderr,
+                        format="[scale-bed w%(process)d %(asctime)s] %(name)s %(levelname)s %(message)s")
+    from .. import config as ftconfig
+
+    cfg = ftconfig.from_dict(spec["config"], source="<scale bed>")
+    secret = bytes.fromhex(os.environ[SECRET_ENV])
+    lock = threading.Lock()
+
+    def say(obj: dict) -> None:
+        with lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    w = _Worker(cfg, secret, range(spec["first"], spec["last"]))
+    try:
+        say(w.start(say))
+        for line in sys.stdin:  # the coordinator's commands; its end (EOF) stops the worker too
+            cmd = json.loads(line)
+            if cmd["cmd"] == "step":
+                say(w.step(cmd["step"], cmd.get("timeout_s", 60.0)))
+            elif cmd["cmd"] == "counters":
+                say({"event": "counters", **w.counters()})
+            elif cmd["cmd"] == "stop":
+                break
+    except Exception as e:  # said, then torn down all the same
+        logging.getLogger("megatron_ft.scale_bed").exception("worker failed")
+        say({"event": "error", "error": f"{type(e).__name__}: {e}"})
+    say(w.stop())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the agents' daemon threads end with the process
+
+
+# ---------------------------------------------------------------------------------------- the coordinator
+class BedError(RuntimeError):
+    pass
+
+
+class _Proc:
+    def __init__(self, popen: subprocess.Popen, first: int, last: int, log_path: str):
+        self.popen, self.first, self.last, self.log_path = popen, first, last, log_path
+        self.lines: "queue.Queue[Optional[dict]]" = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:  # type: ignore[union-attr]
+            try:
+                self.lines.put(json.loads(line))
+            except ValueError:
+                pass
+        self.lines.put(None)
+
+    def send(self, obj: dict) -> None:
+        self.popen.stdin.write(json.dumps(obj) + "\n")  # type: ignore[union-attr]
+        self.popen.stdin.flush()  # type: ignore[union-attr]
+
+    def recv(self, timeout_s: float, event: Optional[str] = None) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                msg = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise BedError(f"worker of nodes {self.first}-{self.last - 1} said nothing within {timeout_s:g} s"
+                               f"{self.tail()}") from None
+            if msg is None:
+                raise BedError(f"worker of nodes {self.first}-{self.last - 1} ended (exit {self.popen.poll()})"
+                               f"{self.tail()}")
+            if msg.get("event") == "error":
+                raise BedError(f"worker of nodes {self.first}-{self.last - 1}: {msg['error']}{self.tail()}")
+            if event is None or msg.get("event") == event:
+                return msg
+
+    def tail(self, n: int = 3000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                text = f.read()[-n:]
+            return f"\n--- its log ---\n{text}" if text.strip() else ""
+        except OSError:
+            return ""
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+class ScaleBed:
+    """``nodes`` simulated nodes over ``procs`` worker processes. ``start()``, ``step(s)`` (one agreed
+    step, measured), ``counters()``, ``close()`` (the teardown's findings); a context manager."""
+
+    def __init__(self, nodes: int, procs: int = 4, heartbeat_s: float = 2.0, timeout_s: float = 120.0,
+                 run_id: Optional[str] = None, step_timeout_s: float = 120.0, log_level: str = "WARNING"):
+        if procs < 1 or nodes < procs:
+            raise ValueError(f"nodes={nodes}, procs={procs}: every worker process needs a node")
+        self.nodes, self.procs = nodes, procs
+        self.heartbeat_s, self.timeout_s, self.step_timeout_s = heartbeat_s, timeout_s, step_timeout_s
+        self.run_id = run_id or f"sb{nodes}-{secrets.token_hex(3)}"
+        self.log_level = log_level
+        self.tmp = tempfile.mkdtemp(prefix="mftsb-", dir="/tmp")
+        self.shm_dir = tempfile.mkdtemp(prefix="mftsb-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.workers: list[_Proc] = []
+        self.base_port = -1
+        self.started = {}
+        self.closed: Optional[dict] = None
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self, timeout_s: float = 600.0) -> "ScaleBed":
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
+        self.base_port = free_port_base(self.nodes)
+        cfg = bed_config(self.run_id, self.nodes, self.base_port, self.shm_dir, os.path.join(self.tmp, "s"),
+                         os.path.join(self.tmp, "persist"), self.heartbeat_s, self.timeout_s)
+        os.makedirs(cfg["agent"]["socket_dir"], mode=0o700)
+        env = {**os.environ, SECRET_ENV: secrets.token_bytes(32).hex()}
+        per = -(-self.nodes // self.procs)
+        t0 = time.monotonic()
+        for i in range(self.procs):
+            first, last = i * per, min(self.nodes, (i + 1) * per)
+            if first >= last:
+                break
+            log_path = os.path.join(self.tmp, f"worker{i}.log")
+            with open(log_path, "w") as log:
+                popen = subprocess.Popen([sys.executable, "-m", "megatron_ft.testing.scale_bed"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+            w = _Proc(popen, first, last, log_path)
+            self.workers.append(w)
+            w.send({"config": cfg, "first": first, "last": last, "log_level": self.log_level})
+            if i == 0:  # node 0 is the root before any other node looks for one
+                w.recv(timeout_s, "root")
+        ready = [w.recv(max(1.0, timeout_s - (time.monotonic() - t0)), "ready") for w in self.workers]
+        self.started = {"start_s": round(time.monotonic() - t0, 2),
+                        "threads": sum(r.get("threads", 0) for r in ready),
+                        "max_threads_per_proc": max(r.get("threads", 0) for r in ready),
+                        "max_fds_per_proc": max(r.get("fds", 0) for r in ready),
+                        "max_maps_per_proc": max(r.get("maps", 0) for r in ready),
+                        "rss_mib": round(sum(r.get("rss_mib", 0) for r in ready), 1)}
+
+    def __enter__(self) -> "ScaleBed":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- measurements
+    def step(self, step: int) -> dict:
+        """Every trainer commits ``step``; returns once every agent applied it as agreed (or BedError)."""
+        for w in self.workers:
+            w.send({"cmd": "step", "step": step, "timeout_s": self.step_timeout_s})
+        replies = [w.recv(self.step_timeout_s + 30, "step") for w in self.workers]
+        missing = [n for r in replies for n in r["missing"]]
+        learnt = [t for r in replies for t in r["learnt"]]
+        last = max(r["last_commit"] for r in replies)
+        first = min(r["first_commit"] for r in replies)
+        ops = next((r["ops"] for r in replies if r.get("ops") is not None), None)
+        return {"step": step, "nodes_learnt": len(learnt), "missing": missing,
+                "all_learnt_s": (max(learnt) - last) if learnt and not missing else None,
+                "median_learnt_s": (statistics.median(learnt) - last) if learnt else None,
+                "commit_spread_s": last - first,
+                "reports": sum(r["reports"] for r in replies), "verdicts": sum(r["verdicts"] for r in replies),
+                "skipped": sum(r["skipped"] for r in replies), "ops": ops,
+                "cpu_s": sum(r["cpu_s"] for r in replies), "threads": sum(r["threads"] for r in replies)}
+
+    def counters(self) -> dict:
+        for w in self.workers:
+            w.send({"cmd": "counters"})
+        replies = [w.recv(60, "counters") for w in self.workers]
+        return {"reports": sum(r["reports"] for r in replies), "verdicts": sum(r["verdicts"] for r in replies),
+                "skipped": sum(r["skipped"] for r in replies),
+                "ops": next((r["ops"] for r in replies if r.get("ops") is not None), None),
+                "cpu_s": sum(r["cpu_s"] for r in replies)}
+
+    def run(self, steps: int, warmup: int = 1, settle_s: float = 0.5) -> dict:
+        """``warmup`` agreed steps, then ``steps`` measured ones; the figures (see benchmarks/scale.py)."""
+        for s in range(1, warmup + 1):
+            self._check(self.step(s))
+        time.sleep(settle_s)
+        c0, wall0, load0 = self.counters(), time.monotonic(), os.getloadavg()[0]
+        per_step = []
+        for s in range(warmup + 1, warmup + steps + 1):
+            per_step.append(self._check(self.step(s)))
+        wall = time.monotonic() - wall0
+        time.sleep(settle_s)  # the last verdict's watches re-issued
+        c1 = self.counters()
+        window = time.monotonic() - wall0 + settle_s  # what the op counts span (about)
+        n, k = self.nodes, steps
+        ops = {key: c1["ops"].get(key, 0) - c0["ops"].get(key, 0) for key in c1["ops"]}
+        reports = ops.get("set agree", 0)
+        watches = ops.get("watch agreed", 0) - ops.get("watch-timeout agreed", 0)
+        latency = [r["all_learnt_s"] for r in per_step]
+        median_agent = [r["median_learnt_s"] for r in per_step]
+        return {
+            "nodes": n, "procs": len(self.workers), "steps": k, "heartbeat_s": self.heartbeat_s,
+            "timeout_s": self.timeout_s,
+            "agreement_msgs_per_step": (reports + watches) / k,
+            "agreement_msgs_per_node_step": (reports + watches) / (k * n),
+            "reports_per_node_step": reports / (k * n), "verdict_replies_per_node_step": watches / (k * n),
+            "idle_repolls": ops.get("watch-timeout agreed", 0),
+            "reports_sent_per_node_step": (c1["reports"] - c0["reports"]) / (k * n),
+            "verdicts_seen_per_node_step": (c1["verdicts"] - c0["verdicts"]) / (k * n),
+            "rounds": (round((c1["reports"] - c0["reports"]) / (k * n)) + round((c1["verdicts"] - c0["verdicts"])
+                                                                                 / (k * n))),
+            "heartbeat_msgs_per_s": (ops.get("set hb", 0) + ops.get("get hb", 0)) / window,
+            "store_requests_per_step": sum(v for key, v in ops.items() if " " not in key) / k,
+            "ops": ops,
+            "skipped_pending": c1["skipped"] - c0["skipped"],
+            "all_learnt_p50_ms": 1e3 * statistics.median(latency), "all_learnt_p99_ms": 1e3 * _pct(latency, 0.99),
+            "median_agent_p50_ms": 1e3 * statistics.median(median_agent),
+            "commit_spread_p50_ms": 1e3 * statistics.median(r["commit_spread_s"] for r in per_step),
+            "step_wall_ms": 1e3 * wall / k,
+            "bed_cpu_cores": (c1["cpu_s"] - c0["cpu_s"]) / window, "loadavg_1m": [round(load0, 2),
+                                                                                round(os.getloadavg()[0], 2)],
+            **self.started,
+        }
+
+    @staticmethod
+    def _check(r: dict) -> dict:
+        if r["missing"]:
+            raise BedError(f"step {r['step']}: nodes {r['missing'][:20]} (of {len(r['missing'])}) never learnt it "
+                           f"was agreed")
+        return r
+
+    # -------------------------------------------------------------- teardown
+    def close(self) -> dict:
+        """Stop the workers (the root's last), check nothing is left (segments, sockets, processes),
+        remove the bed's directories. Returns what was left (empty lists: nothing)."""
+        if self.closed is not None:
+            return self.closed
+        left: list[str] = []
+        stuck: list[int] = []
+        for w in self.workers[1:] + self.workers[:1]:
+            try:
+                if w.popen.poll() is None:
+                    w.send({"cmd": "stop"})
+                    w.popen.stdin.close()  # type: ignore[union-attr]
+                    r = w.recv(180, "stopped")
+                    left += r["left"]
+            except (BedError, OSError, ValueError):
+                pass
+            try:
+                w.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                stuck.append(w.popen.pid)
+                w.popen.kill()  # only the bed's own worker, by its pid
+                w.popen.wait(10)
+        left += [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir)] if os.path.isdir(self.shm_dir) else []
+        sockets = os.path.join(self.tmp, "s")
+        left += [os.path.join(sockets, f) for f in os.listdir(sockets)] if os.path.isdir(sockets) else []
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.closed = {"left": sorted(set(left)), "stuck_workers": stuck,
+                       "alive_workers": [w.popen.pid for w in self.workers if w.popen.poll() is None]}
+        return self.closed
+
+
+if __name__ == "__main__":
+    _worker_main()
