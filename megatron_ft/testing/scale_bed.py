@@ -379,6 +379,7 @@ class ScaleBed:
         self.base_port = -1
         self.started = {}
         self.closed: Optional[dict] = None
+        self.last_step = 0  # the newest step the trainers committed
 
     # -------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 600.0) -> "ScaleBed":
@@ -427,6 +428,7 @@ class ScaleBed:
     # -------------------------------------------------------------- measurements
     def step(self, step: int) -> dict:
         """Every trainer commits ``step``; returns once every agent applied it as agreed (or BedError)."""
+        self.last_step = max(self.last_step, step)
         for w in self.workers:
             w.send({"cmd": "step", "step": step, "timeout_s": self.step_timeout_s})
         replies = [w.recv(self.step_timeout_s + 30, "step") for w in self.workers]
@@ -453,18 +455,20 @@ class ScaleBed:
                 "cpu_s": sum(r["cpu_s"] for r in replies)}
 
     def run(self, steps: int, warmup: int = 1, settle_s: float = 0.5) -> dict:
-        """``warmup`` agreed steps, then ``steps`` measured ones; the figures (see benchmarks/scale.py)."""
-        for s in range(1, warmup + 1):
+        """``warmup`` agreed steps, then ``steps`` measured ones (after the newest step so far); the figures
+        (see benchmarks/scale.py)."""
+        start = self.last_step + 1
+        for s in range(start, start + warmup):
             self._check(self.step(s))
         time.sleep(settle_s)
         c0, wall0, load0 = self.counters(), time.monotonic(), os.getloadavg()[0]
         per_step = []
-        for s in range(warmup + 1, warmup + steps + 1):
+        for s in range(start + warmup, start + warmup + steps):
             per_step.append(self._check(self.step(s)))
         wall = time.monotonic() - wall0
         time.sleep(settle_s)  # the last verdict's watches re-issued
         c1 = self.counters()
-        window = time.monotonic() - wall0 + settle_s  # what the op counts span (about)
+        window = time.monotonic() - wall0  # what the op counts span (about)
         n, k = self.nodes, steps
         ops = {key: c1["ops"].get(key, 0) - c0["ops"].get(key, 0) for key in c1["ops"]}
         reports = ops.get("set agree", 0)
