@@ -76,9 +76,10 @@ def bed_config(run_id: str, nodes: int, base_port: int, shm_dir: str, socket_dir
     }
 
 
-def free_port_base(count: int, low: int = 10000, high: int = 32000, tries: int = 40) -> int:
+def free_port_base(count: int, low: int = 10000, high: int = 29000, tries: int = 40) -> int:
     """A base port with ``2 * count`` ports above it that nothing listens on now (below the ephemeral
-    range, so no client connection takes one meanwhile)."""
+    range, so no client connection takes one meanwhile, and below the launch ports a configuration
+    keeps apart from them: launch.rdzv_port 29400, launch.trainer_port 29700)."""
     import random
 
     rng = random.Random()

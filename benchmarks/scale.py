@@ -1,0 +1,193 @@
+"""The job-wide snapshot agreement at scale: how many messages and how long, per agreed step, from 64 to
+2,048 nodes; and (``--trainers``) real trainers with the agents' agreement against the old collective one.
+
+(b) ``--nodes``: a simulated cluster (:mod:`megatron_ft.testing.scale_bed`): N nodes of 1 rank each,
+every node's real :class:`~megatron_ft.agent.server.Agent` (its embedded store server, heartbeats,
+agreement reports and verdict watch, Unix socket), spread over ``--procs`` worker processes, each
+hosting N/P agents in threads; the trainers are light clients speaking the real trainer-agent protocol
+(hello, register a 1 KiB layout, then per step begin -> a real version record -> commit). Per agreed
+step it measures:
+
+* messages: the root's store requests by op and key (``KVServer.op_counts``): ``set agree/<node>``
+  (the reports) and ``watch agreed`` (each answered with the new verdict, then asked again) - a watch
+  that ended unchanged after its ``poll_s`` is an idle re-poll, counted apart; and every agent's own
+  count of the reports it sent and the verdicts it saw (``JobAgreement.reports_sent``,
+  ``verdicts_seen``): one each per node per step is 2 rounds (report, verdict);
+* time: from the last trainer's commit to every agent having applied the new agreed step (its
+  ``protect`` hook: the moment its ``begin`` may hand the older slot out), p50 and p99 over the steps;
+* the bed's own load beside it: the workers' CPU seconds per wall second (2 cores here) and the
+  1-minute load average.
+
+Sizing on this machine (pid_max 32,768, 20,000 descriptors and 65,530 mappings per process): 1 rank per
+node, 2 slots of a few KiB per rank, 512 KiB thread stacks, RLIMIT_NOFILE raised to its hard limit in
+each worker; 2,048 nodes are ~18,500 threads over 4 workers plus ~4,100 store connections into the root
+worker. Heartbeats every ``--heartbeat-s`` (default: 2 s up to 256 nodes, 5 s above) with a 300 s
+``timeout_s``: the root reads all N heartbeats every period, the health scan another issue makes
+cheaper; a long timeout keeps a loaded bed from judging nodes failed, which this benchmark does not
+measure.
+
+(a) ``--trainers R ...``: ``megatron-ft demo --fail none`` on R ranks (R/2 nodes x 2 ranks, the tiny
+model), once with ``snapshot.agreement: agents`` and once with ``collective``; per-iteration time and
+megatron-ft's world collectives per snapshot from the ranks' ``snapshots`` events.
+
+    python benchmarks/scale.py --nodes 64 256 1024 2048 --steps 20      # ~15 min on 2 cores
+    python benchmarks/scale.py --trainers 4 8                             # ~5 min
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_ft.testing.scale_bed import BedError, ScaleBed  # noqa: E402
+
+
+def bed(nodes: int, steps: int, procs: int, heartbeat_s: float, timeout_s: float) -> dict:
+    b = ScaleBed(nodes, procs=procs, heartbeat_s=heartbeat_s, timeout_s=timeout_s, step_timeout_s=300.0)
+    try:
+        b.start(timeout_s=1800)
+        fig = b.run(steps, warmup=2, settle_s=1.0)
+    except BedError as e:
+        fig = {"nodes": nodes, "procs": procs, "error": str(e)[:4000], **b.started}
+    finally:
+        closed = b.close()
+    fig["teardown"] = closed
+    return fig
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x: (a, b)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| nodes | procs | msgs / node / step | reports, verdicts seen / node / step | rounds | idle re-polls "
+            "| all agents know it: p50 / p99 ms | median agent p50 ms | commit spread p50 ms | bed CPU (cores) "
+            "| load 1m | heartbeat msgs/s | threads | start s |\n|" + "---|" * 14)
+    out = [head]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['nodes']} | {r['procs']} | failed: {r['error'][:120]} |" + " |" * 11)
+            continue
+        out.append(
+            f"| {r['nodes']} | {r['procs']} | {r['agreement_msgs_per_node_step']:.3f} | "
+            f"{r['reports_sent_per_node_step']:.2f}, {r['verdicts_seen_per_node_step']:.2f} | {r['rounds']} | "
+            f"{r['idle_repolls']} | {r['all_learnt_p50_ms']:.1f} / {r['all_learnt_p99_ms']:.1f} | "
+            f"{r['median_agent_p50_ms']:.1f} | {r['commit_spread_p50_ms']:.1f} | {r['bed_cpu_cores']:.2f} | "
+            f"{r['loadavg_1m'][1]:.1f} | {r['heartbeat_msgs_per_s']:.0f} | {r['threads']} | {r['start_s']:.0f} |")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------ part (a)
+def trainers_run(ranks: int, agreement: str, iterations: int) -> dict:
+    """One ``megatron-ft demo --fail none`` of ``ranks`` ranks (R/2 nodes x 2) with ``agreement``: the
+    median iteration time of the megatron-ft run (every rank's progress records, the first 3 iterations
+    left out) and megatron-ft's world collectives from its ``snapshots`` events."""
+    import statistics
+
+    import yaml
+
+    from megatron_ft import config as ftconfig
+
+    with tempfile.TemporaryDirectory(prefix="mftsc-") as tmp:
+        nodes = max(1, ranks // 2)
+        cfg = ftconfig.replace(ftconfig.load(), cluster={"nodes": nodes, "ranks_per_node": ranks // nodes},
+                               parallel={"tensor": 1, "pipeline": 1}, snapshot={"agreement": agreement})
+        path = os.path.join(tmp, "job.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f)
+        work = os.path.join(tmp, "work")
+        cmd = [sys.executable, "-m", "megatron_ft", "demo", "--fail", "none", "--config", path,
+               "--iters", str(iterations), "--workdir", work, "--quiet"]
+        t0 = time.monotonic()
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        wall = time.monotonic() - t0
+        run_dir = os.path.join(work, "run")
+
+        def records(kind: str) -> list[dict]:
+            recs = []
+            for p in sorted(glob.glob(os.path.join(run_dir, kind, "rank*.jsonl"))):
+                with open(p) as f:
+                    recs += [json.loads(ln) for ln in f if ln.strip().startswith("{")]
+            return recs
+
+        gaps = []
+        by_rank: dict = {}
+        for r in records("progress"):
+            by_rank.setdefault(r["rank"], []).append(r)
+        for recs in by_rank.values():
+            recs.sort(key=lambda r: r["iteration"])
+            gaps += [b["time"] - a["time"] for a, b in zip(recs[3:], recs[4:])]
+        snaps = [e for e in records("events") if e.get("event") == "snapshots"]
+        per_snapshot = sum(int(e["world_collectives"].get("per_snapshot", 0)) for e in snaps)
+        taken = sum(int(e.get("taken", 0)) for e in snaps)
+        return {"ranks": ranks, "nodes": nodes, "agreement": agreement, "rc": out.returncode, "wall_s": round(wall, 1),
+                "iteration_s": round(statistics.median(gaps), 4) if gaps else None, "iterations": iterations,
+                "world_collectives_per_snapshot_total": per_snapshot,
+                "world_collectives_other": [e["world_collectives"] for e in snaps][:2],
+                "snapshot_events": len(snaps), "snapshots_taken": taken,
+                "skipped_pending_agreement": sum(int(e.get("skipped_pending_agreement", 0)) for e in snaps),
+                "stall_median_s": statistics.median([e["stall_median_s"] for e in snaps if e.get("stall_median_s")
+                                                     is not None] or [float("nan")]),
+                "tail": (out.stdout + out.stderr)[-1500:] if out.returncode else ""}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, nargs="*", default=[])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--heartbeat-s", type=float, default=None, help="default: 2 s up to 256 nodes, 5 s above")
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--trainers", type=int, nargs="*", default=[])
+    p.add_argument("--iterations", type=int, default=30)
+    args = p.parse_args(argv)
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores", flush=True)
+    rows = []
+    for n in args.nodes:
+        hb = args.heartbeat_s if args.heartbeat_s is not None else (2.0 if n <= 256 else 5.0)
+        r = bed(n, args.steps, min(args.procs, n), hb, args.timeout_s)
+        print(json.dumps({"measurement": "agreement", **r}), flush=True)
+        rows.append(r)
+    if rows:
+        print(table(rows))
+        ok = [r for r in rows if "error" not in r]
+        if len(ok) >= 2:
+            a, b = fit([r["nodes"] for r in ok], [r["agreement_msgs_per_step"] for r in ok])
+            per = [r["agreement_msgs_per_node_step"] for r in ok]
+            mean = sum(per) / len(per)
+            print(f"messages per agreed step = {a:.2f} + {b:.4f} x nodes (least squares over {len(ok)} sizes); "
+                  f"per node: {min(per):.3f}-{max(per):.3f}, within {100 * max(abs(x - mean) for x in per) / mean:.1f} % "
+                  f"of their mean {mean:.3f}")
+    trows = []
+    for r in args.trainers:
+        for agreement in ("agents", "collective"):
+            t = trainers_run(r, agreement, args.iterations)
+            print(json.dumps({"measurement": "trainers", **t}), flush=True)
+            trows.append(t)
+    if trows:
+        print("| ranks | agreement | iteration s (median) | snapshot stall s (median) | world collectives per "
+              "snapshot (all ranks) | per snapshot per rank | snapshots taken | skipped (pending agreement) | rc |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+        for t in trows:
+            per = t["world_collectives_per_snapshot_total"] / t["snapshots_taken"] if t["snapshots_taken"] else float("nan")
+            print(f"| {t['ranks']} | {t['agreement']} | {t['iteration_s']} | {t['stall_median_s']:.4f} | "
+                  f"{t['world_collectives_per_snapshot_total']} | {per:.2f} | {t['snapshots_taken']} | "
+                  f"{t['skipped_pending_agreement']} | {t['rc']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
