@@ -32,6 +32,9 @@ import logging
 import threading
 from typing import Callable, Optional
 
+import time
+
+from . import reductions
 from .agreement import REPORT_KEY, VERDICT_KEY, Aggregator, NodeReport, Verdict, decide
 
 log = logging.getLogger("megatron_ft.agent")
@@ -56,9 +59,14 @@ class JobAgreement:
         self._stop = threading.Event()
         self._local = Aggregator(nodes) if store is None else None
         self._root_agg = Aggregator(nodes)  # used where this node's own store server is the root's
+        self._root_red = reductions.Accumulator(nodes)
         self._threads: list[threading.Thread] = []
+        #: job-wide decisions go through the agents (:meth:`decide`): one node, or a store that derives keys
+        self.decides = store is None or hasattr(store, "derive")
+        self.decisions_sent = 0
         if store is not None and hasattr(store, "derive"):
             store.derive(REPORT_KEY, self._derive)
+            store.derive(reductions.PREFIX, self._derive_reduction)
 
     def start(self) -> "JobAgreement":
         targets = [("agree-report", self._report_loop)]
@@ -154,6 +162,54 @@ class JobAgreement:
             return {}
         return {VERDICT_KEY: self._root_agg.update(node, report).encode()}
 
+    # ------------------------------------------------------------------ job-wide decisions
+    def decide(self, key: str, how: str, values: list[int], wait_s: float) -> list[int]:
+        """The job's combination of every node's ``values`` for decision ``key`` (:mod:`.reductions`):
+        this node's contribution to the root, then the result watched for, at most ``wait_s`` (then
+        TimeoutError naming the decision). Blocking; called by the agent once its local ranks are in."""
+        if self.store is None:
+            return values
+        if not self.decides:
+            raise RuntimeError("job-wide decisions through the agents need the embedded store (etcd: use the "
+                               "collectives)")
+        deadline = time.monotonic() + wait_s
+        self.store.set(f"{reductions.PREFIX}{key}/{self.node}", reductions.encode(how, values))
+        self.decisions_sent += 1
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"job-wide decision {key!r}: not every node's ranks decided within {wait_s:g} s")
+            try:
+                value = self.store.watch(f"{reductions.PREFIX}{key}", None, min(left, self.poll_s * 10))
+            except Exception as e:  # the store moving: ask again
+                log.warning("agent node %d: waiting for the decision %r: %s", self.node, key, e)
+                self._stop.wait(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+                continue
+            if value is not None:
+                return reductions.decode(value)[1]
+
+    def _derive_reduction(self, key: str, value: str) -> dict:
+        """The root's hook for a node's contribution ``red/<decision>/<node>``: absorbed (its key deleted),
+        the result set with the last node's. Under the store map's lock: quick, no I/O."""
+        decision, _, node_s = key.rpartition("/")
+        full = f"{reductions.PREFIX}{key}"
+        try:
+            node = int(node_s)
+            how, values = reductions.decode(value)
+            if not 0 <= node < self.nodes or not reductions.KEY_RE.match(decision):
+                raise ValueError(f"node {node} of {self.nodes}, decision {decision!r}")
+            result = self._root_red.add(decision, node, how, values)
+        except ValueError as e:
+            log.error("agent node %d (root): ignored the decision contribution %r: %s", self.node, key, e)
+            return {full: None}
+        out: dict = {full: None}
+        if result is not None:
+            out[f"{reductions.PREFIX}{decision}"] = reductions.encode(how, result)
+        for old in self._root_red.finished_dropped:
+            out[f"{reductions.PREFIX}{old}"] = None
+        self._root_red.finished_dropped.clear()
+        return out
+
     def _root_loop(self) -> None:
         """A store without a hook (etcd): the root reads the N reports every ``poll_s``."""
         last = None
@@ -180,5 +236,5 @@ class JobAgreement:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=self.poll_s + 2.0)
+        for t in self._threads:  # (a watch still waiting ends when the store closes its connections)
+            t.join(timeout=0.5)

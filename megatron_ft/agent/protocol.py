@@ -16,6 +16,12 @@ register        rank, layout                                slots: [path, ...], 
 begin           rank, step                                  slot (index) | refused, busy
 commit          rank, slot, step[, loss] (step's loss)      agreed (the job's agreed step, as
                                                             this agent knows it; agents mode)
+decide          rank, key, how (min, max, intersect),       values (the job's result)
+                values, wait_s (a job-wide decision of a
+                restore: the agents combine it, no world
+                collective)
+agreed          rank                                        agreed (the job's agreed step, as
+                                                            this agent knows it; -1: none)
 skip            rank, step (no snapshot of it: the job's    agreed
                 agreement must not wait for this rank)
 abort           rank, slot                                  -
@@ -58,7 +64,9 @@ class Hello(Request):
     rank: AnyRank
     local_rank: AnyRank
     pid: StrictInt
-    role: Optional[Literal["transport"]] = None  # a trainer's scheduled-transport connection
+    # a trainer's second connection: its scheduled transport's, or its restore's job-wide decisions'
+    # (closed under a round's abort: not a trainer lost)
+    role: Optional[Literal["transport", "coordination"]] = None
 
 
 class Register(Request):
@@ -66,13 +74,21 @@ class Register(Request):
     layout: StrictStr  # the layout record (JSON, megatron_ft.capture.layout)
 
 
-class RankOnly(Request):  # list, peer_list, losses, sched_unpin
+class RankOnly(Request):  # list, peer_list, losses, agreed, sched_unpin
     rank: Rank
 
 
 class RankStep(Request):  # begin, skip, global, rewind, invalidate, refuse, certify, watch, recover, sched_pin
     rank: Rank
     step: Step
+
+
+class Decide(Request):
+    rank: Rank
+    key: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._/-]{1,200}$")]
+    how: Literal["min", "max", "intersect"]
+    values: Annotated[list[StrictInt], Field(max_length=64)]
+    wait_s: Annotated[float, Field(gt=0, le=3600, strict=False)]
 
 
 class Commit(Request):
@@ -112,7 +128,8 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 
 
 MESSAGES = Messages("agent", {
-    "hello": Hello, "register": Register, "begin": RankStep, "skip": RankStep, "commit": Commit, "abort": Abort,
+    "hello": Hello, "register": Register, "begin": RankStep, "skip": RankStep, "agreed": RankOnly, "decide": Decide,
+    "commit": Commit, "abort": Abort,
     "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
     "certify": RankStep, "watch": RankStep,
     "list": RankOnly, "peer_list": RankOnly,

@@ -19,7 +19,8 @@ trainers agreed on it):
 This module wires them together and serves the group's requests (``put``, ``announce``, ``holds``,
 ``get``) on the peer transport (:mod:`megatron_ft.transport.wire`).
 
-Lock order: ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
+Lock order: ``Redundancy._asking`` (one question to the group at a time, held across its network
+I/O and nothing else's), then ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
 version's lock. ``Agent.lock`` is never held with any of them (docs/architecture.md). No lock is
 held across network I/O, a store call or a shared-memory allocation.
 """
@@ -46,6 +47,10 @@ from ..transport import wire
 
 log = logging.getLogger("megatron_ft.agent")
 
+#: how long the group's answers to "what do you hold" serve this node's other ranks (a restore's ranks
+#: ask within milliseconds of each other; nothing is exchanged while they restore)
+ANSWERS_FRESH_S = 2.0
+
 
 class Redundancy:
     """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``."""
@@ -69,6 +74,10 @@ class Redundancy:
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._aconns: dict[int, wire.Client] = {}  # the announcer's open connections
         self._stop = threading.Event()
+        # the other members' answers to "what do you hold", shared by this node's ranks for a moment
+        # (a restore's ranks all ask at once: one question per node, not per rank)
+        self._asking = threading.Lock()
+        self._answers: Optional[tuple[float, dict[int, dict]]] = None
         #: transport "scheduled": the trainers send their copies (sched_pin ...)
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
         g = self.plan.groups[self.gi]
@@ -163,6 +172,26 @@ class Redundancy:
         next heartbeats re-publish them) and a member's agent may be restarting, so a member that does
         not answer is asked again rather than taken for one that holds nothing. Not collective; no lock
         held; every ask (address lookup, connection, reply) is bounded by what is left of ``wait_s``."""
+        with self._asking:  # this node's ranks restoring at once share the answers
+            cached = self._answers
+            if cached is not None and time.monotonic() - cached[0] < ANSWERS_FRESH_S:
+                return self._holdings({self.node: self.holds(), **cached[1]}, {})
+            got = self._ask_group(wait_s)
+            if not got.unanswered:
+                self._answers = (time.monotonic(), {n: h for n, h in got.holds.items() if n != self.node})
+            return got
+
+    def _holdings(self, holds: dict[int, dict], unanswered: dict[str, str]) -> "GroupHoldings":
+        sizes: Optional[dict[int, int]] = None
+        try:
+            sizes = self.sizes(holds)
+        except StoreUnavailable as e:
+            unanswered["store"] = str(e).splitlines()[0]
+        except RuntimeError:
+            pass
+        return GroupHoldings(holds, sizes, unanswered)
+
+    def _ask_group(self, wait_s: float) -> "GroupHoldings":
         deadline = time.monotonic() + wait_s
         ask_s = max(1.0, wait_s / 3)  # one silent member does not use up the others' time
         holds: dict[int, dict] = {self.node: self.holds()}
@@ -445,6 +474,7 @@ class Redundancy:
         """The job resumed from ``step``: versions newer than it (exchanged, announced, held as
         blocks or pending) are an abandoned future; the complete step goes down to ``step`` at most,
         so the next versions are exchanged and completed again."""
+        self._answers = None
         with self.lock:
             self.completion.rewind(step)
             self.blocks.rewind(step)

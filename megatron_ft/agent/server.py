@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from . import shm, persist
@@ -36,6 +36,7 @@ from ..capture.layout import Layout
 from ..redundancy.plan import plan_from_config
 from ..transport import wire
 from ..transport.messages import Request
+from . import reductions
 from .agreement import PendingAgreement, Verdict, node_report, resolved
 from .job_agreement import JobAgreement
 from .protocol import MESSAGES, Hello, socket_path
@@ -102,6 +103,17 @@ class JobEndWatch:
         return None
 
 
+@dataclass
+class _Decision:
+    """A job-wide decision's local side: the local ranks' values, whether the node's combination went
+    out, the job's result or why there is none."""
+    how: str
+    values: dict = field(default_factory=dict)
+    sent: bool = False
+    result: Optional[list] = None
+    error: Optional[str] = None
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -154,6 +166,9 @@ class Agent:
         self.seen: dict[int, int] = {}
         self.agreement: Optional[JobAgreement] = None
         self.skipped_pending = 0
+        # job-wide decisions of the local ranks (a restore's), keyed by decision: their values, then the result
+        self._decisions: dict[str, _Decision] = {}
+        self._decided = threading.Condition(threading.Lock())
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -487,6 +502,48 @@ class Agent:
         """This node's agreement report, handed to the reporting thread (lock held; no I/O)."""
         if self.agreement is not None:
             self.agreement.report(node_report(self.table.clean_steps(), self.seen, self.cfg.cluster.ranks_per_node))
+
+    def decide(self, rank: int, key: str, how: str, values: list[int], wait_s: float) -> list[int]:
+        """``rank``'s values for the job-wide decision ``key`` (a restore's, :mod:`.reductions`); the
+        job's result. The node's last local rank to arrive sends the node's combination and waits for the
+        result; the others wait for it too, each at most ``wait_s``. Lock: ``_decided`` only (never
+        ``Agent.lock``), released across the network wait."""
+        if self.agreement is None or not self.agreement.decides:
+            raise RuntimeError("job-wide decisions through the agents are off here (snapshot.agreement: "
+                               "collective, or an etcd store)")
+        deadline = time.monotonic() + wait_s
+        with self._decided:
+            d = self._decisions.get(key)
+            if d is None:
+                d = self._decisions[key] = _Decision(how)
+                while len(self._decisions) > 64:  # (the oldest, long answered)
+                    del self._decisions[next(iter(self._decisions))]
+            if d.how != how:
+                raise ValueError(f"decision {key!r}: rank {rank} combines by {how!r}, another local rank by {d.how!r}")
+            d.values[rank] = list(values)
+            send = len(d.values) >= self.cfg.cluster.ranks_per_node and not d.sent
+            d.sent = d.sent or send
+        if send:
+            try:
+                result = self.agreement.decide(key, how, reductions.combine(how, list(d.values.values())),
+                                               max(0.0, deadline - time.monotonic()))
+                with self._decided:
+                    d.result = result
+                    self._decided.notify_all()
+            except Exception as e:
+                with self._decided:
+                    d.error = f"{type(e).__name__}: {e}"
+                    self._decided.notify_all()
+        with self._decided:
+            while d.result is None and d.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job-wide decision {key!r}: {len(d.values)} of "
+                                       f"{self.cfg.cluster.ranks_per_node} local ranks arrived within {wait_s:g} s")
+                self._decided.wait(left)
+            if d.error is not None:
+                raise RuntimeError(d.error)
+            return list(d.result)
 
     def skip(self, rank: int, step: int) -> None:
         """The trainer takes no snapshot of ``step`` (its state could not be captured or registered)."""
@@ -870,7 +927,7 @@ class Agent:
         req = MESSAGES.parse(msg)  # a malformed request is refused here, naming the field
         op = req.op
         reply = self._dispatch(req)
-        if isinstance(req, Hello) and req.role != "transport" and req.rank >= 0:
+        if isinstance(req, Hello) and req.role is None and req.rank >= 0:
             rank = conn.state["rank"] = req.rank  # a trainer (not its transport's threads)
             with self.lock:
                 if not self.connected.get(rank):  # a restarted trainer: no transfer of the old one
@@ -897,7 +954,8 @@ class Agent:
         if op == "hello":
             if r.run_id != self.run_id:
                 raise ValueError(f"run_id {r.run_id!r} does not match this agent's {self.run_id!r}")
-            return {"node": self.node, "agent_pid": os.getpid(), "settings": ftconfig.shared_settings(self.cfg)}
+            return {"node": self.node, "agent_pid": os.getpid(), "settings": ftconfig.shared_settings(self.cfg),
+                    "decides": self.agreement is not None and self.agreement.decides}
         if op == "register":
             return self.register(r.rank, r.layout)
         if op == "begin":
@@ -905,6 +963,10 @@ class Agent:
         if op == "commit":
             self.commit(r.rank, r.slot, r.step, r.loss)
             return {"agreed": self.agreement.verdict.agreed} if self.agreement is not None else {}
+        if op == "decide":
+            return {"values": self.decide(r.rank, r.key, r.how, list(r.values), float(r.wait_s))}
+        if op == "agreed":
+            return {"agreed": self.agreement.verdict.agreed if self.agreement is not None else -1}
         if op == "skip":
             self.skip(r.rank, r.step)
             return {"agreed": self.agreement.verdict.agreed} if self.agreement is not None else {}
@@ -1054,6 +1116,11 @@ class Agent:
             self.redundancy.close()
             if remove_segments:
                 self.redundancy.remove_segments()
+        if self.store is not None and hasattr(self.store, "close"):  # its server and connections (embedded)
+            try:
+                self.store.close()
+            except Exception as e:
+                log.warning("agent node %d: closing the store: %s", self.node, e)
         with self.lock:
             if remove_segments:
                 for rank in list(self.table.ranks):

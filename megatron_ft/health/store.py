@@ -94,7 +94,8 @@ class EmbeddedStore:
         self.kv: Optional[WireKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
-        self._watcher: Optional[tuple[int, WireKV]] = None  # (root, its connection) for watch()
+        self._watchers = threading.local()  # each watching thread's (root, connection)
+        self._watch_conns: list[WireKV] = []  # all of them, closed with the store
 
     def endpoint(self, node: int) -> tuple[str, int]:
         return endpoint(self.hosts, self.base_port, node)
@@ -229,22 +230,30 @@ class EmbeddedStore:
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         """The key's value at the root once it differs from ``value``, or after ``wait_s`` unchanged
-        (a long poll on a connection of its own, so that it blocks no other call; one caller at a time).
+        (a long poll on a connection of the calling thread's own, so that it blocks no other call).
         A root that does not answer raises :class:`StoreUnavailable` (the caller asks again later, when
         :meth:`get` and the other calls have found the new root)."""
         root = self.root
-        held = self._watcher
+        held = getattr(self._watchers, "conn", None)
         if held is None or held[0] != root:
             if held is not None:
-                held[1].close()
-            self._watcher = None
-            held = self._watcher = (root, self._client(root))
+                self._drop_watcher(held[1])
+            kv = self._client(root)
+            with self._lock:
+                self._watch_conns.append(kv)
+            held = self._watchers.conn = (root, kv)
         try:
             return held[1].watch(key, value, wait_s)
         except StoreUnavailable:
-            held[1].close()
-            self._watcher = None
+            self._drop_watcher(held[1])
+            self._watchers.conn = None
             raise
+
+    def _drop_watcher(self, kv: WireKV) -> None:
+        kv.close()
+        with self._lock:
+            if kv in self._watch_conns:
+                self._watch_conns.remove(kv)
 
     def derive(self, prefix: str, fn) -> None:
         """Keys this node's own server derives when it is the root (:meth:`KVServer.derive`; ``prefix``
@@ -257,9 +266,10 @@ class EmbeddedStore:
 
     def close(self) -> None:
         """Stop this node's server and close the client (the agent's end)."""
-        if self._watcher is not None:
-            self._watcher[1].close()
-            self._watcher = None
+        with self._lock:
+            conns, self._watch_conns = self._watch_conns, []
+        for kv in conns:
+            kv.close()
         if self.kv is not None:
             self.kv.close()
         self._server.close()

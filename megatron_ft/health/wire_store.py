@@ -96,8 +96,9 @@ class Watch(Request):
 STORE_MESSAGES = Messages("store", {"get": Get, "set": Set, "compare_set": CompareSet, "delete": Delete,
                                     "watch": Watch})
 
-#: a derived key's function: (key under the prefix, new value) -> keys to set with it (full keys)
-Derive = Callable[[str, str], dict[str, str]]
+#: a derived key's function: (key under the prefix, new value) -> keys to set with it (full keys; a
+#: value None deletes the key, e.g. the one just set once the function has absorbed it)
+Derive = Callable[[str, str], dict[str, Optional[str]]]
 
 
 class _Map:
@@ -149,7 +150,10 @@ class _Map:
         for prefix, fn in self._derived:
             if key.startswith(prefix):
                 for k, v in fn(key[len(prefix):], value).items():
-                    if self.data.get(k) != v:
+                    if v is None:  # the function absorbed the key (or an old one): gone
+                        if self.data.pop(k, None) is not None:
+                            self._notify(k)
+                    elif self.data.get(k) != v:
                         self.data[k] = v
                         self._notify(k)
 
@@ -196,8 +200,8 @@ class KVServer:
 
     def derive(self, prefix: str, fn: Derive) -> None:
         """Call ``fn(key after prefix, value)`` under the map's lock with every ``set`` of a key under
-        ``prefix`` (full key, the job's prefix included); the keys it returns are set in the same step
-        (their watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
+        ``prefix`` (full key, the job's prefix included); the keys it returns are set (None: deleted) in
+        the same step (their watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
         self._map.derive(prefix, fn)
 
     def op_counts(self) -> dict[str, int]:

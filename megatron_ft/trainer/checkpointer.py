@@ -11,22 +11,28 @@ Framework-neutral: it takes a StateAdapter (megatron, plain torch, ...). The tra
         ckpt.after_iteration(iteration, consumed_samples)
     ckpt.close()
 
-Construction and ``restore()`` are collective across all ranks (they create and use one gloo
-coordination group). Snapshots are not: each rank waits only for its own copy and the node agents
-agree on the step every rank holds (``snapshot.agreement: agents``). ``after_iteration`` is
+Construction and ``restore()`` are collective across all ranks. Snapshots are not: each rank waits
+only for its own copy and the node agents agree on the step every rank holds (``snapshot.agreement:
+agents``); megatron-ft then makes no process group of its own - the restore's few collectives and the
+verdicts below run on the default group, on the training thread, where every rank calls them at the
+same point of its program. (``snapshot.agreement: collective`` makes one world gloo group, whose
+all-reduce the snapshot worker runs beside training.) ``after_iteration`` is
 collective while the guard watches the iterations after a restore and, with ``recovery.prefer:
 certified`` or ``interval: auto``, every iteration (those verdicts still go over the coordination
 group). Nothing here ever raises into training because a snapshot failed: failures are logged.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from .. import config as ftconfig
@@ -37,10 +43,14 @@ from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
 from . import guard, in_process
 from .guard import RollbacksExhausted
-from .recovery import Restorer, RestoreResult, refuse_version
+from .recovery import Restorer, RestoreResult, collective_device, refuse_version
 from .snapshot import SnapshotEngine, stall_summary
 
 log = logging.getLogger("megatron_ft")
+
+#: how long a rank waits for a job-wide decision of its restore: for the slowest rank's part before it
+#: (a multi-GiB load and verify, a rebuild from the group, a disk read)
+DECISION_WAIT_S = 900.0
 
 
 def _node_of(cfg: ftconfig.FTConfig, rank: int) -> int:
@@ -77,15 +87,19 @@ class InMemoryCheckpointer:
         self.world_size = world_size
         self.identity = {"run_id": cfg.run_id, "rank": rank, "world_size": world_size, "topology": topology}
         self.node = node if node is not None else _node_of(cfg, rank)
-        self.coord_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.coord_group = (dist.new_group(backend="gloo")
+                            if dist.is_initialized() and cfg.snapshot.agreement == "collective" else None)
         path = agent_socket or _agent_socket(cfg, self.node)
         self.client: Optional[AgentClient] = AgentClient(path, cfg.agent.request_timeout_s)
         # under megatron-ft launch (it names the socket) the node's agent serves this node, though it may
         # be restarting (its launcher restarts a dead agent): wait for it as long as agent.connect_timeout_s
         wait_s = cfg.agent.connect_timeout_s if os.environ.get("MFT_AGENT_SOCKET") and not agent_socket else 0.0
+        self._agent_path = path
+        self._agent_decides = False  # the agent makes job-wide decisions (hello)
         try:
             hello = self.client.connect({"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                                          "pid": os.getpid(), "run_id": cfg.run_id}, wait_s)
+            self._agent_decides = bool(hello.get("decides"))
             differ = ftconfig.settings_differ(ftconfig.shared_settings(cfg), hello.get("settings") or {})
             if differ:  # e.g. a flag the launcher did not see: the agents would persist elsewhere
                 fatal.end_job(f"rank {rank}: this trainer's settings differ from its node agent's (trainer vs "
@@ -106,7 +120,9 @@ class InMemoryCheckpointer:
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
-        self.world_collectives = {"iterations": 0, "restore": 0}  # megatron-ft's own, counted (scale benchmark)
+        #: megatron-ft's own collectives over every rank, counted (benchmarks/scale.py): the guard's and the
+        #: certifier's verdicts, the interval policy's (per_iteration); the restore's (at_restore)
+        self.world_collectives = {"per_iteration": 0, "at_restore": 0}
         self._max = _max_over_ranks(self.coord_group, self.world_collectives)
         # recovery.prefer: certified - every iteration's loss judged, the versions trained past certified
         self.certifier = (guard.Certifier(cfg.recovery.certify_after)
@@ -119,18 +135,24 @@ class InMemoryCheckpointer:
                      if self.engine is not None and (cfg.snapshot.auto or cfg.persist.auto) else None)
 
     def restore(self) -> RestoreResult:
-        """Collective: every rank restores the same step (docs/recovery-time.md)."""
+        """Collective: every rank restores the same step (docs/recovery-time.md). Its decisions go
+        through the agents where they make them (one all-reduce over every rank first: the restore's
+        identifier, and whether every rank's agent decides)."""
         started = time.time()
+        decide, done = self._decisions()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
                             self.client, self.coord_group, self.cfg.health.group_answer_s,
                             self.cfg.recovery.guard, self.cfg.recovery.max_rollbacks,
-                            self.cfg.recovery.prefer == "certified")
+                            self.cfg.recovery.prefer == "certified", decide=decide)
         try:
             res = restorer.restore(self.adapter)
-            self.world_collectives["restore"] += restorer.world_collectives
         except RollbacksExhausted as e:  # every rank together: end the job, never restart into garbage
             self._events.write({"event": "restore", "source": "none", "step": -1, "rollbacks_exhausted": str(e)})
             fatal.end_job(str(e), fatal.EXIT_ROLLBACKS_EXHAUSTED)
+        finally:
+            done()
+            self.world_collectives["at_restore"] += restorer.world_collectives
+            self.world_collectives["agent_decisions"] = restorer.decisions
         self.last_restore = res
         if res.source == "none":
             msg = "no valid in-memory or persisted snapshot: starting fresh"
@@ -158,6 +180,42 @@ class InMemoryCheckpointer:
             self._watch = self._start_watch(res.step)
         return res
 
+    def _decisions(self):
+        """``(decide, done)``: the restore's job-wide decisions through this rank's agent - on a connection
+        of their own, shut down if an in-process restart aborts the round while one waits - or
+        ``(None, ...)``: the collectives. Collective: one MIN all-reduce of (this rank's agent decides, a
+        random identifier), so that every rank takes the same way and names the decisions alike. (The
+        identifier comes from the operating system: the training's ``random`` is seeded alike in every
+        process and must not be advanced here.)"""
+        nothing = (None, lambda: None)
+        if not (dist.is_available() and dist.is_initialized()) or self.cfg.snapshot.agreement != "agents":
+            return nothing
+        t = torch.tensor([int(self._agent_decides and self.client is not None), secrets.randbits(62)],
+                         dtype=torch.int64, device=collective_device(self.coord_group))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
+        self.world_collectives["at_restore"] += 1
+        every, ident = (int(x) for x in t.tolist())
+        if not every:
+            return nothing
+        client = AgentClient(self._agent_path, self.cfg.agent.request_timeout_s)
+        client.reconnects = 0  # a decision is never sent twice
+        client.connect({"rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "pid": os.getpid(),
+                        "run_id": self.cfg.run_id, "role": "coordination"})
+        unregister = in_process.on_round_abort(client.interrupt)
+        seq = itertools.count()
+        key = f"restore/{ident:016x}"
+
+        def decide(how: str, values: list[int]) -> list[int]:
+            return [int(x) for x in client.request("decide", rank=self.rank, key=f"{key}/{next(seq)}", how=how,
+                                                   values=[int(v) for v in values],
+                                                   wait_s=DECISION_WAIT_S)["values"]]
+
+        def done() -> None:
+            unregister()
+            client.close(orderly=True)
+
+        return decide, done
+
     def _start_watch(self, step: int) -> "Optional[_Watch]":
         """Collective: after restoring ``step``, whether (and against which recorded losses) the next
         ``recovery.guard_iterations`` iterations' losses are checked - only in a job that reports its
@@ -180,6 +238,26 @@ class InMemoryCheckpointer:
     def _any_rank(self, flag: bool) -> bool:
         """Collective: ``flag`` on some rank (this rank's alone without a coordination group)."""
         return bool(self._max([float(flag)])[0]) if self._max is not None else flag
+
+    def _agreed_now(self) -> int:
+        """The newest step the job agreed on, as this rank's agent knows it now (agents mode: one local
+        request; the collective agreement: the engine's)."""
+        if self.cfg.snapshot.agreement == "collective" or self.client is None:
+            return self.engine.last_agreed if self.engine is not None else -1
+        try:
+            return int(self.client.request("agreed", rank=self.rank)["agreed"])
+        except Exception as e:  # an agent that cannot say: what the last commit's reply said
+            log.warning("rank %d: the agent did not say which step the job agreed on: %s", self.rank, e)
+            return self.engine.last_agreed if self.engine is not None else -1
+
+    def _verdict(self, anomalous: bool, agreed: int) -> tuple[bool, int]:
+        """Collective: (an anomaly on some rank, the agreed step every rank's agent knows) - one MAX
+        all-reduce, so that every rank's certifier decides the same (the agents learn a verdict at
+        slightly different moments)."""
+        if self._max is None:
+            return anomalous, agreed
+        flag, neg = self._max([float(anomalous), float(-agreed)])
+        return bool(flag), int(-neg)
 
     def _certify(self, step: int) -> None:
         """``step`` passed the guard: the agent records it certified and forgives the rollbacks it counted."""
@@ -208,11 +286,11 @@ class InMemoryCheckpointer:
         self.engine.wait()  # the coordination group is free for the verdict (it is after before_optimizer_step)
         if self._losses_reported is None:  # a loop that reports no loss (upstream's train()) needs no verdicts
             self._losses_reported = self._any_rank(loss is not None)
-        anomalous = self._any_rank(why is not None) if self._losses_reported else False
+        anomalous, agreed = self._verdict(why is not None and bool(self._losses_reported), self._agreed_now())
         if anomalous:
             log.warning("rank %d: iteration %d: %s: the versions before it are not certified", self.rank, iteration,
                         why or "the loss of another rank was an anomaly")
-        decided = self.certifier.iteration(iteration, anomalous, self.engine.last_agreed)
+        decided = self.certifier.iteration(iteration, anomalous, agreed)
         if decided.certify is not None:
             self._tell_agent("certify", decided.certify)
             self._events.write({"event": "certified", "step": decided.certify, "at": iteration})
@@ -325,7 +403,7 @@ class InMemoryCheckpointer:
             if self.engine.history:  # what training saw of its snapshots (the demo reports it)
                 self._events.write({"event": "snapshots", **stall_summary(self.engine.history),
                                     "agreement": self.cfg.snapshot.agreement,
-                                    "world_collectives": {"snapshots": self.engine.world_collectives,
+                                    "world_collectives": {"per_snapshot": self.engine.world_collectives,
                                                           **self.world_collectives}})
         if self.client is not None:
             self.client.close(orderly=True)
@@ -342,17 +420,17 @@ class _Watch:
 
 
 def _max_over_ranks(group: Any, counts: dict):
-    """MAX all-reduce of a few floats over the coordination group (identity without one); each call
-    counted in ``counts["iterations"]``."""
-    if group is None:
+    """MAX all-reduce of a few floats over every rank (``group``, else the default group; identity
+    without torch.distributed); each call counted in ``counts["per_iteration"]``."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
 
     def reduce(vals: list) -> list:
         import torch
 
-        t = torch.tensor(vals, dtype=torch.float64)
+        t = torch.tensor(vals, dtype=torch.float64, device=collective_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        counts["iterations"] += 1
+        counts["per_iteration"] += 1
         return t.tolist()
 
     return reduce

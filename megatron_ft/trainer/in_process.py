@@ -335,6 +335,28 @@ def _abort_nccl_groups(c10d: Any, cuda: Any) -> str:
     return ABORTED
 
 
+_ON_ABORT: list[Callable[[], None]] = []  # what else blocks in a round: the restore's agent connection
+
+
+def on_round_abort(fn: Callable[[], None]) -> Callable[[], None]:
+    """Call ``fn`` (quick, best effort) when this round is aborted, beside its TCP connections: e.g. shut
+    down the restore's connection to its agent, on which a job-wide decision may be waiting. Returns the
+    function that unregisters it."""
+    _ON_ABORT.append(fn)
+    return lambda: _ON_ABORT.remove(fn) if fn in _ON_ABORT else None
+
+
+def _abort_registered() -> int:
+    done = 0
+    for fn in list(_ON_ABORT):
+        try:
+            fn()
+            done += 1
+        except Exception as e:
+            log.warning("in-process restart: aborting %s: %s", getattr(fn, "__name__", fn), _first_line(e))
+    return done
+
+
 def abort_round(round_: Any) -> Optional[str]:
     """Abort this round's collectives because round ``round_`` opened, in this order: every NCCL
     communicator (:func:`_abort_nccl_groups`), then the round's TCP connections
@@ -355,7 +377,7 @@ def abort_round(round_: Any) -> Optional[str]:
                            f"communicators safely")
         except Exception as e:  # a communicator in an unknown state: not one to rejoin with
             why = f"aborting the NCCL groups failed: {_first_line(e)}"
-    shut = abort_round_connections()
+    shut = abort_round_connections() + _abort_registered()
     log.warning("in-process restart: round %s opened: %d connections of the old round shut down%s", round_, shut,
                 f"; this process does not rejoin in place ({why}): a fresh process takes its place" if why else "")
     return why

@@ -14,8 +14,12 @@ group could not say what it holds (a timeout, a store moving to a new root), the
 *unknown*: every rank raises :class:`MemoryTierUnknown` together (the process restarts and asks
 again) instead of going down to disk or a fresh start while a newer copy may be in memory.
 
-Agreement uses a fixed-size int64 all-gather on the coordination group (no pickle): each rank
-contributes the steps it holds; the candidates are the steps every rank holds, newest first.
+The ranks decide together through their node agents (``decide``: each node's ranks combined by its
+agent, the nodes' combinations by the root agent: two messages per node and decision, no world
+collective; :mod:`megatron_ft.agent.reductions`): each rank contributes the steps it holds; the
+candidates are the steps every rank holds, newest first. Without the agents' decisions
+(``snapshot.agreement: collective``, an etcd store) the same decisions are collectives over every
+rank (a fixed-size int64 all-gather, all-reduces; no pickle).
 For each candidate every rank verifies its chunks and checks the values it restored (the guard,
 :mod:`megatron_ft.trainer.guard`); an all-reduce of the verdicts decides. A version the guard refuses
 on any rank is invalidated on every rank and all roll back to the next older one together, at most
@@ -407,6 +411,14 @@ def _gather_shard(t) -> None:
     flat.copy_(full)
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """Where a small tensor for a collective on ``group`` (None: the default group) must live: the
+    current CUDA device on NCCL (GPU path), else the host."""
+    if dist.get_backend(group) == "nccl":  # GPU path
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class Restorer:
     """``group_wait_s``: how long the agent may wait for its group's members to say what they hold
     (``health.group_answer_s``); each such request is bounded by that plus the client's timeout.
@@ -415,8 +427,13 @@ class Restorer:
 
     def __init__(self, rank: int, world_size: int, identity: dict, run_id: str, persist_dir: str,
                  client: Optional[AgentClient], coord_group: Any = None, group_wait_s: float = 15.0,
-                 check_values: bool = True, max_rollbacks: int = 2, prefer_certified: bool = False):
+                 check_values: bool = True, max_rollbacks: int = 2, prefer_certified: bool = False,
+                 decide: Optional[Callable[[str, list[int]], list[int]]] = None):
         self.rank = rank
+        #: the job-wide decisions through the agents, ``decide(how, values) -> the job's result`` (None:
+        #: collectives over ``coord_group``); every rank makes the same decisions in the same order
+        self.decide = decide if dist.is_available() and dist.is_initialized() else None
+        self.decisions = 0
         self.prefer_certified = prefer_certified
         self.check_values = check_values
         self.max_rollbacks = max_rollbacks
@@ -487,8 +504,12 @@ class Restorer:
         mine = sorted(set(steps), reverse=True)[:MAX_CANDIDATES]
         if not self.distributed:
             return mine
+        if self.decide is not None:
+            self.decisions += 1
+            return sorted(self.decide("intersect", mine), reverse=True)
         t = torch.full((MAX_CANDIDATES,), -1, dtype=torch.int64)
         t[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        t = t.to(collective_device(self.coord_group))
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(self.coord_group))]
         dist.all_gather(parts, t, group=self.coord_group)
         self.world_collectives += 1
@@ -505,7 +526,12 @@ class Restorer:
         """Collective: (every rank ok, some rank's guard refused its values)."""
         if not self.distributed:
             return ok, refused
-        t = torch.tensor([1 if ok else 0, 0 if refused else 1], dtype=torch.int64)
+        if self.decide is not None:
+            self.decisions += 1
+            every_ok, none_refused = self.decide("min", [int(ok), int(not refused)])
+            return bool(every_ok), not bool(none_refused)
+        t = torch.tensor([1 if ok else 0, 0 if refused else 1], dtype=torch.int64,
+                         device=collective_device(self.coord_group))
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.coord_group)
         self.world_collectives += 1
         return bool(t[0].item()), not bool(t[1].item())
@@ -557,7 +583,10 @@ class Restorer:
                 log.warning("rank %d: the agent did not say which version is certified: %s", self.rank, e)
         if not self.distributed:
             return mine
-        t = torch.tensor([mine], dtype=torch.int64)
+        if self.decide is not None:
+            self.decisions += 1
+            return int(self.decide("max", [mine])[0])
+        t = torch.tensor([mine], dtype=torch.int64, device=collective_device(self.coord_group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.coord_group)
         self.world_collectives += 1
         return int(t.item())

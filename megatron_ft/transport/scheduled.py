@@ -20,8 +20,9 @@ leaves the block incomplete and the previous complete version in use.
 ranks that exchange copies with this one (:func:`exchange_ranks`: this rank's local index on the nodes
 of its redundancy group that send or receive a copy; a pair of ranks for two-node replica groups,
 never the world unless the plan's group is the world), created by those ranks alone
-(:func:`member_group`: ``use_local_synchronization`` where torch has it); a rank that exchanges with
-nobody makes none:
+(:func:`member_group`: ``use_local_synchronization``, where torch has it and every rank belongs to
+equally many groups; else every rank makes every such group, in one order); a rank that exchanges
+with nobody makes none:
 
 * ``ctl`` (gloo, torch's default timeout): the planning exchange of bubbles
   (:meth:`~ScheduledTransport.exchange_bubbles`), on the training thread. The two planning steps that
@@ -174,21 +175,33 @@ def all_exchange_ranks(cfg: Any) -> list[tuple[int, ...]]:
 LOCAL_SYNCHRONIZATION = "use_local_synchronization" in inspect.signature(dist.new_group).parameters
 
 
-def member_group(ranks: Sequence[int], every: Callable[[], Sequence[Sequence[int]]], backend: str,
-                 timeout: Optional[timedelta] = None) -> Any:
-    """A process group of ``ranks`` (this rank among them, more than one), made by them alone: with
-    ``use_local_synchronization=True`` the ranks outside it never call ``new_group`` for it, and
-    only its members meet in the store. Without that argument (an older torch), or for an NCCL group
-    when the default group is bound to a device (torch then splits the default group's communicator,
-    which every rank of the default group must join), every rank calls ``new_group`` for each of
-    ``every()`` in that order, as torch requires, and gets the one it is in.
+def groups_belonged_to() -> int:
+    """How many process groups this process is a member of (the default group included), as torch
+    counts them when it names a group made with ``use_local_synchronization``; -1 where this torch
+    does not say (its registry, ``distributed_c10d._world.pg_names``, is private)."""
+    try:
+        return len(dist.distributed_c10d._world.pg_names)
+    except Exception:
+        return -1
 
-    Contract with ``use_local_synchronization`` (torch names such a group after its ranks and the
-    number of groups this process belongs to): the members must have made the same number of
-    groups they belong to before, and make the transport's groups in the same order."""
+
+def member_group(ranks: Sequence[int], every: Callable[[], Sequence[Sequence[int]]], backend: str,
+                 timeout: Optional[timedelta] = None, local: bool = True) -> Any:
+    """A process group of ``ranks`` (this rank among them, more than one). With ``local`` (the caller
+    established that every rank belongs to equally many groups: :func:`groups_belonged_to`) it is
+    made by its members alone: ``use_local_synchronization=True``, the ranks outside it never call
+    ``new_group`` for it, and only its members meet in the store. torch 2.13 names such a group
+    after its ranks and the number of groups the calling process belongs to, so members whose
+    counts differ (Megatron puts only some pipeline stages in its embedding groups) would wait in
+    different places for ever. Otherwise, without that argument (an older torch), or for an NCCL
+    group when the default group is bound to a device (torch then splits the default group's
+    communicator, which every rank of the default group must join), every rank calls ``new_group``
+    for each of ``every()`` in that order, as torch requires, and gets the one it is in: each rank is
+    a member of one, the calls for the others only count them. Every rank must pass the same
+    ``local`` and make the transport's groups in the same order."""
     kw = {"backend": backend} if timeout is None else {"backend": backend, "timeout": timeout}
     bound = getattr(dist.group.WORLD, "bound_device_id", None) is not None
-    if LOCAL_SYNCHRONIZATION and not (bound and backend == "nccl"):
+    if local and LOCAL_SYNCHRONIZATION and not (bound and backend == "nccl"):
         return dist.new_group(ranks=list(ranks), use_local_synchronization=True, **kw)
     mine = None
     for group_ranks in every():
@@ -456,6 +469,7 @@ class ScheduledTransport:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
                        else torch.device("cpu"))
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None  # GPU only
+        self._local = self._counts_agree([])[1]  # whether members may make their groups alone
         self.ctl = self._group("gloo")  # the bubble exchange (training thread)
         self.ctrl = self._group("gloo", CTRL_TIMEOUT)  # headers, tables, byes
         self._groups: dict[int, Any] = {}  # timeout (s) -> data group
@@ -493,7 +507,17 @@ class ScheduledTransport:
         """A new group of :attr:`members` (:func:`member_group`); None when this rank exchanges with nobody."""
         if len(self.members) < 2:
             return None
-        return member_group(self.members, lambda: all_exchange_ranks(self.cfg), backend, timeout)
+        return member_group(self.members, lambda: all_exchange_ranks(self.cfg), backend, timeout, self._local)
+
+    def _counts_agree(self, values: list[int]) -> tuple[list[int], bool]:
+        """Collective over the job's default group (every rank, no group made for it): the maximum of
+        each of ``values`` over the ranks, and whether every rank belongs to equally many process
+        groups now (:func:`groups_belonged_to`), so that the members of a group can make it alone."""
+        n = groups_belonged_to()
+        t = torch.tensor([*values, n, -n, -1 if n < 0 else 0], dtype=torch.int64).to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the default group's backend: NCCL on GPUs
+        *out, most, least, unknown = (int(x) for x in t.tolist())
+        return out, unknown == 0 and most == -least
 
     # ------------------------------------------------------------------ planning (training thread)
     def agree(self, schedule: Optional[SendSchedule]) -> Optional[SendSchedule]:
@@ -502,11 +526,9 @@ class ScheduledTransport:
         everywhere (a ``compare_modes`` rotation switches modes at the same step on every rank), and
         the largest data timeout (:func:`schedule_timeout_s`), whose data group is made here if it is
         new. If one rank has none (it could not plan), nobody sends: None everywhere."""
-        t = torch.tensor([schedule.interval_iterations if schedule else 0, 0 if schedule else 1,
-                          schedule_timeout_s(schedule) if schedule else 0], dtype=torch.int64)
-        t = t.to(self.device)  # the default group's backend: NCCL on GPUs
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n, missing, timeout_s = (int(x) for x in t.tolist())
+        (n, missing, timeout_s), self._local = self._counts_agree(
+            [schedule.interval_iterations if schedule else 0, 0 if schedule else 1,
+             schedule_timeout_s(schedule) if schedule else 0])
         if missing or schedule is None:
             log.error("rank %d: a rank could not plan its checkpoint traffic: no scheduled transfers", self.rank)
             return None

@@ -587,6 +587,17 @@ class Client:
                     pass
             self._close_locked()
 
+    def interrupt(self) -> None:
+        """From another thread: shut the connection down under a request waiting on it (which then raises
+        a ConnectionError), without waiting for the request's lock. The connection is not re-opened by
+        the interrupted request."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     # -- locked helpers
     def _open_locked(self) -> None:
         address = self._address() if callable(self._address) else self._address

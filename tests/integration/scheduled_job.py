@@ -7,7 +7,7 @@ transport failed, and the ranks of every process group the process created (``ne
 ``torch.distributed.new_group`` call, recorded on its way to torch).
 
 Run: python scheduled_job.py --out DIR --world 2 --replicas 2 --modes pipelined,end [--skip-pin R:N]
-[--calls [--gate-ms W]] [--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank,
+[--calls [--gate-ms W]] [--extra-group-on R,...] [--backend nccl --nbytes N --reserved R] (NCCL: one GPU per rank,
 tests/gpu/test_scheduled_nccl.py)
 (``--skip-pin R:N``: rank R's agent refuses its N-th pin, so R announces no transfer that time;
 ``--calls``: training's own network calls at fixed times of each iteration; ``--gate-ms``: they
@@ -112,6 +112,8 @@ def main(rank: int, args) -> None:
                            redundancy={"scheme": "replica", "replicas": args.replicas, "transport": "scheduled"})
     FakeAgent.dir, FakeAgent.rank = args.out, rank
     FakeAgent.refuse_pin = {int(s) for r, s in (x.split(":") for x in args.skip_pin if x) if int(r) == rank}
+    if rank in args.extra_group_on:  # this rank belongs to one group more than the others (Megatron's
+        dist.new_group([rank], use_local_synchronization=True)  # embedding groups: some stages only)
     step = {"agreed": -1}
     chunks: list = []  # (issued, finished) of each chunk this rank sent
     made: list = []  # the ranks of every process group this process creates from here on
@@ -211,6 +213,8 @@ if __name__ == "__main__":
     p.add_argument("--calls", action="store_true", help="training uses the network (CALLS) in every iteration")
     p.add_argument("--gate-ms", type=float, default=0.0, help="send through the link gate with this window")
     p.add_argument("--reserved", type=int, default=RESERVED)
+    p.add_argument("--extra-group-on", default=[], type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="these ranks make a group of their own first (unequal group counts)")
     a = p.parse_args()
     a.port = free_port()
     mp.spawn(main, args=(a,), nprocs=a.world)

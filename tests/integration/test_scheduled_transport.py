@@ -68,3 +68,15 @@ def test_four_ranks_in_two_pairs_make_groups_of_their_pair_only(tmp_path):
         assert all(g["ranks"] == pair for g in out["new_groups"]), (r, out["new_groups"])
         if out["local_synchronization"]:
             assert all(g["local"] for g in out["new_groups"]), (r, out["new_groups"])
+
+
+def test_ranks_in_unequally_many_groups_make_every_pair_in_one_order(tmp_path):
+    # rank 0 belongs to one group more than the others: torch would name a group its pair makes
+    # alone differently on rank 0 and rank 1 (a wait for ever), so every rank makes both pairs'
+    # groups, in one order, without local synchronisation, and is a member of its own pair's only
+    ranks = run(tmp_path, "--world", "4", "--replicas", "2", "--modes", "pipelined", "--extra-group-on", "0")
+    check(ranks)
+    for r, out in ranks.items():
+        made = [g["ranks"] for g in out["new_groups"]]
+        assert made == [[0, 1], [2, 3]] * 3, (r, made)  # ctl, ctrl, the data group: each for both pairs
+        assert not any(g["local"] for g in out["new_groups"]), (r, out["new_groups"])

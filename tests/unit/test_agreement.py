@@ -144,3 +144,36 @@ def test_the_pending_version_blocks_only_until_it_is_resolved():
     assert resolved(2, Verdict(1, (2,)), clean, seen)  # abandoned by another node
     assert resolved(2, Verdict(2), clean, seen)  # agreed
     assert resolved(2, Verdict(1), {0: [1, 2], 1: [1, 3]}, {0: 2, 1: 3})  # a local rank went past it
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_roots_running_combination_is_the_combination_of_every_nodes(seed):
+    from megatron_ft.agent.reductions import Accumulator, combine
+
+    rng = random.Random(seed)
+    nodes = rng.randint(1, 12)
+    acc = Accumulator(nodes)
+    for d in range(20):
+        how = rng.choice(["min", "max", "intersect"])
+        width = rng.randint(1, 4)
+        values = [[rng.randint(0, 9) for _ in range(width)] for _ in range(nodes)]
+        order = list(range(nodes))
+        rng.shuffle(order)
+        results = [acc.add(f"d{d}", n, how, values[n]) for n in order + order[:2]]  # and sent twice
+        assert results[nodes - 1] == combine(how, values) and results.count(None) == len(results) - 1
+
+
+def test_decisions_are_refused_when_they_do_not_combine():
+    from megatron_ft.agent.reductions import Accumulator, combine, decode, encode
+
+    with pytest.raises(ValueError, match="allowed"):
+        combine("sum", [[1]])
+    with pytest.raises(ValueError, match="different lengths"):
+        combine("min", [[1, 2], [1]])
+    acc = Accumulator(2)
+    acc.add("k", 0, "min", [1])
+    with pytest.raises(ValueError, match="combines by 'max'"):
+        acc.add("k", 1, "max", [1])
+    assert decode(encode("min", [3])) == ("min", [3])
+    with pytest.raises(ValueError, match="integers"):
+        decode('{"v": 1, "how": "min", "values": [true]}')
