@@ -56,6 +56,9 @@ from typing import Optional
 SECRET_ENV = "MFT_SCALE_BED_SECRET"
 #: the one tensor each light trainer registers: 256 float32 (1 KiB)
 TENSOR_NUMEL = 256
+#: the steps a restoring rank offers at most (``megatron_ft.trainer.recovery.MAX_CANDIDATES``; not imported:
+#: that module loads torch, which the workers do without)
+RESTORE_MAX_CANDIDATES = 4
 
 
 def bed_config(run_id: str, nodes: int, base_port: int, shm_dir: str, socket_dir: str, persist_dir: str,
@@ -139,6 +142,49 @@ class LightTrainer:
         reply = self.client.request("commit", rank=self.rank, slot=slot, step=step)
         self.agreed = max(self.agreed, int(reply.get("agreed", -1)))
         return t
+
+    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float) -> dict:
+        """One restore's job-wide decisions as :class:`~megatron_ft.trainer.recovery.Restorer` makes them in
+        the best case (the newest common step loads everywhere): the steps this rank holds (``list``, as
+        ``Restorer.local_candidates``), their ``intersect`` over the job, then ``min`` of (ok, not
+        refused) after the check and again after loading (and, with ``decisions`` 4, first the ``max`` of
+        the newest certified step, as ``prefer: certified`` does). ``fresh``: on a connection of its own
+        (``role: coordination``, as ``Checkpointer._decisions`` opens per restore), else on the
+        trainer's. Waits until ``t0`` (monotonic) so that every client of every worker starts together.
+        Per decision: (request sent, answer received, answer)."""
+        from ..agent.protocol import AgentClient, socket_path
+
+        left = t0 - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        out: dict = {"rank": self.rank, "decisions": [], "error": None}
+        coord = self.client
+        try:
+            if fresh:
+                coord = AgentClient(socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.rank),
+                                    self.cfg.agent.request_timeout_s)
+                coord.reconnects = 0  # a decision is never sent twice
+                coord.connect({"rank": self.rank, "local_rank": 0, "pid": os.getpid(), "run_id": self.cfg.run_id,
+                               "role": "coordination"})
+            versions = self.client.request("list", rank=self.rank)["versions"]
+            mine = sorted({int(v["step"]) for v in versions}, reverse=True)[:RESTORE_MAX_CANDIDATES]
+            certified = max((int(v["step"]) for v in versions if v.get("certified")), default=-1)
+            plan = ([("max", [certified])] if decisions >= 4 else []) + [("intersect", mine), ("min", [1, 1]),
+                                                                          ("min", [1, 1])]
+            for seq, (how, values) in enumerate(plan):
+                t_req = time.monotonic()
+                got = coord.request("decide", rank=self.rank, key=f"{key}/{seq}", how=how, values=values,
+                                    wait_s=wait_s)["values"]
+                out["decisions"].append([t_req, time.monotonic(), [int(x) for x in got]])
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            if coord is not self.client:
+                try:
+                    coord.close(orderly=True)
+                except Exception:
+                    pass
+        return out
 
     def close(self) -> None:
         try:
@@ -246,6 +292,49 @@ class _Worker:
         return {"event": "step", "step": step, "first_commit": min(commits), "last_commit": max(commits),
                 "learnt": [learnt[n] for n in sorted(learnt)], "missing": behind, **self.counters()}
 
+    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float) -> dict:
+        """Every light client of this worker runs one restore's decisions (:meth:`LightTrainer.restore`)
+        at once, each on a thread of its own (as every rank does); per decision: the first request and
+        the last answer of this worker's clients, the distinct answers."""
+        results: list = [None] * len(self.trainers)
+
+        def one(i: int, t: LightTrainer) -> None:
+            results[i] = t.restore(key, decisions, fresh, wait_s, t0)
+
+        threads = [threading.Thread(target=one, args=(i, t), name=f"restore-n{t.rank}", daemon=True)
+                   for i, t in enumerate(self.trainers)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(wait_s + 60)
+        errors = [f"node {self.trainers[i].rank}: {r['error'] if r else 'no answer'}"
+                  for i, r in enumerate(results) if r is None or r["error"]]
+        done = [r for r in results if r is not None and not r["error"]]
+        per = []
+        for d in range(max((len(r["decisions"]) for r in done), default=0)):
+            got = [r["decisions"][d] for r in done if len(r["decisions"]) > d]
+            per.append({"first_request": min(g[0] for g in got), "last_request": max(g[0] for g in got),
+                        "first_answer": min(g[1] for g in got), "last_answer": max(g[1] for g in got),
+                        "clients": len(got), "answers": sorted({json.dumps(g[2]) for g in got})})
+        return {"event": "restore", "key": key, "decisions": per, "errors": errors[:20], "failed": len(errors),
+                **self.decision_state()}
+
+    def decision_state(self) -> dict:
+        """What the job-wide decisions left: contributions (``red/<decision>/<node>``) and results in the
+        root's map, decisions the root still has open, the agents' store watch connections (one per
+        thread that ever watched), the decisions each agent sent."""
+        out = {"decisions_sent": sum(a.agreement.decisions_sent for a in self.agents),
+               "watch_conns": sum(len(getattr(a.store, "_watch_conns", [])) for a in self.agents),
+               "root": None}
+        for a in self.agents:
+            if a.store is not None and a.store.is_root:
+                m = a.store._server._map
+                prefix = f"{a.store.prefix}red/"
+                with m._lock:
+                    red = [k[len(prefix):] for k in m.data if k.startswith(prefix)]
+                out["root"] = {"red_keys": sorted(red), "open": sorted(a.agreement._root_red._open)}
+        return out
+
     def stop(self) -> dict:
         for t in self.trainers:
             t.close()
@@ -294,7 +383,10 @@ def _worker_main() -> None:
             if cmd["cmd"] == "step":
                 say(w.step(cmd["step"], cmd.get("timeout_s", 60.0)))
             elif cmd["cmd"] == "counters":
-                say({"event": "counters", **w.counters()})
+                say({"event": "counters", **w.counters(), **w.decision_state()})
+            elif cmd["cmd"] == "restore":
+                say(w.restore(cmd["key"], cmd.get("decisions", 3), cmd.get("fresh", True), cmd.get("wait_s", 120.0),
+                              cmd["t0"]))
             elif cmd["cmd"] == "stop":
                 break
     except Exception as e:  # said, then torn down all the same
@@ -498,6 +590,96 @@ class ScaleBed:
             "bed_cpu_cores": (c1["cpu_s"] - c0["cpu_s"]) / window, "loadavg_1m": [round(load0, 2),
                                                                                 round(os.getloadavg()[0], 2)],
             **self.started,
+        }
+
+    def counters_all(self) -> list[dict]:
+        """Each worker's counters and what the job-wide decisions left (:meth:`_Worker.decision_state`)."""
+        for w in self.workers:
+            w.send({"cmd": "counters"})
+        return [w.recv(60, "counters") for w in self.workers]
+
+    def restore(self, key: str, decisions: int = 3, fresh: bool = True, wait_s: float = 120.0) -> dict:
+        """Every light client runs one restore's job-wide decisions under ``key`` (the same for all, as
+        the restore's identifier is on every rank); returns, per decision, the first request, the last
+        answer and the answers (one, if every client got the same), and the restore's time from the
+        first client's first request to the last client's last answer."""
+        lead = 0.2 + 0.002 * -(-self.nodes // len(self.workers))  # every worker's threads up before t0
+        t0 = time.monotonic() + lead
+        for w in self.workers:
+            w.send({"cmd": "restore", "key": key, "decisions": decisions, "fresh": fresh, "wait_s": wait_s,
+                    "t0": t0})
+        replies = [w.recv(wait_s + 120, "restore") for w in self.workers]
+        per = []
+        for d in range(decisions):
+            got = [r["decisions"][d] for r in replies if len(r["decisions"]) > d]
+            if not got:
+                break
+            first, last_req = min(g["first_request"] for g in got), max(g["last_request"] for g in got)
+            last = max(g["last_answer"] for g in got)
+            per.append({"clients": sum(g["clients"] for g in got),
+                        "answers": sorted({a for g in got for a in g["answers"]}),
+                        "first_request_to_last_answer_s": last - first,
+                        "last_request_to_last_answer_s": last - last_req,
+                        "request_spread_s": last_req - first, "first_request": first, "last_answer": last})
+        return {"key": key, "decisions": per, "failed": sum(r["failed"] for r in replies),
+                "errors": [e for r in replies for e in r["errors"]][:20],
+                "restore_s": (per[-1]["last_answer"] - per[0]["first_request"]) if per else None}
+
+    def restores(self, count: int, decisions: int = 3, fresh: bool = True, wait_s: float = 120.0,
+                 settle_s: float = 0.5) -> dict:
+        """``count`` restores' decisions (:meth:`restore`), keys ``restore/<random>/<i>`` (the random part
+        the coordinator's, handed to every worker); the figures (see benchmarks/scale.py): store messages
+        per node per restore and per decision from the root's op counts (``set red``: the nodes'
+        contributions, ``watch red``: the results' watches), rounds from the agents' own counts, times,
+        the bed's CPU and load, and what was left behind."""
+        ident = secrets.token_hex(6)
+        time.sleep(settle_s)
+        c0, wall0, load0 = self.counters_all(), time.monotonic(), os.getloadavg()[0]
+        runs = [self.restore(f"restore/{ident}/{i}", decisions, fresh, wait_s) for i in range(count)]
+        time.sleep(settle_s)
+        c1 = self.counters_all()
+        window = time.monotonic() - wall0
+        ops0 = next((r["ops"] for r in c0 if r.get("ops") is not None), {}) or {}
+        ops1 = next((r["ops"] for r in c1 if r.get("ops") is not None), {}) or {}
+        ops = {k: ops1.get(k, 0) - ops0.get(k, 0) for k in ops1 if k.endswith(" red") and ops1.get(k, 0) != ops0.get(k, 0)}
+        n, k = self.nodes, count
+        nd = n * k * decisions
+        sets, watches, idle = ops.get("set red", 0), ops.get("watch red", 0), ops.get("watch-timeout red", 0)
+        sent = sum(r["decisions_sent"] for r in c1) - sum(r["decisions_sent"] for r in c0)
+        root = next((r["root"] for r in c1 if r.get("root") is not None), None) or {"red_keys": [], "open": []}
+        mine = f"restore/{ident}/"
+        # a contribution is red/<decision>/<node> (absorbed by the root as it arrives): none may stay
+        contributions = [key for key in root["red_keys"] if key.startswith(mine) and key.count("/") >= 4]
+        results = [key for key in root["red_keys"] if key.startswith(mine) and key.count("/") == 3]
+        per_dec = [d["first_request_to_last_answer_s"] for r in runs for d in r["decisions"]]
+        after_last = [d["last_request_to_last_answer_s"] for r in runs for d in r["decisions"]]
+        spread = [d["request_spread_s"] for r in runs for d in r["decisions"]]
+        whole = [r["restore_s"] for r in runs if r["restore_s"] is not None]
+        answers = [[d["answers"] for d in r["decisions"]] for r in runs]
+        return {
+            "nodes": n, "procs": len(self.workers), "restores": k, "decisions_per_restore": decisions,
+            "fresh_connection": fresh,
+            "msgs_per_node_restore": (sets + watches) / (n * k), "msgs_per_node_decision": (sets + watches) / nd,
+            "contributions_per_node_decision": sets / nd, "result_watches_per_node_decision": watches / nd,
+            "idle_repolls": idle, "red_ops": ops,
+            "decisions_sent_per_node_decision": sent / nd,
+            "rounds": round(sent / nd) + round((watches - idle) / nd),
+            "clients_answered": min((d["clients"] for r in runs for d in r["decisions"]), default=0),
+            "failed": sum(r["failed"] for r in runs), "errors": [e for r in runs for e in r["errors"]][:20],
+            "same_answers": all(len(a) == 1 for ans in answers for a in ans) and len(answers) == k
+                            and all(len(ans) == decisions for ans in answers),
+            "answers": answers[0] if answers else [],
+            "restore_p50_ms": 1e3 * statistics.median(whole) if whole else None,
+            "restore_p99_ms": 1e3 * _pct(whole, 0.99) if whole else None,
+            "decision_p50_ms": 1e3 * statistics.median(per_dec) if per_dec else None,
+            "decision_p99_ms": 1e3 * _pct(per_dec, 0.99) if per_dec else None,
+            "after_last_request_p50_ms": 1e3 * statistics.median(after_last) if after_last else None,
+            "request_spread_p50_ms": 1e3 * statistics.median(spread) if spread else None,
+            "left_contributions": contributions, "left_open": root["open"], "results_kept": len(results),
+            "watch_conns_added": sum(r["watch_conns"] for r in c1) - sum(r["watch_conns"] for r in c0),
+            "threads_added": sum(r["threads"] for r in c1) - sum(r["threads"] for r in c0),
+            "bed_cpu_cores": (sum(r["cpu_s"] for r in c1) - sum(r["cpu_s"] for r in c0)) / window,
+            "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         }
 
     @staticmethod
