@@ -54,6 +54,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from .certification import JobCertifier
 from .versions import BusyError
 
 __all__ = ["FORMAT", "NodeReport", "Verdict", "Aggregator", "PendingAgreement", "decide", "node_report", "resolved"]
@@ -84,13 +85,24 @@ class NodeReport:
 
     held: tuple[int, ...] = ()
     seen: int = -1
+    #: ``recovery.prefer: certified``: the newest iteration every local rank judged (its loss), and the
+    #: iterations some local rank found anomalous that the job's verdict has not judged yet
+    judged: int = -1
+    anomalies: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:  # a node has finished with every step it holds
         if self.held and self.seen < self.held[-1]:
             object.__setattr__(self, "seen", self.held[-1])
 
+    def __repr__(self) -> str:
+        more = f", judged={self.judged}, anomalies={self.anomalies}" if self.judged >= 0 or self.anomalies else ""
+        return f"NodeReport(held={self.held}, seen={self.seen}{more})"
+
     def encode(self) -> str:
-        return json.dumps({"v": FORMAT, "held": list(self.held), "seen": self.seen}, separators=(",", ":"))
+        rec = {"v": FORMAT, "held": list(self.held), "seen": self.seen}
+        if self.judged >= 0 or self.anomalies:
+            rec.update(judged=self.judged, anomalies=list(self.anomalies))
+        return json.dumps(rec, separators=(",", ":"))
 
     @classmethod
     def decode(cls, text: str) -> "NodeReport":
@@ -100,10 +112,12 @@ class NodeReport:
             raise ValueError(f"agreement report of format {rec.get('v') if isinstance(rec, dict) else rec!r}, "
                              f"this version reads {FORMAT}")
         held, seen = rec.get("held"), rec.get("seen")
+        judged, anomalies = rec.get("judged", -1), rec.get("anomalies", [])
         if not isinstance(held, list) or not all(isinstance(s, int) and s >= 0 for s in held) or \
-                not isinstance(seen, int) or seen < -1:
+                not isinstance(seen, int) or seen < -1 or not isinstance(judged, int) or judged < -1 or \
+                not isinstance(anomalies, list) or not all(isinstance(s, int) and s >= 0 for s in anomalies):
             raise ValueError(f"malformed agreement report {text[:200]!r}")
-        return cls(tuple(sorted(set(held))), seen)
+        return cls(tuple(sorted(set(held))), seen, judged, tuple(sorted(set(anomalies))))
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,16 @@ class Verdict:
 
     agreed: int = -1
     abandoned: tuple[int, ...] = ()
+    #: ``recovery.prefer: certified``: the newest certified step, the step watched next, the newest
+    #: iteration judged (-1: none)
+    certified: int = -1
+    watched: int = -1
+    judged: int = -1
+
+    def __repr__(self) -> str:
+        more = (f", certified={self.certified}, watched={self.watched}, judged={self.judged}"
+                if self.judged >= 0 else "")
+        return f"Verdict(agreed={self.agreed}, abandoned={self.abandoned}{more})"
 
     def resolves(self, step: int) -> bool:
         """Whether a pending version of ``step`` is resolved (agreed, older than the agreed step,
@@ -120,8 +144,10 @@ class Verdict:
         return step <= self.agreed or step in self.abandoned
 
     def encode(self) -> str:
-        return json.dumps({"v": FORMAT, "agreed": self.agreed, "abandoned": list(self.abandoned)},
-                          separators=(",", ":"))
+        rec = {"v": FORMAT, "agreed": self.agreed, "abandoned": list(self.abandoned)}
+        if self.judged >= 0:
+            rec.update(certified=self.certified, watched=self.watched, judged=self.judged)
+        return json.dumps(rec, separators=(",", ":"))
 
     @classmethod
     def decode(cls, text: Optional[str]) -> "Verdict":
@@ -131,22 +157,27 @@ class Verdict:
         if not isinstance(rec, dict) or rec.get("v") != FORMAT:
             raise ValueError(f"agreement verdict of format {rec.get('v') if isinstance(rec, dict) else rec!r}, "
                              f"this version reads {FORMAT}")
-        return cls(int(rec["agreed"]), tuple(int(s) for s in rec["abandoned"]))
+        return cls(int(rec["agreed"]), tuple(int(s) for s in rec["abandoned"]), int(rec.get("certified", -1)),
+                   int(rec.get("watched", -1)), int(rec.get("judged", -1)))
 
 
 class Aggregator:
     """The job's verdict from the nodes' reports, kept incrementally: :meth:`update` costs
     O(log N + S) (S: distinct steps held anywhere newer than the agreed one), never O(N).
-    ``nodes``: how many nodes must report before any step is agreed. Not thread-safe: its owner
-    (the root's store, under its map's lock) serialises the calls."""
+    ``nodes``: how many nodes must report before any step is agreed; ``certify_after`` (``recovery.prefer:
+    certified``): the certifier's window, fed with the iterations every node judged. Not thread-safe: its
+    owner (the root's store, under its map's lock) serialises the calls."""
 
-    def __init__(self, nodes: int):
+    def __init__(self, nodes: int, certify_after: Optional[int] = None):
         if nodes < 1:
             raise ValueError(f"nodes={nodes}: an agreement needs at least one node")
         self.nodes = nodes
         self.reports: dict[int, NodeReport] = {}
         self._holding: dict[int, int] = {}  # step -> nodes holding it
         self._seen: list[int] = []  # every reporting node's seen, sorted
+        self._judged: list[int] = []  # every reporting node's judged, sorted
+        self._anomalies: dict[int, int] = {}  # iteration -> nodes listing it
+        self.certifier = JobCertifier(certify_after) if certify_after is not None else None
         self._verdict = Verdict()
 
     def update(self, node: int, report: NodeReport) -> Verdict:
@@ -155,27 +186,31 @@ class Aggregator:
         if old == report:
             return self._verdict
         if old is not None:
-            for s in old.held:
-                self._holding[s] -= 1
-                if not self._holding[s]:
-                    del self._holding[s]
-            del self._seen[bisect.bisect_left(self._seen, old.seen)]
+            self._remove(old)
         for s in report.held:
             self._holding[s] = self._holding.get(s, 0) + 1
+        for it in report.anomalies:
+            self._anomalies[it] = self._anomalies.get(it, 0) + 1
         bisect.insort(self._seen, report.seen)
+        bisect.insort(self._judged, report.judged)
         self.reports[node] = report
         self._verdict = self._decide()
         return self._verdict
+
+    def _remove(self, old: NodeReport) -> None:
+        for counts, keys in ((self._holding, old.held), (self._anomalies, old.anomalies)):
+            for s in keys:
+                counts[s] -= 1
+                if not counts[s]:
+                    del counts[s]
+        del self._seen[bisect.bisect_left(self._seen, old.seen)]
+        del self._judged[bisect.bisect_left(self._judged, old.judged)]
 
     def forget(self, node: int) -> Verdict:
         """Node ``node`` left the job (its report no longer counts); the verdict after it."""
         old = self.reports.pop(node, None)
         if old is not None:
-            for s in old.held:
-                self._holding[s] -= 1
-                if not self._holding[s]:
-                    del self._holding[s]
-            del self._seen[bisect.bisect_left(self._seen, old.seen)]
+            self._remove(old)
             self._verdict = self._decide()
         return self._verdict
 
@@ -188,7 +223,12 @@ class Aggregator:
         abandoned = tuple(sorted(
             s for s, n in self._holding.items()
             if s > agreed and len(self._seen) - bisect.bisect_left(self._seen, s) > n))
-        return Verdict(agreed, abandoned)
+        c = self.certifier
+        if c is None:
+            return Verdict(agreed, abandoned)
+        if everyone and self._judged[0] > c.judged:  # every node judged further: the certifier goes on
+            c.advance(self._judged[0], self._anomalies, agreed)
+        return Verdict(agreed, abandoned, c.certified, c.watched, c.judged)
 
 
 def decide(reports: dict[int, NodeReport], nodes: int) -> Verdict:

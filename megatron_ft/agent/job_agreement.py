@@ -46,7 +46,7 @@ class JobAgreement:
     reading period too)."""
 
     def __init__(self, node: int, nodes: int, store, protect: Callable[[Verdict], None],
-                 after: Callable[[], None], poll_s: float = 1.0):
+                 after: Callable[[], None], poll_s: float = 1.0, certify_after: Optional[int] = None):
         self.node, self.nodes, self.store, self.poll_s = node, nodes, store, poll_s
         self.protect, self.after = protect, after
         self.verdict = Verdict()  # set by ``protect``
@@ -57,8 +57,8 @@ class JobAgreement:
         self._sent: Optional[NodeReport] = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._local = Aggregator(nodes) if store is None else None
-        self._root_agg = Aggregator(nodes)  # used where this node's own store server is the root's
+        self._local = Aggregator(nodes, certify_after) if store is None else None
+        self._root_agg = Aggregator(nodes, certify_after)  # used where this node's own server is the root's
         self._root_red = reductions.Accumulator(nodes)
         self._threads: list[threading.Thread] = []
         #: job-wide decisions go through the agents (:meth:`decide`): one node, or a store that derives keys
@@ -225,7 +225,7 @@ class JobAgreement:
                             reports[n] = NodeReport.decode(v)
                         except ValueError:
                             pass
-                verdict = decide(reports, self.nodes).encode()
+                verdict = decide(reports, self.nodes).encode()  # (etcd: no certification at the root yet)
                 if verdict != last:
                     self.store.set(VERDICT_KEY, verdict)
                     last = verdict

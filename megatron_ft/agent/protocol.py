@@ -20,6 +20,8 @@ decide          rank, key, how (min, max, intersect),       values (the job's re
                 values, wait_s (a job-wide decision of a
                 restore: the agents combine it, no world
                 collective)
+judged          rank, iteration, anomalous (its loss          certified (the newest certified step
+                judged: recovery.prefer: certified)         as this agent knows it)
 agreed          rank                                        agreed (the job's agreed step, as
                                                             this agent knows it; -1: none)
 skip            rank, step (no snapshot of it: the job's    agreed
@@ -52,7 +54,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..transport.messages import Bytes, Messages, Rank, Request, Step
 from ..transport.wire import Client, RemoteError
@@ -81,6 +83,12 @@ class RankOnly(Request):  # list, peer_list, losses, agreed, sched_unpin
 class RankStep(Request):  # begin, skip, global, rewind, invalidate, refuse, certify, watch, recover, sched_pin
     rank: Rank
     step: Step
+
+
+class Judged(Request):
+    rank: Rank
+    iteration: Step
+    anomalous: StrictBool
 
 
 class Decide(Request):
@@ -128,7 +136,7 @@ class NoFields(Request):  # status, wait_persisted, bye, shutdown
 
 
 MESSAGES = Messages("agent", {
-    "hello": Hello, "register": Register, "begin": RankStep, "skip": RankStep, "agreed": RankOnly, "decide": Decide,
+    "hello": Hello, "register": Register, "begin": RankStep, "skip": RankStep, "agreed": RankOnly, "decide": Decide, "judged": Judged,
     "commit": Commit, "abort": Abort,
     "global": RankStep, "rewind": RankStep, "invalidate": RankStep, "refuse": RankStep, "losses": RankOnly,
     "certify": RankStep, "watch": RankStep,

@@ -37,7 +37,7 @@ from ..redundancy.plan import plan_from_config
 from ..transport import wire
 from ..transport.messages import Request
 from . import reductions
-from .agreement import PendingAgreement, Verdict, node_report, resolved
+from .agreement import NodeReport, PendingAgreement, Verdict, node_report, resolved
 from .job_agreement import JobAgreement
 from .protocol import MESSAGES, Hello, socket_path
 from .versions import CLEAN, TransitionError, VersionTable
@@ -45,6 +45,8 @@ from .versions import CLEAN, TransitionError, VersionTable
 log = logging.getLogger("megatron_ft.agent")
 
 SLOTS_PER_RANK = 2
+#: anomalous iterations a node's report carries at most (the newest; the root judges them in order)
+MAX_ANOMALIES = 64
 #: losses kept per rank for the guard after a restore (the newest committed steps')
 LOSS_HISTORY = 64
 
@@ -164,6 +166,10 @@ class Agent:
         # the job-wide agreement (snapshot.agreement: agents): each local rank's newest finished step,
         # this node's side of the agreement (start_agreement), what it skipped while a step was pending
         self.seen: dict[int, int] = {}
+        # recovery.prefer: certified - each local rank's newest judged iteration and its anomalous ones
+        self.judged: dict[int, int] = {}
+        self.anomalies: dict[int, set[int]] = {}
+        self._marks = (-1, -1)  # the verdict's (certified, watched) applied to the local ranks
         self.agreement: Optional[JobAgreement] = None
         self.skipped_pending = 0
         # job-wide decisions of the local ranks (a restore's), keyed by decision: their values, then the result
@@ -200,7 +206,9 @@ class Agent:
             return
         self.agreement = JobAgreement(self.node, self.cfg.cluster.nodes if self.store is not None else 1, self.store,
                                       self._protect_agreed, self._agreed_locally,
-                                      poll_s=max(0.5, 2 * self.cfg.health.heartbeat_s)).start()
+                                      poll_s=max(0.5, 2 * self.cfg.health.heartbeat_s),
+                                      certify_after=(self.cfg.recovery.certify_after
+                                                     if self.cfg.recovery.prefer == "certified" else None)).start()
         with self.lock:
             self._report()
 
@@ -500,8 +508,29 @@ class Agent:
 
     def _report(self) -> None:
         """This node's agreement report, handed to the reporting thread (lock held; no I/O)."""
-        if self.agreement is not None:
-            self.agreement.report(node_report(self.table.clean_steps(), self.seen, self.cfg.cluster.ranks_per_node))
+        if self.agreement is None:
+            return
+        report = node_report(self.table.clean_steps(), self.seen, self.cfg.cluster.ranks_per_node)
+        if self.judged:
+            rpn = self.cfg.cluster.ranks_per_node
+            judged = min(self.judged.values()) if len(self.judged) >= rpn else -1
+            done = self.agreement.verdict.judged
+            bad = sorted({it for its in self.anomalies.values() for it in its if it > done})[-MAX_ANOMALIES:]
+            report = NodeReport(report.held, report.seen, judged, tuple(bad))
+        self.agreement.report(report)
+
+    def judge(self, rank: int, iteration: int, anomalous: bool) -> dict:
+        """``rank`` judged ``iteration``'s loss (``recovery.prefer: certified``): the node's report carries
+        it to the root's certifier; the reply says the newest certified step as this agent knows it."""
+        with self.lock:
+            self.judged[rank] = max(iteration, self.judged.get(rank, -1))
+            if anomalous:
+                self.anomalies.setdefault(rank, set()).add(iteration)
+            done = self.agreement.verdict.judged if self.agreement is not None else -1
+            for its in self.anomalies.values():
+                its.difference_update([it for it in its if it <= done])
+            self._report()
+            return {"certified": self.agreement.verdict.certified if self.agreement is not None else -1}
 
     def decide(self, rank: int, key: str, how: str, values: list[int], wait_s: float) -> list[int]:
         """``rank``'s values for the job-wide decision ``key`` (a restore's, :mod:`.reductions`); the
@@ -682,7 +711,9 @@ class Agent:
 
     def _agreed_locally(self) -> None:
         """Every local rank's agreed step known: the step all of them agreed on is exchanged with the
-        group and persisted when due."""
+        group and persisted when due; the job's certified and watched versions (its verdict, with
+        ``recovery.prefer: certified``) marked on every local rank."""
+        self._apply_marks()
         with self.lock:
             low = self.table.agreed_low(self.cfg.cluster.ranks_per_node)
             persist_step = None
@@ -696,6 +727,24 @@ class Agent:
             self.redundancy.version_global(low)
         if persist_step is not None:
             self.request_persist(persist_step, "interval")
+
+    def _apply_marks(self) -> None:
+        """The verdict's certified and watched steps, as ``certify`` and ``watch`` of every local rank
+        (each takes the lock itself), once per change."""
+        if self.agreement is None:
+            return
+        v = self.agreement.verdict
+        marks = (v.certified, v.watched)
+        if v.judged < 0 or marks == self._marks:
+            return
+        self._marks = marks
+        with self.lock:
+            ranks = list(self.table.ranks)
+        for r in ranks:
+            if v.certified >= 0:
+                self.certify(r, v.certified)
+            if v.watched >= 0:
+                self.watch(r, v.watched)
 
     def newest_consistent_step(self) -> int:
         """Newest step that every local rank holds clean (preferring globally agreed steps)."""
@@ -965,6 +1014,8 @@ class Agent:
             return {"agreed": self.agreement.verdict.agreed} if self.agreement is not None else {}
         if op == "decide":
             return {"values": self.decide(r.rank, r.key, r.how, list(r.values), float(r.wait_s))}
+        if op == "judged":
+            return self.judge(r.rank, r.iteration, r.anomalous)
         if op == "agreed":
             return {"agreed": self.agreement.verdict.agreed if self.agreement is not None else -1}
         if op == "skip":

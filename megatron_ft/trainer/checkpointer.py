@@ -129,6 +129,7 @@ class InMemoryCheckpointer:
                           if cfg.recovery.prefer == "certified" and self.engine is not None else None)
         self._recent_losses: dict[int, float] = {}  # this life's last guard.SPIKE_WINDOW losses (the spike rule)
         self._losses_reported: Optional[bool] = None  # some rank reports its loss (decided at the first judgement)
+        self._certified_seen = -1  # agents mode: the newest certified step this rank recorded
         self._loss_rule = guard.LossRule(cfg.recovery.loss_tolerance, cfg.recovery.loss_spike)
         # "interval: auto" - measure the first snapshots, then pick the intervals
         self.auto = (AutoIntervals(cfg, self._max)
@@ -239,6 +240,23 @@ class InMemoryCheckpointer:
         """Collective: ``flag`` on some rank (this rank's alone without a coordination group)."""
         return bool(self._max([float(flag)])[0]) if self._max is not None else flag
 
+    def _judged_at_agent(self, iteration: int, why: Optional[str]) -> None:
+        """Agents mode: this rank's verdict on ``iteration`` to its agent (one local request, no collective);
+        the root's certifier judges the job's iterations as every node's verdicts arrive, and the agents
+        mark the certified and watched versions. A new certified step in the reply is recorded."""
+        if why is not None:
+            log.warning("rank %d: iteration %d: %s: the versions before it are not certified", self.rank, iteration,
+                        why)
+        try:
+            certified = int(self.client.request("judged", rank=self.rank, iteration=iteration,  # type: ignore[union-attr]
+                                                anomalous=why is not None)["certified"])
+        except Exception as e:  # a verdict the agent missed: the node's report waits for the next one
+            log.warning("rank %d: could not give the agent the verdict on iteration %d: %s", self.rank, iteration, e)
+            return
+        if certified > self._certified_seen:
+            self._certified_seen = certified
+            self._events.write({"event": "certified", "step": certified, "at": iteration})
+
     def _agreed_now(self) -> int:
         """The newest step the job agreed on, as this rank's agent knows it now (agents mode: one local
         request; the collective agreement: the engine's)."""
@@ -283,6 +301,9 @@ class InMemoryCheckpointer:
             self._recent_losses[iteration] = loss
             for old in sorted(self._recent_losses)[:-guard.SPIKE_WINDOW]:
                 del self._recent_losses[old]
+        if self.cfg.snapshot.agreement == "agents":
+            self._judged_at_agent(iteration, why)
+            return
         self.engine.wait()  # the coordination group is free for the verdict (it is after before_optimizer_step)
         if self._losses_reported is None:  # a loop that reports no loss (upstream's train()) needs no verdicts
             self._losses_reported = self._any_rank(loss is not None)

@@ -54,6 +54,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from ..agent.certification import Certification, Certifier  # noqa: F401 (the trainer's, with the collective agreement)
 from .device_staging import stream_point
 
 log = logging.getLogger("megatron_ft.trainer.guard")
@@ -204,60 +205,3 @@ def loss_anomaly(step: int, loss: Optional[float], history: Mapping[int, float],
 class RollbacksExhausted(RuntimeError):
     """Every rank: more restored versions failed the guard than ``recovery.max_rollbacks`` allows.
     Nothing trustworthy is left to resume from; the job ends (exit 3, never restarted)."""
-
-
-@dataclass
-class Certification:
-    """What :meth:`Certifier.iteration` decided: the step now certified, the step to watch next
-    (each ``None`` for nothing new)."""
-
-    certify: Optional[int] = None
-    watch: Optional[int] = None
-
-
-class Certifier:
-    """Which versions are *certified* (``recovery.prefer: certified``): a pure state machine, fed every
-    iteration's verdict (the same on every rank: the ranks all-reduce it) and the newest step the job
-    agreed on.
-
-    A version is watched - its slot kept - from the iteration it is agreed on; once the job trained
-    ``after`` iterations past it with no anomaly it is certified and the newest agreed version is
-    watched next. An anomaly drops the watched version (never certified); the next one watched is
-    taken at or after the anomalous iteration, so its own window comes after it.
-
-    >>> c = Certifier(after=2)
-    >>> c.iteration(1, False, agreed=1)          # version 1 agreed: watch it
-    Certification(certify=None, watch=1)
-    >>> c.iteration(2, False, agreed=2)
-    Certification(certify=None, watch=None)
-    >>> c.iteration(3, False, agreed=3)          # 2 and 3 clean: 1 certified, watch 3
-    Certification(certify=1, watch=3)
-    >>> c.iteration(4, True, agreed=4)           # the loss of iteration 4 was an anomaly: 3 dropped
-    Certification(certify=None, watch=4)
-    >>> [c.iteration(i, False, agreed=i) for i in (5, 6)][-1]
-    Certification(certify=4, watch=6)
-    """
-
-    def __init__(self, after: int, certified: int = -1):
-        self.after = after
-        self.certified = certified
-        self.watched: Optional[int] = None
-        self.last_anomaly = -1
-
-    def passed(self, step: int) -> None:
-        """``step`` was certified elsewhere (the guard after restoring it)."""
-        self.certified = max(self.certified, step)
-        if self.watched is not None and self.watched <= step:
-            self.watched = None
-
-    def iteration(self, iteration: int, anomalous: bool, agreed: int) -> Certification:
-        out = Certification()
-        if anomalous:
-            self.last_anomaly = iteration
-            self.watched = None
-        elif self.watched is not None and iteration - self.watched >= self.after:
-            out.certify = self.certified = self.watched
-            self.watched = None
-        if self.watched is None and agreed > self.certified and agreed >= self.last_anomaly:
-            out.watch = self.watched = agreed
-        return out

@@ -177,3 +177,52 @@ def test_decisions_are_refused_when_they_do_not_combine():
     assert decode(encode("min", [3])) == ("min", [3])
     with pytest.raises(ValueError, match="integers"):
         decode('{"v": 1, "how": "min", "values": [true]}')
+
+
+def run_certified_job(lag: int):
+    """Two nodes judge twelve iterations, the 7th anomalous on node 1 only; node 0 reports every
+    iteration, node 1 every ``lag``-th (its reports then catch up). The certified steps in order."""
+    agg = Aggregator(2, certify_after=2)
+    certified: list[int] = []
+
+    def note(v):
+        if v.certified >= 0 and (not certified or certified[-1] != v.certified):
+            certified.append(v.certified)
+
+    def report(node, it):
+        held = (it - 1,) if it > 1 else ()
+        anomalies = (7,) if node == 1 and it >= 7 and agg.verdict().judged < 7 else ()
+        note(agg.update(node, NodeReport(held, it - 1, judged=it, anomalies=anomalies)))
+
+    for it in range(1, 13):
+        report(0, it)
+        if it % lag == 0 or it == 12:
+            report(1, it)
+    assert agg.verdict().judged == 12
+    return certified
+
+
+def test_the_roots_certifier_is_the_trainers_when_every_node_reports_at_once():
+    from megatron_ft.agent.certification import Certifier
+
+    ref, want = Certifier(2), []
+    for it in range(1, 13):
+        out = ref.iteration(it, it == 7, it - 1 if it > 1 else -1)
+        if out.certify is not None:
+            want.append(out.certify)
+    assert run_certified_job(lag=1) == want
+
+
+@pytest.mark.parametrize("lag", [2, 3, 5])
+def test_a_late_node_delays_certification_never_certifies_a_version_an_anomaly_followed(lag):
+    """Versions 5 and 6 are never certified (the anomaly came within two iterations after them)."""
+    got = run_certified_job(lag)
+    assert got and not {5, 6} & set(got) and got == sorted(got), got
+    assert max(got) >= 7, got
+
+
+def test_no_iteration_is_certified_past_a_node_that_has_not_judged_it():
+    agg = Aggregator(2, certify_after=1)
+    agg.update(0, NodeReport((5,), 5, judged=9))
+    v = agg.update(1, NodeReport((5,), 5, judged=3))
+    assert v.judged == 3 and v.certified <= 2

@@ -11,7 +11,7 @@ SENT = [  # every agent operation, with the fields its senders use (trainer, lau
     {"op": "hello", "rank": -1, "local_rank": -1, "pid": 0, "run_id": "r"},
     {"op": "hello", "rank": 3, "local_rank": 1, "pid": 99, "run_id": "r", "role": "transport"},
     {"op": "register", "rank": 0, "layout": "{}"},
-    {"op": "begin", "rank": 0, "step": 4}, {"op": "skip", "rank": 0, "step": 4}, {"op": "agreed", "rank": 0},
+    {"op": "begin", "rank": 0, "step": 4}, {"op": "skip", "rank": 0, "step": 4}, {"op": "agreed", "rank": 0}, {"op": "judged", "rank": 0, "iteration": 7, "anomalous": False},
     {"op": "decide", "rank": 0, "key": "r1a2/0", "how": "intersect", "values": [4, 3], "wait_s": 600.0}, {"op": "commit", "rank": 0, "slot": 1, "step": 4},
     {"op": "commit", "rank": 0, "slot": 1, "step": 4, "loss": 2.5}, {"op": "refuse", "rank": 0, "step": 4},
     {"op": "losses", "rank": 0}, {"op": "certify", "rank": 0, "step": 4}, {"op": "watch", "rank": 0, "step": 4},
