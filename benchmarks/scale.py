@@ -50,17 +50,52 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from megatron_ft.testing.scale_bed import BedError, ScaleBed  # noqa: E402
 
 
-def bed(nodes: int, steps: int, procs: int, heartbeat_s: float, timeout_s: float) -> dict:
+def bed(nodes: int, steps: int, procs: int, heartbeat_s: float, timeout_s: float, restores: int = 0,
+        decisions: int = 3, conns: tuple = ("fresh",)) -> tuple[dict, list[dict]]:
+    """The agreement's figures over ``steps`` agreed steps, then (``restores``) each connection kind's
+    restore figures in the same bed: ``fresh``, a connection per restore as the trainer's
+    ``Checkpointer._decisions`` opens (``role: coordination``), ``trainer``: the trainer's own."""
     b = ScaleBed(nodes, procs=procs, heartbeat_s=heartbeat_s, timeout_s=timeout_s, step_timeout_s=300.0)
+    rfigs: list[dict] = []
     try:
         b.start(timeout_s=1800)
         fig = b.run(steps, warmup=2, settle_s=1.0)
+        for conn in conns if restores else ():
+            try:
+                rfigs.append(b.restores(restores, decisions, fresh=conn == "fresh", wait_s=300.0, settle_s=1.0))
+            except BedError as e:
+                rfigs.append({"nodes": nodes, "procs": procs, "fresh_connection": conn == "fresh",
+                              "error": str(e)[:4000]})
     except BedError as e:
         fig = {"nodes": nodes, "procs": procs, "error": str(e)[:4000], **b.started}
     finally:
         closed = b.close()
     fig["teardown"] = closed
-    return fig
+    for r in rfigs:
+        r["teardown"] = closed
+    return fig, rfigs
+
+
+def restore_table(rows: list[dict]) -> str:
+    head = ("| nodes | connection | msgs / node / restore | msgs / node / decision (set red, watch red) | rounds "
+            "| idle re-polls | restore p50 / p99 ms | decision p50 / p99 ms | after the last request p50 ms "
+            "| requests' spread p50 ms | same answers | left (contributions, open) | watch conns added "
+            "| bed CPU (cores) | load 1m |\n|" + "---|" * 15)
+    out = [head]
+    for r in rows:
+        conn = "fresh" if r.get("fresh_connection") else "trainer's"
+        if "error" in r:
+            out.append(f"| {r['nodes']} | {conn} | failed: {r['error'][:120]} |" + " |" * 12)
+            continue
+        out.append(
+            f"| {r['nodes']} | {conn} | {r['msgs_per_node_restore']:.3f} | {r['msgs_per_node_decision']:.3f} "
+            f"({r['contributions_per_node_decision']:.2f}, {r['result_watches_per_node_decision']:.2f}) | "
+            f"{r['rounds']} | {r['idle_repolls']} | {r['restore_p50_ms']:.1f} / {r['restore_p99_ms']:.1f} | "
+            f"{r['decision_p50_ms']:.1f} / {r['decision_p99_ms']:.1f} | {r['after_last_request_p50_ms']:.1f} | "
+            f"{r['request_spread_p50_ms']:.1f} | {r['same_answers']} | {len(r['left_contributions'])}, "
+            f"{len(r['left_open'])} | {r['watch_conns_added']} | {r['bed_cpu_cores']:.2f} | "
+            f"{r['loadavg_1m'][1]:.1f} |")
+    return "\n".join(out)
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -91,10 +126,17 @@ def table(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ part (a)
-def trainers_run(ranks: int, agreement: str, iterations: int) -> dict:
-    """One ``megatron-ft demo --fail none`` of ``ranks`` ranks (R/2 nodes x 2) with ``agreement``: the
-    median iteration time of the megatron-ft run (every rank's progress records, the first 3 iterations
-    left out) and megatron-ft's world collectives from its ``snapshots`` events."""
+#: part (a)'s modes: in-memory checkpointing off (the baseline), then the two agreements
+MODES = ("off", "agents", "collective")
+
+
+def trainers_run(ranks: int, mode: str, iterations: int) -> dict:
+    """One ``megatron-ft demo --fail none`` of ``ranks`` ranks (R/2 nodes x 2, the tiny model, TP1 PP1,
+    nothing persisted) with ``mode``: ``agents`` or ``collective`` (``snapshot.agreement``; a snapshot
+    every iteration) or ``off`` (``snapshot.enabled: false``: no in-memory checkpointing, the
+    baseline). The median iteration time (every rank's progress records, the first 3 iterations left
+    out) and megatron-ft's world collectives from the ranks' ``snapshots`` events."""
+    import shutil
     import statistics
 
     import yaml
@@ -103,15 +145,21 @@ def trainers_run(ranks: int, agreement: str, iterations: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="mftsc-") as tmp:
         nodes = max(1, ranks // 2)
-        cfg = ftconfig.replace(ftconfig.load(), cluster={"nodes": nodes, "ranks_per_node": ranks // nodes},
-                               parallel={"tensor": 1, "pipeline": 1}, snapshot={"agreement": agreement})
+        snap = {"enabled": False} if mode == "off" else {"agreement": mode, "interval": 1}
+        cfg = ftconfig.replace(ftconfig.load(), run_id=f"sc{ranks}{mode[:3]}",
+                               cluster={"nodes": nodes, "ranks_per_node": ranks // nodes},
+                               parallel={"tensor": 1, "pipeline": 1}, snapshot=snap,
+                               persist={"interval": 0, "on_failure": False, "dir": os.path.join(tmp, "persist")},
+                               agent={"socket_dir": os.path.join(tmp, "s")})
         path = os.path.join(tmp, "job.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(cfg.to_dict(), f)
         work = os.path.join(tmp, "work")
-        cmd = [sys.executable, "-m", "megatron_ft", "demo", "--fail", "none", "--config", path,
-               "--iters", str(iterations), "--workdir", work, "--quiet"]
+        exe = shutil.which("megatron-ft", path=os.path.dirname(sys.executable)) or shutil.which("megatron-ft")
+        cmd = [exe or "megatron-ft", "demo", "--fail", "none", "--config", path, "--iters", str(iterations),
+               "--workdir", work, "--quiet"]
         t0 = time.monotonic()
+        load0 = os.getloadavg()[0]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         wall = time.monotonic() - t0
         run_dir = os.path.join(work, "run")
@@ -131,17 +179,58 @@ def trainers_run(ranks: int, agreement: str, iterations: int) -> dict:
             recs.sort(key=lambda r: r["iteration"])
             gaps += [b["time"] - a["time"] for a, b in zip(recs[3:], recs[4:])]
         snaps = [e for e in records("events") if e.get("event") == "snapshots"]
-        per_snapshot = sum(int(e["world_collectives"].get("per_snapshot", 0)) for e in snaps)
+        wc = [e.get("world_collectives", {}) for e in snaps]
         taken = sum(int(e.get("taken", 0)) for e in snaps)
-        return {"ranks": ranks, "nodes": nodes, "agreement": agreement, "rc": out.returncode, "wall_s": round(wall, 1),
+        per_snapshot = sum(int(w.get("per_snapshot", 0)) for w in wc)
+        per_iteration = sum(int(w.get("per_iteration", 0)) for w in wc)
+        iters_seen = sum(len(v) for v in by_rank.values())
+        return {"ranks": ranks, "nodes": nodes, "mode": mode, "rc": out.returncode, "wall_s": round(wall, 1),
                 "iteration_s": round(statistics.median(gaps), 4) if gaps else None, "iterations": iterations,
+                "ranks_reporting": len(by_rank),
                 "world_collectives_per_snapshot_total": per_snapshot,
-                "world_collectives_other": [e["world_collectives"] for e in snaps][:2],
+                "world_collectives_per_iteration_total": per_iteration,
+                "world_collectives_per_snapshot_per_rank": per_snapshot / taken if taken else None,
+                "world_collectives_per_iteration_per_rank": per_iteration / iters_seen if iters_seen else None,
+                "at_restore": sum(int(w.get("at_restore", 0)) for w in wc),
+                "agent_decisions": sum(int(w.get("agent_decisions", 0)) for w in wc),
+                "world_collectives_sample": wc[:1],
                 "snapshot_events": len(snaps), "snapshots_taken": taken,
                 "skipped_pending_agreement": sum(int(e.get("skipped_pending_agreement", 0)) for e in snaps),
                 "stall_median_s": statistics.median([e["stall_median_s"] for e in snaps if e.get("stall_median_s")
                                                      is not None] or [float("nan")]),
+                "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
                 "tail": (out.stdout + out.stderr)[-1500:] if out.returncode else ""}
+
+
+def trainers_table(trows: list[dict]) -> str:
+    """Per ranks and mode: the median over the alternating repeats of each run's median iteration time,
+    its overhead against ``off`` (no in-memory checkpointing), the world collectives."""
+    import statistics
+
+    out = ["| ranks | mode | iteration s (median of runs) | runs' medians | overhead vs off | snapshot stall s "
+           "(median) | world collectives per snapshot per rank | per iteration per rank | snapshots taken "
+           "| skipped (pending agreement) | load 1m | rc |", "|" + "---|" * 12]
+    for ranks in sorted({t["ranks"] for t in trows}):
+        base = [t["iteration_s"] for t in trows if t["ranks"] == ranks and t["mode"] == "off" and t["iteration_s"]]
+        b = statistics.median(base) if base else None
+        for mode in MODES:
+            rs = [t for t in trows if t["ranks"] == ranks and t["mode"] == mode]
+            if not rs:
+                continue
+            its = [t["iteration_s"] for t in rs if t["iteration_s"]]
+            m = statistics.median(its) if its else None
+            over = f"{100 * (m - b) / b:+.1f} %" if m is not None and b and mode != "off" else "-"
+            per_snap = [t["world_collectives_per_snapshot_per_rank"] for t in rs
+                        if t["world_collectives_per_snapshot_per_rank"] is not None]
+            per_it = [t["world_collectives_per_iteration_per_rank"] for t in rs
+                      if t["world_collectives_per_iteration_per_rank"] is not None]
+            stalls = [t["stall_median_s"] for t in rs if t["stall_median_s"] == t["stall_median_s"]]
+            out.append(f"| {ranks} | {mode} | {m if m is not None else '-'} | {', '.join(str(x) for x in its)} | {over} | "
+                       f"{statistics.median(stalls) if stalls else float('nan'):.4f} | "
+                       f"{max(per_snap) if per_snap else '-'} | {max(per_it) if per_it else '-'} | "
+                       f"{sum(t['snapshots_taken'] for t in rs)} | {sum(t['skipped_pending_agreement'] for t in rs)} | "
+                       f"{max(t['loadavg_1m'][1] for t in rs):.1f} | {','.join(str(t['rc']) for t in rs)} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -151,16 +240,30 @@ def main(argv=None) -> int:
     p.add_argument("--procs", type=int, default=4)
     p.add_argument("--heartbeat-s", type=float, default=None, help="default: 2 s up to 256 nodes, 5 s above")
     p.add_argument("--timeout-s", type=float, default=300.0)
+    p.add_argument("--restores", type=int, default=0,
+                   help="after the agreed steps: this many restores' job-wide decisions in the same bed")
+    p.add_argument("--decisions", type=int, default=3, choices=(3, 4),
+                   help="per restore: intersect, min, min (3); with the newest certified step's max first (4)")
+    p.add_argument("--restore-conn", nargs="*", default=None, choices=("fresh", "trainer"),
+                   help="the decisions' connection: fresh per restore (as Checkpointer._decisions) or the "
+                        "trainer's (default: both up to 256 nodes, the trainer's above: a fresh one leaks a "
+                        "store watch connection per node per restore, see docs/benchmarks.md)")
     p.add_argument("--trainers", type=int, nargs="*", default=[])
     p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=2, help="part (a): each mode this many times, alternating")
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     args = p.parse_args(argv)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores", flush=True)
-    rows = []
+    rows, rrows = [], []
     for n in args.nodes:
         hb = args.heartbeat_s if args.heartbeat_s is not None else (2.0 if n <= 256 else 5.0)
-        r = bed(n, args.steps, min(args.procs, n), hb, args.timeout_s)
+        conns = tuple(args.restore_conn) if args.restore_conn else (("fresh", "trainer") if n <= 256 else ("trainer",))
+        r, rr = bed(n, args.steps, min(args.procs, n), hb, args.timeout_s, args.restores, args.decisions, conns)
         print(json.dumps({"measurement": "agreement", **r}), flush=True)
         rows.append(r)
+        for x in rr:
+            print(json.dumps({"measurement": "restore", **x}), flush=True)
+        rrows += rr
     if rows:
         print(table(rows))
         ok = [r for r in rows if "error" not in r]
@@ -171,21 +274,26 @@ def main(argv=None) -> int:
             print(f"messages per agreed step = {a:.2f} + {b:.4f} x nodes (least squares over {len(ok)} sizes); "
                   f"per node: {min(per):.3f}-{max(per):.3f}, within {100 * max(abs(x - mean) for x in per) / mean:.1f} % "
                   f"of their mean {mean:.3f}")
+    if rrows:
+        print(restore_table(rrows))
+        for conn in (True, False):
+            ok = [r for r in rrows if "error" not in r and r["fresh_connection"] == conn]
+            if len(ok) >= 2:
+                a, b = fit([r["nodes"] for r in ok], [r["msgs_per_node_restore"] * r["nodes"] for r in ok])
+                per = [r["msgs_per_node_restore"] for r in ok]
+                mean = sum(per) / len(per)
+                print(f"{'fresh' if conn else 'trainer'} connection: messages per restore = {a:.2f} + {b:.4f} x "
+                      f"nodes (least squares over {len(ok)} sizes); per node: {min(per):.3f}-{max(per):.3f}, within "
+                      f"{100 * max(abs(x - mean) for x in per) / mean:.1f} % of their mean {mean:.3f}")
     trows = []
     for r in args.trainers:
-        for agreement in ("agents", "collective"):
-            t = trainers_run(r, agreement, args.iterations)
-            print(json.dumps({"measurement": "trainers", **t}), flush=True)
-            trows.append(t)
+        for rep in range(args.repeats):  # alternating: off, agents, collective, off, agents, ...
+            for mode in args.modes:
+                t = trainers_run(r, mode, args.iterations)
+                print(json.dumps({"measurement": "trainers", "repeat": rep, **t}), flush=True)
+                trows.append(t)
     if trows:
-        print("| ranks | agreement | iteration s (median) | snapshot stall s (median) | world collectives per "
-              "snapshot (all ranks) | per snapshot per rank | snapshots taken | skipped (pending agreement) | rc |\n"
-              "|---|---|---|---|---|---|---|---|---|")
-        for t in trows:
-            per = t["world_collectives_per_snapshot_total"] / t["snapshots_taken"] if t["snapshots_taken"] else float("nan")
-            print(f"| {t['ranks']} | {t['agreement']} | {t['iteration_s']} | {t['stall_median_s']:.4f} | "
-                  f"{t['world_collectives_per_snapshot_total']} | {per:.2f} | {t['snapshots_taken']} | "
-                  f"{t['skipped_pending_agreement']} | {t['rc']} |")
+        print(trainers_table(trows))
     return 0
 
 
