@@ -655,7 +655,8 @@ def stranger_probe(bed: HostBed, cfg: ftconfig.FTConfig) -> dict:
     nodes = range(cfg.cluster.nodes)
     store = {"get": {"key": f"mft/{cfg.run_id}/root"}, "set": {"key": f"mft/{cfg.run_id}/failed/0", "value": "{}"},
              "compare_set": {"key": f"mft/{cfg.run_id}/root", "expected": "0", "desired": "1"},
-             "delete": {"key": f"mft/{cfg.run_id}/root"}}
+             "delete": {"key": f"mft/{cfg.run_id}/root"},
+             "watch": {"key": f"mft/{cfg.run_id}/agreed", "value": None, "wait_s": 0.1}}
     assert set(store) == set(STORE_MESSAGES.ops), STORE_MESSAGES.ops  # every op of each protocol
     probes = [([[bed.plan.address(i), cfg.health.store_port] for i in nodes], store)]
     if cfg.redundancy.scheme != "none":

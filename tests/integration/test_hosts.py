@@ -256,10 +256,13 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
     # an outsider on the job's network (a third host): every store operation and, with peer redundancy,
     # every peer op, to every node, without the job's secret or with a guessed answer to the challenge,
     # refused before any effect (node 1 may be lost while the probes run: node 0's are all challenged)
-    per_protocol = 2 * 4 * 2  # nodes x ops x (no answer, a guessed answer)
-    protocols = 2 if tier == "peer_memory" else 1
-    assert s["stranger"]["probes"] == protocols * per_protocol, s["stranger"]
-    assert s["stranger"]["challenged"] >= protocols * per_protocol // 2 and s["stranger"]["served"] == [], s["stranger"]
+    from megatron_ft.agent.peer_protocol import PEER_MESSAGES
+    from megatron_ft.health.wire_store import STORE_MESSAGES
+
+    ops = len(STORE_MESSAGES.ops) + (len(PEER_MESSAGES.ops) if tier == "peer_memory" else 0)
+    probes = 2 * ops * 2  # nodes x ops x (no answer, a guessed answer)
+    assert s["stranger"]["probes"] == probes, s["stranger"]
+    assert s["stranger"]["challenged"] >= probes // 2 and s["stranger"]["served"] == [], s["stranger"]
     assert "store: refused a connection from 10.77.0.13:" in agent_log
     # megatron-ft's own servers on the node's address, not a wildcard (off_plan would name one)
     assert ["node0", "agent", 29500, "10.77.0.11"] in s["listeners"]["own"], s["listeners"]
