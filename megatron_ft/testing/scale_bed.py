@@ -143,7 +143,7 @@ class LightTrainer:
         self.agreed = max(self.agreed, int(reply.get("agreed", -1)))
         return t
 
-    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float) -> dict:
+    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float, stagger_s: float = 0.0) -> dict:
         """One restore's job-wide decisions as :class:`~megatron_ft.trainer.recovery.Restorer` makes them in
         the best case (the newest common step loads everywhere): the steps this rank holds (``list``, as
         ``Restorer.local_candidates``), their ``intersect`` over the job, then ``min`` of (ok, not
@@ -151,10 +151,11 @@ class LightTrainer:
         the newest certified step, as ``prefer: certified`` does). ``fresh``: on a connection of its own
         (``role: coordination``, as ``Checkpointer._decisions`` opens per restore), else on the
         trainer's. Waits until ``t0`` (monotonic) so that every client of every worker starts together.
-        Per decision: (request sent, answer received, answer)."""
+        ``stagger_s``: this rank starts ``rank x stagger_s`` later (the unmeasured warm-up's, see
+        :meth:`ScaleBed.restores`). Per decision: (request sent, answer received, answer)."""
         from ..agent.protocol import AgentClient, socket_path
 
-        left = t0 - time.monotonic()
+        left = t0 + self.rank * stagger_s - time.monotonic()
         if left > 0:
             time.sleep(left)
         out: dict = {"rank": self.rank, "decisions": [], "error": None}
@@ -292,14 +293,15 @@ class _Worker:
         return {"event": "step", "step": step, "first_commit": min(commits), "last_commit": max(commits),
                 "learnt": [learnt[n] for n in sorted(learnt)], "missing": behind, **self.counters()}
 
-    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float) -> dict:
+    def restore(self, key: str, decisions: int, fresh: bool, wait_s: float, t0: float,
+                stagger_s: float = 0.0) -> dict:
         """Every light client of this worker runs one restore's decisions (:meth:`LightTrainer.restore`)
         at once, each on a thread of its own (as every rank does); per decision: the first request and
         the last answer of this worker's clients, the distinct answers."""
         results: list = [None] * len(self.trainers)
 
         def one(i: int, t: LightTrainer) -> None:
-            results[i] = t.restore(key, decisions, fresh, wait_s, t0)
+            results[i] = t.restore(key, decisions, fresh, wait_s, t0, stagger_s)
 
         threads = [threading.Thread(target=one, args=(i, t), name=f"restore-n{t.rank}", daemon=True)
                    for i, t in enumerate(self.trainers)]
@@ -361,6 +363,10 @@ class _Worker:
 def _worker_main() -> None:
     spec = json.loads(sys.stdin.readline())
     _raise_nofile()
+    if spec.get("backlog"):  # diagnostic only: the listen backlog of every server here (socketserver's is 5)
+        import socketserver
+
+        socketserver.TCPServer.request_queue_size = int(spec["backlog"])
     threading.stack_size(spec.get("stack_kib", 512) << 10)
     logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")), stream=sys.stderr,
                         format="[scale-bed w%(process)d %(asctime)s] %(name)s %(levelname)s %(message)s")
@@ -386,7 +392,7 @@ def _worker_main() -> None:
                 say({"event": "counters", **w.counters(), **w.decision_state()})
             elif cmd["cmd"] == "restore":
                 say(w.restore(cmd["key"], cmd.get("decisions", 3), cmd.get("fresh", True), cmd.get("wait_s", 120.0),
-                              cmd["t0"]))
+                              cmd["t0"], cmd.get("stagger_s", 0.0)))
             elif cmd["cmd"] == "stop":
                 break
     except Exception as e:  # said, then torn down all the same
@@ -459,13 +465,17 @@ class ScaleBed:
     step, measured), ``counters()``, ``close()`` (the teardown's findings); a context manager."""
 
     def __init__(self, nodes: int, procs: int = 4, heartbeat_s: float = 2.0, timeout_s: float = 120.0,
-                 run_id: Optional[str] = None, step_timeout_s: float = 120.0, log_level: str = "WARNING"):
+                 run_id: Optional[str] = None, step_timeout_s: float = 120.0, log_level: str = "WARNING",
+                 backlog: Optional[int] = None):
         if procs < 1 or nodes < procs:
             raise ValueError(f"nodes={nodes}, procs={procs}: every worker process needs a node")
         self.nodes, self.procs = nodes, procs
         self.heartbeat_s, self.timeout_s, self.step_timeout_s = heartbeat_s, timeout_s, step_timeout_s
         self.run_id = run_id or f"sb{nodes}-{secrets.token_hex(3)}"
         self.log_level = log_level
+        #: diagnostic: the listen backlog of every server in the workers (None: socketserver's 5, as the agents
+        #: run); a burst of connections to the root's store beyond it is what it shows
+        self.backlog = backlog
         self.tmp = tempfile.mkdtemp(prefix="mftsb-", dir="/tmp")
         self.shm_dir = tempfile.mkdtemp(prefix="mftsb-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.workers: list[_Proc] = []
@@ -501,7 +511,7 @@ class ScaleBed:
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             w = _Proc(popen, first, last, log_path)
             self.workers.append(w)
-            w.send({"config": cfg, "first": first, "last": last, "log_level": self.log_level})
+            w.send({"config": cfg, "first": first, "last": last, "log_level": self.log_level, "backlog": self.backlog})
             if i == 0:  # node 0 is the root before any other node looks for one
                 w.recv(timeout_s, "root")
         ready = [w.recv(max(1.0, timeout_s - (time.monotonic() - t0)), "ready") for w in self.workers]
@@ -598,7 +608,8 @@ class ScaleBed:
             w.send({"cmd": "counters"})
         return [w.recv(60, "counters") for w in self.workers]
 
-    def restore(self, key: str, decisions: int = 3, fresh: bool = True, wait_s: float = 120.0) -> dict:
+    def restore(self, key: str, decisions: int = 3, fresh: bool = True, wait_s: float = 120.0,
+                stagger_s: float = 0.0) -> dict:
         """Every light client runs one restore's job-wide decisions under ``key`` (the same for all, as
         the restore's identifier is on every rank); returns, per decision, the first request, the last
         answer and the answers (one, if every client got the same), and the restore's time from the
@@ -607,8 +618,8 @@ class ScaleBed:
         t0 = time.monotonic() + lead
         for w in self.workers:
             w.send({"cmd": "restore", "key": key, "decisions": decisions, "fresh": fresh, "wait_s": wait_s,
-                    "t0": t0})
-        replies = [w.recv(wait_s + 120, "restore") for w in self.workers]
+                    "t0": t0, "stagger_s": stagger_s})
+        replies = [w.recv(wait_s + 120 + stagger_s * self.nodes, "restore") for w in self.workers]
         per = []
         for d in range(decisions):
             got = [r["decisions"][d] for r in replies if len(r["decisions"]) > d]
@@ -626,13 +637,23 @@ class ScaleBed:
                 "restore_s": (per[-1]["last_answer"] - per[0]["first_request"]) if per else None}
 
     def restores(self, count: int, decisions: int = 3, fresh: bool = True, wait_s: float = 120.0,
-                 settle_s: float = 0.5) -> dict:
+                 settle_s: float = 0.5, warm_stagger_s: float = 0.002) -> dict:
         """``count`` restores' decisions (:meth:`restore`), keys ``restore/<random>/<i>`` (the random part
         the coordinator's, handed to every worker); the figures (see benchmarks/scale.py): store messages
         per node per restore and per decision from the root's op counts (``set red``: the nodes'
         contributions, ``watch red``: the results' watches), rounds from the agents' own counts, times,
-        the bed's CPU and load, and what was left behind."""
+        the bed's CPU and load, and what was left behind.
+
+        On the trainer's connection (``fresh`` false), one unmeasured warm-up restore first, its clients
+        started ``warm_stagger_s`` apart: each agent's handler thread of that connection opens its store
+        watch connection to the root there, not all N at once in a measured restore (a burst the root's
+        listen backlog of 5 does not take, see docs/benchmarks.md); the measured ones reuse it."""
         ident = secrets.token_hex(6)
+        warm = None
+        if not fresh and warm_stagger_s > 0:
+            warm = self.restore(f"restore/{ident}/warm", decisions, fresh, wait_s, warm_stagger_s)
+            if warm["failed"]:
+                raise BedError(f"the warm-up restore failed on {warm['failed']} clients: {warm['errors'][:3]}")
         time.sleep(settle_s)
         c0, wall0, load0 = self.counters_all(), time.monotonic(), os.getloadavg()[0]
         runs = [self.restore(f"restore/{ident}/{i}", decisions, fresh, wait_s) for i in range(count)]
@@ -650,7 +671,8 @@ class ScaleBed:
         mine = f"restore/{ident}/"
         # a contribution is red/<decision>/<node> (absorbed by the root as it arrives): none may stay
         contributions = [key for key in root["red_keys"] if key.startswith(mine) and key.count("/") >= 4]
-        results = [key for key in root["red_keys"] if key.startswith(mine) and key.count("/") == 3]
+        results = [key for key in root["red_keys"] if key.startswith(mine) and key.count("/") == 3
+                   and not key.startswith(mine + "warm/")]
         per_dec = [d["first_request_to_last_answer_s"] for r in runs for d in r["decisions"]]
         after_last = [d["last_request_to_last_answer_s"] for r in runs for d in r["decisions"]]
         spread = [d["request_spread_s"] for r in runs for d in r["decisions"]]
@@ -678,6 +700,7 @@ class ScaleBed:
             "left_contributions": contributions, "left_open": root["open"], "results_kept": len(results),
             "watch_conns_added": sum(r["watch_conns"] for r in c1) - sum(r["watch_conns"] for r in c0),
             "threads_added": sum(r["threads"] for r in c1) - sum(r["threads"] for r in c0),
+            "warm_up_restore_s": warm["restore_s"] if warm else None, "backlog": self.backlog,
             "bed_cpu_cores": (sum(r["cpu_s"] for r in c1) - sum(r["cpu_s"] for r in c0)) / window,
             "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         }
