@@ -47,6 +47,9 @@ class BlockVersion:
     expect: int = 0
     meta: dict = field(default_factory=dict)  # {"sizes": {rank: bytes}, "codec": descriptor or None}
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: contributors XOR-ed in (under ``lock``): a contribution sent again - a restarted agent sending a
+    #: version the group already holds - is dropped, or it would cancel itself out of the parity
+    applied: set = field(default_factory=set)
 
     @property
     def complete(self) -> bool:
@@ -106,7 +109,7 @@ class BlockStore:
                         v, fresh = BlockVersion(fresh), None
                         vs.append(v)
                     if v is not None:
-                        v.step, v.got, v.expect, v.meta = step, set(), expect, meta
+                        v.step, v.got, v.expect, v.meta, v.applied = step, set(), expect, meta, set()
                         accumulated = not key.startswith(xch.COPY + ".")
                         if accumulated:
                             v.lock.acquire()  # lock order: BlockStore.lock, then the version's
@@ -124,21 +127,27 @@ class BlockStore:
                 v.lock.release()
         return v
 
-    def write(self, v: BlockVersion, step: int, kind: str, n: int, fill: Callable[[memoryview], None]) -> None:
-        """One contribution of ``n`` bytes to ``step`` into ``v``: ``fill`` writes them into the
-        memoryview it is given (a peer's connection reads them off the socket, a local one copies
-        them). A copy lands in the block itself (one contributor, who sends its steps in order);
-        XOR/RS partials land in a buffer and are XOR-ed in under the version's lock, unless ``v``
-        was reset for a newer step meanwhile (then they are dropped: they belong to no live version)."""
+    def write(self, v: BlockVersion, step: int, kind: str, n: int, fill: Callable[[memoryview], None],
+              src: int) -> bool:
+        """One contribution of ``n`` bytes to ``step`` into ``v`` from node ``src``: ``fill`` writes them
+        into the memoryview it is given (a peer's connection reads them off the socket, a local one
+        copies them). A copy lands in the block itself (one contributor, who sends its steps in order);
+        XOR/RS partials land in a buffer and are XOR-ed in under the version's lock, unless ``v`` was
+        reset for a newer step meanwhile (they belong to no live version) or ``src``'s contribution to
+        this version is in already (XOR-ed twice it would cancel out): then they are dropped. Whether
+        they went in."""
         if kind == xch.COPY:
             fill(memoryview(v.segment.mm)[:n])
-            return
+            return True
         tmp = np.empty(n, np.uint8)
         fill(memoryview(tmp))
         dst = v.segment.array
         with v.lock:
-            if v.step == step:
-                np.bitwise_xor(dst[:n], tmp, out=dst[:n])
+            if v.step != step or src in v.applied:
+                return False
+            np.bitwise_xor(dst[:n], tmp, out=dst[:n])
+            v.applied.add(src)
+            return True
 
     def received(self, v: BlockVersion, step: int, src: int) -> None:
         """``src``'s contribution to ``v`` (for ``step``) is in (ignored if ``v`` moved on)."""

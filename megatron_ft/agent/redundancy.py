@@ -336,7 +336,10 @@ class Redundancy:
             else:
                 dst[:] = payload[:n]
 
-        self.blocks.write(v, step, req.kind, n, fill)
+        if not self.blocks.write(v, step, req.kind, n, fill, src):
+            log.info("agent node %d: dropped node %d's contribution to block %s step %d (in already, or the block "
+                     "moved on)", self.node, src, key, step)
+            return {"ignored": True}
         self.blocks.received(v, step, src)
         # announcing may talk to every member: not on the sender's critical path (reply first)
         self._announcer.submit(self._maybe_announce, step, None, req.meta.get("sizes"))

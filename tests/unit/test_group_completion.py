@@ -91,7 +91,7 @@ def test_xor_contributions_accumulate_and_one_for_a_reset_version_is_dropped(tmp
     x, y = np.arange(16, dtype=np.uint8), np.full(16, 7, np.uint8)
 
     def put(v, step, data, src):
-        b.write(v, step, xch.XOR, len(data), lambda dst: dst.__setitem__(slice(None), data.tobytes()))
+        b.write(v, step, xch.XOR, len(data), lambda dst: dst.__setitem__(slice(None), data.tobytes()), src)
         b.received(v, step, src)
 
     v = b.version_for("xor.g0.p0", 1, 16, 2, {})
@@ -147,7 +147,7 @@ def test_random_orders_never_lose_the_groups_recovery_point(tmp_path, seed):
             nd = nodes[dst]
             v = nd.b.version_for(nd.key(), s, 16, 1, {})
             if v is not None:
-                nd.b.write(v, s, xch.COPY, 16, lambda m: m.__setitem__(slice(None), bytes([s]) * 16))
+                nd.b.write(v, s, xch.COPY, 16, lambda m: m.__setitem__(slice(None), bytes([s]) * 16), pick)
                 nd.b.received(v, s, pick)
                 if nd.held_complete(s) and nd.c.claim(s):
                     nd.b.keep(nd.c.kept_blocks())
@@ -179,3 +179,24 @@ def test_the_certified_and_the_watched_steps_keep_their_blocks_until_a_rewind_dr
     assert g.kept_blocks() == {3, 5}
     g.rewind(2)  # the job resumed from 2: 3 belonged to an abandoned future
     assert (g.marked_steps, g.kept_blocks()) == (set(), {2})
+
+
+def test_a_parity_contribution_sent_again_is_dropped_not_xored_twice(tmp_path):
+    """A restarted agent may send a version the group already holds once more: XOR-ed in a second
+    time its contribution would cancel itself out of the parity (the rebuilt rank would be the other
+    contributors' bytes). The block keeps one contribution per node."""
+    import numpy as np
+
+    b = store(tmp_path)
+    v = b.version_for("xor.g0.l0.s0", 2, 8, 2, {})
+    a, c = np.arange(8, dtype=np.uint8), np.full(8, 7, np.uint8)
+
+    def put(src, data):
+        ok = b.write(v, 2, "xor", 8, lambda dst: dst.__setitem__(slice(None), data.tobytes()), src)
+        if ok:
+            b.received(v, 2, src)
+        return ok
+
+    assert put(1, a) and put(2, c) and v.complete
+    assert not put(1, a)  # node 1 again
+    assert bytes(v.segment.array[:8]) == (a ^ c).tobytes()
