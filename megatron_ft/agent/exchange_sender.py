@@ -36,7 +36,7 @@ class SenderOwner(Protocol):
     """What the sender needs from its owner (:class:`.redundancy.Redundancy`); every call is made
     by the exchange thread with no lock of the sender held."""
     node: int
-    agent: Any  # pin_step(step) -> {rank: Slot}, unpin(slots)
+    slots: Any  # the node's SlotStore: pin_step(step) -> {rank: SlotRef}, unpin(refs)
     codec: Any  # the group's RS codec, None for copies and XOR
 
     def wait_sizes(self) -> dict[int, int]: ...
@@ -137,7 +137,7 @@ class ExchangeSender:
         ex = owner.exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": owner.codec.descriptor.to_dict() if owner.codec else None}
-        slots = owner.agent.pin_step(step)  # rank -> Slot (pinned) or KeyError
+        slots = owner.slots.pin_step(step)  # rank -> SlotRef (pinned) or KeyError
         sent = 0
         try:
             mine = ex.sent_by(self.node)
@@ -154,7 +154,7 @@ class ExchangeSender:
                     faultpoints.reached("mid-exchange", step)
                 sent += len(payload)
         finally:
-            owner.agent.unpin(slots)
+            owner.slots.unpin(slots)
         owner.contributions_sent(step, ex, sent, time.perf_counter() - t0)
 
     def _send(self, node: int, put: Put, payload: memoryview) -> dict:

@@ -47,11 +47,12 @@ class RebuildOwner(Protocol):
     """What the rebuild needs from its owner (:class:`.redundancy.Redundancy`)."""
     node: int
     plan: Any  # RedundancyPlan
-    agent: Any  # install_recovered(rank, step, buf)
+    slots: Any  # the node's SlotStore: install_recovered(rank, step, buf)
     codec: Any
 
     def group_holdings(self, wait_s: float) -> GroupHoldings: ...
     def client(self, node: int) -> wire.Client: ...
+    def publish_size(self, rank: int, nbytes: int) -> None: ...
 
 
 class PeerRebuild:
@@ -93,7 +94,9 @@ class PeerRebuild:
                 buf[x.lo:x.hi] = acc[: x.hi - x.lo]
         else:
             decode_peak = self._decode_rs(holds, rec, step, buf)
-        owner.agent.install_recovered(rank, step, buf)
+        size = owner.slots.install_recovered(rank, step, buf)
+        if size is not None:  # the rank's slots were made for it: the group learns their size
+            owner.publish_size(rank, size)
         dt = time.perf_counter() - t0
         log.warning("agent node %d: rebuilt rank %d step %d from the group (%s) in %.3f s", owner.node, rank, step,
                     source, dt)

@@ -21,7 +21,7 @@ This module wires them together and serves the group's requests (``put``, ``anno
 
 Lock order: ``Redundancy._asking`` (one question to the group at a time, held across its network
 I/O and nothing else's), then ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
-version's lock. ``Agent.lock`` is never held with any of them (docs/architecture.md). No lock is
+version's lock. ``SlotStore.lock`` is never held with any of them (docs/architecture.md). No lock is
 held across network I/O, a store call or a shared-memory allocation.
 """
 from __future__ import annotations
@@ -53,12 +53,17 @@ ANSWERS_FRESH_S = 2.0
 
 
 class Redundancy:
-    """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``."""
+    """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``; reads and
+    writes the node's slots through its slot store (:class:`.slot_store.SlotStore`: ``slots``) only,
+    never holding ``Redundancy.lock`` while it calls it. ``secret``: the job's, proven by every peer
+    connection (both ways)."""
 
-    def __init__(self, agent: Any, store: Any, host: str = "127.0.0.1"):
-        self.agent = agent
-        self.cfg = agent.cfg
-        self.node = agent.node
+    def __init__(self, slots: Any, cfg: Any, node: int, secret: Optional[bytes], store: Any,
+                 host: str = "127.0.0.1"):
+        self.slots = slots
+        self.cfg = cfg
+        self.node = node
+        self.secret = secret
         self.store = store
         self.plan: RedundancyPlan = plan_from_config(self.cfg)
         self.gi = self.plan.node_group[self.node]
@@ -81,7 +86,7 @@ class Redundancy:
         #: transport "scheduled": the trainers send their copies (sched_pin ...)
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
         g = self.plan.groups[self.gi]
-        #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
+        #: rs parity node: its packets are all held whole by data nodes (slot_store.slots_per_rank)
         self.own_copy_is_redundant = self.plan.own_copy_is_redundant(self.node)
         self.codec = None
         if self.plan.scheme == "rs":  # the group's own k: a remainder of nodes joins a group as data nodes
@@ -90,7 +95,7 @@ class Redundancy:
         self.rebuild = PeerRebuild(self)
         port = network.peer_port(self.cfg, self.node)
         try:
-            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}", secret=agent.secret).start()
+            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}", secret=secret).start()
         except OSError as e:
             raise OSError(e.errno, f"node {self.node}'s peer transport cannot listen on {host}:{port} ({e.strerror}): "
                                    f"another process holds the port; free it or move network.peer_port") from None
@@ -99,7 +104,7 @@ class Redundancy:
         log.info("agent node %d: %s, group %d %s, peer transport on %s", self.node, self.plan.label, self.gi,
                  self.members, self.address)
 
-    # ------------------------------------------------------------------ protection (agent.begin)
+    # ------------------------------------------------------------------ protection (the agent's begin)
     def protected_steps(self) -> set[int]:
         """Steps whose primary slots the agent keeps (see :meth:`GroupCompletion.protected`)."""
         with self.lock:
@@ -256,7 +261,7 @@ class Redundancy:
         agent listens on a new port); bounded by ``agent.request_timeout_s``, and with ``within_s`` its
         address lookup and every call by that too. What this agent sends on it (the copies and parity it
         replicates, requests) carries ``network.replication_dscp``; what the peer answers does not."""
-        secret, dscp = self.agent.secret, self.cfg.network.replication_dscp
+        secret, dscp = self.secret, self.cfg.network.replication_dscp
         if within_s is None:
             return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError, secret=secret,
                                dscp=dscp)
@@ -282,7 +287,7 @@ class Redundancy:
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange:
         """The group's exchange for these container sizes (cached: sizes change only when a rank's
         layout does). The first time for given sizes, the shared memory this node's blocks will take
-        (every version) is reserved in the agent's budget (:meth:`Agent.reserve_peer_blocks`), before
+        (every version) is reserved in the agent's budget (:meth:`.shm_budget.ShmBudget.reserve_peer_blocks`), before
         anything of that exchange is sent or received: a :class:`~.shm.SharedMemoryError` when it does
         not fit."""
         key = tuple(sorted(sizes.items()))
@@ -292,7 +297,7 @@ class Redundancy:
             return cached[1]
         ex = xch.group_exchange(self.plan, self.gi, sizes)
         held = ex.held_by(self.node)
-        self.agent.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held),
+        self.slots.budget.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held),
                                        self.blocks.allocated())
         with self.lock:  # (never both locks: lock order, the class docstring)
             self._ex_cache = (key, ex)
@@ -387,7 +392,7 @@ class Redundancy:
     # version here and reports when every chunk arrived - only then is the block complete, so a
     # transfer spread over iterations (or cut by a failure) never counts as held.
     def sched_pin(self, rank: int, step: int) -> dict:
-        slot = self.agent.pin_rank_step(rank, step)  # KeyError: not held clean
+        slot = self.slots.transport.pin(rank, step)  # KeyError: not held clean
         with self.lock:
             self.completion.scheduled(step, time.time())
             self.completion.exchange_started(step, time.perf_counter())
@@ -435,8 +440,8 @@ class Redundancy:
 
     def holds(self) -> dict:
         held = self.blocks.holdings()
-        sizes = {**held["sizes"], **{str(r): n for r, n in self.agent.slot_sizes().items()}}
-        return {"primary": {str(r): s for r, s in self.agent.clean_steps().items()}, "blocks": held["blocks"],
+        sizes = {**held["sizes"], **{str(r): n for r, n in self.slots.slot_sizes().items()}}
+        return {"primary": {str(r): s for r, s in self.slots.clean_steps().items()}, "blocks": held["blocks"],
                 "codecs": held["codecs"], "sizes": sizes, "complete": self.complete_step, "pid": os.getpid()}
 
     def _serve_get(self, req: Get) -> memoryview:
@@ -444,7 +449,7 @@ class Redundancy:
         if req.what == "primary":
             if req.rank is None:
                 raise ValueError("peer op 'get' of a primary names its rank")
-            mm = self.agent.clean_segment(req.rank, step).mm  # KeyError if gone
+            mm = self.slots.clean_segment(req.rank, step).mm  # KeyError if gone
         else:
             v = self.blocks.version(req.key or "", step)
             if v is None:
