@@ -38,10 +38,9 @@ class SenderOwner(Protocol):
     node: int
     slots: Any  # the node's SlotStore: pin_step(step) -> {rank: SlotRef}, unpin(refs)
     codec: Any  # the group's RS codec, None for copies and XOR
+    peers: Any  # the PeerDirectory: wait_sizes() -> {rank: size}, client(node) -> wire.Client
 
-    def wait_sizes(self) -> dict[int, int]: ...
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange: ...
-    def client(self, node: int) -> wire.Client: ...
     def receive(self, put: Put, payload: memoryview) -> dict: ...
     def exchange_started(self, step: int, t0: float) -> None: ...
     def contributions_sent(self, step: int, ex: xch.GroupExchange, nbytes: int, seconds: float) -> None: ...
@@ -133,7 +132,7 @@ class ExchangeSender:
         owner = self.owner
         t0 = time.perf_counter()
         owner.exchange_started(step, t0)
-        sizes = owner.wait_sizes()
+        sizes = owner.peers.wait_sizes()
         ex = owner.exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": owner.codec.descriptor.to_dict() if owner.codec else None}
@@ -160,7 +159,7 @@ class ExchangeSender:
     def _send(self, node: int, put: Put, payload: memoryview) -> dict:
         cl = self._conns.get(node)
         if cl is None:
-            cl = self._conns[node] = self.owner.client(node)
+            cl = self._conns[node] = self.owner.peers.client(node)
         return cl.request(**put.fields(), payload=payload)
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs: _RowPipeline) -> Any:

@@ -47,13 +47,13 @@ def _group_wait_s(a, r) -> float:
 def _peer_list(a, r) -> dict:
     if a.redundancy is None:
         return {"versions": [], "unanswered": {}}
-    return a.redundancy.candidates(r.rank, _group_wait_s(a, r))
+    return a.redundancy.rebuild.candidates(r.rank, _group_wait_s(a, r))
 
 
 def _recover(a, r) -> dict:
     if a.redundancy is None:
         raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
-    return a.redundancy.recover(r.rank, r.step, _group_wait_s(a, r))
+    return a.redundancy.rebuild.recover(r.rank, r.step, _group_wait_s(a, r))
 
 
 def _scheduled(handler: Handler) -> Handler:

@@ -104,7 +104,7 @@ class Agent:
                                trained=self.trained).start()
         if self.redundancy is not None:
             for rank, size in self.slots.slot_sizes().items():
-                self.redundancy.publish_size(rank, size)
+                self.redundancy.peers.publish_size(rank, size)
 
     def start_agreement(self) -> None:
         """Join the job-wide agreement (``snapshot.agreement: agents``; after :meth:`start_peers`: through
@@ -135,7 +135,7 @@ class Agent:
         """``rank``'s slots (:meth:`SlotStore.register`); their size published to the group afterwards."""
         reply, size = self.slots.register(rank, layout_json)
         if self.redundancy is not None:  # a store call: no lock held
-            self.redundancy.publish_size(rank, size)
+            self.redundancy.peers.publish_size(rank, size)
         return reply
 
     def begin(self, rank: int, step: int) -> int:
@@ -277,9 +277,7 @@ class Agent:
         if self.monitor is not None:
             self.monitor.stop()
         if self.redundancy is not None:
-            self.redundancy.close()
-            if remove_segments:
-                self.redundancy.remove_segments()
+            self.redundancy.close(remove_segments)
         if self.store is not None and hasattr(self.store, "close"):  # its server and connections (embedded)
             try:
                 self.store.close()
