@@ -530,7 +530,7 @@ class Rendezvous:
     def record_end(self, rc: Optional[int]) -> None:
         """This launcher is done with the job (exit ``rc``): say so in the store (``ended``), so that an
         agent whose launcher died and will not come back learns that the job is over
-        (:class:`megatron_ft.agent.server.JobEndWatch`). Best effort, on the connection it has (no new
+        (:class:`megatron_ft.agent.launcher_watch.JobEndWatch`). Best effort, on the connection it has (no new
         root is looked for: bounded by ``health.timeout_s``)."""
         kv = self.store.kv if self.store is not None else None
         if kv is None:

@@ -36,12 +36,11 @@ class SenderOwner(Protocol):
     """What the sender needs from its owner (:class:`.redundancy.Redundancy`); every call is made
     by the exchange thread with no lock of the sender held."""
     node: int
-    agent: Any  # pin_step(step) -> {rank: Slot}, unpin(slots)
+    slots: Any  # the node's SlotStore: pin_step(step) -> {rank: SlotRef}, unpin(refs)
     codec: Any  # the group's RS codec, None for copies and XOR
+    peers: Any  # the PeerDirectory: wait_sizes() -> {rank: size}, client(node) -> wire.Client
 
-    def wait_sizes(self) -> dict[int, int]: ...
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange: ...
-    def client(self, node: int) -> wire.Client: ...
     def receive(self, put: Put, payload: memoryview) -> dict: ...
     def exchange_started(self, step: int, t0: float) -> None: ...
     def contributions_sent(self, step: int, ex: xch.GroupExchange, nbytes: int, seconds: float) -> None: ...
@@ -133,11 +132,11 @@ class ExchangeSender:
         owner = self.owner
         t0 = time.perf_counter()
         owner.exchange_started(step, t0)
-        sizes = owner.wait_sizes()
+        sizes = owner.peers.wait_sizes()
         ex = owner.exchange_for(sizes)
         meta = {"sizes": {str(r): s for r, s in sizes.items()},
                 "codec": owner.codec.descriptor.to_dict() if owner.codec else None}
-        slots = owner.agent.pin_step(step)  # rank -> Slot (pinned) or KeyError
+        slots = owner.slots.pin_step(step)  # rank -> SlotRef (pinned) or KeyError
         sent = 0
         try:
             mine = ex.sent_by(self.node)
@@ -154,13 +153,13 @@ class ExchangeSender:
                     faultpoints.reached("mid-exchange", step)
                 sent += len(payload)
         finally:
-            owner.agent.unpin(slots)
+            owner.slots.unpin(slots)
         owner.contributions_sent(step, ex, sent, time.perf_counter() - t0)
 
     def _send(self, node: int, put: Put, payload: memoryview) -> dict:
         cl = self._conns.get(node)
         if cl is None:
-            cl = self._conns[node] = self.owner.client(node)
+            cl = self._conns[node] = self.owner.peers.client(node)
         return cl.request(**put.fields(), payload=payload)
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs: _RowPipeline) -> Any:

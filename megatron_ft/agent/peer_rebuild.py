@@ -47,11 +47,9 @@ class RebuildOwner(Protocol):
     """What the rebuild needs from its owner (:class:`.redundancy.Redundancy`)."""
     node: int
     plan: Any  # RedundancyPlan
-    agent: Any  # install_recovered(rank, step, buf)
+    slots: Any  # the node's SlotStore: install_recovered(rank, step, buf)
     codec: Any
-
-    def group_holdings(self, wait_s: float) -> GroupHoldings: ...
-    def client(self, node: int) -> wire.Client: ...
+    peers: Any  # the PeerDirectory: group_holdings(wait_s) -> GroupHoldings, client(node), publish_size(rank, n)
 
 
 class PeerRebuild:
@@ -62,7 +60,7 @@ class PeerRebuild:
         """``{"versions": [{step, source}, ...], "unanswered": {node: why}}``: the steps of ``rank``
         this node can rebuild from its group, newest first, waiting up to ``wait_s`` for every member
         to answer. ``unanswered`` non-empty: the list may lack versions those members hold."""
-        g = self.owner.group_holdings(wait_s)
+        g = self.owner.peers.group_holdings(wait_s)
         versions = [] if g.sizes is None else rebuild.rebuildable(self.owner.plan, g.holds, rank, g.sizes)
         return {"versions": versions, "unanswered": g.unanswered}
 
@@ -70,7 +68,7 @@ class PeerRebuild:
         """Rebuild ``rank``'s container of ``step`` into a local slot; returns the source tier."""
         owner = self.owner
         t0 = time.perf_counter()
-        g = owner.group_holdings(wait_s)
+        g = owner.peers.group_holdings(wait_s)
         holds, sizes = g.holds, g.sizes
         how = None if sizes is None else rebuild.plan_rebuild(owner.plan, holds, rank, step, sizes)
         if how is None or sizes is None:
@@ -93,7 +91,9 @@ class PeerRebuild:
                 buf[x.lo:x.hi] = acc[: x.hi - x.lo]
         else:
             decode_peak = self._decode_rs(holds, rec, step, buf)
-        owner.agent.install_recovered(rank, step, buf)
+        size = owner.slots.install_recovered(rank, step, buf)
+        if size is not None:  # the rank's slots were made for it: the group learns their size
+            owner.peers.publish_size(rank, size)
         dt = time.perf_counter() - t0
         log.warning("agent node %d: rebuilt rank %d step %d from the group (%s) in %.3f s", owner.node, rank, step,
                     source, dt)
@@ -103,7 +103,7 @@ class PeerRebuild:
         return out
 
     def _fetch(self, node: int, what: str, ident: Any, step: int, lo: int, hi: int, dst: memoryview) -> None:
-        cl = self.owner.client(node)
+        cl = self.owner.peers.client(node)
         try:
             get = Get(op="get", what=what, step=step, lo=lo, hi=hi, **{"rank" if what == "primary" else "key": ident})
             cl.request(**get.fields(), into=dst)
@@ -141,7 +141,7 @@ class PeerRebuild:
         # the codec recorded with the parity decodes it (a mismatching build refuses, by name)
         codec = get_codec(desc) if desc else self.owner.codec or get_codec("rs", rec.k, rec.m)
         piece = decode_piece_bytes(codec.piece_align)
-        clients = {n: self.owner.client(n) for n in {s[0] for s in sources.values() if s is not None}}
+        clients = {n: self.owner.peers.client(n) for n in {s[0] for s in sources.values() if s is not None}}
         try:
             peak = 0
             for lo in range(0, rec.size, piece):

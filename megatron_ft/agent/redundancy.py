@@ -19,9 +19,12 @@ trainers agreed on it):
 This module wires them together and serves the group's requests (``put``, ``announce``, ``holds``,
 ``get``) on the peer transport (:mod:`megatron_ft.transport.wire`).
 
-Lock order: ``Redundancy._asking`` (one question to the group at a time, held across its network
+What it knows of the other members (addresses, sizes, their holdings) is
+:class:`.peer_directory.PeerDirectory`'s.
+
+Lock order: ``PeerDirectory._asking`` (one question to the group at a time, held across its network
 I/O and nothing else's), then ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
-version's lock. ``Agent.lock`` is never held with any of them (docs/architecture.md). No lock is
+version's lock. ``SlotStore.lock`` is never held with any of them (docs/architecture.md). No lock is
 held across network I/O, a store call or a shared-memory allocation.
 """
 from __future__ import annotations
@@ -37,28 +40,28 @@ from .block_store import MAX_VERSIONS, BlockStore
 from .exchange_sender import ExchangeSender
 from .group_completion import GroupCompletion
 from .peer_protocol import PEER_MESSAGES, Announce, Get, Put
-from .peer_rebuild import GroupHoldings, PeerError, PeerRebuild
+from .peer_directory import PeerDirectory
+from .peer_rebuild import PeerError, PeerRebuild
 from ..redundancy import exchange as xch
 from ..redundancy.codecs import get_codec
-from ..health.kv import StoreUnavailable
 from ..redundancy.plan import RedundancyPlan, plan_from_config
 from .. import network
 from ..transport import wire
 
 log = logging.getLogger("megatron_ft.agent")
 
-#: how long the group's answers to "what do you hold" serve this node's other ranks (a restore's ranks
-#: ask within milliseconds of each other; nothing is exchanged while they restore)
-ANSWERS_FRESH_S = 2.0
-
-
 class Redundancy:
-    """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``."""
+    """Lives inside :class:`megatron_ft.agent.server.Agent` when ``redundancy.scheme != none``; reads and
+    writes the node's slots through its slot store (:class:`.slot_store.SlotStore`: ``slots``) only,
+    never holding ``Redundancy.lock`` while it calls it. ``secret``: the job's, proven by every peer
+    connection (both ways)."""
 
-    def __init__(self, agent: Any, store: Any, host: str = "127.0.0.1"):
-        self.agent = agent
-        self.cfg = agent.cfg
-        self.node = agent.node
+    def __init__(self, slots: Any, cfg: Any, node: int, secret: Optional[bytes], store: Any,
+                 host: str = "127.0.0.1"):
+        self.slots = slots
+        self.cfg = cfg
+        self.node = node
+        self.secret = secret
         self.store = store
         self.plan: RedundancyPlan = plan_from_config(self.cfg)
         self.gi = self.plan.node_group[self.node]
@@ -74,14 +77,13 @@ class Redundancy:
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._aconns: dict[int, wire.Client] = {}  # the announcer's open connections
         self._stop = threading.Event()
-        # the other members' answers to "what do you hold", shared by this node's ranks for a moment
-        # (a restore's ranks all ask at once: one question per node, not per rank)
-        self._asking = threading.Lock()
-        self._answers: Optional[tuple[float, dict[int, dict]]] = None
+        #: the other members' addresses, sizes and answers to "what do you hold"; connections to them
+        self.peers = PeerDirectory(self.cfg, self.node, self.members, self.group_ranks, store, secret, self.holds,
+                                   self._stop)
         #: transport "scheduled": the trainers send their copies (sched_pin ...)
         self.scheduled = self.cfg.redundancy.transport == "scheduled"
         g = self.plan.groups[self.gi]
-        #: rs parity node: its packets are all held whole by data nodes (Agent.slots_per_rank)
+        #: rs parity node: its packets are all held whole by data nodes (slot_store.slots_per_rank)
         self.own_copy_is_redundant = self.plan.own_copy_is_redundant(self.node)
         self.codec = None
         if self.plan.scheme == "rs":  # the group's own k: a remainder of nodes joins a group as data nodes
@@ -90,7 +92,7 @@ class Redundancy:
         self.rebuild = PeerRebuild(self)
         port = network.peer_port(self.cfg, self.node)
         try:
-            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}", secret=agent.secret).start()
+            self.server = wire.Server((host, port), self, name=f"peers-n{self.node}", secret=secret).start()
         except OSError as e:
             raise OSError(e.errno, f"node {self.node}'s peer transport cannot listen on {host}:{port} ({e.strerror}): "
                                    f"another process holds the port; free it or move network.peer_port") from None
@@ -99,7 +101,7 @@ class Redundancy:
         log.info("agent node %d: %s, group %d %s, peer transport on %s", self.node, self.plan.label, self.gi,
                  self.members, self.address)
 
-    # ------------------------------------------------------------------ protection (agent.begin)
+    # ------------------------------------------------------------------ protection (the agent's begin)
     def protected_steps(self) -> set[int]:
         """Steps whose primary slots the agent keeps (see :meth:`GroupCompletion.protected`)."""
         with self.lock:
@@ -127,143 +129,6 @@ class Redundancy:
                    "address": self.address, "exchanged": self.exchanged[-3:]}
         return {**out, **self.blocks.status()}
 
-    # ------------------------------------------------------------------ sizes and addresses
-    def publish_size(self, rank: int, nbytes: int) -> None:
-        try:
-            self.store.publish(f"size/{rank}", str(nbytes))
-        except Exception as e:
-            log.warning("agent node %d: could not publish the size of rank %d: %s", self.node, rank, e)
-
-    def sizes(self, holds: Optional[dict] = None) -> dict[int, int]:
-        """Container size of every rank of the group: from the store, else (a lost rank whose
-        size went with a lost root store) from the sizes the survivors' blocks were built with."""
-        out = {}
-        known: dict[str, int] = {}
-        for h in (holds or {}).values():
-            known.update(h.get("sizes", {}))
-        for r in self.group_ranks:
-            v = known.get(str(r))
-            if v is None:
-                v = self.store.get(f"size/{r}")
-            if v is None:
-                raise RuntimeError(f"the container size of rank {r} is not known yet")
-            out[r] = int(v)
-        return out
-
-    def wait_sizes(self, timeout: float = 30.0) -> dict[int, int]:
-        """Every rank's container size, for sending. Every rank of a consistent step has registered,
-        but its agent may publish a moment later (bounded by ``timeout``)."""
-        deadline = time.time() + timeout
-        while True:
-            try:
-                return self.sizes()
-            except RuntimeError:  # not published yet (or the store is moving: StoreUnavailable)
-                if time.time() > deadline or self._stop.is_set():
-                    raise
-                time.sleep(0.05)
-
-    def group_holdings(self, wait_s: float) -> "GroupHoldings":
-        """What every member of the group holds, this node included: its own ``holds``, and every other
-        member asked (``holds``) until all have answered and every group rank's container size is known,
-        for at most ``wait_s``. This node's own blocks count like a survivor's: an rs parity node keeps one
-        staging slot for its rank, and once a newer snapshot overwrote it, the group's complete step of
-        that rank is decoded from this node's own parity row and the data held elsewhere. A replacement's agent asks
-        just after a failure: the store may be moving to a new root (its keys fill as the survivors'
-        next heartbeats re-publish them) and a member's agent may be restarting, so a member that does
-        not answer is asked again rather than taken for one that holds nothing. Not collective; no lock
-        held; every ask (address lookup, connection, reply) is bounded by what is left of ``wait_s``."""
-        with self._asking:  # this node's ranks restoring at once share the answers
-            cached = self._answers
-            if cached is not None and time.monotonic() - cached[0] < ANSWERS_FRESH_S:
-                return self._holdings({self.node: self.holds(), **cached[1]}, {})
-            got = self._ask_group(wait_s)
-            if not got.unanswered:
-                self._answers = (time.monotonic(), {n: h for n, h in got.holds.items() if n != self.node})
-            return got
-
-    def _holdings(self, holds: dict[int, dict], unanswered: dict[str, str]) -> "GroupHoldings":
-        sizes: Optional[dict[int, int]] = None
-        try:
-            sizes = self.sizes(holds)
-        except StoreUnavailable as e:
-            unanswered["store"] = str(e).splitlines()[0]
-        except RuntimeError:
-            pass
-        return GroupHoldings(holds, sizes, unanswered)
-
-    def _ask_group(self, wait_s: float) -> "GroupHoldings":
-        deadline = time.monotonic() + wait_s
-        ask_s = max(1.0, wait_s / 3)  # one silent member does not use up the others' time
-        holds: dict[int, dict] = {self.node: self.holds()}
-        unanswered: dict[str, str] = {}
-        while True:
-            for n in self.members:
-                if n == self.node or n in holds:
-                    continue
-                try:
-                    holds[n] = self._ask_holds(n, min(ask_s, max(deadline - time.monotonic(), 0.5)))
-                    unanswered.pop(f"node {n}", None)
-                except (OSError, PeerError, StoreUnavailable, wire.WireError) as e:
-                    unanswered[f"node {n}"] = str(e).splitlines()[0] if str(e) else type(e).__name__
-            sizes: Optional[dict[int, int]] = None
-            try:
-                sizes = self.sizes(holds)
-                unanswered.pop("store", None)
-            except StoreUnavailable as e:  # a RuntimeError too: the store moving, not an unknown size
-                unanswered["store"] = str(e).splitlines()[0]
-            except RuntimeError:
-                pass  # everyone answered and nobody knows a rank's size: nobody holds its data
-            if not unanswered or time.monotonic() >= deadline or self._stop.is_set():
-                if unanswered:
-                    log.warning("agent node %d: no answer within %.0f s about what the group holds from %s",
-                                self.node, wait_s, unanswered)
-                return GroupHoldings(holds, sizes, unanswered)
-            time.sleep(0.2)
-
-    def _ask_holds(self, node: int, within_s: float) -> dict:
-        """Node ``node``'s ``holds`` reply; its address lookup, connection and reply each bounded by
-        ``within_s``."""
-        cl = self.client(node, within_s)
-        try:
-            return cl.request("holds")
-        finally:
-            cl.close()
-
-    def addr(self, node: int, wait_s: Optional[float] = None) -> tuple[str, int]:
-        """Node ``node``'s peer transport address from the store. After a root failover the new store
-        fills as the agents' next heartbeats re-publish, and the failover itself takes up to the health
-        timeout (longer on a loaded machine): waits for it up to ``wait_s`` (default: that long)."""
-        h = self.cfg.health
-        if wait_s is None:
-            wait_s = h.timeout_s + 4 * h.heartbeat_s + 1.0
-        deadline = time.time() + wait_s
-        why = "has not published its peer address"
-        while True:
-            try:
-                v = self.store.get(f"addr/{node}")
-            except StoreUnavailable as e:  # the store moving to a new root: ask again
-                v, why = None, f"peer address unknown: {e}"
-            if v is not None or time.time() >= deadline:
-                break
-            time.sleep(0.05)
-        if v is None:
-            raise PeerError(f"node {node} {why}")
-        host, port = v.rsplit(":", 1)
-        return host, int(port)
-
-    def client(self, node: int, within_s: Optional[float] = None) -> wire.Client:
-        """A connection to ``node``'s agent (its address looked up at each (re)connect: a restarted
-        agent listens on a new port); bounded by ``agent.request_timeout_s``, and with ``within_s`` its
-        address lookup and every call by that too. What this agent sends on it (the copies and parity it
-        replicates, requests) carries ``network.replication_dscp``; what the peer answers does not."""
-        secret, dscp = self.agent.secret, self.cfg.network.replication_dscp
-        if within_s is None:
-            return wire.Client(lambda: self.addr(node), self.cfg.agent.request_timeout_s, error=PeerError, secret=secret,
-                               dscp=dscp)
-        return wire.Client(lambda: self.addr(node, wait_s=within_s), min(self.cfg.agent.request_timeout_s, within_s),
-                           error=PeerError, secret=secret, dscp=dscp)
-
-
     # ------------------------------------------------------------------ sending (one version)
     def version_global(self, step: int) -> None:
         """Every local rank agreed on ``step``: exchange it (the newest pending one wins). With the
@@ -282,7 +147,7 @@ class Redundancy:
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange:
         """The group's exchange for these container sizes (cached: sizes change only when a rank's
         layout does). The first time for given sizes, the shared memory this node's blocks will take
-        (every version) is reserved in the agent's budget (:meth:`Agent.reserve_peer_blocks`), before
+        (every version) is reserved in the agent's budget (:meth:`.shm_budget.ShmBudget.reserve_peer_blocks`), before
         anything of that exchange is sent or received: a :class:`~.shm.SharedMemoryError` when it does
         not fit."""
         key = tuple(sorted(sizes.items()))
@@ -292,7 +157,7 @@ class Redundancy:
             return cached[1]
         ex = xch.group_exchange(self.plan, self.gi, sizes)
         held = ex.held_by(self.node)
-        self.agent.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held),
+        self.slots.budget.reserve_peer_blocks(xch.held_bytes(held, self.blocks.max_versions), len(held),
                                        self.blocks.allocated())
         with self.lock:  # (never both locks: lock order, the class docstring)
             self._ex_cache = (key, ex)
@@ -351,7 +216,7 @@ class Redundancy:
         """Announce ``step`` once every block this node holds for it is complete. The claim (its
         blocks are kept from then on) and the check are one step under ``Redundancy.lock``."""
         try:
-            ex = ex or self.exchange_for({int(r): int(v) for r, v in sizes.items()} if sizes else self.sizes())
+            ex = ex or self.exchange_for({int(r): int(v) for r, v in sizes.items()} if sizes else self.peers.sizes())
         except Exception:
             return
         keys = [spec.key for spec in ex.held_by(self.node)]
@@ -369,7 +234,7 @@ class Redundancy:
             try:
                 cl = self._aconns.get(n)
                 if cl is None:
-                    cl = self._aconns[n] = self.client(n)
+                    cl = self._aconns[n] = self.peers.client(n)
                 cl.request(**Announce(op="announce", node=self.node, step=step).fields())
             except (OSError, PeerError) as e:
                 log.warning("agent node %d: could not tell node %d that step %d is held: %s", self.node, n, step, e)
@@ -390,14 +255,14 @@ class Redundancy:
     # version here and reports when every chunk arrived - only then is the block complete, so a
     # transfer spread over iterations (or cut by a failure) never counts as held.
     def sched_pin(self, rank: int, step: int) -> dict:
-        slot = self.agent.pin_rank_step(rank, step)  # KeyError: not held clean
+        slot = self.slots.transport.pin(rank, step)  # KeyError: not held clean
         with self.lock:
             self.completion.scheduled(step, time.time())
             self.completion.exchange_started(step, time.perf_counter())
         return {"path": slot.segment.path, "size": slot.segment.size}
 
     def sched_recv_begin(self, src_rank: int, step: int, length: int) -> dict:
-        sizes = self.wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
+        sizes = self.peers.wait_sizes(timeout=10.0)  # well within the trainer's 30 s request timeout
         if sizes.get(src_rank) != length:
             raise ValueError(f"rank {src_rank} sends {length} bytes but its published container size is "
                              f"{sizes.get(src_rank)}")
@@ -438,8 +303,8 @@ class Redundancy:
 
     def holds(self) -> dict:
         held = self.blocks.holdings()
-        sizes = {**held["sizes"], **{str(r): n for r, n in self.agent.slot_sizes().items()}}
-        return {"primary": {str(r): s for r, s in self.agent.clean_steps().items()}, "blocks": held["blocks"],
+        sizes = {**held["sizes"], **{str(r): n for r, n in self.slots.slot_sizes().items()}}
+        return {"primary": {str(r): s for r, s in self.slots.clean_steps().items()}, "blocks": held["blocks"],
                 "codecs": held["codecs"], "sizes": sizes, "complete": self.complete_step, "pid": os.getpid()}
 
     def _serve_get(self, req: Get) -> memoryview:
@@ -447,7 +312,7 @@ class Redundancy:
         if req.what == "primary":
             if req.rank is None:
                 raise ValueError("peer op 'get' of a primary names its rank")
-            mm = self.agent.clean_segment(req.rank, step).mm  # KeyError if gone
+            mm = self.slots.clean_segment(req.rank, step).mm  # KeyError if gone
         else:
             v = self.blocks.version(req.key or "", step)
             if v is None:
@@ -458,13 +323,7 @@ class Redundancy:
         return memoryview(mm)[lo:hi]
 
 
-    # ------------------------------------------------------------------ recovery
-    def candidates(self, rank: int, wait_s: float) -> dict:
-        return self.rebuild.candidates(rank, wait_s)
-
-    def recover(self, rank: int, step: int, wait_s: float) -> dict:
-        return self.rebuild.recover(rank, step, wait_s)
-
+    # ------------------------------------------------------------------ recovery (self.rebuild: candidates, recover)
     def keep_marked(self, steps: set[int]) -> None:
         """The steps this node's ranks certified or watch: keep its blocks of them, so that a lost member's
         ranks can be rebuilt at the certified version."""
@@ -477,20 +336,20 @@ class Redundancy:
         """The job resumed from ``step``: versions newer than it (exchanged, announced, held as
         blocks or pending) are an abandoned future; the complete step goes down to ``step`` at most,
         so the next versions are exchanged and completed again."""
-        self._answers = None
+        self.peers.forget()
         with self.lock:
             self.completion.rewind(step)
             self.blocks.rewind(step)
             self.blocks.keep(self.completion.kept_blocks())
         self.sender.drop_newer(step)
 
-    def close(self) -> None:
+    def close(self, remove_segments: bool = False) -> None:
+        """Stop sending and serving; with ``remove_segments``, the block versions' files removed too."""
         self._stop.set()
         self.sender.close()
         self._announcer.shutdown(wait=False)
         for cl in list(self._aconns.values()):
             cl.close()
         self.server.close()
-
-    def remove_segments(self) -> None:
-        self.blocks.remove_segments()
+        if remove_segments:
+            self.blocks.remove_segments()

@@ -2,7 +2,7 @@
 which slot the next snapshot may overwrite (REFT's clean/dirty double buffer, extended to the
 redundancy group's complete version).
 
-A pure state machine: no I/O, no locks, no clocks. The agent (:mod:`megatron_ft.agent.server`)
+A pure state machine: no I/O, no locks, no clocks. The slot store (:mod:`megatron_ft.agent.slot_store`)
 holds its lock around every call and mirrors a slot's new state into the container header of
 its shared-memory segment afterwards; the rules below are proven in process by
 ``tests/unit/test_version_table.py`` against every order of events.

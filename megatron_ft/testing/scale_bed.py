@@ -276,7 +276,7 @@ class _Worker:
     def counters(self) -> dict:
         return {"reports": sum(a.agreement.reports_sent for a in self.agents),
                 "verdicts": sum(a.agreement.verdicts_seen for a in self.agents),
-                "skipped": sum(a.skipped_pending for a in self.agents),
+                "skipped": sum(a.slots.agreement.skipped_pending for a in self.agents),
                 "ops": self._root_ops(), "cpu_s": _cpu_s(), **_proc_counts()}
 
     def step(self, step: int, timeout_s: float) -> dict:

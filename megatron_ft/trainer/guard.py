@@ -9,7 +9,7 @@ on. Before any rank trains on a restored version, every rank checks the values i
 
 * **losses** (where the training loop reports its loss: the project's script, not upstream
   Megatron-LM's ``train()``): each node's agent keeps the loss of every committed snapshot's step (the
-  last ``megatron_ft.agent.server.LOSS_HISTORY`` steps per rank). For ``recovery.guard_iterations`` iterations after a
+  last ``megatron_ft.agent.guard_memory.LOSS_HISTORY`` steps per rank). For ``recovery.guard_iterations`` iterations after a
   restore, each iteration's loss is judged by :func:`loss_anomaly` against that history - a step
   that was trained before the failure (a replayed, lost iteration) must come out within
   ``recovery.loss_tolerance`` of its recorded loss; a step beyond the history must not exceed
