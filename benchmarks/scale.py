@@ -219,7 +219,7 @@ def trainers_table(trows: list[dict]) -> str:
             if not rs:
                 continue
             its = [t["iteration_s"] for t in rs if t["iteration_s"]]
-            m = statistics.median(its) if its else None
+            m = round(statistics.median(its), 4) if its else None
             over = f"{100 * (m - b) / b:+.1f} %" if m is not None and b and mode != "off" else "-"
             per_snap = [t["world_collectives_per_snapshot_per_rank"] for t in rs
                         if t["world_collectives_per_snapshot_per_rank"] is not None]
