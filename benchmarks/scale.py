@@ -26,12 +26,23 @@ worker. Heartbeats every ``--heartbeat-s`` (default: 2 s up to 256 nodes, 5 s ab
 cheaper; a long timeout keeps a loaded bed from judging nodes failed, which this benchmark does not
 measure.
 
-(a) ``--trainers R ...``: ``megatron-ft demo --fail none`` on R ranks (R/2 nodes x 2 ranks, the tiny
-model), once with ``snapshot.agreement: agents`` and once with ``collective``; per-iteration time and
-megatron-ft's world collectives per snapshot from the ranks' ``snapshots`` events.
+``--restores K``: then, in the same bed, K restores' job-wide decisions (a node loss's restore
+coordination, best case): every light client lists its held steps and asks its agent to ``decide`` the
+``intersect`` of them, then the ``min`` of (ok, not refused) twice, under a key all clients share;
+messages per node per restore and per decision from the root's ``set red`` / ``watch red`` counts,
+rounds from the agents' own counts, the time from the first client's request to the last one's
+answer (p50/p99), the bed's load, what is left at the root. The decisions run on the trainer's own
+connection after an unmeasured warm-up (``--restore-conn fresh``: a connection per restore, as the
+trainer does; see docs/benchmarks.md for why not by default).
 
-    python benchmarks/scale.py --nodes 64 256 1024 2048 --steps 20      # ~15 min on 2 cores
-    python benchmarks/scale.py --trainers 4 8                             # ~5 min
+(a) ``--trainers R ...``: ``megatron-ft demo --fail none`` on R ranks (R/2 nodes x 2 ranks, the tiny
+model), alternating ``--repeats`` times: in-memory checkpointing off, ``snapshot.agreement: agents``,
+``collective``; per-iteration time (its overhead against off) and megatron-ft's world collectives per
+snapshot and per iteration from the ranks' ``snapshots`` events.
+
+    python benchmarks/scale.py --nodes 64 256 --steps 5 --restores 10              # ~3 min on 2 cores
+    python benchmarks/scale.py --nodes 256 1024 --steps 5 --restores 10 --backlog 4096   # ~6 min
+    python benchmarks/scale.py --trainers 4 8 --repeats 2 --iterations 30          # ~12 min
 """
 from __future__ import annotations
 
