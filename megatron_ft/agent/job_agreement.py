@@ -181,9 +181,14 @@ class JobAgreement:
                 raise TimeoutError(f"job-wide decision {key!r}: not every node's ranks decided within {wait_s:g} s")
             try:
                 value = self.store.watch(f"{reductions.PREFIX}{key}", None, min(left, self.poll_s * 10))
-            except Exception as e:  # the store moving: ask again
+            except Exception as e:  # the store moving: once it answers, the contribution again (a new
+                # root never saw it; the old one's result, if any, ignores it), then ask again
                 log.warning("agent node %d: waiting for the decision %r: %s", self.node, key, e)
                 self._stop.wait(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+                try:
+                    self.store.set(f"{reductions.PREFIX}{key}/{self.node}", reductions.encode(how, values))
+                except Exception:
+                    pass
                 continue
             if value is not None:
                 return reductions.decode(value)[1]

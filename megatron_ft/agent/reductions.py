@@ -38,6 +38,9 @@ HOWS = ("min", "max", "intersect")
 KEY_RE = re.compile(r"^[A-Za-z0-9._/-]{1,200}$")
 #: results the root keeps (older ones are deleted as new decisions finish)
 KEEP_RESULTS = 256
+#: decisions the root keeps open at most: one that can never finish (a node lost while it was being
+#: made: its restore fails and the next restore decides under new keys) is dropped, oldest first
+OPEN_MAX = 64
 
 
 def combine(how: str, values: list[list[int]]) -> list[int]:
@@ -95,6 +98,8 @@ class Accumulator:
         seen.add(node)
         if len(seen) < self.nodes:
             self._open[key] = (how, seen, running)
+            while len(self._open) > OPEN_MAX:
+                del self._open[next(iter(self._open))]
             return None
         self._open.pop(key, None)
         self._done[key] = None

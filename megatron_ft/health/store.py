@@ -94,7 +94,9 @@ class EmbeddedStore:
         self.kv: Optional[WireKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
-        self._watchers = threading.local()  # each watching thread's (root, connection)
+        # connections for watch(): one per watch in progress, kept idle for the next (never more than the
+        # most watches at once: a thread per restore must not mean a root connection per restore)
+        self._idle_watchers: list[tuple[int, WireKV]] = []
         self._watch_conns: list[WireKV] = []  # all of them, closed with the store
 
     def endpoint(self, node: int) -> tuple[str, int]:
@@ -234,20 +236,27 @@ class EmbeddedStore:
         A root that does not answer raises :class:`StoreUnavailable` (the caller asks again later, when
         :meth:`get` and the other calls have found the new root)."""
         root = self.root
-        held = getattr(self._watchers, "conn", None)
-        if held is None or held[0] != root:
-            if held is not None:
-                self._drop_watcher(held[1])
+        kv = None
+        with self._lock:
+            while self._idle_watchers:
+                r, idle = self._idle_watchers.pop()
+                if r == root:
+                    kv = idle
+                    break
+                self._watch_conns.remove(idle)
+                idle.close()
+        if kv is None:
             kv = self._client(root)
             with self._lock:
                 self._watch_conns.append(kv)
-            held = self._watchers.conn = (root, kv)
         try:
-            return held[1].watch(key, value, wait_s)
+            got = kv.watch(key, value, wait_s)
         except StoreUnavailable:
-            self._drop_watcher(held[1])
-            self._watchers.conn = None
+            self._drop_watcher(kv)
             raise
+        with self._lock:
+            self._idle_watchers.append((root, kv))
+        return got
 
     def _drop_watcher(self, kv: WireKV) -> None:
         kv.close()
@@ -267,7 +276,7 @@ class EmbeddedStore:
     def close(self) -> None:
         """Stop this node's server and close the client (the agent's end)."""
         with self._lock:
-            conns, self._watch_conns = self._watch_conns, []
+            conns, self._watch_conns, self._idle_watchers = self._watch_conns, [], []
         for kv in conns:
             kv.close()
         if self.kv is not None:

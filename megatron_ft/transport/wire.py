@@ -408,6 +408,13 @@ class Handler(Protocol):
         """The connection ended (``conn.orderly`` false: the client vanished without a goodbye)."""
 
 
+#: connections a server's kernel queue holds before it accepts them (the kernel caps it at
+#: net.core.somaxconn): the root's store meets a connection from every node at once after a failover or
+#: at a restore - with socketserver's default of 5, a burst's overflow was dropped silently and each such
+#: node waited out its timeout
+LISTEN_BACKLOG = 4096
+
+
 class Server:
     """Serves ``handler`` on ``address`` (a Unix path: a stale socket file is replaced; a TCP
     ``(host, port)``, port 0 picks one: see :attr:`address`). ``start()`` serves on a thread,
@@ -424,6 +431,7 @@ class Server:
         if isinstance(address, str):
             class _Unix(socketserver.ThreadingUnixStreamServer):
                 daemon_threads = True
+                request_queue_size = LISTEN_BACKLOG
 
                 def server_bind(self) -> None:  # 0600 in a private directory (a stale socket is replaced)
                     bind_private(self.socket, address)
@@ -434,6 +442,7 @@ class Server:
         else:
             class _Tcp(socketserver.ThreadingTCPServer):
                 daemon_threads = True
+                request_queue_size = LISTEN_BACKLOG
                 allow_reuse_address = True
 
             self._server = _Tcp(tuple(address), _Handler)

@@ -53,12 +53,6 @@ def test_every_agent_learns_each_agreed_step_and_each_restore_decision_in_two_me
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="defect: a restore's decisions on their own connection (role: coordination, as "
-                          "Checkpointer._decisions opens per restore) run in a new agent handler thread whose "
-                          "result watch opens a store connection to the root (EmbeddedStore.watch: one per "
-                          "thread, kept in _watch_conns) that is never closed when the thread ends: one root "
-                          "connection and root server thread per node per restore, until the agent stops")
 def test_a_restore_on_its_own_connection_leaves_no_store_connection_behind():
     bed = ScaleBed(4, procs=2, heartbeat_s=1.0, timeout_s=30.0, step_timeout_s=20.0)
     try:
