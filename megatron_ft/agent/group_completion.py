@@ -78,9 +78,10 @@ class GroupCompletion:
     scheduled_since: dict[int, float] = field(default_factory=dict)  # step -> trainers began sending it
     started: dict[int, float] = field(default_factory=dict)  # step -> this node began exchanging it
     marked_steps: set[int] = field(default_factory=set)  # certified or watched by this node's ranks (kept)
+    rebuilt_step: int = -1  # the newest step this node rebuilt from the group (never exchanged from here)
 
     def begin(self, step: int, now: float) -> bool:
-        if step <= max(self.complete_step, self.inflight_step):
+        if step <= max(self.complete_step, self.inflight_step, self.rebuilt_step):
             return False
         self.inflight_step, self.inflight_since, self.sending_step = step, now, step
         return True
@@ -100,6 +101,12 @@ class GroupCompletion:
     def scheduled(self, step: int, now: float) -> None:
         """The trainers began sending ``step`` at ``now`` (the protection clock, as ``begin``'s)."""
         self.scheduled_since.setdefault(step, now)
+
+    def rebuilt(self, step: int) -> None:
+        """This node rebuilt ``step`` from the group (a replacement): the group holds it, and it is never
+        exchanged again from here (sent once more it would pin the rebuilt slot - an rs parity node's only
+        one - while the trainers' next snapshot needs it)."""
+        self.rebuilt_step = max(self.rebuilt_step, step)
 
     def claim(self, step: int) -> bool:
         """This node announces ``step`` (False: it already announced it or newer)."""
@@ -148,6 +155,7 @@ class GroupCompletion:
 
     def rewind(self, step: int) -> None:
         self.complete_step = min(self.complete_step, step)
+        self.rebuilt_step = min(self.rebuilt_step, step)
         self.marked_steps = {s for s in self.marked_steps if s <= step}
         self.claimed = {s for s in self.claimed if s <= step and s > self.complete_step}
         self.announced = {n: min(s, step) for n, s in self.announced.items()}

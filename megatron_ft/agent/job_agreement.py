@@ -241,5 +241,5 @@ class JobAgreement:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        for t in self._threads:  # (a watch still waiting ends when the store closes its connections)
-            t.join(timeout=0.5)
+        for t in self._threads[:1]:  # the reporting thread; a watch still waiting (daemon threads) ends
+            t.join(timeout=0.5)     # with the store's connections, which its owner closes next

@@ -53,7 +53,9 @@ def _peer_list(a, r) -> dict:
 def _recover(a, r) -> dict:
     if a.redundancy is None:
         raise RuntimeError("redundancy.scheme is none: nothing to recover from peers")
-    return a.redundancy.rebuild.recover(r.rank, r.step, _group_wait_s(a, r))
+    out = a.redundancy.rebuild.recover(r.rank, r.step, _group_wait_s(a, r))
+    a.redundancy.rebuilt(r.step)
+    return out
 
 
 def _scheduled(handler: Handler) -> Handler:

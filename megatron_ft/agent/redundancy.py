@@ -324,6 +324,12 @@ class Redundancy:
 
 
     # ------------------------------------------------------------------ recovery (self.rebuild: candidates, recover)
+    def rebuilt(self, step: int) -> None:
+        """A rank of this node was rebuilt at ``step`` from the group: the group holds it; this node never
+        sends it (the job's verdict that reaches a replacement names it agreed)."""
+        with self.lock:
+            self.completion.rebuilt(step)
+
     def keep_marked(self, steps: set[int]) -> None:
         """The steps this node's ranks certified or watch: keep its blocks of them, so that a lost member's
         ranks can be rebuilt at the certified version."""

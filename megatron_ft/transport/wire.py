@@ -456,7 +456,7 @@ class Server:
 
     def serve_forever(self) -> None:
         try:
-            self._server.serve_forever(poll_interval=0.2)
+            self._server.serve_forever(poll_interval=0.05)  # close() waits for one poll: an agent ends sooner
         finally:
             self._server.server_close()
 

@@ -200,3 +200,14 @@ def test_a_parity_contribution_sent_again_is_dropped_not_xored_twice(tmp_path):
     assert put(1, a) and put(2, c) and v.complete
     assert not put(1, a)  # node 1 again
     assert bytes(v.segment.array[:8]) == (a ^ c).tobytes()
+
+
+def test_a_version_rebuilt_from_the_group_is_never_exchanged_again_from_here():
+    """A replacement rebuilt its rank at step 2 from the group: the job's verdict naming 2 agreed must
+    not make it send 2 again (its rebuilt slot would be pinned while the next snapshot needs it). A
+    rollback below it makes the new life's versions exchangeable again."""
+    g = GroupCompletion(1, (0, 1, 2))
+    g.rebuilt(2)
+    assert not g.begin(2, now=0.0) and g.begin(3, now=0.0)
+    g.rewind(1)
+    assert g.begin(2, now=1.0)
