@@ -358,7 +358,8 @@ class SlotStore:
         with self.lock:
             # a rank not registered yet (a replacement node before its first snapshot) holds nothing to drop
             emptied = self.table.rewind(rank, step) if rank in self.table.ranks else []
-            mirror(self.segments[rank], emptied)
+            if emptied:
+                mirror(self.segments[rank], emptied)
             self.agreement.rewound(rank, step, self.table)
         if emptied:
             log.warning("agent node %d: rank %d resumed from step %d; emptied %d slot(s) holding newer or unfinished "

@@ -87,6 +87,8 @@ def test_a_malformed_request_is_refused_naming_the_field_and_the_agent_serves_on
     with pytest.raises(AgentError, match=r"agent op 'drop_all' is unknown; allowed: \['abort', 'adopt'"):
         c.request("drop_all")
     assert c.request("status")["status"]["node"] == 0
+    # a fresh start's rewind of a rank that never registered (nothing held yet) is no error
+    assert c.request("rewind", rank=5, step=-1)["dropped"] == 0
 
 
 def test_restore_is_bit_exact_and_newest(agent):
