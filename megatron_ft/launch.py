@@ -51,11 +51,13 @@ from .spares.lifetime import die_with_parent
 from .trainer.in_process import nccl_env_defaults
 from .transport import credential
 
-#: set in the trainers' environment unless it already sets them. ``TORCH_GLOO_LAZY_INIT=1``: a gloo
-#: group connects a pair of its ranks on their first operation together instead of connecting every
-#: pair (a full mesh) when the group is made, which at thousands of ranks is what stalls Megatron's
-#: and torch's eagerly made gloo groups (torch 2.13 reads it; docs/architecture.md, "At scale: groups")
-GLOO_ENV_DEFAULTS = {"TORCH_GLOO_LAZY_INIT": "1"}
+#: set in the trainers' environment unless it already sets them: none by default. ``TORCH_GLOO_LAZY_INIT=1``
+#: (a gloo group connects a pair of its ranks on their first operation together instead of a full mesh
+#: when the group is made) is the operator's choice, not set here: measured with torch 2.13, a collective
+#: that needs a pair to a peer that died before the pair connected waits out the group's whole timeout
+#: (Megatron's: 10 minutes) instead of failing at once, and a chaos trial hung on it (docs/architecture.md,
+#: "At scale: groups")
+GLOO_ENV_DEFAULTS: dict[str, str] = {}
 
 
 def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:

@@ -44,14 +44,15 @@ def test_the_launcher_applies_them_only_with_in_process_restart():
     assert "nccl_env_defaults(True)" in block and "env.setdefault(var, value)" in block
 
 
-def test_the_launcher_gives_every_trainer_lazy_gloo_unless_the_environment_sets_it():
-    """``TORCH_GLOO_LAZY_INIT=1`` in the environment torchrun passes on (tests/integration/test_lazy_gloo.py:
-    what it changes), applied before and independently of the in-process restart's settings."""
+def test_the_launcher_leaves_gloo_eager_unless_the_environment_asks_for_lazy():
+    """The gloo defaults reach the environment torchrun passes on, applied before and independently of
+    the in-process restart's settings; lazy gloo is not among them (a dead peer's pair that never
+    connected makes a collective wait out its whole timeout: docs/architecture.md, "At scale: groups")."""
     import inspect
 
     from megatron_ft import launch
 
-    assert launch.GLOO_ENV_DEFAULTS == {"TORCH_GLOO_LAZY_INIT": "1"}
+    assert "TORCH_GLOO_LAZY_INIT" not in launch.GLOO_ENV_DEFAULTS
     src = inspect.getsource(launch.NodeLauncher._run)
     block = src[src.index("for var, value in GLOO_ENV_DEFAULTS.items():"):]
     assert block.index("env.setdefault(var, value)") < block.index("if self.pool is not None:")
