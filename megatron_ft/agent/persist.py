@@ -104,19 +104,12 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_container(buf, path: str) -> int:
-    """Atomically write the used part of a CLEAN container (header, records, data) to ``path``."""
-    hdr = snapfile.read_header(buf)
-    if hdr.state != snapfile.CLEAN:
-        raise ValueError(f"refusing to persist a {snapfile.STATE_NAMES[hdr.state]} container")
-    end = hdr.geometry.data_off + hdr.geometry.data_len
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _write_fsynced(tmp: str, pieces, flag: int) -> None:
+    """Create ``tmp`` (``flag``: ``O_TRUNC`` or ``O_EXCL``), write every piece whole, fsync it; on any
+    failure the file is removed and the error raised. The caller renames (or links) it into place."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | flag, 0o644)
     try:
-        view = memoryview(buf)
-        for off in range(0, end, _WRITE_BLOCK):
-            chunk = view[off: min(end, off + _WRITE_BLOCK)]
+        for chunk in pieces:
             written = 0
             while written < len(chunk):
                 written += os.write(fd, chunk[written:])
@@ -126,6 +119,19 @@ def write_container(buf, path: str) -> int:
         os.unlink(tmp)
         raise
     os.close(fd)
+
+
+def write_container(buf, path: str) -> int:
+    """Atomically write the used part of a CLEAN container (header, records, data) to ``path``."""
+    hdr = snapfile.read_header(buf)
+    if hdr.state != snapfile.CLEAN:
+        raise ValueError(f"refusing to persist a {snapfile.STATE_NAMES[hdr.state]} container")
+    end = hdr.geometry.data_off + hdr.geometry.data_len
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    view = memoryview(buf)
+    _write_fsynced(tmp, (view[off: min(end, off + _WRITE_BLOCK)] for off in range(0, end, _WRITE_BLOCK)),
+                   os.O_TRUNC)
     os.rename(tmp, path)
     _fsync_dir(os.path.dirname(path))
     return end
@@ -224,18 +230,7 @@ def _write_record(path: str, rec: dict, exclusive: bool = False) -> bool:
     Returns ``False`` only when ``exclusive`` and ``path`` already existed (nothing written)."""
     d = os.path.dirname(path)
     tmp = f"{path}.tmp.{os.getpid()}.{os.urandom(4).hex()}"  # agents of different hosts may share a pid
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        data = json.dumps(rec, sort_keys=True).encode()
-        written = 0
-        while written < len(data):
-            written += os.write(fd, data[written:])
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
+    _write_fsynced(tmp, [memoryview(json.dumps(rec, sort_keys=True).encode())], os.O_EXCL)
     won = True
     try:
         if not exclusive:
