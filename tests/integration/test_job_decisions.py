@@ -67,7 +67,9 @@ def test_every_node_learns_the_verdict_the_root_derives_from_the_reports(cluster
     agreements[1].report(NodeReport((2,), 3))  # node 1 skipped 3; node 2 then takes it: abandoned
     agreements[2].report(NodeReport((2, 3), 3))
     wait_for(events, seen, Verdict(2, (3,)))
-    assert sum(a.reports_sent for a in agreements) == 6
+    # one message per report at most (a report superseded before its thread sent it is dropped), at
+    # least one per node
+    assert 3 <= sum(a.reports_sent for a in agreements) <= 6
     assert all(stores[0].get(f"agree/{n}") for n in range(3))
 
 
