@@ -376,6 +376,42 @@ class RecoveryConfig(_Section):
         return 2 if self.prefer == "certified" else 0
 
 
+class HangConfig(_Section):
+    """A rank that stops progressing without dying (docs/recovery-time.md, "Hangs").
+
+    Every trainer writes where it is (its own work, a collective, its agent, the restore, Megatron's
+    own disk save) into a record its node agent reads every ``tick_s``. A rank quiet in its own work
+    - or stopped - longer than the *bound* while every other rank of the job waits is declared hung,
+    SIGKILLed, and recovered like a crash. The bound is ``k`` times the p99 of the job's recent
+    iteration times, clamped to [``floor_s``, ``ceiling_s``]; until ``warmup_iterations`` iterations
+    have been timed since the trainer started it is ``first_s``; a rank in its restore gets
+    ``restore_s``, one in Megatron's own disk save ``save_s``. ``collective_s`` (0: off): every rank
+    waiting in collectives that long with no rank to blame - a collective that deadlocked - restarts
+    all of them. ``straggler_ratio`` / ``straggler_iterations``: a rank whose own work per iteration is
+    over that ratio of its node's median for that many iterations in a row is reported (not killed)."""
+
+    enabled: Flag = True
+    tick_s: _num(0.01, strict=True) = 0.25
+    k: _num(1.0) = 10.0
+    floor_s: _num(0.1) = 5.0
+    ceiling_s: _num(0.1) = 120.0
+    warmup_iterations: _int(1) = 3
+    first_s: _num(0.1) = 120.0
+    restore_s: _num(0.1) = 300.0
+    save_s: _num(0.1) = 3600.0
+    collective_s: _num(0.0) = 0.0
+    straggler_ratio: _num(1.0, strict=True) = 1.2
+    straggler_iterations: _int(1) = 20
+
+    @model_validator(mode="after")
+    def _check(self) -> "HangConfig":
+        if self.ceiling_s < self.floor_s:
+            _fail("hang.ceiling_s", self.ceiling_s, f"must be at least hang.floor_s={self.floor_s}")
+        if self.tick_s * 4 > self.floor_s:
+            _fail("hang.tick_s", self.tick_s, f"must be at most a quarter of hang.floor_s={self.floor_s}")
+        return self
+
+
 class FailureConfig(_Section):
     """The failure model behind ``interval: auto`` and ``megatron-ft simulate`` (docs/policy.md)."""
 
@@ -548,6 +584,7 @@ class FTConfig(_Section):
     security: SecurityConfig = SecurityConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    hang: HangConfig = HangConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "FTConfig":

@@ -148,11 +148,12 @@ class NodeLauncher:
         log_path = os.path.join(self.node_dir, "agent.log")
         waiting, self.waiting_agent = self.waiting_agent, None
         # the launcher's environment as a cold start would inherit it (a standby's MFT_NODE_HOST among it)
-        if waiting is not None and prestart.hand_over(waiting, args, env=dict(os.environ), log=log_path):
+        env = dict(os.environ, MFT_RUN_DIR=self.run_dir)  # its events (hang verdicts) beside the trainers'
+        if waiting is not None and prestart.hand_over(waiting, args, env=env, log=log_path):
             self.agent = waiting
         else:
             with open(log_path, "ab") as logf:
-                self.agent = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", *args],
+                self.agent = subprocess.Popen([sys.executable, "-m", "megatron_ft.agent", *args], env=env,
                                               stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
             f.write(str(self.agent.pid))

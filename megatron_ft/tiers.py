@@ -10,7 +10,8 @@ chaos trial checks the tier against :func:`promised`.
 failure                                   must resume from
 ========================================  ==========================================
 trainer, all trainers of a node, agent    local_memory
-(restarted), agent then trainer, launcher
+(restarted), agent then trainer, launcher,
+a hung trainer (found and ended)
 a committed slot corrupted on one node    local_memory (the older clean version), or
                                           peer_memory / decoded where a copy exists
 a whole node, with replica                peer_memory
@@ -28,7 +29,7 @@ from __future__ import annotations
 #: reached tiers, best first; peer_memory and decoded are equally good (both from the group)
 RANK = {"local_memory": 3, "peer_memory": 2, "decoded": 2, "disk": 1, "none": 0}
 
-LOCAL_FAILURES = ("trainer", "all-trainers", "agent", "agent-then-trainer", "launcher", "corrupt")
+LOCAL_FAILURES = ("trainer", "hang", "all-trainers", "agent", "agent-then-trainer", "launcher", "corrupt")
 NODE_FAILURES = ("node", "node0")
 
 

@@ -11,6 +11,7 @@ a child of any of them. It
 * persists the newest globally consistent version to disk every ``persist.interval`` steps,
   and at once when a trainer's connection drops without ``bye`` ("save at breakpoint"; :mod:`.persister`);
 * serves restarted trainers the list of clean versions it holds (they map the slot and read);
+* judges whether a local trainer hangs, from where each says it is (:mod:`.hang_watch`);
 * removes its segments on clean shutdown (``shutdown`` op, SIGTERM or SIGINT; or its launcher gone
   for good, :mod:`.launcher_watch`).
 
@@ -36,6 +37,7 @@ from .. import network
 from ..transport import wire
 from .decisions import NodeDecisions
 from .guard_memory import GuardMemory
+from .hang_watch import HangWatch, start_for
 from .job_agreement import JobAgreement
 from .launcher_watch import JobEndWatch, LauncherWatch
 from .operations import HANDLERS
@@ -82,6 +84,7 @@ class Agent:
         self.monitor = None
         self.agreement: Optional[JobAgreement] = None  # snapshot.agreement: agents (start_agreement)
         self._marks = (-1, -1)  # the verdict's (certified, watched) applied to the local ranks
+        self.hang: Optional[HangWatch] = None  # hang.enabled (start_hang_watch)
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -119,6 +122,11 @@ class Agent:
                                                      if self.cfg.recovery.prefer == "certified" else None)).start()
         with self.slots.lock:
             self.slots.agreement.attach(self.agreement, self.slots.table)
+
+    def start_hang_watch(self) -> None:
+        """Judge the local trainers' progress (``hang.enabled``; after :meth:`start_peers`: the verdicts
+        go through the job's store where it has one)."""
+        self.hang = self.hang or start_for(self.cfg, self.node, self.store)
 
     def trained(self) -> bool:
         """Whether a trainer registered with this agent (or with the agent whose slots it adopted):
@@ -249,6 +257,7 @@ class Agent:
         return {"node": self.node, "run_id": self.run_id, "pid": os.getpid(), "connected": connected,
                 **self.slots.status(), **self.persister.status(),
                 "root": self.store.root if self.store is not None else None,
+                **(self.hang.status() if self.hang is not None else {}),
                 "redundancy": self.redundancy.status() if self.redundancy is not None else None}
 
     # ------------------------------------------------------------------ serving
@@ -300,6 +309,8 @@ class Agent:
         if self._server is not None:
             self._server.close()
         self.persister.close()
+        if self.hang is not None:
+            self.hang.close(unlink=remove_segments)
         if self.agreement is not None:
             self.agreement.close()
         if self.monitor is not None:
@@ -339,16 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # `kill -USR1 <agent pid>`: every thread's stack into the agent's log (a stuck agent, diagnosed live)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     cfg = ftconfig.load(args.config)
-    changes: dict = {}
-    if args.run_id:
-        changes["run_id"] = args.run_id
-    pers = {}
-    if args.persist_interval is not None:
-        pers["interval"] = args.persist_interval
-    if args.persist_dir:
-        pers["dir"] = args.persist_dir
-    if pers:
-        changes["persist"] = pers
+    pers = {k: v for k, v in (("interval", args.persist_interval), ("dir", args.persist_dir or None)) if v is not None}
+    changes = {**({"run_id": args.run_id} if args.run_id else {}), **({"persist": pers} if pers else {})}
     if changes:
         cfg = ftconfig.replace(cfg, **changes)
     secret = None
@@ -376,6 +379,7 @@ def serve(cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes], launcher_p
     agent.slots.adopt_existing()
     agent.start_peers()
     agent.start_agreement()
+    agent.start_hang_watch()
 
     def on_signal(signum, frame):  # clean shutdown on SIGTERM / SIGINT
         threading.Thread(target=agent.shutdown, daemon=True).start()

@@ -555,7 +555,7 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
                                        f"[{lo}, {nodes - 1}]{why}")
         return node
 
-    if args.fail == "trainer":
+    if args.fail in ("trainer", "hang"):
         return [args.victim_rank if args.victim_rank is not None else cfg.cluster.world_size - 1], []
     if args.fail in ("all-trainers", "agent"):
         return ranks(check(args.victim_node if args.victim_node is not None else
@@ -797,15 +797,17 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
 
     def kill_trainers(recs: dict[int, list[dict]]) -> None:
         nonlocal kill_time
+        how = signal.SIGSTOP if args.fail == "hang" else signal.SIGKILL  # hang: alive, doing nothing
         for v in victims:
             pid = recs[v][-1]["pid"]
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, how)
                 killed_pids.append(pid)
             except ProcessLookupError:
                 pass
         kill_time = time.time()
-        say(f"[demo] SIGKILL -> rank(s) {victims} (pids {killed_pids})")
+        say(f"[demo] {how.name} -> rank(s) {victims} (pids {killed_pids})"
+            + (": never resumed; the agents must find it hung and end it" if args.fail == "hang" else ""))
 
     def look_around() -> None:
         """Hosts of their own: once the job trains, what listens where, and what an outsider on the
@@ -953,6 +955,13 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     if looking is not None:
         looking.join(60)
     identical, problems = compare(ref_dir, run_dir, world, {life(e): e["step"] for e in rollback_events})
+    hangs = [e for e in events if e.get("event") == "hang"]
+    hang_detected_s = (round(min(e["time"] for e in hangs) - kill_time, 3)
+                       if hangs and kill_time is not None and args.fail == "hang" else None)
+    if args.fail == "hang" and kill_time is not None and {e["rank"] for e in hangs} != set(victims):
+        problems.append(f"hang verdicts on rank(s) {sorted({e['rank'] for e in hangs})}, want exactly {victims}")
+    elif args.fail != "hang" and hangs:
+        problems.append(f"false hang verdict(s): {[(e['rank'], e['phase'], e['quiet_s']) for e in hangs]}")
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
@@ -1031,6 +1040,11 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         "lost_iterations": (last_before_kill - resumed) if kill_time is not None and resumed >= 0 else
         (last_before_kill if kill_time is not None else 0),
         "recovery_seconds": recovery_seconds,
+        # --fail hang: the stop -> the agent's verdict (and SIGKILL); the recovery follows it
+        "hang_detected_s": hang_detected_s,
+        "hang_verdicts": [{k: e[k] for k in ("rank", "phase", "quiet_s", "bound_s", "iteration_p99_s")} for e in hangs],
+        "recovery_seconds_after_verdict": round(recovery_seconds - hang_detected_s, 3)
+        if hang_detected_s is not None and recovery_seconds else None,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         # restored versions the guard refused (NaN or Inf in bytes that verified): every rank rolled back
         # or whose losses after the restore failed it (every rank dropped the version and restarted)
@@ -1087,6 +1101,11 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         say(f" recovered from      : {summary['recovered_from']} (step {resumed}, "
             f"{summary['lost_iterations']} iteration(s) lost); promised: {promise} or better -> "
             f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
+        if summary["hang_detected_s"] is not None:
+            v = summary["hang_verdicts"][0]
+            say(f" hang found          : {summary['hang_detected_s']} s after the stop (rank {v['rank']} quiet "
+                f"{v['quiet_s']} s in {v['phase']}; bound {v['bound_s']} s from the iteration p99 "
+                f"{v['iteration_p99_s']} s); then SIGKILL and the normal recovery")
         if summary["rollbacks"]:
             say(f" rolled back         : {summary['rollbacks']} restored version(s) refused by the guard "
                 f"(NaN or Inf in bytes that verified, or losses after the restore)")
@@ -1138,7 +1157,8 @@ def unexpected_verdicts(run_dir: str, expected: set[int]) -> list[str]:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--fail", choices=["trainer", "all-trainers", "agent", "launcher", "node", "two-nodes", "none"],
+    p.add_argument("--fail", choices=["trainer", "hang", "all-trainers", "agent", "launcher", "node", "two-nodes",
+                                      "none"],
                    default="trainer",
                    help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement; "
                         "two-nodes: lose --victim-node and the highest other node at once; "

@@ -39,9 +39,11 @@ from .. import config as ftconfig
 from .. import fatal, faultpoints
 from ..agent import persist
 from ..agent.protocol import AgentClient, socket_path
+from ..health import progress as hp
 from ..policy.runtime import AutoIntervals
 from . import distributed as ftdist
 from . import guard, in_process
+from . import progress as rank_progress
 from .guard import RollbacksExhausted
 from .recovery import Restorer, RestoreResult, collective_device, refuse_version
 from .snapshot import SnapshotEngine, stall_summary
@@ -112,6 +114,13 @@ class InMemoryCheckpointer:
             log.error("rank %d: no snapshot agent at %s (%s): in-memory snapshots are OFF for this run "
                       "(agent.required: false)", rank, path, e)
             self.client = None
+        # where the training thread is, for the agent's hang rule (docs/recovery-time.md, "Hangs"); the
+        # training thread's requests to its agent are waits, not its own work
+        self.tracker = (rank_progress.install(hp.board_path(cfg.agent.shm_dir, cfg.run_id, self.node),
+                                              rank % cfg.cluster.ranks_per_node)
+                        if cfg.hang.enabled and self.client is not None else None)
+        if self.tracker is not None:
+            self.client.request = _waiting_for_agent(self.client.request)  # type: ignore[union-attr,method-assign]
         self.engine = (SnapshotEngine(self.client, rank, self.identity, cfg.snapshot.chunk_bytes, self.coord_group,
                                       required=cfg.agent.required,
                                       collective=cfg.snapshot.agreement == "collective")
@@ -139,6 +148,13 @@ class InMemoryCheckpointer:
         """Collective: every rank restores the same step (docs/recovery-time.md). Its decisions go
         through the agents where they make them (one all-reduce over every rank first: the restore's
         identifier, and whether every rank's agent decides)."""
+        with rank_progress.phase(hp.RESTORE):
+            res = self._restore()
+        if self.tracker is not None:  # the first iteration (its allowance: hang.first_s)
+            self.tracker.writer.enter(hp.WORK)
+        return res
+
+    def _restore(self) -> RestoreResult:
         started = time.time()
         decide, done = self._decisions()
         restorer = Restorer(self.rank, self.world_size, self.identity, self.cfg.run_id, self.cfg.persist.dir,
@@ -357,9 +373,12 @@ class InMemoryCheckpointer:
         os._exit(guard.EXIT_ROLLBACK)  # not SystemExit: no atexit handler or thread may hang the exit
 
     def before_optimizer_step(self) -> None:
+        if self.tracker is not None:
+            self.tracker.iteration()
         if self.engine is not None:
             t0 = time.perf_counter()
-            st = self.engine.wait()
+            with rank_progress.phase(hp.AGENT):
+                st = self.engine.wait()
             waited = time.perf_counter() - t0
             if self.auto is not None:
                 self.auto.waited(waited, st)
@@ -428,7 +447,20 @@ class InMemoryCheckpointer:
                                                           **self.world_collectives}})
         if self.client is not None:
             self.client.close(orderly=True)
+        if self.tracker is not None:
+            rank_progress.close()
+            self.tracker = None
         self._events.close()
+
+
+def _waiting_for_agent(request):
+    """``request`` of the agent's client, reported as a wait for the agent while it blocks (on the
+    training thread: see :mod:`.progress`)."""
+    def waiting(op: str, **fields):
+        with rank_progress.phase(hp.AGENT):
+            return request(op, **fields)
+
+    return waiting
 
 
 @dataclass

@@ -1,0 +1,295 @@
+"""The agent's hang watch: reads its ranks' progress records every ``hang.tick_s``, reports the node's
+stall to the job, and ends a rank the job's verdict names hung (SIGKILL: a stuck process may ignore
+anything else); the normal recovery follows (the trainer's keeper opens a fast round, the others'
+collectives fail, every rank restores from memory). The rule is :mod:`megatron_ft.health.hang`'s.
+
+Thread ``hang-watch`` (daemon, :meth:`HangWatch.start` .. :meth:`close`). Per tick: ``L`` record reads
+from shared memory and ``L`` reads of ``/proc/<pid>/stat`` (L = the node's ranks), no message. A node
+sends its stall report (``stall/<node>``) only when what it says changes - never while the job trains
+- and, while it holds a hung or waiting rank, reads the verdict (``hang``) once a tick. The root's
+store derives the verdict from the reports as they arrive (the embedded store's hook); etcd has none,
+so there the node that holds a hung rank reads the N reports itself (N reads per tick, during a stall
+only). A one-node job decides on its own.
+
+Stragglers: each finished iteration's own work (the iteration less its waits) per rank; a rank over
+``hang.straggler_ratio`` x its node's median for ``hang.straggler_iterations`` iterations running is
+reported once (log, event, :meth:`status`), and again only after it recovered. Not killed.
+
+A paused agent (SIGSTOP, a long GC, an overloaded host) judges nothing in the first ``floor_s`` after
+it runs again: its trainers may have waited for it all that time, in a request they make on the
+training thread outside the phases that say so.
+
+Events go to ``$MFT_RUN_DIR/events/agent-n<node>.jsonl`` (``hang``, ``straggler``) when the launcher
+names the run directory.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from typing import Callable, Optional
+
+from ..health import hang as rule
+from ..health import progress as hp
+
+log = logging.getLogger("megatron_ft.agent")
+
+#: iteration times kept per node for the bound's p99
+WINDOW = 200
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``t`` traced, ``Z``...), None
+    when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:][:1] or None
+
+
+class HangWatch:
+    """``board``: the node's progress file (the agent owns it); ``store``: the job's (None: a one-node
+    job); ``events``: where verdicts are written (None: only the log)."""
+
+    def __init__(self, cfg, node: int, board: hp.ProgressBoard, store, events: Optional[str] = None,
+                 now: Callable[[], float] = time.monotonic):
+        self.cfg, self.node, self.board, self.store, self.now = cfg, node, board, store, now
+        self.hang = cfg.hang
+        self.limits = rule.Limits.of(cfg.hang)
+        self.rpn = cfg.cluster.ranks_per_node
+        self.nodes = cfg.cluster.nodes if store is not None else 1
+        self.events = events
+        self.iter_times: collections.deque = collections.deque(maxlen=WINDOW)
+        self._seen_steps: dict[int, tuple[int, int]] = {}  # rank -> (pid, steps) last counted
+        self._stopped_since: dict[int, float] = {}
+        self._slow: dict[int, int] = {}  # rank -> iterations over the straggler ratio, running
+        self.stragglers: dict[int, dict] = {}
+        self.verdicts: list[dict] = []
+        self._acted: set[tuple[int, int, int]] = set()
+        self._sent: Optional[rule.NodeStall] = None
+        self._last_tick: Optional[float] = None
+        self._quiet_until = 0.0
+        self._local = rule.StallAggregator(1, self.rpn, self.limits.collective_s) if store is None else None
+        self._root = rule.StallAggregator(self.nodes, self.rpn, self.limits.collective_s)
+        self._derives = store is not None and hasattr(store, "derive")
+        if self._derives:
+            store.derive(rule.STALL_KEY, self._derive)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ the thread
+    def start(self) -> "HangWatch":
+        self._thread = threading.Thread(target=self._loop, name="hang-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.hang.tick_s):
+            try:
+                self.tick()
+            except Exception as e:  # the watch never takes the agent down
+                log.warning("agent node %d: hang watch: %s", self.node, e)
+
+    def close(self, unlink: bool = True) -> None:
+        """Stop the thread; the progress file goes with ``unlink`` (an agent that leaves its slots to a
+        successor leaves it too: the trainers keep writing there)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self.board.close(unlink=unlink)
+
+    # ------------------------------------------------------------------ one tick
+    def tick(self) -> Optional[rule.NodeStall]:
+        """Read, judge, report, act. Returns this node's report (for tests)."""
+        now = self.now()
+        if self._last_tick is not None and now - self._last_tick > 4 * self.hang.tick_s + 1.0:
+            self._quiet_until = now + self.limits.floor_s  # this agent was paused: see before judging
+            self._stopped_since.clear()
+            log.warning("agent node %d: the hang watch did not run for %.1f s (agent paused?): no verdict for "
+                        "%.1f s", self.node, now - self._last_tick, self.limits.floor_s)
+        self._last_tick = now
+        records = {}
+        for i in range(self.rpn):
+            p = self.board.read(i)
+            if p is not None:
+                records[self.node * self.rpn + i] = p
+        self._count_iterations(records)
+        report = self._judge(records, now)
+        if now < self._quiet_until:
+            report = rule.NodeStall(self.node, self.rpn, (), ())
+        self._send(report)
+        if not report.clear:
+            verdict = self._verdict(report)
+            if verdict is not None:
+                self._act(verdict, records, now)
+        return report
+
+    def _count_iterations(self, records: dict[int, hp.Progress]) -> None:
+        works = {}
+        for rank, p in records.items():
+            if p.steps < 1 or self._seen_steps.get(rank) == (p.pid, p.steps):
+                continue
+            fresh = self._seen_steps.get(rank, (None, 0))[0] != p.pid
+            self._seen_steps[rank] = (p.pid, p.steps)
+            if p.steps > 1 or not fresh:  # a trainer's first timed iteration is its warm-up
+                self.iter_times.append(p.iter_s)
+            works[rank] = p.work_s
+        self._stragglers(works, records)
+
+    def _judge(self, records: dict[int, hp.Progress], now: float) -> rule.NodeStall:
+        p99_s = rule.p99(list(self.iter_times))
+        hung, waiting = [], []
+        for rank in range(self.node * self.rpn, (self.node + 1) * self.rpn):
+            p = records.get(rank)
+            if p is None:
+                continue
+            state = process_state(p.pid)
+            if state is None or state in "ZX":
+                self._stopped_since.pop(rank, None)
+                continue
+            if state in "Tt":
+                stopped_s = now - self._stopped_since.setdefault(rank, now)
+            else:
+                self._stopped_since.pop(rank, None)
+                stopped_s = 0.0
+            verdict = rule.judge(p, now, self.limits, p99_s, stopped_s)
+            if verdict == "hung":
+                hung.append(rule.Culprit(rank, p.pid, p.seq, p.phase_name + (" (stopped)" if stopped_s else ""),
+                                         now - p.since))
+            elif verdict == "waiting":
+                waiting.append(rank)
+        long = bool(waiting) and self.limits.collective_s > 0 and all(
+            now - records[r].since >= self.limits.collective_s for r in waiting)
+        return rule.NodeStall(self.node, self.rpn, tuple(hung), tuple(waiting), long)
+
+    def _send(self, report: rule.NodeStall) -> None:
+        if report.same(self._sent) or (report.clear and self._sent is None):
+            return
+        if self._local is not None:
+            self._sent = report
+            return
+        try:
+            self.store.publish(f"{rule.STALL_KEY}{self.node}", report.encode())
+            self._sent = report
+        except Exception as e:
+            log.warning("agent node %d: could not report its stall (%s); again next tick", self.node, e)
+
+    def _verdict(self, report: rule.NodeStall) -> Optional[rule.HangVerdict]:
+        if self._local is not None:
+            return self._local.update(report)
+        try:
+            if self._derives:
+                text = self.store.get(rule.HANG_KEY)
+                return rule.HangVerdict.decode(text) if text else None
+            if not report.hung and self.limits.collective_s <= 0:
+                return None  # etcd: only a node that holds a hung rank gathers the reports
+            reports = {}
+            for n in range(self.nodes):
+                text = self.store.get(f"{rule.STALL_KEY}{n}")
+                if text:
+                    reports[n] = rule.NodeStall.decode(text)
+            reports = {n: r for n, r in reports.items() if not r.clear}
+            return rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s)
+        except Exception as e:
+            log.warning("agent node %d: reading the hang verdict: %s", self.node, e)
+            return None
+
+    def _derive(self, key: str, value: str) -> dict:
+        """The root store's hook for ``stall/<node>`` (under the store's lock: no I/O)."""
+        try:
+            report = rule.NodeStall.decode(value)
+            if not 0 <= report.node < self.nodes or str(report.node) != key:
+                raise ValueError(f"node {report.node} under key {key!r} of {self.nodes} nodes")
+        except (ValueError, KeyError, TypeError) as e:
+            log.error("agent node %d (root): ignored the stall report %r: %s", self.node, key, e)
+            return {}
+        verdict = self._root.update(report)
+        return {rule.HANG_KEY: verdict.encode() if verdict is not None else None}
+
+    # ------------------------------------------------------------------ the verdict
+    def _act(self, verdict: rule.HangVerdict, records: dict[int, hp.Progress], now: float) -> None:
+        p99_s = rule.p99(list(self.iter_times))
+        for c in verdict.culprits:
+            p = records.get(c.rank)
+            if p is None:
+                continue
+            if verdict.collective:  # every rank still waiting that long, whatever its process
+                if p.phase not in hp.WAITING or now - p.since < self.limits.collective_s:
+                    continue
+            elif (p.pid, p.seq) != (c.pid, c.seq):
+                continue  # it moved (or was replaced) since it was judged
+            key = (c.rank, p.pid, p.seq)
+            if key in self._acted:
+                continue
+            self._acted.add(key)
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            rec = {"event": "hang", "node": self.node, "rank": c.rank, "pid": p.pid, "phase": c.phase,
+                   "steps": p.steps, "quiet_s": round(now - p.since, 3), "collective": verdict.collective,
+                   "bound_s": round(rule.allowance(self.limits, p.phase, p99_s, p.steps)
+                                    or rule.bound(self.limits, p99_s, p.steps), 3),
+                   "iteration_p99_s": round(p99_s, 4) if p99_s is not None else None,
+                   "others": "waiting", "time": time.time()}
+            self.verdicts.append(rec)
+            log.error("agent node %d: rank %d (pid %d) is hung: quiet %.1f s in %s (bound %.1f s, the job's "
+                      "iteration p99 %s s, every other rank waiting): SIGKILLed, the job recovers it", self.node,
+                      c.rank, p.pid, rec["quiet_s"], c.phase, rec["bound_s"], rec["iteration_p99_s"])
+            self._event(rec)
+
+    # ------------------------------------------------------------------ stragglers
+    def _stragglers(self, works: dict[int, float], records: dict[int, hp.Progress]) -> None:
+        if len(records) < 2 or not works:
+            return
+        median = statistics.median(p.work_s for p in records.values() if p.steps > 0)
+        if median <= 0:
+            return
+        for rank, work in works.items():
+            if work > self.hang.straggler_ratio * median:
+                self._slow[rank] = self._slow.get(rank, 0) + 1
+                if self._slow[rank] == self.hang.straggler_iterations and rank not in self.stragglers:
+                    rec = {"event": "straggler", "node": self.node, "rank": rank, "work_s": round(work, 4),
+                           "node_median_work_s": round(median, 4), "iterations": self._slow[rank],
+                           "time": time.time()}
+                    self.stragglers[rank] = rec
+                    log.warning("agent node %d: rank %d is a straggler: its own work %.3f s per iteration, %.1fx its "
+                                "node's median, for %d iterations (reported, not ended)", self.node, rank, work,
+                                work / median, self._slow[rank])
+                    self._event(rec)
+            else:
+                self._slow[rank] = 0
+                self.stragglers.pop(rank, None)
+
+    def _event(self, rec: dict) -> None:
+        if not self.events:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.events), exist_ok=True)
+            with open(self.events, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            log.warning("agent node %d: could not record %s: %s", self.node, rec["event"], e)
+
+    def status(self) -> dict:
+        return {"hang_verdicts": list(self.verdicts), "stragglers": sorted(self.stragglers.values(),
+                                                                           key=lambda r: r["rank"]),
+                "iteration_p99_s": rule.p99(list(self.iter_times))}
+
+
+def start_for(cfg, node: int, store) -> Optional[HangWatch]:
+    """The agent's watch (``hang.enabled``), started: it creates - or re-opens, for an agent that adopts
+    its predecessor's trainers - the node's progress file, which it owns from then on."""
+    if not cfg.hang.enabled:
+        return None
+    board = hp.ProgressBoard.create(hp.board_path(cfg.agent.shm_dir, cfg.run_id, node), cfg.cluster.ranks_per_node)
+    run_dir = os.environ.get("MFT_RUN_DIR")
+    events = os.path.join(run_dir, "events", f"agent-n{node}.jsonl") if run_dir else None
+    return HangWatch(cfg, node, board, store, events).start()

@@ -1,0 +1,218 @@
+"""The hang rule: which rank is hung, from where every rank is (:mod:`.progress`). Pure: no I/O.
+
+In synchronous training every rank stops within an iteration of a hung one, so "no progress" alone
+cannot name the culprit: the others are *waiting* - in a collective, or for their own agent - and the
+culprit is not. Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
+the job's own iteration times (:func:`bound`) and reports the node's stall (:class:`NodeStall`, only
+when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
+ranks once every other rank of the job waits:
+
+* ``hung``: quiet in its own work (or its restore, or Megatron's own disk save) past that phase's
+  allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet as long;
+* ``waiting``: in a collective or waiting for its agent for at least half its bound;
+* anything else (progressing, starting, ending, gone) blocks a verdict.
+
+With ``collective_s`` set, every rank waiting that long with nobody to blame (a collective that
+deadlocked) is a verdict on all of them.
+
+>>> lim = Limits(k=10.0, floor_s=5.0, ceiling_s=120.0, warmup_iterations=3, first_s=60.0, restore_s=300.0,
+...              save_s=3600.0, collective_s=0.0)
+>>> bound(lim, p99_s=0.2, steps=10), bound(lim, p99_s=2.0, steps=10), bound(lim, p99_s=0.2, steps=1)
+(5.0, 20.0, 60.0)
+>>> from .progress import Progress, WORK, COLLECTIVE
+>>> stuck = Progress(seq=8, steps=10, phase=WORK, pid=41, since=100.0, started=0, iter_s=0.2, work_s=0.1)
+>>> judge(stuck, now=106.0, limits=lim, p99_s=0.2, stopped_s=0.0)
+'hung'
+>>> waits = Progress(seq=9, steps=10, phase=COLLECTIVE, pid=42, since=100.1, started=0, iter_s=0.2, work_s=0.1)
+>>> judge(waits, now=106.0, limits=lim, p99_s=0.2, stopped_s=0.0)
+'waiting'
+>>> a = NodeStall(node=0, ranks=1, hung=(Culprit(0, 41, 8, "work", 6.0),), waiting=())
+>>> b = NodeStall(node=1, ranks=1, hung=(), waiting=(1,))
+>>> decide({0: a}, nodes=2, ranks_per_node=1, collective_s=0) is None   # node 1 has not said it waits
+True
+>>> v = decide({0: a, 1: b}, nodes=2, ranks_per_node=1, collective_s=0)
+>>> [c.rank for c in v.culprits], v.collective
+([0], False)
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from .progress import AGENT, COLLECTIVE, RESTORE, SAVE, WAITING, WORK, Progress
+
+VERSION = 1
+#: the store keys: each node's stall under ``STALL_KEY<node>``, the job's verdict at ``HANG_KEY``
+STALL_KEY = "stall/"
+HANG_KEY = "hang"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The ``hang`` section's numbers (:class:`megatron_ft.config.HangConfig`)."""
+
+    k: float
+    floor_s: float
+    ceiling_s: float
+    warmup_iterations: int
+    first_s: float
+    restore_s: float
+    save_s: float
+    collective_s: float
+
+    @classmethod
+    def of(cls, hang) -> "Limits":
+        return cls(hang.k, hang.floor_s, hang.ceiling_s, hang.warmup_iterations, hang.first_s, hang.restore_s,
+                   hang.save_s, hang.collective_s)
+
+
+def p99(times: Sequence[float]) -> Optional[float]:
+    """The 99th percentile (nearest rank) of ``times``; None for none.
+
+    >>> p99([0.1] * 99 + [5.0]), p99([0.1] * 98 + [5.0, 5.0]), p99([])
+    (0.1, 5.0, None)
+    """
+    if not times:
+        return None
+    s = sorted(times)
+    return s[max(0, math.ceil(0.99 * len(s)) - 1)]
+
+
+def bound(limits: Limits, p99_s: Optional[float], steps: int) -> float:
+    """How long a rank may stay quiet in its own work: ``k`` x the p99 of recent iterations within
+    [``floor_s``, ``ceiling_s``]; ``first_s`` before ``warmup_iterations`` iterations of this trainer."""
+    if steps < limits.warmup_iterations or p99_s is None:
+        return max(limits.first_s, limits.floor_s)
+    return min(limits.ceiling_s, max(limits.floor_s, limits.k * p99_s))
+
+
+def allowance(limits: Limits, phase: int, p99_s: Optional[float], steps: int) -> Optional[float]:
+    """How long ``phase`` may stay quiet before its rank is hung; None: a phase never judged so."""
+    if phase == WORK:
+        return bound(limits, p99_s, steps)
+    if phase == RESTORE:
+        return limits.restore_s
+    if phase == SAVE:
+        return limits.save_s
+    return None
+
+
+def judge(p: Progress, now: float, limits: Limits, p99_s: Optional[float], stopped_s: float) -> str:
+    """``hung``, ``waiting`` or ``other`` for one rank's record ``p`` at ``now`` (its clock);
+    ``stopped_s``: how long its process has been seen stopped without a break (0: running)."""
+    quiet = now - p.since
+    if stopped_s >= limits.floor_s and quiet >= limits.floor_s:
+        return "hung"
+    limit = allowance(limits, p.phase, p99_s, p.steps)
+    if limit is not None and quiet > limit:
+        return "hung"
+    if p.phase in WAITING and quiet >= bound(limits, p99_s, p.steps) / 2:
+        return "waiting"
+    return "other"
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """A rank judged hung: which process, at which record (a verdict acts only while both still hold)."""
+
+    rank: int
+    pid: int
+    seq: int
+    phase: str
+    quiet_s: float
+
+
+@dataclass(frozen=True)
+class NodeStall:
+    """A node's report: its hung ranks and its waiting ranks (``ranks``: how many it has). ``long``:
+    every waiting rank has waited ``collective_s`` (see the module)."""
+
+    node: int
+    ranks: int
+    hung: tuple[Culprit, ...]
+    waiting: tuple[int, ...]
+    long: bool = False
+
+    @property
+    def clear(self) -> bool:
+        return not self.hung and not self.waiting
+
+    def same(self, other: Optional["NodeStall"]) -> bool:
+        """Whether ``other`` says the same (the quiet times aside): a report is sent only when not."""
+        return (other is not None and self.waiting == other.waiting and self.long == other.long
+                and [(c.rank, c.pid, c.seq) for c in self.hung] == [(c.rank, c.pid, c.seq) for c in other.hung])
+
+    def encode(self) -> str:
+        return json.dumps({"v": VERSION, "node": self.node, "ranks": self.ranks, "waiting": list(self.waiting),
+                           "long": self.long,
+                           "hung": [[c.rank, c.pid, c.seq, c.phase, round(c.quiet_s, 3)] for c in self.hung]})
+
+    @classmethod
+    def decode(cls, text: str) -> "NodeStall":
+        d = json.loads(text)
+        if d.get("v") != VERSION:
+            raise ValueError(f"stall report version {d.get('v')!r}, not {VERSION}")
+        return cls(int(d["node"]), int(d["ranks"]),
+                   tuple(Culprit(int(r), int(p), int(s), str(ph), float(q)) for r, p, s, ph, q in d["hung"]),
+                   tuple(int(r) for r in d["waiting"]), bool(d.get("long", False)))
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    """The job's verdict: these ranks are hung (``collective``: every rank waited ``collective_s`` in
+    collectives with nobody to blame; every one of them is named)."""
+
+    culprits: tuple[Culprit, ...]
+    collective: bool = False
+
+    def encode(self) -> str:
+        return json.dumps({"v": VERSION, "collective": self.collective,
+                           "culprits": [[c.rank, c.pid, c.seq, c.phase, round(c.quiet_s, 3)] for c in self.culprits]})
+
+    @classmethod
+    def decode(cls, text: str) -> "HangVerdict":
+        d = json.loads(text)
+        if d.get("v") != VERSION:
+            raise ValueError(f"hang verdict version {d.get('v')!r}, not {VERSION}")
+        return cls(tuple(Culprit(int(r), int(p), int(s), str(ph), float(q)) for r, p, s, ph, q in d["culprits"]),
+                   bool(d["collective"]))
+
+
+def decide(reports: Mapping[int, NodeStall], nodes: int, ranks_per_node: int,
+           collective_s: float) -> Optional[HangVerdict]:
+    """The job's verdict from every node's newest report, or None. A verdict needs every rank of the job
+    accounted for: hung, or waiting. A collective verdict names ranks, not processes (pid 0): each
+    agent ends those of its ranks still waiting."""
+    if len(reports) < nodes:
+        return None
+    hung = [c for n in sorted(reports) for c in reports[n].hung]
+    waiting = {r for rep in reports.values() for r in rep.waiting}
+    if len({c.rank for c in hung} | waiting) < nodes * ranks_per_node:
+        return None
+    if hung:
+        return HangVerdict(tuple(hung))
+    if collective_s > 0 and all(rep.long for rep in reports.values()):
+        return HangVerdict(tuple(Culprit(r, 0, -1, "collective", collective_s) for r in sorted(waiting)),
+                           collective=True)
+    return None
+
+
+class StallAggregator:
+    """The root's running view: :meth:`update` with one node's report, returns the verdict now."""
+
+    def __init__(self, nodes: int, ranks_per_node: int, collective_s: float):
+        self.nodes, self.ranks_per_node, self.collective_s = nodes, ranks_per_node, collective_s
+        self.reports: dict[int, NodeStall] = {}
+
+    def update(self, report: NodeStall) -> Optional[HangVerdict]:
+        if report.clear:
+            self.reports.pop(report.node, None)
+        else:
+            self.reports[report.node] = report
+        return decide(self.reports, self.nodes, self.ranks_per_node, self.collective_s)
+
+
+__all__ = ["AGENT", "COLLECTIVE", "Culprit", "HANG_KEY", "HangVerdict", "Limits", "NodeStall", "STALL_KEY",
+           "StallAggregator", "allowance", "bound", "decide", "judge", "p99"]

@@ -1,0 +1,137 @@
+"""The trainer's side of hang detection: where the training thread is, written into the node agent's
+progress file (:mod:`megatron_ft.health.progress`) - on the training thread, a few stores into a
+mapping per phase change, nothing sent.
+
+* every ``torch.distributed`` wait (``Work.wait``: what every blocking collective and every
+  point-to-point receive of Megatron goes through on gloo) is :data:`~megatron_ft.health.progress.COLLECTIVE`;
+* :meth:`Tracker.iteration` (from ``before_optimizer_step``, which every training path calls once
+  per iteration) ends an iteration: its duration and its own work (the duration less its waits);
+* :meth:`Tracker.phase` around the restore, the wait for the agent's copy, Megatron's own disk save.
+
+Only the thread that installed the tracker is followed (the snapshot worker's and other threads'
+waits are not the training's). One tracker per process (:func:`install`; a later one - the next
+in-process attempt - replaces it). Without the agent's file (an older agent, ``hang.enabled: false``)
+nothing is written and nothing is wrapped.
+
+On CUDA with NCCL, ``Work.wait`` only orders streams: a rank stuck inside a kernel or a collective
+is seen in the phase that launched it, not as waiting.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Iterator, Optional
+
+from ..health import progress as hp
+
+log = logging.getLogger("megatron_ft")
+
+_current: Optional["Tracker"] = None
+_wrapped = False
+
+
+class Tracker:
+    """The training thread's progress record (see the module)."""
+
+    def __init__(self, writer: hp.ProgressWriter):
+        self.writer = writer
+        self.thread = threading.get_ident()
+        self.waited = 0.0  # seconds waited in this iteration
+        self.iter_start: Optional[float] = None
+
+    def on_training_thread(self) -> bool:
+        return threading.get_ident() == self.thread
+
+    @contextlib.contextmanager
+    def phase(self, phase: int) -> Iterator[None]:
+        """``phase`` for the block (on the training thread only; elsewhere nothing). A waiting phase
+        counts as waited, not as the rank's own work."""
+        if not self.on_training_thread():
+            yield
+            return
+        left = self.writer.enter(phase)
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            if phase in hp.WAITING:
+                self.waited += time.monotonic() - t0
+            self.writer.enter(left)
+
+    def iteration(self) -> None:
+        """One iteration ended (the first call only starts the clock)."""
+        now = time.monotonic()
+        if self.iter_start is not None:
+            span = now - self.iter_start
+            self.writer.step(span, max(0.0, span - self.waited))
+        else:
+            self.writer.enter(hp.WORK)
+        self.iter_start, self.waited = now, 0.0
+
+    def close(self) -> None:
+        self.writer.enter(hp.DONE)
+        self.writer.close()
+
+
+def _wrap_wait() -> None:
+    """``Work.wait`` of torch.distributed reports :data:`~hp.COLLECTIVE` while it blocks (once per process)."""
+    global _wrapped
+    if _wrapped:
+        return
+    from torch.distributed.distributed_c10d import Work
+
+    inner = Work.wait
+
+    def wait(self, *args, **kwargs):
+        t = _current
+        if t is None or not t.on_training_thread():
+            return inner(self, *args, **kwargs)
+        with t.phase(hp.COLLECTIVE):
+            return inner(self, *args, **kwargs)
+
+    wait.__wrapped__ = inner  # type: ignore[attr-defined]
+    Work.wait = wait
+    _wrapped = True
+
+
+def install(path: str, index: int) -> Optional[Tracker]:
+    """The tracker of this process's training thread, writing record ``index`` of ``path``; None when
+    the file is not there (no agent made it)."""
+    global _current
+    try:
+        writer = hp.ProgressWriter(path, index)
+    except (OSError, ValueError) as e:
+        log.info("no progress record (%s): this trainer is not watched for hangs", e)
+        return None
+    if _current is not None:
+        try:
+            _current.writer.close()
+        except Exception:
+            pass
+    _current = Tracker(writer)
+    _wrap_wait()
+    return _current
+
+
+def current() -> Optional[Tracker]:
+    return _current
+
+
+@contextlib.contextmanager
+def phase(which: int) -> Iterator[None]:
+    """``which`` around the block on the training thread when a tracker is installed (else nothing)."""
+    t = _current
+    if t is None:
+        yield
+        return
+    with t.phase(which):
+        yield
+
+
+def close() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
