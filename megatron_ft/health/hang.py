@@ -2,7 +2,7 @@
 
 In synchronous training every rank stops within an iteration of a hung one, so "no progress" alone
 cannot name the culprit: the others are *waiting* - in a collective, or for their own agent - and the
-culprit is not. Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
+culprit is not. Every rank quiet in its own work at once (a long write of every rank) is no verdict. Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
 the job's own iteration times (:func:`bound`) and reports the node's stall (:class:`NodeStall`, only
 when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
 ranks once every other rank of the job waits:
@@ -191,7 +191,7 @@ def decide(reports: Mapping[int, NodeStall], nodes: int, ranks_per_node: int,
     waiting = {r for rep in reports.values() for r in rep.waiting}
     if len({c.rank for c in hung} | waiting) < nodes * ranks_per_node:
         return None
-    if hung:
+    if hung and (waiting or nodes * ranks_per_node == 1):  # all quiet in their own work: a long save, not a hang
         return HangVerdict(tuple(hung))
     if collective_s > 0 and all(rep.long for rep in reports.values()):
         return HangVerdict(tuple(Culprit(r, 0, -1, "collective", collective_s) for r in sorted(waiting)),

@@ -1,0 +1,246 @@
+"""The hang rule (pure), the progress file, and the agent's hang watch against real processes: a
+trainer stopped or stuck in its own work is killed once every other rank waits; no verdict for
+a rank that progresses, for ranks that all work at once, for a paused agent, for a verdict that
+went stale."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_ft import config as ftconfig
+from megatron_ft.agent.hang_watch import HangWatch, process_state
+from megatron_ft.health import hang as rule
+from megatron_ft.health import progress as hp
+
+LIM = rule.Limits(k=10.0, floor_s=5.0, ceiling_s=60.0, warmup_iterations=3, first_s=30.0, restore_s=100.0,
+                  save_s=1000.0, collective_s=0.0)
+
+
+def rec(phase, since, steps=10, seq=2, pid=7):
+    return hp.Progress(seq=seq, steps=steps, phase=phase, pid=pid, since=since, started=0.0, iter_s=0.1, work_s=0.05)
+
+
+# ---------------------------------------------------------------------------------------------- the rule
+def test_the_bound_follows_the_iteration_times_within_floor_and_ceiling():
+    assert rule.bound(LIM, 0.1, 10) == 5.0  # 10 x 0.1 under the floor
+    assert rule.bound(LIM, 2.0, 10) == 20.0
+    assert rule.bound(LIM, 30.0, 10) == 60.0  # the ceiling
+    assert rule.bound(LIM, 0.1, 2) == 30.0  # a trainer's first iterations: first_s
+    assert rule.bound(LIM, None, 10) == 30.0  # nothing timed yet
+
+
+@pytest.mark.parametrize("phase,quiet,want", [
+    (hp.WORK, 4.9, "other"), (hp.WORK, 5.1, "hung"),
+    (hp.RESTORE, 50.0, "other"), (hp.RESTORE, 101.0, "hung"),
+    (hp.SAVE, 500.0, "other"), (hp.SAVE, 1001.0, "hung"),
+    (hp.COLLECTIVE, 1.0, "other"), (hp.COLLECTIVE, 2.6, "waiting"), (hp.COLLECTIVE, 1e6, "waiting"),
+    (hp.AGENT, 3.0, "waiting"), (hp.START, 1e6, "other"), (hp.DONE, 1e6, "other"),
+])
+def test_each_phase_is_judged_against_its_own_allowance(phase, quiet, want):
+    assert rule.judge(rec(phase, 100.0), 100.0 + quiet, LIM, 0.1, stopped_s=0.0) == want
+
+
+def test_a_stopped_process_is_hung_in_any_phase_once_stopped_and_quiet_for_the_floor():
+    waiting = rec(hp.COLLECTIVE, 100.0)
+    assert rule.judge(waiting, 106.0, LIM, 0.1, stopped_s=6.0) == "hung"
+    assert rule.judge(waiting, 106.0, LIM, 0.1, stopped_s=0.5) == "waiting"  # a duty cycle's short stop
+    assert rule.judge(rec(hp.COLLECTIVE, 105.0), 106.0, LIM, 0.1, stopped_s=6.0) == "other"  # it moved meanwhile
+
+
+def culprit(rank):
+    return rule.Culprit(rank, 100 + rank, 4, "work", 6.0)
+
+
+def test_the_verdict_needs_every_other_rank_of_the_job_waiting():
+    hung = rule.NodeStall(0, 2, (culprit(0),), (1,))
+    others = rule.NodeStall(1, 2, (), (2, 3))
+    assert rule.decide({0: hung}, 2, 2, 0.0) is None  # node 1 not heard
+    assert rule.decide({0: hung, 1: rule.NodeStall(1, 2, (), (2,))}, 2, 2, 0.0) is None  # rank 3 progresses
+    v = rule.decide({0: hung, 1: others}, 2, 2, 0.0)
+    assert [c.rank for c in v.culprits] == [0] and not v.collective
+    # every rank quiet in its own work at once (a long write everywhere) is no verdict
+    assert rule.decide({0: rule.NodeStall(0, 2, (culprit(0), culprit(1)), ()),
+                        1: rule.NodeStall(1, 2, (culprit(2), culprit(3)), ())}, 2, 2, 0.0) is None
+
+
+def test_a_deadlocked_collective_is_a_verdict_on_every_rank_only_with_collective_s():
+    long = {n: rule.NodeStall(n, 1, (), (n,), long=True) for n in range(2)}
+    assert rule.decide(long, 2, 1, 0.0) is None
+    v = rule.decide(long, 2, 1, 120.0)
+    assert v.collective and [c.rank for c in v.culprits] == [0, 1]
+    assert rule.decide({0: long[0], 1: rule.NodeStall(1, 1, (), (1,), long=False)}, 2, 1, 120.0) is None
+
+
+def test_reports_and_verdicts_round_trip_and_refuse_other_versions():
+    r = rule.NodeStall(3, 2, (culprit(6),), (7,), long=False)
+    assert rule.NodeStall.decode(r.encode()).same(r)
+    v = rule.HangVerdict((culprit(6),))
+    assert rule.HangVerdict.decode(v.encode()).culprits[0].rank == 6
+    bad = json.loads(r.encode())
+    bad["v"] = 99
+    with pytest.raises(ValueError, match="version 99"):
+        rule.NodeStall.decode(json.dumps(bad))
+
+
+def test_the_root_aggregates_reports_as_they_come_and_clears_when_a_node_does():
+    agg = rule.StallAggregator(2, 1, 0.0)
+    assert agg.update(rule.NodeStall(0, 1, (culprit(0),), ())) is None
+    assert agg.update(rule.NodeStall(1, 1, (), (1,))) is not None
+    assert agg.update(rule.NodeStall(1, 1, (), ())) is None  # node 1 trains again
+
+
+# ---------------------------------------------------------------------------------------------- the file
+def test_the_progress_file_round_trips_and_a_reader_never_takes_a_torn_record(tmp_path):
+    path = str(tmp_path / "progress")
+    board = hp.ProgressBoard.create(path, 3)
+    w = hp.ProgressWriter(path, 2)
+    w.enter(hp.COLLECTIVE)
+    got = board.read(2)
+    assert got.phase_name == "collective" and got.pid == os.getpid() and got.seq % 2 == 0
+    assert board.read(0) is None and board.read(1) is None
+    # a writer stopped between its two stores leaves an odd sequence number: read as it is, after retries
+    import struct
+    struct.pack_into("<Q", board.mm, 2 * hp.RECORD, got.seq + 1)
+    assert board.read(2, tries=3).seq == got.seq + 1
+    # an agent that re-opens the file (it adopted its predecessor's trainers) keeps what they wrote
+    again = hp.ProgressBoard.create(path, 3)
+    assert again.read(2).pid == os.getpid()
+    w.close(); again.close(); board.close(unlink=True)
+    assert not os.path.exists(path)
+
+
+# ---------------------------------------------------------------------------------------------- the watch
+CHILD = r"""
+import sys, time
+from megatron_ft.health import progress as hp
+w = hp.ProgressWriter(sys.argv[1], int(sys.argv[2]))
+for _ in range(5):
+    w.step(0.02, 0.01)
+w.enter({"work": hp.WORK, "collective": hp.COLLECTIVE, "save": hp.SAVE}[sys.argv[3]])
+print("ready", flush=True)
+if sys.argv[4] == "progress":
+    while True:
+        time.sleep(0.05); w.enter(hp.WORK); w.enter(hp.COLLECTIVE)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def bed(tmp_path):
+    cfg = ftconfig.from_dict({"run_id": "hangtest", "cluster": {"nodes": 1, "ranks_per_node": 3},
+                              "parallel": {"tensor": 1, "pipeline": 1},
+                              "agent": {"shm_dir": str(tmp_path)},
+                              "hang": {"tick_s": 0.05, "floor_s": 0.6, "k": 2.0, "first_s": 30.0}})
+    board = hp.ProgressBoard.create(hp.board_path(str(tmp_path), cfg.run_id, 0), 3)
+    procs = []
+
+    def start(index, phase, then="sleep"):
+        p = subprocess.Popen([sys.executable, "-c", CHILD, board.path, str(index), phase, then],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        procs.append(p)
+        return p
+
+    events = str(tmp_path / "events" / "agent-n0.jsonl")
+    watch = HangWatch(cfg, 0, board, None, events)
+    yield cfg, watch, start, events
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    board.close(unlink=True)
+
+
+def run_ticks(watch, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        watch.tick()
+        time.sleep(watch.hang.tick_s)
+
+
+def test_a_stopped_trainer_is_killed_once_every_other_rank_waits(bed):
+    cfg, watch, start, events = bed
+    victim = start(0, "collective")
+    a, b = start(1, "collective"), start(2, "collective")
+    os.kill(victim.pid, signal.SIGSTOP)
+    end = time.monotonic() + 5
+    while process_state(victim.pid) != "T" and time.monotonic() < end:
+        time.sleep(0.01)
+    assert process_state(victim.pid) == "T"
+    run_ticks(watch, 2.0)
+    assert victim.wait(5) == -signal.SIGKILL
+    assert a.poll() is None and b.poll() is None
+    [ev] = [json.loads(line) for line in open(events)]
+    assert ev["event"] == "hang" and ev["rank"] == 0 and ev["pid"] == victim.pid and "stopped" in ev["phase"]
+    assert ev["quiet_s"] >= cfg.hang.floor_s and ev["bound_s"] >= cfg.hang.floor_s
+
+
+def test_a_trainer_stuck_in_its_own_work_is_killed_and_a_progressing_one_blocks_the_verdict(bed):
+    cfg, watch, start, events = bed
+    stuck = start(0, "work")
+    start(1, "collective")
+    moving = start(2, "collective", then="progress")  # slow, but progressing
+    run_ticks(watch, 1.5)
+    assert stuck.poll() is None, "killed while rank 2 still progressed"
+    moving.kill(); moving.wait()
+    start(2, "collective")  # now every other rank waits
+    run_ticks(watch, 1.5)
+    assert stuck.wait(5) == -signal.SIGKILL
+    assert [json.loads(line)["rank"] for line in open(events)] == [0]
+
+
+def test_no_verdict_when_every_rank_works_at_once_or_in_megatrons_own_save(bed):
+    cfg, watch, start, events = bed
+    procs = [start(0, "work"), start(1, "work"), start(2, "save")]
+    run_ticks(watch, 1.5)
+    assert all(p.poll() is None for p in procs)
+    assert not os.path.exists(events)
+
+
+def test_a_paused_agent_judges_nothing_for_the_floor_after_it_runs_again(bed):
+    cfg, watch, start, events = bed
+    stuck = start(0, "work")
+    start(1, "collective"), start(2, "collective")
+    watch.tick()
+    watch._last_tick -= 30.0  # the agent did not run for 30 s (SIGSTOP, an overloaded host)
+    end = time.monotonic() + cfg.hang.floor_s * 0.8
+    while time.monotonic() < end:
+        assert watch.tick().clear
+        time.sleep(cfg.hang.tick_s)
+    assert stuck.poll() is None
+    run_ticks(watch, 1.0)
+    assert stuck.wait(5) == -signal.SIGKILL
+
+
+def test_a_verdict_that_went_stale_is_not_acted_on(bed):
+    cfg, watch, start, events = bed
+    p = start(0, "collective", then="progress")
+    record = watch.board.read(0)
+    stale = rule.HangVerdict((rule.Culprit(0, p.pid, record.seq, "work", 9.0),))
+    time.sleep(0.2)  # it moved on
+    watch._act(stale, {0: watch.board.read(0)}, time.monotonic())
+    assert p.poll() is None and not os.path.exists(events)
+
+
+def test_the_root_derives_the_verdict_from_the_reports_set_on_its_store():
+    cfg = ftconfig.from_dict({"run_id": "hangroot", "cluster": {"nodes": 2, "ranks_per_node": 1},
+                              "parallel": {"tensor": 1, "pipeline": 1}})
+
+    class Store:  # what the embedded store gives the hook: the key under its prefix, the value
+        def derive(self, prefix, fn):
+            self.prefix, self.fn = prefix, fn
+
+    store = Store()
+    watch = HangWatch(cfg, 0, None, store)
+    assert store.prefix == rule.STALL_KEY
+    assert store.fn("0", rule.NodeStall(0, 1, (culprit(0),), ()).encode()) == {rule.HANG_KEY: None}
+    out = store.fn("1", rule.NodeStall(1, 1, (), (1,)).encode())
+    assert rule.HangVerdict.decode(out[rule.HANG_KEY]).culprits[0].rank == 0
+    assert store.fn("1", rule.NodeStall(0, 1, (), ()).encode()) == {}  # a report under another node's key
+    assert watch.status()["hang_verdicts"] == []
