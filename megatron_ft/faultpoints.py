@@ -1,8 +1,8 @@
 """Named points on the snapshot path where a test harness may make a process fail.
 
 The runtime announces each point it passes with :func:`reached` (the trainer: ``before-snapshot``,
-``mid-copy``, ``after-commit``; the agent: ``mid-exchange``). Nothing happens unless a harness gave
-this process an :class:`Injector` with :func:`install` (megatron-ft's own is
+``mid-copy``, ``after-commit``, ``restore``; the agent: ``mid-exchange``). Nothing happens unless a
+harness gave this process an :class:`Injector` with :func:`install` (megatron-ft's own is
 :mod:`megatron_ft.testing.faults`, installed by its command-line wrapper before the training script
 or the agent runs). The runtime never reads a fault from the environment and never imports the
 harness.
@@ -14,6 +14,7 @@ before-snapshot    trainer    iteration ``step`` finished, its snapshot not star
 mid-copy           trainer    the snapshot of ``step`` copied its first piece of bytes, not the rest
 after-commit       trainer    the agent marked the snapshot of ``step`` clean; context: ``area``
                               (the committed bytes, writable), ``path`` and ``size`` (the slot file)
+restore            trainer    a restore chose ``step`` (every rank listed it): about to open and check it
 mid-exchange       agent      the first contribution of version ``step`` left this node, not the rest
 =================  =========  =================================================================
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-POINTS = ("before-snapshot", "mid-copy", "after-commit", "mid-exchange")
+POINTS = ("before-snapshot", "mid-copy", "after-commit", "restore", "mid-exchange")
 
 
 class Injector(Protocol):

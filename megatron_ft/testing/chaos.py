@@ -6,8 +6,10 @@ SIGKILL) with a failure kind, a kill iteration and a wall-clock delay after it, 
 ``Random(seed * 1_000_003 + trial)``: the same seed and trial number give the same trial. A trial is
 
 * **right** when the job ends bit-exact with every iteration's loss, at the promised tier or
-  better, and leaves no ``/dev/shm`` segment and no process of its run behind; for
-  ``max-restarts-0`` when the job ends with a non-zero exit, cleanly;
+  better, with exactly one hang verdict per victim in the hang kinds and none in any other, and
+  leaves no ``/dev/shm`` segment and no process of its run behind; for ``max-restarts-0`` when the
+  job ends with a non-zero exit, cleanly; for the kinds without a failure (``slow-trainer``,
+  ``agent-pause``) when the job trains through bit-exact with no restart and no verdict;
 * **wrong** otherwise: ``hang`` (past ``--trial-timeout``), ``mismatch``, ``crash`` (no summary),
   ``lower-tier``, ``leak``.
 
@@ -76,6 +78,20 @@ KINDS: dict[str, dict] = {
     # with the cluster file's own scheme (``--config``): a node, node 0, two nodes of one group
     "node": {"fail": "node", "config_only": True},
     "node0": {"fail": "node", "victim_node": 0, "config_only": True},
+    # hangs: the agents' hang rule must name the victim (one verdict), SIGKILL it, and the job recover
+    # from local memory. A trainer SIGSTOPped after an iteration, never resumed:
+    "hang": {"fail": "hang", "hangs": 1},
+    # a trainer SIGKILLed, whose restarted life then hangs inside its restore (the demo's job gets a
+    # hang.restore_s of 15 s): its training thread sleeps for good (running: the restore allowance
+    # elapses), or the process SIGSTOPs itself (seen stopped for hang.floor_s)
+    "hang-in-restore": {"fail": "hang-in-restore", "hangs": 1},
+    "stop-in-restore": {"fail": "hang-in-restore", "restore_hang": "stop", "hangs": 1},
+    # no failure: a trainer stopped 0.3 s of every 0.6 s for the rest of the run (at most 15 s) is slow,
+    # not hung - no verdict, no restart, bit-exact
+    "slow-trainer": {"fail": "slow", "no_failure": True},
+    # the last node's agent SIGSTOPped 8 s (> health.timeout_s, 5 s), then continued: the job trains
+    # through, no verdict (see docs/reliability.md, "A paused agent")
+    "agent-pause": {"fail": "agent-pause", "no_failure": True},
     "two-nodes": {"fail": "two-nodes", "config_only": True},
 }
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
@@ -119,6 +135,8 @@ class Trial:
             out.append(f"--kill-delay={self.kill_delay:.4f}")
         if k.get("kill_agent"):
             out.append("--kill-agent")
+        if k.get("restore_hang"):
+            out.append(f"--restore-hang={k['restore_hang']}")
         if k.get("with_agent"):
             out.append("--with-agent")
         if self.hosts:
@@ -214,6 +232,20 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
         return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
     if summary.get("false_verdicts"):
         return "wrong", f"false verdict: {summary['false_verdicts'][:2]}"
+    hung = sorted(v["rank"] for v in summary.get("hang_verdicts") or [])
+    if KINDS[trial.kind].get("hangs"):
+        if len(hung) != KINDS[trial.kind]["hangs"] or not summary.get("hang_ok"):
+            return "wrong", f"hang verdicts on {hung}, want {KINDS[trial.kind]['hangs']} on the victim"
+    elif hung:
+        return "wrong", f"false hang verdict: {summary['hang_verdicts'][:2]}"
+    if KINDS[trial.kind].get("no_failure"):
+        if summary.get("restarted_ranks"):
+            return "wrong", f"restarted without a failure: rank(s) {summary['restarted_ranks']}"
+        if (summary.get("recovered_from") or "none") != "none":
+            return "wrong", f"recovered from {summary['recovered_from']} without a failure"
+        if rc != 0:
+            return "wrong", f"demo exit {rc}"
+        return "right", ""
     rollbacks, want = summary.get("rollbacks", 0), KINDS[trial.kind].get("rollbacks", 0)
     if rollbacks != want:  # a poisoned version restored, or a false alarm of the guard
         return "wrong", f"rollbacks: {rollbacks}, want {want}"

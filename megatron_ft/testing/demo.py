@@ -98,6 +98,18 @@ DEMO_SHAPES = {
 DEMO_SHAPES["replica"]["cluster"] = {"nodes": 2, "ranks_per_node": 2}
 #: injected kill points that damage the committed slot first: restore must reject that version
 DAMAGE_POINTS = ("corrupt-after-commit", *faults.REWRITES, *faults.TRUNCATE_TO)
+#: scenarios whose failure is a hang: exactly one hang verdict per victim is expected, in every other
+#: scenario none
+HANG_SCENARIOS = ("hang", "hang-in-restore")
+#: scenarios without a failure: the job trains through, no trainer restarts, no verdict of any kind
+NO_FAILURE = ("none", "slow")
+#: --fail hang-in-restore: the job's ``hang`` allowances. The defaults (a restore 300 s, a new trainer's
+#: first iterations 120 s) are sized for real restores and real first iterations; a rank waiting in a
+#: collective counts as waiting after half of its own bound, and a restarted trainer's is ``first_s``, so
+#: the verdict on a rank hung in its restore comes after max(restore_s, first_s / 2). Only this scenario
+#: gets the small ones: every other keeps the shipped defaults the demo is there to show (and a smaller
+#: first_s would judge a slow first iteration of an upstream Megatron-LM run, --megatron-lm).
+RESTORE_HANG_LIMITS = {"restore_s": 15.0, "first_s": 30.0}
 
 
 def default_victim_node(cfg: ftconfig.FTConfig) -> int:
@@ -542,6 +554,51 @@ def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: f
         time.sleep(0.05)
 
 
+def slow_down(pid: int, stop_s: float, period_s: float, seconds: float, job) -> dict:
+    """Slow process ``pid`` without failing it: SIGSTOP for ``stop_s`` of every ``period_s``, for
+    ``seconds`` or until the process or ``job`` ends; it is always left running (SIGCONT). Returns
+    {"pid", "cycles", "seconds", "stop_s", "period_s"}."""
+    t0, cycles = time.time(), 0
+    try:
+        while time.time() - t0 < seconds and job.poll() is None:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                break
+            cycles += 1
+            time.sleep(stop_s)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                break
+            time.sleep(max(0.0, period_s - stop_s))
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    return {"pid": pid, "cycles": cycles, "seconds": round(time.time() - t0, 2), "stop_s": stop_s,
+            "period_s": period_s}
+
+
+def pause_agent(pid: Optional[int], seconds: float) -> dict:
+    """SIGSTOP a node agent ``pid`` for ``seconds``, then SIGCONT (always). Returns {"pid", "seconds",
+    "stopped_at", "continued_at"}."""
+    if pid is None:
+        raise RuntimeError("the node's agent wrote no pid file: nothing to pause")
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        time.sleep(seconds)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    t1 = time.time()
+    return {"pid": pid, "seconds": round(t1 - t0, 2), "stopped_at": t0, "continued_at": t1}
+
+
 def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[list[int], list[int]]:
     """(ranks that fail, nodes lost) for ``args.fail``; a clear error for a node outside the cluster."""
     rpn, nodes = cfg.cluster.ranks_per_node, cfg.cluster.nodes
@@ -555,9 +612,9 @@ def choose_victims(args: argparse.Namespace, cfg: ftconfig.FTConfig) -> tuple[li
                                        f"[{lo}, {nodes - 1}]{why}")
         return node
 
-    if args.fail in ("trainer", "hang"):
+    if args.fail in ("trainer", "hang", "hang-in-restore", "slow"):
         return [args.victim_rank if args.victim_rank is not None else cfg.cluster.world_size - 1], []
-    if args.fail in ("all-trainers", "agent"):
+    if args.fail in ("all-trainers", "agent", "agent-pause"):
         return ranks(check(args.victim_node if args.victim_node is not None else
                            (0 if args.fail == "all-trainers" else nodes - 1), 0)), []
     if args.fail == "launcher":  # node 0's too: the survivors move the rendezvous, whatever the scheme
@@ -609,6 +666,8 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     cfg = ftconfig.replace(base, run_id=tag, persist={"dir": os.path.join(workdir, "persist")})
     if getattr(args, "prefer", None):
         cfg = ftconfig.replace(cfg, recovery={"prefer": args.prefer})
+    if args.fail == "hang-in-restore":
+        cfg = ftconfig.replace(cfg, hang=RESTORE_HANG_LIMITS)
     if args.redundancy and args.config:  # the user's cluster, with this scheme (validated against it)
         cfg = ftconfig.replace(cfg, redundancy=DEMO_SHAPES[args.redundancy]["redundancy"])
     elif args.redundancy:  # the demo's own cluster for the scheme
@@ -730,6 +789,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     if victims and args.kill_point != "after-iteration":
         fault = (f"{args.kill_point}{faults.WITH_AGENT if args.with_agent else ''}:{args.kill_at}:"
                  f"{','.join(map(str, victims))}")
+    elif args.fail == "hang-in-restore":  # the victim's next life hangs in its restore, whichever step it chose
+        fault = f"{args.restore_hang}-restore:{faults.ANY_STEP}:{','.join(map(str, victims))}"
     if slurm is not None:  # one batch job: srun starts a launcher on every host of the allocation
         p = slurm_job(slurm, cfg, run_dir, targs, log_path, fault, program, hosts=cfg.cluster.nodes + bool(args.standby))
         say(f"[demo] submitted Slurm job {p.job_id}: {cfg.cluster.nodes + bool(args.standby)} hosts"
@@ -756,6 +817,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     complete_at_loss: dict[int, list[int]] = {}
     agent_killed = None
     protected_from = None  # --fail agent: the first step the restarted agent must hold
+    hang_time = None  # hang scenarios: when the victim hung (the SIGSTOP, or its restart reaching the restore)
+    slowed: dict = {}  # --fail slow: what the duty cycle did (slow_down)
+    paused: dict = {}  # --fail agent-pause: the agent stopped and continued (pause_agent)
     second = None
     deadline = time.time() + args.timeout
 
@@ -898,8 +962,26 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
                                        f"protects the next steps of {last}; use a smaller --kill-at")
                 say(f"[demo] agent of node {node} restarted (pid {new}) after iteration {done}")
                 kill_trainers(wait_iteration(victims, protected_from + 1))
+            elif args.fail == "slow":  # no failure: the victim only runs slower for a while
+                pid = recs[victims[0]][-1]["pid"]
+                say(f"[demo] slowing rank {victims[0]} (pid {pid}): SIGSTOP {args.slow_stop:g} s of every "
+                    f"{args.slow_period:g} s for at most {args.slow_seconds:g} s; no hang verdict may follow")
+                slowed.update(slow_down(pid, args.slow_stop, args.slow_period, args.slow_seconds, p))
+                say(f"[demo] duty cycle over: {slowed['cycles']} stop(s) in {slowed['seconds']} s")
+            elif args.fail == "agent-pause":
+                node = victims[0] // rpn
+                paused.update(pause_agent(node_pid(run_dir, node, "agent"), args.pause_seconds))
+                paused["node"] = node
+                say(f"[demo] agent of node {node} (pid {paused['pid']}) SIGSTOPped for {paused['seconds']} s, "
+                    f"then SIGCONT")
             else:
                 kill_trainers(recs)
+                if args.fail == "hang":
+                    hang_time = kill_time
+                elif args.fail == "hang-in-restore":
+                    hang_time = wait_fault(run_dir, victims, p, max(1.0, deadline - time.time()), log_path)
+                    say(f"[demo] the restarted rank(s) {victims} hung in their restore ({args.restore_hang}): "
+                        f"the agents must find it after hang.restore_s={cfg.hang.restore_s:g} s and end it")
         if args.second_failure and kill_time is not None:
             known = {r["pid"] for r in _all_records(run_dir, "progress")} | set(killed_pids)
             second = kill_during_recovery(run_dir, cfg.cluster.nodes, known, set(lost_nodes) | {victims[0] // rpn},
@@ -956,12 +1038,26 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         looking.join(60)
     identical, problems = compare(ref_dir, run_dir, world, {life(e): e["step"] for e in rollback_events})
     hangs = [e for e in events if e.get("event") == "hang"]
-    hang_detected_s = (round(min(e["time"] for e in hangs) - kill_time, 3)
-                       if hangs and kill_time is not None and args.fail == "hang" else None)
-    if args.fail == "hang" and kill_time is not None and {e["rank"] for e in hangs} != set(victims):
-        problems.append(f"hang verdicts on rank(s) {sorted({e['rank'] for e in hangs})}, want exactly {victims}")
-    elif args.fail != "hang" and hangs:
+    verdict_time = min((e["time"] for e in hangs), default=None)
+    hang_detected_s = (round(verdict_time - hang_time, 3)
+                       if verdict_time is not None and hang_time is not None and args.fail in HANG_SCENARIOS else None)
+    # the verdict -> the job's next completed iteration (the stalled job completes none in between)
+    after_verdict_s = (round(min(r["time"] for r in progress if r["time"] > verdict_time) - verdict_time, 3)
+                       if hang_detected_s is not None and any(r["time"] > verdict_time for r in progress) else None)
+    expected_hangs = sorted(victims) if args.fail in HANG_SCENARIOS and hang_time is not None else []
+    hang_ok = sorted(e["rank"] for e in hangs) == expected_hangs
+    if not hang_ok and expected_hangs:
+        problems.append(f"hang verdicts on rank(s) {sorted(e['rank'] for e in hangs)}, want exactly one on each of "
+                        f"{expected_hangs}")
+    elif not hang_ok:
         problems.append(f"false hang verdict(s): {[(e['rank'], e['phase'], e['quiet_s']) for e in hangs]}")
+    # no failure: one life per rank (a restart would mean something was judged failed)
+    lives: dict[int, set] = {}
+    for r in progress:
+        lives.setdefault(r["rank"], set()).add(life(r))
+    restarted_ranks = sorted(r for r, ls in lives.items() if len(ls) > 1) if args.fail in NO_FAILURE else []
+    if restarted_ranks:
+        problems.append(f"rank(s) {restarted_ranks} restarted in a run without a failure")
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
@@ -969,7 +1065,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     problems += [f"an outsider was served: {x}" for x in (stranger or {}).get("served", [])]
     promise = None
     if kill_time is not None:
-        failure = "corrupt" if args.kill_point in DAMAGE_POINTS else args.fail
+        failure = ("corrupt" if args.kill_point in DAMAGE_POINTS else "hang" if args.fail == "hang-in-restore"
+                   else args.fail)
         if lost_nodes:
             from ..redundancy.plan import plan_from_config
 
@@ -1041,10 +1138,16 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         (last_before_kill if kill_time is not None else 0),
         "recovery_seconds": recovery_seconds,
         # --fail hang: the stop -> the agent's verdict (and SIGKILL); the recovery follows it
+        # (hang-in-restore: the restarted victim reaching its restore -> the verdict)
         "hang_detected_s": hang_detected_s,
         "hang_verdicts": [{k: e[k] for k in ("rank", "phase", "quiet_s", "bound_s", "iteration_p99_s")} for e in hangs],
-        "recovery_seconds_after_verdict": round(recovery_seconds - hang_detected_s, 3)
-        if hang_detected_s is not None and recovery_seconds else None,
+        "hang_ok": hang_ok,
+        "recovery_seconds_after_verdict": after_verdict_s,
+        "hang_to_iteration_s": round(hang_detected_s + after_verdict_s, 3)
+        if hang_detected_s is not None and after_verdict_s is not None else None,
+        "restarted_ranks": restarted_ranks,
+        "slowed": slowed or None,
+        "agent_paused": paused or None,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         # restored versions the guard refused (NaN or Inf in bytes that verified): every rank rolled back
         # or whose losses after the restore failed it (every rank dropped the version and restarted)
@@ -1103,7 +1206,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             f"{'OK' if summary['tier_ok'] else 'WRONG TIER'}")
         if summary["hang_detected_s"] is not None:
             v = summary["hang_verdicts"][0]
-            say(f" hang found          : {summary['hang_detected_s']} s after the stop (rank {v['rank']} quiet "
+            say(f" hang found          : {summary['hang_detected_s']} s after the hang (rank {v['rank']} quiet "
                 f"{v['quiet_s']} s in {v['phase']}; bound {v['bound_s']} s from the iteration p99 "
                 f"{v['iteration_p99_s']} s); then SIGKILL and the normal recovery")
         if summary["rollbacks"]:
@@ -1120,6 +1223,13 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         if breakdown:
             say("   where it went      : " + ", ".join(f"{BREAKDOWN_NAMES[k]} {v:.2f} s" for k, v in breakdown.items()
                                                    if v is not None))
+    if slowed:
+        say(f" slowed              : rank {victims[0]} stopped {slowed['stop_s']:g} s of every {slowed['period_s']:g} s, "
+            f"{slowed['cycles']} times over {slowed['seconds']} s; hang verdicts: {len(hangs)}, restarts: "
+            f"{restarted_ranks or 'none'}")
+    if paused:
+        say(f" agent paused        : node {paused['node']}'s agent stopped {paused['seconds']} s "
+            f"(health.timeout_s={cfg.health.timeout_s:g} s); recovered from {summary['recovered_from']}")
     say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
         f"every iteration's loss)")
     st = summary["snapshot_stall"]
@@ -1157,15 +1267,29 @@ def unexpected_verdicts(run_dir: str, expected: set[int]) -> list[str]:
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="kill trainers mid-run, recover from memory, compare bit for bit")
     p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--fail", choices=["trainer", "hang", "all-trainers", "agent", "launcher", "node", "two-nodes",
-                                      "none"],
+    p.add_argument("--fail", choices=["trainer", "hang", "hang-in-restore", "slow", "all-trainers", "agent",
+                                      "agent-pause", "launcher", "node", "two-nodes", "none"],
                    default="trainer",
-                   help="node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement; "
+                   help="hang: SIGSTOP the victim trainer, never resumed (the agents must find it hung); "
+                        "hang-in-restore: SIGKILL it, and its restarted life hangs in its restore (--restore-hang); "
+                        "slow: no failure, the victim stopped and continued in a duty cycle (--slow-*), no hang "
+                        "verdict may follow; agent-pause: SIGSTOP the last node's agent for --pause-seconds, then "
+                        "SIGCONT; node: lose a whole simulated node (trainers, agent, shared memory) and start a replacement; "
                         "two-nodes: lose --victim-node and the highest other node at once; "
                         "launcher: SIGKILL one node's launcher (its torchrun and trainers end with it, its agent "
                         "waits) and start the node's launcher again, which adopts the agent; agent: SIGKILL one "
                         "node's agent (its launcher restarts it), then, two iterations after the restart, that "
                         "node's trainers, which must resume from the new agent at a step it took")
+    p.add_argument("--restore-hang", choices=["stall", "stop"], default="stall",
+                   help="--fail hang-in-restore: the restarted victim's training thread sleeps for good (stall: "
+                        "running, found after hang.restore_s) or the process SIGSTOPs itself (stop: found once seen "
+                        "stopped for hang.floor_s)")
+    p.add_argument("--slow-stop", type=float, default=0.3, help="--fail slow: seconds stopped per cycle")
+    p.add_argument("--slow-period", type=float, default=0.6, help="--fail slow: seconds per cycle")
+    p.add_argument("--slow-seconds", type=float, default=15.0,
+                   help="--fail slow: how long the duty cycle lasts at most (it ends with the job)")
+    p.add_argument("--pause-seconds", type=float, default=8.0,
+                   help="--fail agent-pause: how long the agent stays stopped (health.timeout_s is 5 s by default)")
     p.add_argument("--redundancy", choices=sorted(DEMO_SHAPES), default=None,
                    help="peer redundancy for the run, with a cluster shape that shows it (see DEMO_SHAPES)")
     p.add_argument("--transport", choices=["agent", "scheduled"], default="agent",
@@ -1237,6 +1361,15 @@ def main(args: argparse.Namespace) -> int:
                                    f"it needs --fail trainer and an injected --kill-point (one victim kills its agent)")
     if args.second_failure and args.fail == "none":
         raise ftconfig.ConfigError("--second-failure is invalid with --fail=none: it strikes during a recovery")
+    if not 0 < args.slow_stop < args.slow_period:
+        raise ftconfig.ConfigError(f"--slow-stop={args.slow_stop} is invalid with --slow-period={args.slow_period}: "
+                                   f"must be > 0 and below the period")
+    if args.slow_seconds <= 0 or args.pause_seconds <= 0:
+        raise ftconfig.ConfigError(f"--slow-seconds={args.slow_seconds}, --pause-seconds={args.pause_seconds}: both "
+                                   f"must be > 0 seconds")
+    if args.fail in ("hang-in-restore", "slow", "agent-pause") and args.kill_point != "after-iteration":
+        raise ftconfig.ConfigError(f"--kill-point={args.kill_point} is invalid with --fail={args.fail}: it brings its "
+                                   f"own failure (after-iteration only)")
     if args.second_delay < 0:
         raise ftconfig.ConfigError(f"--second-delay={args.second_delay} is invalid: must be >= 0 seconds")
     if args.slurm and not args.hosts:
@@ -1266,6 +1399,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(summary), flush=True)
     if not summary["bitwise_identical"]:
+        return 1
+    if not summary["hang_ok"] or summary["restarted_ranks"]:
+        print(f"[demo] FAILED: hang verdicts {[(v['rank'], v['phase']) for v in summary['hang_verdicts']]}"
+              + (f", want one on each of the victims" if args.fail in HANG_SCENARIOS else ", want none")
+              + (f"; rank(s) {summary['restarted_ranks']} restarted without a failure" if summary["restarted_ranks"]
+                 else ""), file=sys.stderr, flush=True)
         return 1
     if summary["false_verdicts"]:
         print(f"[demo] FAILED: the root agent judged a live node failed: {summary['false_verdicts'][:3]}",

@@ -1,9 +1,16 @@
 """Fault injection for the demo, the chaos harness and the tests: a process SIGKILLs itself at a
-named point of the runtime (:mod:`megatron_ft.faultpoints`), optionally damaging its snapshot first.
+named point of the runtime (:mod:`megatron_ft.faultpoints`), optionally damaging its snapshot first,
+or hangs there.
 
-A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and the agent). Actions:
+A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and the agent; step ``*``:
+any step, e.g. whichever step a restore chose). Actions:
 
-* ``before-snapshot``, ``mid-copy``, ``after-commit``, ``mid-exchange`` - kill at that point;
+* ``before-snapshot``, ``mid-copy``, ``after-commit``, ``restore``, ``mid-exchange`` - kill at that point;
+* ``stop-<point>`` (e.g. ``stop-restore``) - at that point the process SIGSTOPs itself and stays stopped
+  (alive, not running: what a debugger or a frozen container leaves) until something kills it;
+* ``stall-<point>`` (e.g. ``stall-restore``) - at that point the calling thread sleeps forever (alive and
+  runnable, but never returns: a deadlock or an endless wait as the hang rule sees it); the process's
+  other threads go on;
 * ``corrupt-after-commit`` - at ``after-commit``, first flip a byte of the committed data (a
   corrupted snapshot that restore must reject);
 * ``poison-after-commit`` - at ``after-commit``, first write NaN into the snapshot's first
@@ -21,6 +28,8 @@ A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and t
 An action ending in ``+agent`` (e.g. ``truncate-empty-after-commit+agent``) first SIGKILLs the rank's
 node agent (its pid from ``run_dir/node<N>/agent.pid``) and waits until it is gone, so the damage is
 found by the agent its launcher starts next, from what the dead one left in shared memory.
+
+A hang (``stop-``, ``stall-``) writes its event line before it begins, and never returns.
 
 Each rank fires at most once per run when ``run_dir`` is given (a marker file in ``run_dir/faults``
 remembers it; torchrun's restart counter cannot, since only the failed node's counter moves), so
@@ -56,8 +65,12 @@ TRUNCATE_TO = {
 #: action -> the runtime point it fires at
 #: actions that change the committed snapshot's values, its checksums recomputed (it still verifies)
 REWRITES = ("poison-after-commit", "scale-optimizer-after-commit")
+#: hang actions: the prefix -> what the process does at the point instead of dying
+HANGS = {"stop-": "SIGSTOP itself", "stall-": "sleep forever on the calling thread"}
 ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", **{a: "after-commit" for a in REWRITES},
-           **{a: "after-commit" for a in TRUNCATE_TO}}
+           **{a: "after-commit" for a in TRUNCATE_TO}, **{h + p: p for h in HANGS for p in POINTS}}
+#: the step of a fault that matches any step
+ANY_STEP = "*"
 #: an action with this suffix kills the node's agent first
 WITH_AGENT = "+agent"
 
@@ -65,7 +78,7 @@ WITH_AGENT = "+agent"
 @dataclass(frozen=True)
 class Fault:
     action: str
-    step: int
+    step: Optional[int]  # None: any step (``*``)
     ranks: Optional[frozenset] = None  # None: any rank (and the agent)
     with_agent: bool = False  # SIGKILL the node's agent first (``+agent``)
 
@@ -73,33 +86,43 @@ class Fault:
     def point(self) -> str:
         return ACTIONS[self.action]
 
+    @property
+    def hang(self) -> Optional[str]:
+        """``stop-`` or ``stall-`` for a hang action, else None (the process dies)."""
+        return next((h for h in HANGS if self.action.startswith(h)), None)
+
 
 def parse(spec: str) -> Fault:
-    """``<action>:<step>[:<rank>[,<rank>...]]`` -> :class:`Fault`; a clear error otherwise."""
+    """``<action>:<step>[:<rank>[,<rank>...]]`` (step ``*``: any) -> :class:`Fault`; a clear error otherwise."""
     parts = spec.split(":")
     try:
         if len(parts) not in (2, 3):
             raise ValueError
-        step = int(parts[1])
+        step = None if parts[1] == ANY_STEP else int(parts[1])
         ranks = frozenset(int(r) for r in parts[2].split(",")) if len(parts) == 3 else None
     except ValueError:
-        raise ValueError(f"fault {spec!r} is invalid: expected <action>:<step>[:<rank>[,<rank>...]]") from None
+        raise ValueError(f"fault {spec!r} is invalid: expected <action>:<step>[:<rank>[,<rank>...]] (step an "
+                         f"integer or {ANY_STEP!r})") from None
     action = parts[0].removesuffix(WITH_AGENT)
     if action not in ACTIONS:
         raise ValueError(f"fault action {parts[0]!r} is invalid: allowed {sorted(ACTIONS)}, each optionally "
                          f"followed by {WITH_AGENT!r}")
+    if action.startswith(tuple(HANGS)) and parts[0].endswith(WITH_AGENT):
+        raise ValueError(f"fault action {parts[0]!r} is invalid: a hang ({', '.join(h + '*' for h in HANGS)}) "
+                         f"takes no {WITH_AGENT!r}")
     return Fault(action, step, ranks, parts[0].endswith(WITH_AGENT))
 
 
 class KillAt:
-    """An :class:`megatron_ft.faultpoints.Injector` that SIGKILLs the process at its fault."""
+    """An :class:`megatron_ft.faultpoints.Injector` that SIGKILLs the process at its fault (or, for a
+    hang action, stops it or stalls the calling thread there for good)."""
 
     def __init__(self, fault: Fault, run_dir: Optional[str] = None):
         self.fault, self.run_dir = fault, run_dir
 
     def reached(self, point: str, step: int, rank: int, **context: Any) -> None:
         f = self.fault
-        if point != f.point or step != f.step or (f.ranks is not None and rank not in f.ranks):
+        if point != f.point or f.step is not None and step != f.step or (f.ranks is not None and rank not in f.ranks):
             return
         if self.run_dir and not self._first_time(rank):
             return
@@ -118,6 +141,12 @@ class KillAt:
             with open(os.path.join(self.run_dir, "events", f"rank{rank}.jsonl"), "a") as out:
                 out.write(json.dumps({"event": "fault", "point": f.action, "step": step, "rank": rank,
                                       "pid": os.getpid(), "agent_killed": agent, "time": time.time()}) + "\n")
+        if f.hang == "stop-":
+            os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops here; only a SIGCONT or SIGKILL ends it
+            return
+        if f.hang == "stall-":
+            while True:
+                time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _kill_agent(self, wait_s: float = 10.0) -> int:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import faultpoints
 from ..agent import shm, persist
 from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
@@ -609,6 +610,7 @@ class Restorer:
                             "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
                             "persisted checkpoint on disk", self.rank)
             for step in self._common_steps(list(by_step)):
+                faultpoints.reached("restore", step, self.rank)
                 cont: Optional[Container] = None
                 targets: dict = {}
                 ok = True
