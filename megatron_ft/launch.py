@@ -46,6 +46,7 @@ from . import fatal
 from . import network, scheduler
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
+from .health import progress as hp
 from .spares import prestart
 from .spares.lifetime import die_with_parent
 from .trainer.in_process import nccl_env_defaults
@@ -255,6 +256,8 @@ class NodeLauncher:
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", MFT_TRAINER_PORT=str(self.cfg.launch.trainer_port),
                    # how long a trainer looks for its round's store (a round whose host is gone never forms)
                    MFT_JOIN_TIMEOUT_S=str(self.cfg.launch.start_timeout_s))
+        if self.cfg.hang.enabled:  # where each trainer says where it is, from its start (the hang watch)
+            env[hp.ENV] = hp.board_path(self.cfg.agent.shm_dir, self.cfg.run_id, self.node)
         for var, value in GLOO_ENV_DEFAULTS.items():  # torchrun passes them on to its workers
             env.setdefault(var, value)  # a value of the user's environment wins
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)

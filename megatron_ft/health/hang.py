@@ -7,9 +7,9 @@ the job's own iteration times (:func:`bound`) and reports the node's stall (:cla
 when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
 ranks once every other rank of the job waits:
 
-* ``hung``: quiet in its own work (or its restore, or Megatron's own disk save) past that phase's
-  allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet as long;
-* ``waiting``: in a collective or waiting for its agent for at least half its bound;
+* ``hung``: quiet in its own work (or its restore, Megatron's own disk save, its start-up) past that
+  phase's allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet as long;
+* ``waiting``: in a collective, a rendezvous or waiting for its agent for at least half its bound;
 * anything else (progressing, starting, ending, gone) blocks a verdict.
 
 With ``collective_s`` set, every rank waiting that long with nobody to blame (a collective that
@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .progress import AGENT, COLLECTIVE, RESTORE, SAVE, WAITING, WORK, Progress
+from .progress import AGENT, COLLECTIVE, RESTORE, SAVE, START, WAITING, WORK, Progress
 
 VERSION = 1
 #: the store keys: each node's stall under ``STALL_KEY<node>``, the job's verdict at ``HANG_KEY``
@@ -61,11 +61,12 @@ class Limits:
     restore_s: float
     save_s: float
     collective_s: float
+    start_s: float = 900.0
 
     @classmethod
     def of(cls, hang) -> "Limits":
         return cls(hang.k, hang.floor_s, hang.ceiling_s, hang.warmup_iterations, hang.first_s, hang.restore_s,
-                   hang.save_s, hang.collective_s)
+                   hang.save_s, hang.collective_s, hang.start_s)
 
 
 def p99(times: Sequence[float]) -> Optional[float]:
@@ -96,6 +97,8 @@ def allowance(limits: Limits, phase: int, p99_s: Optional[float], steps: int) ->
         return limits.restore_s
     if phase == SAVE:
         return limits.save_s
+    if phase == START:
+        return limits.start_s
     return None
 
 

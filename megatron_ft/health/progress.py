@@ -16,7 +16,7 @@ offset type   field
 ====== ====== =========================================================================
 0      u64    ``seq``: odd while the trainer writes the record, even when it is whole
 8      i64    ``steps``: iterations this trainer process has finished
-16     u32    ``phase``: :data:`PHASES` index
+16     u32    ``phase``: :data:`PHASES` index (start: from the process's start to its rendezvous)
 20     u32    ``pid``: the trainer's process id
 24     f64    ``since``: when the phase began (``CLOCK_MONOTONIC`` seconds: one clock per host)
 32     f64    ``started``: when this trainer opened its record
@@ -59,10 +59,12 @@ _LAYOUT = struct.Struct("<QqIIddddII")
 assert _LAYOUT.size == RECORD
 
 #: the phases a trainer reports, by index
-PHASES = ("none", "start", "work", "collective", "agent", "restore", "save", "done")
-NONE, START, WORK, COLLECTIVE, AGENT, RESTORE, SAVE, DONE = range(len(PHASES))
+PHASES = ("none", "start", "work", "collective", "agent", "restore", "save", "done", "rendezvous")
+NONE, START, WORK, COLLECTIVE, AGENT, RESTORE, SAVE, DONE, RENDEZVOUS = range(len(PHASES))
 #: phases in which a rank waits for others (never the one to blame for a stall)
-WAITING = frozenset({COLLECTIVE, AGENT})
+WAITING = frozenset({COLLECTIVE, AGENT, RENDEZVOUS})
+#: the environment variable that names a trainer's progress file (``megatron-ft launch`` sets it)
+ENV = "MFT_PROGRESS_FILE"
 
 
 def board_path(shm_dir: str, run_id: str, node: int) -> str:
@@ -178,3 +180,21 @@ class ProgressWriter:
             self.mm.close()
         except (BufferError, ValueError):
             pass
+
+
+_process_writer: Optional[tuple[int, str, int, ProgressWriter]] = None
+
+
+def writer_for_process(path: str, index: int) -> Optional[ProgressWriter]:
+    """This process's writer of record ``index`` of ``path`` (one per process: a forked trainer's first
+    call opens its own, in :data:`START`); None where the file is not there (no agent made it)."""
+    global _process_writer
+    w = _process_writer
+    if w is not None and w[0] == os.getpid() and w[1:3] == (path, index):
+        return w[3]
+    try:
+        writer = ProgressWriter(path, index)
+    except (OSError, ValueError):
+        return None
+    _process_writer = (os.getpid(), path, index, writer)
+    return writer

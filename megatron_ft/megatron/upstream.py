@@ -469,6 +469,27 @@ def _field_docstrings_once() -> None:
         log.info("megatron-ft: argument docstrings not read ahead (%s)", e)
 
 
+def _disk_save_is_its_own_phase() -> None:
+    """Megatron's own checkpoint to disk (``save_checkpoint_and_time`` without ``non_persistent_ckpt``)
+    is the ``save`` phase of the hang rule (``hang.save_s``, not the iteration's bound): every rank may
+    write for minutes with no collective. The in-memory saves keep their phases."""
+    import megatron.training.training as training
+
+    from ..health import progress as hp
+    from ..trainer import progress as rank_progress
+
+    def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def save_checkpoint_and_time(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("non_persistent_ckpt"):
+                return orig(*args, **kwargs)
+            with rank_progress.phase(hp.SAVE):
+                return orig(*args, **kwargs)
+
+        return save_checkpoint_and_time
+
+    _wrap(training, "save_checkpoint_and_time", make)
+
+
 def after_training_import() -> None:
     """Last statement of the patched ``megatron/training/__init__.py``: the argument docstrings read
     once (:func:`_field_docstrings_once`); on CPU, ``initialize_megatron`` without its CUDA assertion
@@ -478,6 +499,7 @@ def after_training_import() -> None:
     _done.add("after")
     _field_docstrings_once()
     _say(_in_process_restart())
+    _disk_save_is_its_own_phase()
     if torch.cuda.is_available():
         return
     import megatron.training.initialize as initialize

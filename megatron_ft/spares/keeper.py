@@ -29,6 +29,7 @@ import time
 from typing import Optional
 
 from . import fast_restart as fr
+from ..health import progress as hp
 from ..transport import wire
 from .lifetime import die_with_parent
 from .messages import FROM_TRAINER, FROM_WORKER, Failed, Rejoinable, Restarting
@@ -407,6 +408,8 @@ def run_trainer(req: dict, fds: list[int]) -> None:
     else:
         sys.argv = argv
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    if os.environ.get(hp.ENV):  # where this trainer is, from its first moment (the node agent's hang watch)
+        hp.writer_for_process(os.environ[hp.ENV], int(os.environ.get("LOCAL_RANK", 0)))
     try:
         from . import run_per_trainer
 

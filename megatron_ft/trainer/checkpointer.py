@@ -448,7 +448,7 @@ class InMemoryCheckpointer:
         if self.client is not None:
             self.client.close(orderly=True)
         if self.tracker is not None:
-            rank_progress.close()
+            rank_progress.close(self.cfg.hang.exit_s)
             self.tracker = None
         self._events.close()
 

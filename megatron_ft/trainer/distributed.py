@@ -25,6 +25,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..health import progress as hp
+from . import progress
+
 
 def stable_rank() -> int:
     node = os.environ.get("MFT_NODE_RANK")
@@ -93,7 +96,9 @@ def timed_rendezvous(init: Callable[[], Any]) -> Any:
 
     mark_round_start()  # this round's connections, from here on, are what an in-process restart aborts
     t0 = time.time()
-    out = init()
+    progress.install_from_env()  # where this trainer is, for the node agent's hang watch (launch names the file)
+    with progress.phase(hp.RENDEZVOUS):
+        out = init()
     RENDEZVOUS_SPAN = (t0, time.time())
     return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Iterator, Optional
@@ -30,6 +31,7 @@ log = logging.getLogger("megatron_ft")
 
 _current: Optional["Tracker"] = None
 _wrapped = False
+_exit_watch: Optional[threading.Event] = None  # set: the training ended in this process (close)
 
 
 class Tracker:
@@ -70,10 +72,6 @@ class Tracker:
             self.writer.enter(hp.WORK)
         self.iter_start, self.waited = now, 0.0
 
-    def close(self) -> None:
-        self.writer.enter(hp.DONE)
-        self.writer.close()
-
 
 def _wrap_wait() -> None:
     """``Work.wait`` of torch.distributed reports :data:`~hp.COLLECTIVE` while it blocks (once per process)."""
@@ -97,22 +95,28 @@ def _wrap_wait() -> None:
 
 
 def install(path: str, index: int) -> Optional[Tracker]:
-    """The tracker of this process's training thread, writing record ``index`` of ``path``; None when
+    """The tracker of the calling thread (the training thread), writing record ``index`` of ``path``
+    (the process's writer: opened at the trainer's start where the launcher named the file); None when
     the file is not there (no agent made it)."""
-    global _current
-    try:
-        writer = hp.ProgressWriter(path, index)
-    except (OSError, ValueError) as e:
-        log.info("no progress record (%s): this trainer is not watched for hangs", e)
+    global _current, _exit_watch
+    writer = hp.writer_for_process(path, index)
+    if writer is None:
+        log.info("no progress record at %s: this trainer is not watched for hangs", path)
         return None
-    if _current is not None:
-        try:
-            _current.writer.close()
-        except Exception:
-            pass
-    _current = Tracker(writer)
+    if _exit_watch is not None:  # a new attempt in this process: it has not ended
+        _exit_watch.set()
+        _exit_watch = None
+    if _current is None or _current.writer is not writer or not _current.on_training_thread():
+        _current = Tracker(writer)
     _wrap_wait()
     return _current
+
+
+def install_from_env() -> Optional[Tracker]:
+    """:func:`install` on the file ``megatron-ft launch`` names (``MFT_PROGRESS_FILE``), at record
+    ``LOCAL_RANK``; None without one."""
+    path = os.environ.get(hp.ENV)
+    return install(path, int(os.environ.get("LOCAL_RANK", 0))) if path else None
 
 
 def current() -> Optional[Tracker]:
@@ -130,8 +134,35 @@ def phase(which: int) -> Iterator[None]:
         yield
 
 
-def close() -> None:
-    global _current
+def close(exit_s: float = 0.0) -> None:
+    """The training ended: :data:`~hp.DONE` (the record stays open: a later in-process attempt writes
+    on). With ``exit_s``, a process that has not ended that long after ends itself
+    (:func:`_end_if_still_here`): what holds it - a thread that never ends, an exit handler waiting on a
+    socket - would hold the job in torchrun's exit barrier."""
+    global _current, _exit_watch
     if _current is not None:
-        _current.close()
+        _current.writer.enter(hp.DONE)
         _current = None
+    if exit_s > 0 and _exit_watch is None:
+        _exit_watch = threading.Event()
+        threading.Thread(target=_end_if_still_here, args=(exit_s, _exit_watch), name="exit-watch",
+                         daemon=True).start()
+
+
+def _end_if_still_here(exit_s: float, cancelled: threading.Event) -> None:
+    """Runs ``exit_s`` after the training ended: every thread's stack to stderr, then ``os._exit``: 0,
+    or 1 where an exception ended the program (``sys.last_value``, set when one reached the top). A
+    new attempt (in-process restart) cancels it."""
+    if cancelled.wait(exit_s):
+        return
+    import faulthandler
+    import sys
+
+    code = 1 if getattr(sys, "last_value", None) is not None else 0
+    log.error("this trainer's training ended %.0f s ago but its process has not: its threads' stacks follow; "
+              "it ends now with %d (hang.exit_s)", exit_s, code)
+    try:
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

@@ -40,7 +40,8 @@ def test_the_bound_follows_the_iteration_times_within_floor_and_ceiling():
     (hp.RESTORE, 50.0, "other"), (hp.RESTORE, 101.0, "hung"),
     (hp.SAVE, 500.0, "other"), (hp.SAVE, 1001.0, "hung"),
     (hp.COLLECTIVE, 1.0, "other"), (hp.COLLECTIVE, 2.6, "waiting"), (hp.COLLECTIVE, 1e6, "waiting"),
-    (hp.AGENT, 3.0, "waiting"), (hp.START, 1e6, "other"), (hp.DONE, 1e6, "other"),
+    (hp.AGENT, 3.0, "waiting"), (hp.RENDEZVOUS, 3.0, "waiting"), (hp.START, 800.0, "other"),
+    (hp.START, 901.0, "hung"), (hp.DONE, 1e6, "other"),
 ])
 def test_each_phase_is_judged_against_its_own_allowance(phase, quiet, want):
     assert rule.judge(rec(phase, 100.0), 100.0 + quiet, LIM, 0.1, stopped_s=0.0) == want
@@ -244,3 +245,27 @@ def test_the_root_derives_the_verdict_from_the_reports_set_on_its_store():
     assert rule.HangVerdict.decode(out[rule.HANG_KEY]).culprits[0].rank == 0
     assert store.fn("1", rule.NodeStall(0, 1, (), ()).encode()) == {}  # a report under another node's key
     assert watch.status()["hang_verdicts"] == []
+
+
+EXITING = r"""
+import sys, threading, time
+from megatron_ft.health import progress as hp
+from megatron_ft.trainer import progress
+hp.ProgressBoard.create(sys.argv[1], 1)
+assert progress.install(sys.argv[1], 0) is not None
+threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon: the interpreter waits for it
+progress.close(exit_s=0.5)
+if sys.argv[2] == "raise":
+    raise RuntimeError("the training failed")
+"""
+
+
+@pytest.mark.parametrize("how,code", [("end", 0), ("raise", 1)])
+def test_a_trainer_that_does_not_end_after_its_training_ends_itself_with_its_stacks(tmp_path, how, code):
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path / "progress"), how], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == code, out.stderr
+    assert time.monotonic() - t0 < 30
+    assert "has not: its threads' stacks follow" in out.stderr and "time.sleep" not in out.stdout
+    assert "Thread 0x" in out.stderr  # faulthandler's dump
