@@ -1,6 +1,11 @@
 """Where a recovery's time goes: `megatron-ft demo` runs of a trainer crash, all trainers of a
-node, and a node loss taken over by a warm standby, each broken into phases and set against the
-same job's cold start (launch -> first completed iteration, measured in the same run).
+node, a node loss taken over by a warm standby, and a hung trainer, each broken into phases and set
+against the same job's cold start (launch -> first completed iteration, measured in the same run).
+
+A hung trainer (``hang``: SIGSTOPped after the iteration, never resumed) is found by the agents' hang
+rule, SIGKILLed and recovered like a crash: its *recovery* is the stop -> the first completed
+iteration after it, and *hang found* (the stop -> the agents' verdict) is the part of it spent
+noticing; the phases after it are a crash's.
 
 Phases of a recovery, for the restarted rank that completes an iteration first (an iteration
 needs every rank, so that is when the job trains again); they add up to its recovery time, and the
@@ -23,6 +28,7 @@ then their median. Nothing here is a timed assertion; the targets are printed be
     python benchmarks/recovery.py --runs 5          # ~15 minutes on 2 cores; writes docs/benchmarks.md
     python benchmarks/recovery.py --runs 5 --scenarios "upstream trainer;upstream all-trainers;upstream node-standby" \
         --section "## Recovery time: upstream Megatron-LM"                  # ~20 minutes
+    python benchmarks/recovery.py --runs 5 --scenarios "trainer;hang" --section "## Recovery time: a hung trainer"
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ SCENARIOS = {
     # the same crash with in-process restart off: every rank's trainer re-forked in the fast round
     "trainer, re-forked": ["--fail=trainer", "--config={refork_config}"],
     "all-trainers": ["--fail=all-trainers"],
+    # a trainer SIGSTOPped, never resumed: the hang rule's verdict (SIGKILL), then a crash's recovery
+    "hang": ["--fail=hang"],
     "node-standby": ["--fail=node", "--redundancy=replica", "--standby"],
     # upstream Megatron-LM's pretrain_gpt.py with the patch set (--megatron-lm, or the shared archive)
     "upstream trainer": ["--fail=trainer", "--megatron-lm={upstream}"],
@@ -57,7 +65,8 @@ DEFAULT = ("trainer", "trainer, re-forked", "trainer, torchrun restart", "traine
 TARGETS = {"trainer": (0.15, 1.5), "trainer, torchrun restart": None, "trainer, no spares": None,
            "trainer, re-forked": None, "upstream trainer, re-forked": None,
            "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0), "upstream trainer": (0.15, 1.5),
-           "upstream all-trainers": (0.25, 3.0), "upstream node-standby": (0.4, 6.0)}
+           "upstream all-trainers": (0.25, 3.0), "upstream node-standby": (0.4, 6.0),
+           "hang": (None, 10.0)}  # no ratio: the detection is hang.floor_s (5 s) whatever the job's start
 BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)",
              "trainer, re-forked": "(before in-process restart)",
              "upstream trainer, re-forked": "(before in-process restart)"}
@@ -81,7 +90,8 @@ def run_demo(scenario: str, index: int, args: argparse.Namespace) -> dict:
     if not lines:
         return {"ok": False, "why": f"exit {out.returncode}: {(out.stdout + out.stderr)[-400:]}"}
     s = json.loads(lines[-1])
-    ok = out.returncode == 0 and s.get("bitwise_identical") and s.get("tier_ok") and s.get("recovery_seconds")
+    ok = (out.returncode == 0 and s.get("bitwise_identical") and s.get("tier_ok") and s.get("recovery_seconds")
+          and s.get("hang_ok", True) and (scenario != "hang" or s.get("hang_detected_s") is not None))
     return {**s, "ok": bool(ok), "why": "" if ok else f"exit {out.returncode}; problems {s.get('problems')}"}
 
 
@@ -101,24 +111,31 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
             row["recovery"] = statistics.median(r["recovery_seconds"] for r in good)
             row["ratio"] = statistics.median(r["recovery_seconds"] / r["cold_start_seconds"] for r in good)
             row["phases"] = {p: statistics.median(r["recovery_breakdown"].get(p) or 0.0 for r in good) for p in PHASES}
+            found = [r["hang_detected_s"] for r in good if r.get("hang_detected_s") is not None]
+            row["hang_found"] = statistics.median(found) if found else None
         rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
+    """The markdown table; a *hang found* column (the stop -> the verdict) when a row has it."""
+    hangs = any(r.get("hang_found") is not None for r in rows)
     head = ("| scenario | runs right | recovered from | cold start | recovery | recovery / cold start | target | "
-            + " | ".join(PHASE_NAMES[p] for p in PHASES) + " |")
-    lines = [head, "|" + "---|" * (7 + len(PHASES))]
+            + ("hang found | " if hangs else "") + " | ".join(PHASE_NAMES[p] for p in PHASES) + " |")
+    lines = [head, "|" + "---|" * (7 + hangs + len(PHASES))]
     for r in rows:
         target = TARGETS[r["scenario"]]
-        goal = BASELINES.get(r["scenario"], "") if target is None else f"<= {target[0]}x, <= {target[1]:g} s"
+        goal = (BASELINES.get(r["scenario"], "") if target is None else
+                (f"<= {target[0]}x, " if target[0] is not None else "") + f"<= {target[1]:g} s")
         if "cold" not in r:
-            lines.append(f"| {r['scenario']} | 0 of {r['runs']} | - | - | - | - | {goal} |" + " - |" * len(PHASES))
+            lines.append(f"| {r['scenario']} | 0 of {r['runs']} | - | - | - | - | {goal} |" + " - |" * (hangs + len(PHASES)))
             continue
         if target is not None:
-            goal += ": met" if r["ratio"] <= target[0] and r["recovery"] <= target[1] else ": not met"
+            met = (target[0] is None or r["ratio"] <= target[0]) and r["recovery"] <= target[1]
+            goal += ": met" if met else ": not met"
+        found = ((fmt(r["hang_found"]) if r.get("hang_found") is not None else "-") + " | ") if hangs else ""
         lines.append(f"| {r['scenario']} | {r['good']} of {r['runs']} | {', '.join(r['tiers'])} | {fmt(r['cold'])} | "
-                     f"{fmt(r['recovery'])} | {r['ratio']:.2f}x | {goal} | "
+                     f"{fmt(r['recovery'])} | {r['ratio']:.2f}x | {goal} | {found}"
                      + " | ".join(fmt(r["phases"][p]) for p in PHASES) + " |")
     return "\n".join(lines)
 
@@ -186,6 +203,10 @@ def main() -> int:
         f"no spares* the same with `launch.warm_spares: false`; *re-forked* the same with "
         f"`launch.in_process_restart: false` (every rank's trainer re-forked in the fast round): the recoveries "
         f"before fast restart rounds, before warm spares and before in-process restart, measured beside it."
+        + (" *hang* is a trainer SIGSTOPped after the iteration and never resumed: its *recovery* is the stop -> "
+           "the first completed iteration after it, *hang found* the stop -> the agents' hang verdict (then "
+           "SIGKILL and a crash's recovery; the verdict is part of *detect + respawn*)." if "hang" in scenarios
+           else "")
         + (" The upstream scenarios run Megatron-LM's own `pretrain_gpt.py` with the patch set "
            f"(`{os.path.basename(args.upstream)}`)." if args.upstream else ""), "",
         table(rows)])

@@ -88,12 +88,15 @@ KINDS: dict[str, dict] = {
     "stop-in-restore": {"fail": "hang-in-restore", "restore_hang": "stop", "hangs": 1},
     # no failure: a trainer stopped 0.3 s of every 0.6 s for the rest of the run (at most 15 s) is slow,
     # not hung - no verdict, no restart, bit-exact
-    "slow-trainer": {"fail": "slow", "no_failure": True},
-    # the last node's agent SIGSTOPped 8 s (> health.timeout_s, 5 s), then continued: the job trains
-    # through, no verdict (see docs/reliability.md, "A paused agent")
-    "agent-pause": {"fail": "agent-pause", "no_failure": True},
+    "slow-trainer": {"fail": "slow", "no_failure": True, "kill_at_max": 5, "iters": 48, "shape": "default-48"},
+    # the last node's agent SIGSTOPped 8 s (> health.timeout_s, 5 s), then continued: either no verdict
+    # and the job trains through, or the node judged lost and its ranks recovered - never a verdict
+    # left standing on a node that trains on (docs/reliability.md, "A paused agent")
+    "agent-pause": {"fail": "agent-pause", "pause": True},
     "two-nodes": {"fail": "two-nodes", "config_only": True},
 }
+#: the outcomes of a paused agent that are right (``megatron_ft.testing.demo.PAUSE_OUTCOMES``)
+PAUSE_RIGHT = ("trained through", "node recovered")
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
 #: restart limit of their own, so the file's hold
 CONFIG_KINDS = ("trainer", "all-trainers", "agent-then-trainer", "launcher", "launcher0", "node", "node0",
@@ -230,6 +233,8 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
         return "wrong", f"crash: no summary (exit {rc})"
     if not summary.get("bitwise_identical"):
         return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
+    if KINDS[trial.kind].get("pause") and summary.get("agent_pause_outcome") not in PAUSE_RIGHT:
+        return "wrong", f"agent pause: {summary.get('agent_pause_outcome')} ({summary.get('false_verdicts', [])[:1]})"
     if summary.get("false_verdicts"):
         return "wrong", f"false verdict: {summary['false_verdicts'][:2]}"
     hung = sorted(v["rank"] for v in summary.get("hang_verdicts") or [])
@@ -238,6 +243,8 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
             return "wrong", f"hang verdicts on {hung}, want {KINDS[trial.kind]['hangs']} on the victim"
     elif hung:
         return "wrong", f"false hang verdict: {summary['hang_verdicts'][:2]}"
+    if KINDS[trial.kind].get("pause"):
+        return ("right", summary["agent_pause_outcome"]) if rc == 0 else ("wrong", f"demo exit {rc}")
     if KINDS[trial.kind].get("no_failure"):
         if summary.get("restarted_ranks"):
             return "wrong", f"restarted without a failure: rank(s) {summary['restarted_ranks']}"

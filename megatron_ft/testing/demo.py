@@ -103,6 +103,10 @@ DAMAGE_POINTS = ("corrupt-after-commit", *faults.REWRITES, *faults.TRUNCATE_TO)
 HANG_SCENARIOS = ("hang", "hang-in-restore")
 #: scenarios without a failure: the job trains through, no trainer restarts, no verdict of any kind
 NO_FAILURE = ("none", "slow")
+#: --fail agent-pause: (the paused node judged failed, its ranks restarted) -> what happened; the first
+#: two are right, the others are not
+PAUSE_OUTCOMES = {(False, False): "trained through", (True, True): "node recovered",
+                  (True, False): "verdict without recovery", (False, True): "restart without verdict"}
 #: --fail hang-in-restore: the job's ``hang`` allowances. The defaults (a restore 300 s, a new trainer's
 #: first iterations 120 s) are sized for real restores and real first iterations; a rank waiting in a
 #: collective counts as waiting after half of its own bound, and a restarted trainer's is ``first_s``, so
@@ -1060,6 +1064,16 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         problems.append(f"rank(s) {restarted_ranks} restarted in a run without a failure")
     expected_verdicts = set(lost_nodes) | ({agent_killed[0]} if agent_killed is not None else set())
     false_verdicts = unexpected_verdicts(run_dir, expected_verdicts)
+    pause_outcome = None
+    if paused:  # either the node is not judged and trains through, or it is judged lost and its ranks recovered
+        judged = [v for v in false_verdicts if v.startswith(f"node {paused['node']} ")]
+        moved = [r for r in victims if len(lives.get(r, ())) > 1]
+        pause_outcome = PAUSE_OUTCOMES[(bool(judged), bool(moved))]
+        if judged and moved:  # the verdict was acted on: not a false one
+            false_verdicts = [v for v in false_verdicts if v not in judged]
+        elif judged or moved:
+            problems.append(f"agent paused {paused['seconds']} s: {pause_outcome} (verdicts {judged}, ranks "
+                            f"restarted {moved})")
     problems += [f"false failure verdict: {v}" for v in false_verdicts]
     problems += [f"off the port plan: {x}" for x in (listeners or {}).get("off_plan", [])]
     problems += [f"an outsider was served: {x}" for x in (stranger or {}).get("served", [])]
@@ -1148,6 +1162,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         "restarted_ranks": restarted_ranks,
         "slowed": slowed or None,
         "agent_paused": paused or None,
+        "agent_pause_outcome": pause_outcome,
         "restore_seconds": round(max((e["seconds"] for e in after), default=0.0), 4),
         # restored versions the guard refused (NaN or Inf in bytes that verified): every rank rolled back
         # or whose losses after the restore failed it (every rank dropped the version and restarted)
@@ -1229,7 +1244,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             f"{restarted_ranks or 'none'}")
     if paused:
         say(f" agent paused        : node {paused['node']}'s agent stopped {paused['seconds']} s "
-            f"(health.timeout_s={cfg.health.timeout_s:g} s); recovered from {summary['recovered_from']}")
+            f"(health.timeout_s={cfg.health.timeout_s:g} s): {pause_outcome}")
     say(f" bitwise identical   : {identical}  (final model, optimizer, scheduler, RNG of {world} ranks; "
         f"every iteration's loss)")
     st = summary["snapshot_stall"]

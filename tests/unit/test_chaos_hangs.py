@@ -35,6 +35,9 @@ def test_their_demo_arguments():
     assert not any(a.startswith("--restore-hang") for a in args["hang-in-restore"])  # the demo's default: stall
     assert "--restore-hang=stop" in args["stop-in-restore"]
     assert "--fail=slow" in args["slow-trainer"] and "--fail=agent-pause" in args["agent-pause"]
+    # the slow trainer runs long enough to be slowed for most of its 15 s (its own reference run)
+    assert chaos.draw(5, 0, ["slow-trainer"]).iters == 48 and chaos.Trial(0, 1, "slow-trainer", 4, 0, 48).shape != "default"
+    assert set(demo.PAUSE_OUTCOMES.values()) >= set(chaos.PAUSE_RIGHT)
     assert not any(a.startswith("--kill-point") for k in NEW for a in args[k])
     # every one of them parses as the demo's arguments
     p = argparse.ArgumentParser()
@@ -68,13 +71,20 @@ CLEAN = {"bitwise_identical": True, "recovered_from": "none", "promised_tier": N
      ("wrong", f"false hang verdict: {[VERDICT]}")),
     # no failure: right only when the job trained through - no verdict, no restart, nothing recovered
     ("slow-trainer", 0, CLEAN, ("right", "")),
-    ("agent-pause", 0, CLEAN, ("right", "")),
+    # a paused agent: no verdict and the job trains through, or the node judged lost and its ranks recovered
+    ("agent-pause", 0, {**CLEAN, "agent_pause_outcome": "trained through"}, ("right", "trained through")),
+    ("agent-pause", 0, {**CLEAN, "agent_pause_outcome": "node recovered"}, ("right", "node recovered")),
+    ("agent-pause", 1, {**CLEAN, "agent_pause_outcome": "verdict without recovery",
+                        "false_verdicts": ["node 1 (missed heartbeats for 5.0 s; node0's log)"]},
+     ("wrong", f"agent pause: verdict without recovery ({['node 1 (missed heartbeats for 5.0 s; node0' + chr(39) + 's log)']})")),
+    ("agent-pause", 1, {**CLEAN, "agent_pause_outcome": "restart without verdict"},
+     ("wrong", "agent pause: restart without verdict ([])")),
     ("slow-trainer", 1, {**CLEAN, "hang_verdicts": [VERDICT], "hang_ok": False},
      ("wrong", f"false hang verdict: {[VERDICT]}")),
     ("slow-trainer", 1, {**CLEAN, "restarted_ranks": [3]}, ("wrong", "restarted without a failure: rank(s) [3]")),
-    ("agent-pause", 0, {**CLEAN, "recovered_from": "local_memory"},
+    ("slow-trainer", 0, {**CLEAN, "recovered_from": "local_memory"},
      ("wrong", "recovered from local_memory without a failure")),
-    ("agent-pause", 1, {**CLEAN, "false_verdicts": ["node 1 (missed heartbeats for 5.2 s)"]},
+    ("slow-trainer", 1, {**CLEAN, "false_verdicts": ["node 1 (missed heartbeats for 5.2 s)"]},
      ("wrong", "false verdict: ['node 1 (missed heartbeats for 5.2 s)']")),
     ("slow-trainer", 1, {**CLEAN, "bitwise_identical": False, "problems": ["loss differs"]},
      ("wrong", "mismatch: ['loss differs']")),
