@@ -158,9 +158,10 @@ def bed(tmp_path):
     board.close(unlink=True)
 
 
-def run_ticks(watch, seconds):
+def run_ticks(watch, seconds, until=None):
+    """Tick for ``seconds``, or until the process ``until`` has ended."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (until is not None and until.poll() is not None):
         watch.tick()
         time.sleep(watch.hang.tick_s)
 
@@ -174,7 +175,7 @@ def test_a_stopped_trainer_is_killed_once_every_other_rank_waits(bed):
     while process_state(victim.pid) != "T" and time.monotonic() < end:
         time.sleep(0.01)
     assert process_state(victim.pid) == "T"
-    run_ticks(watch, 2.0)
+    run_ticks(watch, 5.0, until=victim)
     assert victim.wait(5) == -signal.SIGKILL
     assert a.poll() is None and b.poll() is None
     [ev] = [json.loads(line) for line in open(events)]
@@ -187,11 +188,11 @@ def test_a_trainer_stuck_in_its_own_work_is_killed_and_a_progressing_one_blocks_
     stuck = start(0, "work")
     start(1, "collective")
     moving = start(2, "collective", then="progress")  # slow, but progressing
-    run_ticks(watch, 1.5)
+    run_ticks(watch, 1.2)
     assert stuck.poll() is None, "killed while rank 2 still progressed"
     moving.kill(); moving.wait()
     start(2, "collective")  # now every other rank waits
-    run_ticks(watch, 1.5)
+    run_ticks(watch, 5.0, until=stuck)
     assert stuck.wait(5) == -signal.SIGKILL
     assert [json.loads(line)["rank"] for line in open(events)] == [0]
 
@@ -199,7 +200,7 @@ def test_a_trainer_stuck_in_its_own_work_is_killed_and_a_progressing_one_blocks_
 def test_no_verdict_when_every_rank_works_at_once_or_in_megatrons_own_save(bed):
     cfg, watch, start, events = bed
     procs = [start(0, "work"), start(1, "work"), start(2, "save")]
-    run_ticks(watch, 1.5)
+    run_ticks(watch, 1.2)
     assert all(p.poll() is None for p in procs)
     assert not os.path.exists(events)
 
@@ -215,7 +216,7 @@ def test_a_paused_agent_judges_nothing_for_the_floor_after_it_runs_again(bed):
         assert watch.tick().clear
         time.sleep(cfg.hang.tick_s)
     assert stuck.poll() is None
-    run_ticks(watch, 1.0)
+    run_ticks(watch, 5.0, until=stuck)
     assert stuck.wait(5) == -signal.SIGKILL
 
 
