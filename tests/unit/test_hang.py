@@ -270,3 +270,28 @@ def test_a_trainer_that_does_not_end_after_its_training_ends_itself_with_its_sta
     assert time.monotonic() - t0 < 30
     assert "has not: its threads' stacks follow" in out.stderr and "time.sleep" not in out.stdout
     assert "Thread 0x" in out.stderr  # faulthandler's dump
+
+
+def test_a_rank_persistently_slower_in_its_own_work_is_reported_once_and_not_killed(tmp_path):
+    cfg = ftconfig.from_dict({"run_id": "straggle", "cluster": {"nodes": 1, "ranks_per_node": 3},
+                              "parallel": {"tensor": 1, "pipeline": 1}, "agent": {"shm_dir": str(tmp_path)},
+                              "hang": {"straggler_ratio": 1.5, "straggler_iterations": 4}})
+    board = hp.ProgressBoard.create(hp.board_path(str(tmp_path), cfg.run_id, 0), 3)
+    events = str(tmp_path / "events.jsonl")
+    watch = HangWatch(cfg, 0, board, None, events)
+    writers = [hp.ProgressWriter(board.path, i) for i in range(3)]
+    for it in range(10):
+        for i, w in enumerate(writers):
+            slow = i == 2 and it != 1  # one fast iteration: the count starts again
+            w.step(0.1, 0.08 if slow else 0.04)
+        watch.tick()
+    [ev] = [json.loads(line) for line in open(events)]
+    assert ev["event"] == "straggler" and ev["rank"] == 2 and ev["iterations"] == 4
+    assert ev["work_s"] == 0.08 and ev["node_median_work_s"] == 0.04
+    assert [s["rank"] for s in watch.status()["stragglers"]] == [2]
+    writers[2].step(0.1, 0.04)  # it recovers: no longer reported
+    watch.tick()
+    assert watch.status()["stragglers"] == []
+    for w in writers:
+        w.close()
+    board.close(unlink=True)
