@@ -136,9 +136,8 @@ class HangWatch:
         for rank, p in records.items():
             if p.steps < 1 or self._seen_steps.get(rank) == (p.pid, p.steps):
                 continue
-            fresh = self._seen_steps.get(rank, (None, 0))[0] != p.pid
             self._seen_steps[rank] = (p.pid, p.steps)
-            if p.steps > 1 or not fresh:  # a trainer's first timed iteration is its warm-up
+            if p.steps > self.limits.warmup_iterations:  # an attempt's first iterations are its warm-up
                 self.iter_times.append(p.iter_s)
             works[rank] = p.work_s
         self._stragglers(works, records)

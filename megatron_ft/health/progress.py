@@ -15,7 +15,7 @@ the record of local index ``rank % ranks_per_node`` at ``index * RECORD``:
 offset type   field
 ====== ====== =========================================================================
 0      u64    ``seq``: odd while the trainer writes the record, even when it is whole
-8      i64    ``steps``: iterations this trainer process has finished
+8      i64    ``steps``: iterations this trainer (this attempt of it) has finished
 16     u32    ``phase``: :data:`PHASES` index (start: from the process's start to its rendezvous)
 20     u32    ``pid``: the trainer's process id
 24     f64    ``since``: when the phase began (``CLOCK_MONOTONIC`` seconds: one clock per host)

@@ -39,6 +39,7 @@ class Tracker:
 
     def __init__(self, writer: hp.ProgressWriter):
         self.writer = writer
+        writer.steps = 0  # iterations of this attempt: a survivor kept in place warms up again after its restore
         self.thread = threading.get_ident()
         self.waited = 0.0  # seconds waited in this iteration
         self.iter_start: Optional[float] = None
