@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -188,7 +189,7 @@ def main() -> int:
                   f"recovery {r.get('recovery_seconds')} s, cold start {r.get('cold_start_seconds')} s, "
                   f"{r.get('recovered_from')} step {r.get('resumed_step')}", flush=True)
     rows = summarize(results)
-    cmd = "python benchmarks/recovery.py " + " ".join(sys.argv[1:])
+    cmd = "python benchmarks/recovery.py " + shlex.join(sys.argv[1:])
     body = "\n".join([
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t0))} with `{cmd}` "
         f"({(time.time() - t0) / 60:.1f} min) on {os.cpu_count()} cores, Python {platform.python_version()}, "
