@@ -17,9 +17,9 @@ agents``); megatron-ft then makes no process group of its own - the restore's fe
 verdicts below run on the default group, on the training thread, where every rank calls them at the
 same point of its program. (``snapshot.agreement: collective`` makes one world gloo group, whose
 all-reduce the snapshot worker runs beside training.) ``after_iteration`` is
-collective while the guard watches the iterations after a restore and, with ``recovery.prefer:
-certified`` or ``interval: auto``, every iteration (those verdicts still go over the coordination
-group). Nothing here ever raises into training because a snapshot failed: failures are logged.
+collective while the guard watches the iterations after a restore (its verdicts go through the agents
+where they decide the restore) and, with ``agreement: collective`` and ``recovery.prefer: certified``,
+or ``interval: auto``, every iteration (those verdicts go over the coordination group). Nothing here ever raises into training because a snapshot failed: failures are logged.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -129,6 +129,9 @@ class InMemoryCheckpointer:
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
+        self._decide: Optional[Callable[[str, list[int]], list[int]]] = None  # the restore's, while its guard watches
+        self._decide_done: Callable[[], None] = lambda: None
+        self._decide_count = 0
         #: megatron-ft's own collectives over every rank, counted (benchmarks/scale.py): the guard's and the
         #: certifier's verdicts, the interval policy's (per_iteration); the restore's (at_restore)
         self.world_collectives = {"per_iteration": 0, "at_restore": 0}
@@ -164,12 +167,17 @@ class InMemoryCheckpointer:
         try:
             res = restorer.restore(self.adapter)
         except RollbacksExhausted as e:  # every rank together: end the job, never restart into garbage
+            done()
             self._events.write({"event": "restore", "source": "none", "step": -1, "rollbacks_exhausted": str(e)})
             fatal.end_job(str(e), fatal.EXIT_ROLLBACKS_EXHAUSTED)
-        finally:
+        except BaseException:
             done()
+            raise
+        finally:
             self.world_collectives["at_restore"] += restorer.world_collectives
             self.world_collectives["agent_decisions"] = restorer.decisions
+        # the guard's verdicts on the iterations after the restore go the same way, then the connection ends
+        self._decide, self._decide_done, self._decide_count = decide, done, restorer.decisions
         self.last_restore = res
         if res.source == "none":
             msg = "no valid in-memory or persisted snapshot: starting fresh"
@@ -195,7 +203,14 @@ class InMemoryCheckpointer:
             except Exception:
                 pass
             self._watch = self._start_watch(res.step)
+        if self._watch is None:
+            self._end_decisions()
         return res
+
+    def _end_decisions(self) -> None:
+        """The restore's decisions and its guard's are over: their connection to the agent ends."""
+        done, self._decide, self._decide_done = self._decide_done, None, lambda: None
+        done()
 
     def _decisions(self):
         """``(decide, done)``: the restore's job-wide decisions through this rank's agent - on a connection
@@ -253,7 +268,12 @@ class InMemoryCheckpointer:
         return _Watch(step, step + rec.guard_iterations, history)
 
     def _any_rank(self, flag: bool) -> bool:
-        """Collective: ``flag`` on some rank (this rank's alone without a coordination group)."""
+        """Collective: ``flag`` on some rank - through the agents after a restore they decided (one
+        decision: 2 messages per node), else one MAX all-reduce (this rank's flag alone without a group)."""
+        if self._decide is not None:
+            self._decide_count += 1
+            self.world_collectives["agent_decisions"] = self._decide_count
+            return bool(self._decide("max", [int(flag)])[0])
         return bool(self._max([float(flag)])[0]) if self._max is not None else flag
 
     def _judged_at_agent(self, iteration: int, why: Optional[str]) -> None:
@@ -348,6 +368,7 @@ class InMemoryCheckpointer:
         if iteration < w.until:
             return True
         self._watch = None
+        self._end_decisions()
         self._certify(w.step)
         self._events.write({"event": "guard_passed", "step": w.step, "iterations": iteration - w.step})
         return False
@@ -438,6 +459,7 @@ class InMemoryCheckpointer:
                 log.warning("rank %d: could not ask the agent to persist step %d: %s", self.rank, step, e)
 
     def close(self) -> None:
+        self._end_decisions()
         if self.engine is not None:
             self.engine.close()
             if self.engine.history:  # what training saw of its snapshots (the demo reports it)
