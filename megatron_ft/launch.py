@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import os
 import signal
 import socket
@@ -358,15 +358,19 @@ class NodeLauncher:
 
 @dataclass(frozen=True)
 class RdzvGeneration:
-    """One torchrun rendezvous: generation ``gen`` hosted by node ``node`` at ``addr:port``."""
+    """One torchrun rendezvous: generation ``gen`` hosted by node ``node`` at ``addr:port``;
+    ``host_agent``, ``host_launcher``: the host node's agent and launcher when it published it (0: not
+    known), so that a launcher can tell a generation whose host is gone from a live one."""
     gen: int
     node: int
     addr: str
     port: int
+    host_agent: int = 0
+    host_launcher: int = 0
 
     def to_json(self) -> str:
-        return json.dumps({"format": "megatron-ft-rdzv/1", "gen": self.gen, "node": self.node, "addr": self.addr,
-                           "port": self.port})
+        return json.dumps({"format": "megatron-ft-rdzv/2", "gen": self.gen, "node": self.node, "addr": self.addr,
+                           "port": self.port, "host_agent": self.host_agent, "host_launcher": self.host_launcher})
 
 
 @dataclass(frozen=True)
@@ -430,11 +434,32 @@ class Rendezvous:
         raw = self.store.get("rdzv") or ""
         try:
             rec = json.loads(raw) if raw else None
-            if rec is None or rec.get("format") != "megatron-ft-rdzv/1":
+            if rec is None or rec.get("format") not in ("megatron-ft-rdzv/1", "megatron-ft-rdzv/2"):
                 return raw, None
-            return raw, RdzvGeneration(int(rec["gen"]), int(rec["node"]), str(rec["addr"]), int(rec["port"]))
+            return raw, RdzvGeneration(int(rec["gen"]), int(rec["node"]), str(rec["addr"]), int(rec["port"]),
+                                       int(rec.get("host_agent", 0)), int(rec.get("host_launcher", 0)))
         except (ValueError, KeyError, TypeError):
             return raw, None
+
+    def _host_gone(self, pub: RdzvGeneration) -> bool:
+        """Whether the node hosting ``pub`` is no longer what published it: the root's verdict on its agent,
+        or another agent or launcher in its heartbeat (a replacement, a restarted launcher). False where the
+        record does not say who published it. One or two store reads."""
+        if not pub.host_agent:
+            return False
+        try:
+            verdict = json.loads(self.store.get(f"failed/{pub.node}") or "{}")
+        except ValueError:
+            verdict = {}
+        if verdict and verdict.get("pid") == pub.host_agent:
+            return True
+        now = self._owners(pub.node)
+        return now is not None and now != NodeOwners(pub.host_agent, pub.host_launcher or now.launcher)
+
+    def _here(self, gen: RdzvGeneration) -> RdzvGeneration:
+        """``gen`` as this node publishes it: with its agent and launcher (from its heartbeat)."""
+        o = self.owners.get(self.node) or self._owners(self.node)
+        return replace(gen, host_agent=o.agent, host_launcher=o.launcher) if o is not None else gen
 
     def _heartbeat(self, node: int) -> dict:
         """Node ``node``'s last heartbeat record ({} when none or unreadable)."""
@@ -482,10 +507,12 @@ class Rendezvous:
             return self.initial()  # no agent store yet: the job is starting
         if pub is None:
             return self.initial()
-        if pub.node != self.node:
+        if pub.node != self.node and not self._host_gone(pub):
             return pub
-        log(f"[launch n{self.node}] this node hosted rendezvous generation {pub.gen} and starts again: "
-            f"waiting for the survivors' next generation")
+        log(f"[launch n{self.node}] " + (f"this node hosted rendezvous generation {pub.gen} and starts again"
+                                         if pub.node == self.node else
+                                         f"rendezvous generation {pub.gen}'s host, node {pub.node}, is gone") +
+            ": waiting for the survivors' next generation")
         while time.time() < deadline:
             time.sleep(0.5)
             try:
@@ -506,6 +533,9 @@ class Rendezvous:
         try:
             raw, pub = self._published()
             if pub is None:
+                o = self.owners.get(cur.node)  # who hosted it when it began, if the record did not say
+                if not cur.host_agent and o is not None:
+                    cur = replace(cur, host_agent=o.agent, host_launcher=o.launcher)
                 self.store.compare_set("rdzv", raw, cur.to_json())
         except StoreUnavailable:
             pass
@@ -529,7 +559,7 @@ class Rendezvous:
             if cur.node == self.node:
                 raw, pub = self._published()
                 if pub is None or pub.gen <= cur.gen:
-                    self.store.compare_set("rdzv", raw, cur.to_json())
+                    self.store.compare_set("rdzv", raw, self._here(cur).to_json())
         except StoreUnavailable:
             pass
 
@@ -573,7 +603,15 @@ class Rendezvous:
         there is no store to agree on a new one, or one generation per node was used up)."""
         from .health.store import StoreUnavailable
 
-        if self.store is None or cur.gen >= self.cfg.cluster.nodes or not self._host_lost(cur):
+        if self.store is None or cur.gen >= self.cfg.cluster.nodes:
+            return None
+        try:  # the survivors moved on already (this launcher joined a generation whose host was lost)
+            _, pub = self._published()
+            if pub is not None and pub.gen > cur.gen:
+                return pub
+        except StoreUnavailable:
+            pass
+        if not self._host_lost(cur):
             return None
         deadline = time.time() + self.cfg.launch.start_timeout_s
         while time.time() < deadline:
@@ -584,7 +622,7 @@ class Rendezvous:
                 survivors = [n for n in range(self.cfg.cluster.nodes)
                              if n != cur.node and self.owners.get(n) is not None and self._owners(n) == self.owners[n]]
                 if survivors and survivors[0] == self.node:  # this node hosts the next generation
-                    nxt = self._hosted_here(max(cur.gen, pub.gen if pub else 0) + 1)
+                    nxt = self._here(self._hosted_here(max(cur.gen, pub.gen if pub else 0) + 1))
                     if self.store.compare_set("rdzv", raw, nxt.to_json()) == nxt.to_json():
                         return nxt
             except StoreUnavailable as e:

@@ -1,0 +1,101 @@
+"""Which rendezvous generation a launcher joins (``megatron_ft.launch.Rendezvous``), against an
+in-memory store: a node replaced between the host's loss and the survivors' next generation must wait
+for that generation, never join the dead one; a live host's generation is joined at once."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from megatron_ft import config as ftconfig
+from megatron_ft.launch import RdzvGeneration, Rendezvous
+
+
+class Store:
+    """What the launcher asks of the agents' store."""
+
+    def __init__(self):
+        self.data, self.lock = {}, threading.Lock()
+
+    def connect(self, deadline_s=0.0):
+        return self
+
+    def get(self, key):
+        with self.lock:
+            return self.data.get(key)
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value
+
+    def compare_set(self, key, expected, desired):
+        with self.lock:
+            cur = self.data.get(key)
+            if (cur is None and expected == "") or cur == expected:
+                self.data[key] = desired
+                cur = desired
+            return cur or ""
+
+
+def job(node, store, timeout=3.0):
+    cfg = ftconfig.from_dict({"run_id": "rdzv", "cluster": {"nodes": 4, "ranks_per_node": 1},
+                              "parallel": {"tensor": 1, "pipeline": 2},
+                              "launch": {"start_timeout_s": timeout}})
+    r = Rendezvous(cfg, node)
+    r.store = store
+    return r
+
+
+def beat(store, node, agent, launcher, trained=True):
+    store.set(f"hb/{node}", json.dumps({"pid": agent, "launcher": launcher, "trained": trained}))
+
+
+def running_job():
+    """Generation 0 hosted by node 0 (agent 100, launcher 200), published by its launcher."""
+    store = Store()
+    for n in range(4):
+        beat(store, n, 100 + n, 200 + n)
+    host = job(0, store)
+    host.begin(host.initial())
+    return store
+
+
+def test_the_host_publishes_who_it_is_and_a_replacement_of_a_live_job_joins_at_once():
+    store = running_job()
+    assert json.loads(store.get("rdzv"))["host_agent"] == 100
+    t0 = time.monotonic()
+    got = job(3, store).current(print)
+    assert (got.gen, got.node) == (0, 0) and time.monotonic() - t0 < 1.0
+
+
+def test_a_node_replaced_before_the_survivors_move_waits_for_their_generation_not_the_dead_one():
+    store = running_job()
+    store.set("failed/0", json.dumps({"pid": 100}))  # the root's verdict on node 0's agent
+    nxt = RdzvGeneration(1, 1, "127.0.0.1", 11015, 101, 201)
+    threading.Timer(0.7, lambda: store.set("rdzv", nxt.to_json())).start()  # the survivors, moments later
+    got = job(3, store).current(print)
+    assert (got.gen, got.node) == (1, 1)
+
+
+def test_a_host_replaced_already_is_gone_even_once_its_verdict_is_withdrawn():
+    store = running_job()
+    beat(store, 0, 900, 901)  # node 0's replacement runs: its verdict was deleted
+    nxt = RdzvGeneration(1, 1, "127.0.0.1", 11015, 101, 201)
+    threading.Timer(0.7, lambda: store.set("rdzv", nxt.to_json())).start()
+    assert job(3, store).current(print).gen == 1
+
+
+def test_a_launcher_whose_torchrun_failed_joins_a_newer_published_generation_at_once():
+    store = running_job()
+    old = job(3, store).current(print)
+    store.set("rdzv", RdzvGeneration(1, 1, "127.0.0.1", 11015, 101, 201).to_json())
+    t0 = time.monotonic()
+    got = job(3, store).after_failure(old, print)
+    assert got.gen == 1 and time.monotonic() - t0 < 1.0
+
+
+def test_a_record_of_the_earlier_format_is_still_joined():
+    store = running_job()
+    store.set("rdzv", json.dumps({"format": "megatron-ft-rdzv/1", "gen": 0, "node": 0, "addr": "127.0.0.1",
+                                  "port": 11014}))
+    assert job(3, store).current(print).port == 11014
