@@ -203,18 +203,40 @@ def decide(reports: Mapping[int, NodeStall], nodes: int, ranks_per_node: int,
 
 
 class StallAggregator:
-    """The root's running view: :meth:`update` with one node's report, returns the verdict now."""
+    """The root's running view: :meth:`update` with one node's report returns the verdict now, as
+    :func:`decide` would from every newest report - in O(L) per report (running counts of the ranks
+    accounted for, the waiting ones and the nodes whose ranks all waited long; the hung ranks listed),
+    never a pass over the N reports while a stall's N reports arrive."""
 
     def __init__(self, nodes: int, ranks_per_node: int, collective_s: float):
         self.nodes, self.ranks_per_node, self.collective_s = nodes, ranks_per_node, collective_s
         self.reports: dict[int, NodeStall] = {}
+        self._accounted = self._waiting = self._long = 0
+        self._hung: dict[int, tuple[Culprit, ...]] = {}
+
+    def _count(self, report: NodeStall, sign: int) -> None:
+        self._accounted += sign * len({c.rank for c in report.hung} | set(report.waiting))
+        self._waiting += sign * len(report.waiting)
+        self._long += sign * int(report.long)
 
     def update(self, report: NodeStall) -> Optional[HangVerdict]:
-        if report.clear:
-            self.reports.pop(report.node, None)
-        else:
+        old = self.reports.pop(report.node, None)
+        if old is not None:
+            self._count(old, -1)
+            self._hung.pop(report.node, None)
+        if not report.clear:
             self.reports[report.node] = report
-        return decide(self.reports, self.nodes, self.ranks_per_node, self.collective_s)
+            self._count(report, +1)
+            if report.hung:
+                self._hung[report.node] = report.hung
+        if len(self.reports) < self.nodes or self._accounted < self.nodes * self.ranks_per_node:
+            return None
+        if self._hung and (self._waiting or self.nodes * self.ranks_per_node == 1):
+            return HangVerdict(tuple(c for n in sorted(self._hung) for c in self._hung[n]))
+        if not self._hung and self.collective_s > 0 and self._long == self.nodes:
+            return HangVerdict(tuple(Culprit(r, 0, -1, "collective", self.collective_s)
+                                     for n in sorted(self.reports) for r in self.reports[n].waiting), collective=True)
+        return None
 
 
 __all__ = ["AGENT", "COLLECTIVE", "Culprit", "HANG_KEY", "HangVerdict", "Limits", "NodeStall", "STALL_KEY",

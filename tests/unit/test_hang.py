@@ -295,3 +295,26 @@ def test_a_rank_persistently_slower_in_its_own_work_is_reported_once_and_not_kil
     for w in writers:
         w.close()
     board.close(unlink=True)
+
+
+def test_the_root_s_running_counts_decide_as_the_rule_does_on_every_sequence_of_reports():
+    import random
+
+    rng = random.Random(5)
+    for trial in range(300):
+        nodes, rpn = rng.randint(1, 4), rng.randint(1, 3)
+        coll = rng.choice([0.0, 60.0])
+        agg, newest = rule.StallAggregator(nodes, rpn, coll), {}
+        for _ in range(12):
+            n = rng.randrange(nodes)
+            ranks = list(range(n * rpn, (n + 1) * rpn))
+            hung = tuple(culprit(r) for r in ranks if rng.random() < 0.2)
+            waiting = tuple(r for r in ranks if r not in {c.rank for c in hung} and rng.random() < 0.8)
+            rep = rule.NodeStall(n, rpn, hung, waiting, long=bool(waiting) and rng.random() < 0.5)
+            got = agg.update(rep)
+            if rep.clear:
+                newest.pop(n, None)
+            else:
+                newest[n] = rep
+            want = rule.decide(newest, nodes, rpn, coll)
+            assert got == want, (trial, newest)
