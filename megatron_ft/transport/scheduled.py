@@ -20,9 +20,10 @@ leaves the block incomplete and the previous complete version in use.
 ranks that exchange copies with this one (:func:`exchange_ranks`: this rank's local index on the nodes
 of its redundancy group that send or receive a copy; a pair of ranks for two-node replica groups,
 never the world unless the plan's group is the world), created by those ranks alone
-(:func:`member_group`: ``use_local_synchronization``, where torch has it and every rank belongs to
-equally many groups; else every rank makes every such group, in one order); a rank that exchanges
-with nobody makes none:
+(:func:`member_group`: ``use_local_synchronization``, where torch has it; a rank that belongs to fewer
+groups than others first makes groups of itself alone until the counts agree, since torch names a
+locally made group by the process's group count; without that argument, or for NCCL on a bound default
+group, every rank makes every such group, in one order); a rank that exchanges with nobody makes none:
 
 * ``ctl`` (gloo, torch's default timeout): the planning exchange of bubbles
   (:meth:`~ScheduledTransport.exchange_bubbles`), on the training thread. The two planning steps that
@@ -512,11 +513,19 @@ class ScheduledTransport:
     def _counts_agree(self, values: list[int]) -> tuple[list[int], bool]:
         """Collective over the job's default group (every rank, no group made for it): the maximum of
         each of ``values`` over the ranks, and whether every rank belongs to equally many process
-        groups now (:func:`groups_belonged_to`), so that the members of a group can make it alone."""
+        groups now (:func:`groups_belonged_to`), so that the members of a group can make it alone.
+        Where the counts differ (Megatron puts only some pipeline stages in its embedding groups), each
+        rank below the largest makes groups of itself alone (local, no other rank takes part) until it
+        belongs to as many: then they agree - rather than every rank making every pair's group, O(R)
+        ``new_group`` calls per rank."""
         n = groups_belonged_to()
         t = torch.tensor([*values, n, -n, -1 if n < 0 else 0], dtype=torch.int64).to(self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the default group's backend: NCCL on GPUs
         *out, most, least, unknown = (int(x) for x in t.tolist())
+        if unknown == 0 and most != -least and LOCAL_SYNCHRONIZATION:
+            for _ in range(most - n):
+                dist.new_group(ranks=[self.rank], use_local_synchronization=True, backend="gloo")
+            return out, self._counts_agree([])[1]  # every rank the same answer (one all-reduce more)
         return out, unknown == 0 and most == -least
 
     # ------------------------------------------------------------------ planning (training thread)

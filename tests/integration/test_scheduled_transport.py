@@ -70,13 +70,17 @@ def test_four_ranks_in_two_pairs_make_groups_of_their_pair_only(tmp_path):
             assert all(g["local"] for g in out["new_groups"]), (r, out["new_groups"])
 
 
-def test_ranks_in_unequally_many_groups_make_every_pair_in_one_order(tmp_path):
+def test_ranks_in_unequally_many_groups_even_their_counts_and_make_their_pair_alone(tmp_path):
     # rank 0 belongs to one group more than the others: torch would name a group its pair makes
-    # alone differently on rank 0 and rank 1 (a wait for ever), so every rank makes both pairs'
-    # groups, in one order, without local synchronisation, and is a member of its own pair's only
+    # alone differently on rank 0 and rank 1 (a wait for ever). Each other rank first makes a group
+    # of itself alone (no other rank takes part), then every pair makes its own groups alone, as with
+    # equal counts - not every pair's group on every rank (O(R) calls per rank)
     ranks = run(tmp_path, "--world", "4", "--replicas", "2", "--modes", "pipelined", "--extra-group-on", "0")
     check(ranks)
     for r, out in ranks.items():
+        if not out["local_synchronization"]:
+            continue
+        pair = [0, 1] if r < 2 else [2, 3]
         made = [g["ranks"] for g in out["new_groups"]]
-        assert made == [[0, 1], [2, 3]] * 3, (r, made)  # ctl, ctrl, the data group: each for both pairs
-        assert not any(g["local"] for g in out["new_groups"]), (r, out["new_groups"])
+        assert made == ([] if r == 0 else [[r]]) + [pair] * 3, (r, made)  # padding; ctl, ctrl, the data group
+        assert all(g["local"] for g in out["new_groups"]), (r, out["new_groups"])
