@@ -25,6 +25,9 @@ EXIT_CODE = 2
 EXIT_ROLLBACKS_EXHAUSTED = 3
 #: the exit codes that end the whole job: never restarted (torchrun, fast restarts, a Kubernetes Job)
 JOB_ENDING = (EXIT_CODE, EXIT_ROLLBACKS_EXHAUSTED)
+#: a node's agent (and then its launcher) that stood down: judged lost while it did not run, its node
+#: claimed by a standby meanwhile. The job goes on there; this node's processes end. Not a job's end.
+EXIT_STOOD_DOWN = 4
 FORMAT = "megatron-ft-fatal/1"
 
 

@@ -276,6 +276,8 @@ class NodeLauncher:
         while True:
             self.rendezvous.begin(self.rdzv)
             rc = self._run_torchrun(env)
+            if rc == fatal.EXIT_STOOD_DOWN:
+                return rc
             if rc is None:  # fatal or interrupted: the job is over
                 return fatal.exit_code(self.run_dir) if fatal.read(self.run_dir) is not None else 130
             if rc == 0 or fatal.read(self.run_dir) is not None:
@@ -315,6 +317,11 @@ class NodeLauncher:
                 if time.time() > next_publish:
                     self.rendezvous.keep_published(self.rdzv)
                     next_publish = time.time() + 2.0
+                if self.agent is not None and self.agent.poll() == fatal.EXIT_STOOD_DOWN:
+                    self.log(f"[launch n{self.node}] the agent stood down: this node was judged lost while its "
+                             f"agent did not run, and a standby took its place; ending this node's trainers")
+                    self._stop_torchrun()
+                    return fatal.EXIT_STOOD_DOWN
                 if self.agent is not None and self.agent.poll() is not None:
                     self.agent_restarts += 1
                     self.log(f"[launch n{self.node}] agent died (exit {self.agent.returncode}); restarting it "

@@ -32,8 +32,7 @@ import time
 from typing import Optional
 
 from . import shm
-from .. import config as ftconfig
-from .. import network
+from .. import config as ftconfig, fatal, network
 from ..transport import wire
 from .decisions import NodeDecisions
 from .guard_memory import GuardMemory
@@ -84,7 +83,8 @@ class Agent:
         self.monitor = None
         self.agreement: Optional[JobAgreement] = None  # snapshot.agreement: agents (start_agreement)
         self._marks = (-1, -1)  # the verdict's (certified, watched) applied to the local ranks
-        self.hang: Optional[HangWatch] = None  # hang.enabled (start_hang_watch)
+        self.hang: Optional[HangWatch] = None  # hang.enabled (serve starts it, after the store)
+        self.exit_code = 0  # fatal.EXIT_STOOD_DOWN once it stood down (stand_down)
 
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
@@ -105,7 +105,7 @@ class Agent:
         self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
                                launcher_pid=self.launcher.launcher_pid,
                                address=self.redundancy.address if self.redundancy is not None else "",
-                               trained=self.trained).start()
+                               trained=self.trained, fenced=self.stand_down).start()
         if self.redundancy is not None:
             for rank, size in self.slots.slot_sizes().items():
                 self.redundancy.peers.publish_size(rank, size)
@@ -123,10 +123,12 @@ class Agent:
         with self.slots.lock:
             self.slots.agreement.attach(self.agreement, self.slots.table)
 
-    def start_hang_watch(self) -> None:
-        """Judge the local trainers' progress (``hang.enabled``; after :meth:`start_peers`: the verdicts
-        go through the job's store where it has one)."""
-        self.hang = self.hang or start_for(self.cfg, self.node, self.store)
+    def stand_down(self, why: str) -> None:
+        """Judged lost while it did not run, its node claimed meanwhile: end with ``EXIT_STOOD_DOWN``
+        (its launcher then ends the node's trainers), its memory an old generation's (segments removed)."""
+        log.error("agent node %d: %s: this agent stands down", self.node, why)
+        self.exit_code = fatal.EXIT_STOOD_DOWN
+        threading.Thread(target=self.shutdown, name="stand-down", daemon=True).start()
 
     def trained(self) -> bool:
         """Whether a trainer registered with this agent (or with the agent whose slots it adopted):
@@ -266,13 +268,8 @@ class Agent:
         :meth:`shutdown`; starts the persist thread."""
         self._server = wire.Server(self.socket_path, self, name=f"agent-n{self.node}")
         self.persister.start()
-        backing = shm.page_backing(self.cfg.agent.shm_dir)
-        log.info("agent node %d (pid %d) serving on %s; shared memory in %s (%s pages)", self.node, os.getpid(),
-                 self.socket_path, self.cfg.agent.shm_dir, "2 MiB" if backing == shm.HUGE else "4 KiB")
-        if backing != shm.HUGE:
-            log.info("agent node %d: %s has 4 KiB pages; a huge-page tmpfs restores ~2x faster: "
-                     "`megatron-ft shm-mount DIR --size S` (root), then agent.shm_dir: DIR", self.node,
-                     self.cfg.agent.shm_dir)
+        log.info("agent node %d (pid %d) serving on %s; %s", self.node, os.getpid(), self.socket_path,
+                 shm.backing_note(self.cfg.agent.shm_dir))
         self._server.serve_forever()
 
     # wire.Handler: one connection per trainer (and per scheduled-transport thread, launcher, CLI)
@@ -379,7 +376,7 @@ def serve(cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes], launcher_p
     agent.slots.adopt_existing()
     agent.start_peers()
     agent.start_agreement()
-    agent.start_hang_watch()
+    agent.hang = start_for(cfg, node, agent.store)  # the local trainers' progress judged (hang.enabled)
 
     def on_signal(signum, frame):  # clean shutdown on SIGTERM / SIGINT
         threading.Thread(target=agent.shutdown, daemon=True).start()
@@ -390,7 +387,7 @@ def serve(cfg: ftconfig.FTConfig, node: int, secret: Optional[bytes], launcher_p
         agent.watch_launcher(launcher_pid)
     agent.serve_forever()
     agent._done.wait(timeout=600)  # the shutdown thread drains persists and removes segments
-    return 0
+    return agent.exit_code
 
 
 if __name__ == "__main__":

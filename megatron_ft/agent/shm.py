@@ -173,6 +173,14 @@ _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG%]?$")
 HUGE_MODES = ("always", "within_size", "advise")
 
 
+def backing_note(directory: str) -> str:
+    """What the agent's log says of ``directory``'s pages (and, with 4 KiB ones, how to get huge pages)."""
+    if page_backing(directory) == HUGE:
+        return f"shared memory in {directory} (2 MiB pages)"
+    return (f"shared memory in {directory} (4 KiB pages; a huge-page tmpfs restores ~2x faster: "
+            f"`megatron-ft shm-mount DIR --size S` (root), then agent.shm_dir: DIR)")
+
+
 def mount_command(directory: str, size: str, huge: str = "always") -> list[str]:
     """``mount`` argv for a tmpfs at ``directory`` of ``size`` (tmpfs syntax: bytes, or k/m/g
     suffix, or % of RAM) with ``huge`` pages; bad values raise ValueError naming them."""

@@ -9,7 +9,8 @@ ranks once every other rank of the job waits:
 
 * ``hung``: quiet in its own work (or its restore, Megatron's own disk save, its start-up) past that
   phase's allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet as long;
-* ``waiting``: in a collective, a rendezvous or waiting for its agent for at least half its bound;
+* ``waiting``: in a collective, a rendezvous or waiting for its agent for at least half ``floor_s``
+  (every routine wait is far shorter; a verdict needs the culprit past its own allowance besides);
 * anything else (progressing, starting, ending, gone) blocks a verdict.
 
 With ``collective_s`` set, every rank waiting that long with nobody to blame (a collective that
@@ -111,7 +112,7 @@ def judge(p: Progress, now: float, limits: Limits, p99_s: Optional[float], stopp
     limit = allowance(limits, p.phase, p99_s, p.steps)
     if limit is not None and quiet > limit:
         return "hung"
-    if p.phase in WAITING and quiet >= bound(limits, p99_s, p.steps) / 2:
+    if p.phase in WAITING and quiet >= limits.floor_s / 2:
         return "waiting"
     return "other"
 

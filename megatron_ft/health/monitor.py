@@ -36,6 +36,9 @@ from typing import Any, Callable, Optional
 
 log = logging.getLogger("megatron_ft.health")
 
+#: what the root writes into ``claim/<node>/<pid>`` when it withdraws a verdict (no standby may claim it after)
+WITHDRAWN = "withdrawn-by-root-"
+
 
 def classify(agent_alive: bool, trainer_lost: bool) -> Optional[str]:
     """Software failure: the node (its agent, its memory) lives; hardware: it does not."""
@@ -66,8 +69,10 @@ class Monitor:
 
     def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
                  launcher_pid: Callable[[], int] = lambda: 0, address: str = "",
-                 trained: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic):
+                 trained: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic,
+                 fenced: Callable[[str], None] = lambda why: None):
         self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
+        self.fenced = fenced  # this agent was judged lost and its node claimed: it stands down (see beat)
         self.launcher_pid, self.address, self.trained = launcher_pid, address, trained
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.probe_after_s = min(2 * heartbeat_s, timeout_s)  # two heartbeats missed
@@ -77,6 +82,8 @@ class Monitor:
         self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (last heartbeat value, our time seen)
         self._looked: Optional[float] = None  # our time of the last look at the others' heartbeats
         self._pids: dict[int, int] = {}  # node -> agent pid whose verdict was last checked (root)
+        self._judged_alive: set[int] = set()  # nodes judged failed by this root whose agent may yet resume
+        self._resumed = False  # this monitor did not run for a while (an agent paused): look at its verdicts
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
@@ -112,6 +119,27 @@ class Monitor:
             self._watch()
         else:
             self._watch_root()
+        if self._resumed:
+            self._resumed = False
+            self._check_fenced()
+
+    def _check_fenced(self) -> None:
+        """After this agent did not run for a while (see :meth:`_look`): if the root judged it lost meanwhile
+        and a standby claimed its node, this agent (its memory, its trainers) belongs to an old generation of
+        the node and stands down (``fenced``); where nobody claimed it, the root withdraws the verdict
+        (:meth:`_clear_verdict`) and the node trains on. Two store reads, only after such a pause."""
+        try:
+            verdict = json.loads(self.store.get(f"failed/{self.node}") or "{}")
+            if verdict.get("pid") != os.getpid():
+                return
+            owner = self.store.get(f"claim/{self.node}/{os.getpid()}") or ""
+        except Exception as e:
+            log.warning("node %d: could not read the verdicts after a pause: %s", self.node, e)
+            self._resumed = True  # again at the next beat
+            return
+        if owner and not owner.startswith(WITHDRAWN):
+            self.fenced(f"node {self.node} was judged lost while this agent did not run ({verdict.get('why')}) and "
+                        f"{owner} claimed it")
 
     def _look(self) -> float:
         """Now, on our clock, for a look at the others' heartbeats - and time this monitor did not run is
@@ -125,6 +153,7 @@ class Monitor:
         last, self._looked = self._looked, now
         excess = now - last - self.timeout_s / 2 if last is not None else 0.0
         if excess > 0:
+            self._resumed = True
             self._seen = {n: (v, t + excess) for n, (v, t) in self._seen.items()}
             log.warning("node %d: this agent did not run for %.1f s (an overloaded host, a stopped process): the "
                         "others' heartbeats are judged from now, not from then", self.node, now - last)
@@ -184,6 +213,7 @@ class Monitor:
                 verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
                            "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
                 self.failed[n] = verdict
+                self._judged_alive.add(n)  # its own next heartbeat, if any, comes from a paused agent
                 self.store.set(f"failed/{n}", json.dumps(verdict))
                 # changed by every verdict: a warm spare's keeper watches this one key (spares.fast_restart)
                 self.store.set("last_verdict", f"{n}/{pid}/{verdict['time']}")
@@ -197,19 +227,35 @@ class Monitor:
         return refuses_connections(address, min(self.heartbeat_s, 0.5))
 
     def _clear_verdict(self, n: int, pid: int) -> None:
-        """A heartbeat from a new agent pid of a node judged failed (by us or an earlier root)."""
+        """A heartbeat of a node judged failed (by us or an earlier root): from a new agent pid (a
+        replacement: the verdict goes), or from the judged agent itself, which did not run for a while (a
+        paused process, an overloaded host). Then the verdict is withdrawn - the node trains on, nothing
+        was lost - unless a standby claimed the node first: a tombstone in the claim's key (compare-and-set
+        from absent) keeps any standby from claiming it after; a node claimed first stays failed and its
+        returning agent stands down (:meth:`_check_fenced`)."""
         if n in self.failed:
             old = self.failed[n]["pid"]
-        elif self._pids.get(n) != pid:
+        elif self._pids.get(n) != pid or n in self._judged_alive:
             v = self.store.get(f"failed/{n}")
-            old = json.loads(v)["pid"] if v is not None else pid
+            old = json.loads(v)["pid"] if v is not None else None
         else:
             return
         self._pids[n] = pid
+        self._judged_alive.discard(n)
+        if old is None:
+            return
         if old != pid:
             log.warning("root: node %d is back (a replacement agent, pid %s)", n, pid)
-            self.failed.pop(n, None)
-            self.store.delete(f"failed/{n}")
+        else:
+            owner = self.store.compare_set(f"claim/{n}/{pid}", "", f"{WITHDRAWN}{self.node}")
+            if not owner.startswith(WITHDRAWN):
+                log.error("root: node %d's agent (pid %s) runs again, but %s claimed the node: it stays failed "
+                          "and that agent stands down", n, pid, owner)
+                return
+            log.warning("root: node %d's agent (pid %s) runs again after its failure verdict (it was paused or "
+                        "starved, not lost), and no standby claimed the node: the verdict is withdrawn", n, pid)
+        self.failed.pop(n, None)
+        self.store.delete(f"failed/{n}")
 
     def report_software(self, rank: int) -> None:
         """A local trainer died while this agent lives: a software failure (local recovery)."""

@@ -238,9 +238,10 @@ class InMemoryCheckpointer:
         key = f"restore/{ident:016x}"
 
         def decide(how: str, values: list[int]) -> list[int]:
-            return [int(x) for x in client.request("decide", rank=self.rank, key=f"{key}/{next(seq)}", how=how,
-                                                   values=[int(v) for v in values],
-                                                   wait_s=DECISION_WAIT_S)["values"]]
+            with rank_progress.phase(hp.AGENT):  # waiting for every rank's part: not this rank's own work
+                return [int(x) for x in client.request("decide", rank=self.rank, key=f"{key}/{next(seq)}", how=how,
+                                                       values=[int(v) for v in values],
+                                                       wait_s=DECISION_WAIT_S)["values"]]
 
         def done() -> None:
             unregister()
