@@ -1068,6 +1068,9 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     if paused:  # either the node is not judged and trains through, or it is judged lost and its ranks recovered
         judged = [v for v in false_verdicts if v.startswith(f"node {paused['node']} ")]
         moved = [r for r in victims if len(lives.get(r, ())) > 1]
+        if judged and not moved and paused["node"] in withdrawn_verdicts(run_dir):
+            judged, pause_outcome = [], "trained through"  # the root withdrew it once the agent ran again
+            false_verdicts = [v for v in false_verdicts if not v.startswith(f"node {paused['node']} ")]
         pause_outcome = PAUSE_OUTCOMES[(bool(judged), bool(moved))]
         if judged and moved:  # the verdict was acted on: not a false one
             false_verdicts = [v for v in false_verdicts if v not in judged]
@@ -1264,6 +1267,17 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
 
 
 VERDICT_LINE = re.compile(r"root: node (\d+) (.*): hardware failure")
+WITHDRAWN_LINE = re.compile(r"root: node (\d+)'s agent \(pid \d+\) runs again after its failure verdict.*withdrawn")
+
+
+def withdrawn_verdicts(run_dir: str) -> set[int]:
+    """The nodes whose failure verdict a root withdrew (their judged agent ran again and nobody had
+    claimed the node: ``megatron_ft.health.monitor``), from the agents' logs."""
+    out = set()
+    for path in sorted(glob.glob(os.path.join(run_dir, "node*", "agent.log"))):
+        with open(path, errors="replace") as f:
+            out |= {int(m.group(1)) for m in WITHDRAWN_LINE.finditer(f.read())}
+    return out
 
 
 def unexpected_verdicts(run_dir: str, expected: set[int]) -> list[str]:
