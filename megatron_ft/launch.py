@@ -7,7 +7,7 @@
 
 With ``--standby`` this process is a spare machine: it polls the agents' store (docs/health.md)
 for the root agent's ``failed/<node>`` verdict, claims that node with a compare-and-set of
-``claim/<node>/<failed agent pid>`` and then runs as that node's launcher (below).
+``claim/<node>/<failed agent pid>/<verdict time>`` and then runs as that node's launcher (below).
 
 With ``--node-rank I`` this process is node I's launcher (one per machine). Without it, all N
 nodes are simulated on this machine: N launcher instances share a c10d rendezvous on loopback
@@ -47,6 +47,7 @@ from . import network, scheduler
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .health import progress as hp
+from .health.monitor import claim_key, stood_down_path
 from .spares import prestart
 from .spares.lifetime import die_with_parent
 from .trainer.in_process import nccl_env_defaults
@@ -230,16 +231,17 @@ class NodeLauncher:
             return rc
         finally:
             self.stop_pool()
-            if self.rendezvous is not None:
+            if self.rendezvous is not None and rc != fatal.EXIT_STOOD_DOWN:  # the job goes on without this node
                 self.rendezvous.record_end(rc)
 
     def _run(self) -> int:
         with open(os.path.join(self.node_dir, "launcher.pid"), "w") as f:
             f.write(str(os.getpid()))
-        try:  # a record of an earlier run in this directory
-            os.unlink(fatal.record_path(self.run_dir, self.node))
-        except FileNotFoundError:
-            pass
+        for old in (fatal.record_path(self.run_dir, self.node), stood_down_path(self.run_dir, self.node)):
+            try:  # a record of an earlier run in this directory
+                os.unlink(old)
+            except FileNotFoundError:
+                pass
         problem = preflight(self.cfg) or network.node_address_problem(self.cfg, self.node)
         if problem:
             return self._end_job(problem)
@@ -317,7 +319,9 @@ class NodeLauncher:
                 if time.time() > next_publish:
                     self.rendezvous.keep_published(self.rdzv)
                     next_publish = time.time() + 2.0
-                if self.agent is not None and self.agent.poll() == fatal.EXIT_STOOD_DOWN:
+                if self.agent is not None and self.agent.poll() is not None and (
+                        self.agent.poll() == fatal.EXIT_STOOD_DOWN or os.path.exists(stood_down_path(self.run_dir,
+                                                                                                     self.node))):
                     self.log(f"[launch n{self.node}] the agent stood down: this node was judged lost while its "
                              f"agent did not run, and a standby took its place; ending this node's trainers")
                     self._stop_torchrun()
@@ -751,7 +755,7 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
                       log=print, since: Optional[float] = None) -> tuple[int, dict]:
     """A standby's wait: poll the store (a :class:`~megatron_ft.health.store.StoreClient`) for a
     root verdict ``failed/<node>`` and claim that node with a compare-and-set of
-    ``claim/<node>/<failed agent pid>`` from absent to ``who``; a node another standby claimed
+    ``claim/<node>/<failed agent pid>/<verdict time>`` from absent to ``who``; a node another standby claimed
     first is skipped. Returns (node, verdict). ``timeout_s`` 0: wait for ever. ``since``: raise
     :class:`JobEnded` once a launcher records the job's end (``ended``) no earlier than this time (an
     older record is an earlier job's on a store that outlives jobs)."""
@@ -771,7 +775,7 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
                 if v is None:
                     continue
                 verdict = json.loads(v)
-                key = f"claim/{n}/{verdict['pid']}"
+                key = claim_key(n, verdict)
                 owner = client.compare_set(key, "", who)
                 if owner == who:
                     return n, verdict

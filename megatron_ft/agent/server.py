@@ -37,6 +37,7 @@ from ..transport import wire
 from .decisions import NodeDecisions
 from .guard_memory import GuardMemory
 from .hang_watch import HangWatch, start_for
+from ..health.monitor import stood_down_path
 from .job_agreement import JobAgreement
 from .launcher_watch import JobEndWatch, LauncherWatch
 from .operations import HANDLERS
@@ -128,6 +129,8 @@ class Agent:
         (its launcher then ends the node's trainers), its memory an old generation's (segments removed)."""
         log.error("agent node %d: %s: this agent stands down", self.node, why)
         self.exit_code = fatal.EXIT_STOOD_DOWN
+        if os.environ.get("MFT_RUN_DIR"):  # for its launcher, whatever exit code it sees (an adopted agent's)
+            open(stood_down_path(os.environ["MFT_RUN_DIR"], self.node), "w").close()
         threading.Thread(target=self.shutdown, name="stand-down", daemon=True).start()
 
     def trained(self) -> bool:

@@ -36,8 +36,21 @@ from typing import Any, Callable, Optional
 
 log = logging.getLogger("megatron_ft.health")
 
-#: what the root writes into ``claim/<node>/<pid>`` when it withdraws a verdict (no standby may claim it after)
-WITHDRAWN = "withdrawn-by-root-"
+#: what the root (or the returning agent) writes into a verdict's claim key when the verdict is withdrawn:
+#: no standby may claim that verdict's node after it
+WITHDRAWN = "withdrawn-by-"
+
+
+def claim_key(node: int, verdict: dict) -> str:
+    """The key a standby claims verdict ``verdict`` on ``node`` with (compare-and-set from absent), and
+    the root or the judged agent withdraws it with: one per verdict (its agent pid and time), so a
+    withdrawn one never keeps a later verdict on the same agent from being claimed."""
+    return f"claim/{node}/{verdict.get('pid')}/{verdict.get('time')}"
+
+
+def stood_down_path(run_dir: str, node: int) -> str:
+    """Where a stood-down agent leaves its word for its launcher (which then never starts it again)."""
+    return os.path.join(run_dir, f"node{node}", "stood_down")
 
 
 def classify(agent_alive: bool, trainer_lost: bool) -> Optional[str]:
@@ -132,7 +145,9 @@ class Monitor:
             verdict = json.loads(self.store.get(f"failed/{self.node}") or "{}")
             if verdict.get("pid") != os.getpid():
                 return
-            owner = self.store.get(f"claim/{self.node}/{os.getpid()}") or ""
+            # the one decision the root and any standby race for: this agent withdraws the verdict itself
+            # where nobody claimed it yet, or learns who did
+            owner = self.store.compare_set(claim_key(self.node, verdict), "", f"{WITHDRAWN}node{self.node}")
         except Exception as e:
             log.warning("node %d: could not read the verdicts after a pause: %s", self.node, e)
             self._resumed = True  # again at the next beat
@@ -234,20 +249,20 @@ class Monitor:
         from absent) keeps any standby from claiming it after; a node claimed first stays failed and its
         returning agent stands down (:meth:`_check_fenced`)."""
         if n in self.failed:
-            old = self.failed[n]["pid"]
+            verdict = self.failed[n]
         elif self._pids.get(n) != pid or n in self._judged_alive:
             v = self.store.get(f"failed/{n}")
-            old = json.loads(v)["pid"] if v is not None else None
+            verdict = json.loads(v) if v is not None else None
         else:
             return
         self._pids[n] = pid
         self._judged_alive.discard(n)
-        if old is None:
+        if verdict is None:
             return
-        if old != pid:
+        if verdict["pid"] != pid:
             log.warning("root: node %d is back (a replacement agent, pid %s)", n, pid)
         else:
-            owner = self.store.compare_set(f"claim/{n}/{pid}", "", f"{WITHDRAWN}{self.node}")
+            owner = self.store.compare_set(claim_key(n, verdict), "", f"{WITHDRAWN}root{self.node}")
             if not owner.startswith(WITHDRAWN):
                 log.error("root: node %d's agent (pid %s) runs again, but %s claimed the node: it stays failed "
                           "and that agent stands down", n, pid, owner)
