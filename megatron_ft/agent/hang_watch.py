@@ -43,15 +43,26 @@ log = logging.getLogger("megatron_ft.agent")
 WINDOW = 200
 
 
-def process_state(pid: int) -> Optional[str]:
+#: a process that started this much later than the record it is named in is another one (the pid reused)
+PID_REUSE_SLACK_S = 2.0
+
+
+def process_state(pid: int, started: Optional[float] = None) -> Optional[str]:
     """The state letter of ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``t`` traced, ``Z``...), None
-    when it is gone."""
+    when it is gone - or, with ``started`` (``CLOCK_MONOTONIC`` seconds when the record naming it was
+    opened), when the process of that pid started after it: the pid was reused by another process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read().decode("ascii", "replace")
     except OSError:
         return None
-    return text[text.rfind(")") + 2:][:1] or None
+    fields = text[text.rfind(")") + 2:].split()
+    if not fields:
+        return None
+    if started is not None and len(fields) > 19:  # field 22 of the file: start time, clock ticks since boot
+        if int(fields[19]) / os.sysconf("SC_CLK_TCK") > started + PID_REUSE_SLACK_S:
+            return None
+    return fields[0][:1]
 
 
 class HangWatch:
@@ -149,7 +160,7 @@ class HangWatch:
             p = records.get(rank)
             if p is None:
                 continue
-            state = process_state(p.pid)
+            state = process_state(p.pid, p.started)
             if state is None or state in "ZX":
                 self._stopped_since.pop(rank, None)
                 continue
@@ -169,7 +180,9 @@ class HangWatch:
         return rule.NodeStall(self.node, self.rpn, tuple(hung), tuple(waiting), long)
 
     def _send(self, report: rule.NodeStall) -> None:
-        if report.same(self._sent) or (report.clear and self._sent is None):
+        """The node's report when it says something new - and its first one, clear or not, so that the
+        root forgets what a predecessor of this agent reported last."""
+        if report.same(self._sent):
             return
         if self._local is not None:
             self._sent = report

@@ -26,8 +26,10 @@ offset type   field
 60     u32    reserved
 ====== ====== =========================================================================
 
-The seqlock (odd ``seq`` while a write is under way; a reader retries when it saw it odd or changed)
-keeps a reader from taking half of one write and half of another.
+The seqlock keeps a reader from taking half of one write and half of another: the writer makes
+``seq`` odd, writes the body, makes it even; the reader reads ``seq``, the body, ``seq`` again, and
+keeps the body only when both were the same even number (else it retries, and a record torn for good -
+its writer stopped in the middle of a write - reads as the last whole one this reader saw).
 
 >>> import tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "p")
@@ -55,8 +57,9 @@ from typing import Callable, Optional
 FORMAT = "megatron-ft-progress"
 VERSION = 1
 RECORD = 64
-_LAYOUT = struct.Struct("<QqIIddddII")
-assert _LAYOUT.size == RECORD
+_SEQ = struct.Struct("<Q")
+_BODY = struct.Struct("<qIIddddII")  # every field after ``seq``, at offset 8
+assert _SEQ.size + _BODY.size == RECORD
 
 #: the phases a trainer reports, by index
 PHASES = ("none", "start", "work", "collective", "agent", "restore", "save", "done", "rendezvous")
@@ -108,26 +111,28 @@ class ProgressBoard:
 
     def __init__(self, path: str, ranks_per_node: int, mm: mmap.mmap):
         self.path, self.ranks_per_node, self.mm = path, ranks_per_node, mm
+        self._whole: dict[int, Progress] = {}  # index -> the last whole record read
 
     @classmethod
     def create(cls, path: str, ranks_per_node: int) -> "ProgressBoard":
         return cls(path, ranks_per_node, _map(path, ranks_per_node * RECORD, create=True))
 
     def read(self, index: int, tries: int = 100) -> Optional[Progress]:
-        """Record ``index`` whole, or None where no trainer has written it (or it was torn ``tries``
-        times running: a writer stopped in the middle of a write - it is a stopped writer's record)."""
+        """Record ``index`` whole, or None where no trainer has written one. Torn ``tries`` times running
+        (its writer stopped in the middle of a write): the last whole record this board read of it."""
         off = index * RECORD
         for _ in range(tries):
-            first = struct.unpack_from("<Q", self.mm, off)[0]
-            fields = _LAYOUT.unpack_from(self.mm, off)
-            if first % 2 == 0 and fields[0] == first:
+            first = _SEQ.unpack_from(self.mm, off)[0]
+            body = _BODY.unpack_from(self.mm, off + _SEQ.size)
+            if first % 2 == 0 and _SEQ.unpack_from(self.mm, off)[0] == first:
                 break
         else:
-            fields = _LAYOUT.unpack_from(self.mm, off)  # torn for good: its writer stopped mid-write
-        seq, steps, phase, pid, since, started, iter_s, work_s, version, _ = fields
+            return self._whole.get(index)
+        steps, phase, pid, since, started, iter_s, work_s, version, _ = body
         if version != VERSION or pid == 0:
             return None
-        return Progress(seq, steps, phase, pid, since, started, iter_s, work_s)
+        self._whole[index] = p = Progress(first, steps, phase, pid, since, started, iter_s, work_s)
+        return p
 
     def close(self, unlink: bool = False) -> None:
         try:
@@ -148,7 +153,7 @@ class ProgressWriter:
     def __init__(self, path: str, index: int, now: Callable[[], float] = time.monotonic):
         self.mm = _map(path, (index + 1) * RECORD, create=False)
         self.off, self.now = index * RECORD, now
-        self.seq = struct.unpack_from("<Q", self.mm, self.off)[0] & ~1
+        self.seq = _SEQ.unpack_from(self.mm, self.off)[0] & ~1
         self.steps, self.phase, self.pid = 0, START, os.getpid()
         self.started = self.since = now()
         self.iter_s = self.work_s = 0.0
@@ -156,10 +161,11 @@ class ProgressWriter:
 
     def _write(self) -> None:
         self.seq += 1
-        struct.pack_into("<Q", self.mm, self.off, self.seq)  # odd: a write under way
+        _SEQ.pack_into(self.mm, self.off, self.seq)  # odd: a write under way
+        _BODY.pack_into(self.mm, self.off + _SEQ.size, self.steps, self.phase, self.pid, self.since, self.started,
+                        self.iter_s, self.work_s, VERSION, 0)
         self.seq += 1
-        _LAYOUT.pack_into(self.mm, self.off, self.seq, self.steps, self.phase, self.pid, self.since, self.started,
-                          self.iter_s, self.work_s, VERSION, 0)
+        _SEQ.pack_into(self.mm, self.off, self.seq)  # even: whole
 
     def enter(self, phase: int) -> int:
         """Enter ``phase``; returns the phase left."""
