@@ -387,9 +387,10 @@ class HangConfig(_Section):
     have been timed since the trainer started it is ``first_s``; a rank in its restore gets
     ``restore_s``, one in Megatron's own disk save ``save_s``, one from its start to its first iteration
     (imports, rendezvous, model and data set-up) ``start_s``. A trainer whose process has not ended
-    ``exit_s`` after its training did ends itself (0: never). ``collective_s`` (0: off): every rank
+    ``exit_s`` after it began to exit ends itself (0: never). ``collective_s`` (0: off): every rank
     waiting in collectives that long with no rank to blame - a collective that deadlocked - restarts
-    all of them. ``straggler_ratio`` / ``straggler_iterations``: a rank whose own work per iteration is
+    all of them. ``max_culprits`` (0: one node's ranks): at most that many hung ranks per verdict, and
+    no more than the waiting ones (many ranks quiet in their own work is the job's work, not a hang). ``straggler_ratio`` / ``straggler_iterations``: a rank whose own work per iteration is
     over that ratio of its node's median for that many iterations in a row is reported (not killed)."""
 
     enabled: Flag = True
@@ -403,6 +404,7 @@ class HangConfig(_Section):
     save_s: _num(0.1) = 3600.0
     start_s: _num(0.1) = 900.0
     exit_s: _num(0.0) = 120.0
+    max_culprits: _int(0) = 0
     collective_s: _num(0.0) = 0.0
     straggler_ratio: _num(1.0, strict=True) = 1.2
     straggler_iterations: _int(1) = 20

@@ -87,8 +87,9 @@ class HangWatch:
         self._sent: Optional[rule.NodeStall] = None
         self._last_tick: Optional[float] = None
         self._quiet_until = 0.0
-        self._local = rule.StallAggregator(1, self.rpn, self.limits.collective_s) if store is None else None
-        self._root = rule.StallAggregator(self.nodes, self.rpn, self.limits.collective_s)
+        self._local = (rule.StallAggregator(1, self.rpn, self.limits.collective_s, self.limits.max_culprits)
+                       if store is None else None)
+        self._root = rule.StallAggregator(self.nodes, self.rpn, self.limits.collective_s, self.limits.max_culprits)
         self._derives = store is not None and hasattr(store, "derive")
         if self._derives:
             store.derive(rule.STALL_KEY, self._derive)
@@ -172,7 +173,7 @@ class HangWatch:
             verdict = rule.judge(p, now, self.limits, p99_s, stopped_s)
             if verdict == "hung":
                 hung.append(rule.Culprit(rank, p.pid, p.seq, p.phase_name + (" (stopped)" if stopped_s else ""),
-                                         now - p.since))
+                                         now - p.since, stopped=stopped_s >= self.limits.floor_s))
             elif verdict == "waiting":
                 waiting.append(rank)
         long = bool(waiting) and self.limits.collective_s > 0 and all(
@@ -208,7 +209,7 @@ class HangWatch:
                 if text:
                     reports[n] = rule.NodeStall.decode(text)
             reports = {n: r for n, r in reports.items() if not r.clear}
-            return rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s)
+            return rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s, self.limits.max_culprits)
         except Exception as e:
             log.warning("agent node %d: reading the hang verdict: %s", self.node, e)
             return None

@@ -2,7 +2,8 @@
 
 In synchronous training every rank stops within an iteration of a hung one, so "no progress" alone
 cannot name the culprit: the others are *waiting* - in a collective, or for their own agent - and the
-culprit is not. Every rank quiet in its own work at once (a long write of every rank) is no verdict. Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
+culprit is not. Many ranks quiet in their own work at once (a long write of every rank) is no verdict:
+the hung ranks must be few (at most one node's, and no more than the waiting ones). Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
 the job's own iteration times (:func:`bound`) and reports the node's stall (:class:`NodeStall`, only
 when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
 ranks once every other rank of the job waits:
@@ -63,11 +64,12 @@ class Limits:
     save_s: float
     collective_s: float
     start_s: float = 900.0
+    max_culprits: int = 0  # 0: one node's ranks
 
     @classmethod
     def of(cls, hang) -> "Limits":
         return cls(hang.k, hang.floor_s, hang.ceiling_s, hang.warmup_iterations, hang.first_s, hang.restore_s,
-                   hang.save_s, hang.collective_s, hang.start_s)
+                   hang.save_s, hang.collective_s, hang.start_s, hang.max_culprits)
 
 
 def p99(times: Sequence[float]) -> Optional[float]:
@@ -126,6 +128,15 @@ class Culprit:
     seq: int
     phase: str
     quiet_s: float
+    stopped: bool = False  # seen stopped (SIGSTOP, a tracer), not only quiet
+
+    def encoded(self) -> list:
+        return [self.rank, self.pid, self.seq, self.phase, round(self.quiet_s, 3), self.stopped]
+
+    @classmethod
+    def decoded(cls, item: list) -> "Culprit":
+        r, p, s, ph, q, *rest = item
+        return cls(int(r), int(p), int(s), str(ph), float(q), bool(rest[0]) if rest else False)
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ class NodeStall:
     def encode(self) -> str:
         return json.dumps({"v": VERSION, "node": self.node, "ranks": self.ranks, "waiting": list(self.waiting),
                            "long": self.long,
-                           "hung": [[c.rank, c.pid, c.seq, c.phase, round(c.quiet_s, 3)] for c in self.hung]})
+                           "hung": [c.encoded() for c in self.hung]})
 
     @classmethod
     def decode(cls, text: str) -> "NodeStall":
@@ -159,7 +170,7 @@ class NodeStall:
         if d.get("v") != VERSION:
             raise ValueError(f"stall report version {d.get('v')!r}, not {VERSION}")
         return cls(int(d["node"]), int(d["ranks"]),
-                   tuple(Culprit(int(r), int(p), int(s), str(ph), float(q)) for r, p, s, ph, q in d["hung"]),
+                   tuple(Culprit.decoded(c) for c in d["hung"]),
                    tuple(int(r) for r in d["waiting"]), bool(d.get("long", False)))
 
 
@@ -173,31 +184,43 @@ class HangVerdict:
 
     def encode(self) -> str:
         return json.dumps({"v": VERSION, "collective": self.collective,
-                           "culprits": [[c.rank, c.pid, c.seq, c.phase, round(c.quiet_s, 3)] for c in self.culprits]})
+                           "culprits": [c.encoded() for c in self.culprits]})
 
     @classmethod
     def decode(cls, text: str) -> "HangVerdict":
         d = json.loads(text)
         if d.get("v") != VERSION:
             raise ValueError(f"hang verdict version {d.get('v')!r}, not {VERSION}")
-        return cls(tuple(Culprit(int(r), int(p), int(s), str(ph), float(q)) for r, p, s, ph, q in d["culprits"]),
-                   bool(d["collective"]))
+        return cls(tuple(Culprit.decoded(c) for c in d["culprits"]), bool(d["collective"]))
+
+
+def blames(hung: Sequence[Culprit], waiting: int, world: int, max_culprits: int) -> bool:
+    """Whether ``hung`` ranks, with ``waiting`` others waiting, make a verdict: the hung ones a few (at
+    most ``max_culprits``, and no more than the waiting) - many ranks quiet in their own work at once is
+    the job's own work (a long write everywhere; on NCCL, ranks blocked in a device sync behind one
+    stuck peer look so too), not a hang to end them for. A job of one rank: only a stopped process."""
+    if not hung:
+        return False
+    if world == 1:
+        return all(c.stopped for c in hung)
+    return len(hung) <= min(waiting, max_culprits)
 
 
 def decide(reports: Mapping[int, NodeStall], nodes: int, ranks_per_node: int,
-           collective_s: float) -> Optional[HangVerdict]:
+           collective_s: float, max_culprits: int = 0) -> Optional[HangVerdict]:
     """The job's verdict from every node's newest report, or None. A verdict needs every rank of the job
-    accounted for: hung, or waiting. A collective verdict names ranks, not processes (pid 0): each
-    agent ends those of its ranks still waiting."""
+    accounted for - hung, or waiting - and the hung ones few (:func:`blames`; ``max_culprits`` 0: one
+    node's ranks). A collective verdict names ranks, not processes (pid 0): each agent ends those of its
+    ranks still waiting."""
     if len(reports) < nodes:
         return None
     hung = [c for n in sorted(reports) for c in reports[n].hung]
     waiting = {r for rep in reports.values() for r in rep.waiting}
     if len({c.rank for c in hung} | waiting) < nodes * ranks_per_node:
         return None
-    if hung and (waiting or nodes * ranks_per_node == 1):  # all quiet in their own work: a long save, not a hang
+    if blames(hung, len(waiting), nodes * ranks_per_node, max_culprits or ranks_per_node):
         return HangVerdict(tuple(hung))
-    if collective_s > 0 and all(rep.long for rep in reports.values()):
+    if not hung and collective_s > 0 and all(rep.long for rep in reports.values()):
         return HangVerdict(tuple(Culprit(r, 0, -1, "collective", collective_s) for r in sorted(waiting)),
                            collective=True)
     return None
@@ -209,8 +232,9 @@ class StallAggregator:
     accounted for, the waiting ones and the nodes whose ranks all waited long; the hung ranks listed),
     never a pass over the N reports while a stall's N reports arrive."""
 
-    def __init__(self, nodes: int, ranks_per_node: int, collective_s: float):
+    def __init__(self, nodes: int, ranks_per_node: int, collective_s: float, max_culprits: int = 0):
         self.nodes, self.ranks_per_node, self.collective_s = nodes, ranks_per_node, collective_s
+        self.max_culprits = max_culprits or ranks_per_node
         self.reports: dict[int, NodeStall] = {}
         self._accounted = self._waiting = self._long = 0
         self._hung: dict[int, tuple[Culprit, ...]] = {}
@@ -232,8 +256,10 @@ class StallAggregator:
                 self._hung[report.node] = report.hung
         if len(self.reports) < self.nodes or self._accounted < self.nodes * self.ranks_per_node:
             return None
-        if self._hung and (self._waiting or self.nodes * self.ranks_per_node == 1):
-            return HangVerdict(tuple(c for n in sorted(self._hung) for c in self._hung[n]))
+        hung = [c for n in sorted(self._hung) for c in self._hung[n]] if self._hung else []
+        if len(self._hung) <= self.max_culprits and blames(hung, self._waiting, self.nodes * self.ranks_per_node,
+                                                           self.max_culprits):
+            return HangVerdict(tuple(hung))
         if not self._hung and self.collective_s > 0 and self._long == self.nodes:
             return HangVerdict(tuple(Culprit(r, 0, -1, "collective", self.collective_s)
                                      for n in sorted(self.reports) for r in self.reports[n].waiting), collective=True)

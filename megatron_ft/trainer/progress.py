@@ -40,6 +40,9 @@ class Tracker:
     def __init__(self, writer: hp.ProgressWriter):
         self.writer = writer
         writer.steps = 0  # iterations of this attempt: a survivor kept in place warms up again after its restore
+        from .in_process import attempt
+
+        self.attempt = attempt()[0]
         self.thread = threading.get_ident()
         self.waited = 0.0  # seconds waited in this iteration
         self.iter_start: Optional[float] = None
@@ -107,7 +110,10 @@ def install(path: str, index: int) -> Optional[Tracker]:
     if _exit_watch is not None:  # a new attempt in this process: it has not ended
         _exit_watch.set()
         _exit_watch = None
-    if _current is None or _current.writer is not writer or not _current.on_training_thread():
+    from .in_process import attempt
+
+    if (_current is None or _current.writer is not writer or not _current.on_training_thread()
+            or _current.attempt != attempt()[0]):  # a new in-process attempt warms up again
         _current = Tracker(writer)
     _wrap_wait()
     return _current
@@ -135,11 +141,28 @@ def phase(which: int) -> Iterator[None]:
         yield
 
 
+_exiting = threading.Event()  # the interpreter began to end (before it joins the threads that are not daemons)
+
+
+def _interpreter_ending() -> None:
+    _exiting.set()
+
+
+_at_thread_shutdown = getattr(threading, "_register_atexit", None)  # runs before non-daemon threads are joined
+if _at_thread_shutdown is not None:
+    _at_thread_shutdown(_interpreter_ending)
+else:  # pragma: no cover - every supported Python has it
+    import atexit
+
+    atexit.register(_interpreter_ending)
+
+
 def close(exit_s: float = 0.0) -> None:
     """The training ended: :data:`~hp.DONE` (the record stays open: a later in-process attempt writes
-    on). With ``exit_s``, a process that has not ended that long after ends itself
-    (:func:`_end_if_still_here`): what holds it - a thread that never ends, an exit handler waiting on a
-    socket - would hold the job in torchrun's exit barrier."""
+    on). With ``exit_s``, a process that has not ended that long after its interpreter began to end
+    ends itself (:func:`_end_if_still_here`): what holds it - a thread that never ends, an exit handler
+    waiting on a socket - would hold the job in torchrun's exit barrier. Nothing before the interpreter
+    ends counts (a final dump, an in-process restart's wait for its next round)."""
     global _current, _exit_watch
     if _current is not None:
         _current.writer.enter(hp.DONE)
@@ -151,16 +174,19 @@ def close(exit_s: float = 0.0) -> None:
 
 
 def _end_if_still_here(exit_s: float, cancelled: threading.Event) -> None:
-    """Runs ``exit_s`` after the training ended: every thread's stack to stderr, then ``os._exit``: 0,
-    or 1 where an exception ended the program (``sys.last_value``, set when one reached the top). A
-    new attempt (in-process restart) cancels it."""
+    """Once the interpreter began to end, and ``exit_s`` after: every thread's stack to stderr, then
+    ``os._exit``: 0, or 1 where an exception ended the program (``sys.last_value``, set when one
+    reached the top). A new attempt (in-process restart) cancels it."""
+    while not _exiting.wait(1.0):
+        if cancelled.is_set():
+            return
     if cancelled.wait(exit_s):
         return
     import faulthandler
     import sys
 
     code = 1 if getattr(sys, "last_value", None) is not None else 0
-    log.error("this trainer's training ended %.0f s ago but its process has not: its threads' stacks follow; "
+    log.error("this trainer began to exit %.0f s ago but its process has not ended: its threads' stacks follow; "
               "it ends now with %d (hang.exit_s)", exit_s, code)
     try:
         faulthandler.dump_traceback(all_threads=True)
