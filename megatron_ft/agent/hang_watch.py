@@ -8,8 +8,9 @@ from shared memory and ``L`` reads of ``/proc/<pid>/stat`` (L = the node's ranks
 sends its stall report (``stall/<node>``) only when what it says changes - never while the job trains
 - and, while it holds a hung or waiting rank, reads the verdict (``hang``) once a tick. The root's
 store derives the verdict from the reports as they arrive (the embedded store's hook); etcd has none,
-so there the node that holds a hung rank reads the N reports itself (N reads per tick, during a stall
-only). A one-node job decides on its own.
+so there the root agent reads the N reports and writes the verdict, once a tick while its own node
+stalls (in a hang every node does): O(N) at the root, one read per tick at every other stalled node.
+A one-node job decides on its own.
 
 Stragglers: each finished iteration's own work (the iteration less its waits) per rank; a rank over
 ``hang.straggler_ratio`` x its node's median for ``hang.straggler_iterations`` iterations running is
@@ -198,18 +199,19 @@ class HangWatch:
         if self._local is not None:
             return self._local.update(report)
         try:
-            if self._derives:
+            if self._derives or not self.store.is_root:
                 text = self.store.get(rule.HANG_KEY)
                 return rule.HangVerdict.decode(text) if text else None
-            if not report.hung and self.limits.collective_s <= 0:
-                return None  # etcd: only a node that holds a hung rank gathers the reports
+            # etcd, at the root, while its own node stalls (in a hang every node does): the N reports
             reports = {}
             for n in range(self.nodes):
                 text = self.store.get(f"{rule.STALL_KEY}{n}")
                 if text:
                     reports[n] = rule.NodeStall.decode(text)
             reports = {n: r for n, r in reports.items() if not r.clear}
-            return rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s, self.limits.max_culprits)
+            verdict = rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s, self.limits.max_culprits)
+            self.store.set(rule.HANG_KEY, verdict.encode() if verdict is not None else "")
+            return verdict
         except Exception as e:
             log.warning("agent node %d: reading the hang verdict: %s", self.node, e)
             return None
