@@ -9,6 +9,7 @@ connections are made with no lock held otherwise. Not collective.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -35,28 +36,42 @@ class PeerDirectory:
         self.store, self.secret, self._own_holds, self._stop = store, secret, own_holds, stop
         self._asking = threading.Lock()
         self._answers: Optional[tuple[float, dict[int, dict]]] = None
+        self._own_sizes: dict[str, int] = {}  # this node's ranks' container sizes (publish_size)
+        self._sizes_lock = threading.Lock()
 
     def forget(self) -> None:
         """The group's answers are out of date (the job rewound)."""
         self._answers = None
 
     def publish_size(self, rank: int, nbytes: int) -> None:
+        """``rank``'s container size, published with the rest of this node's: one key per node
+        (``size/<node>``, JSON rank -> bytes), not one per rank."""
+        with self._sizes_lock:  # not _asking: that one is held across a question to the group
+            self._own_sizes[str(rank)] = nbytes
+            value = json.dumps(self._own_sizes, sort_keys=True)
         try:
-            self.store.publish(f"size/{rank}", str(nbytes))
+            self.store.publish(f"size/{self.node}", value)
         except Exception as e:
             log.warning("agent node %d: could not publish the size of rank %d: %s", self.node, rank, e)
 
     def sizes(self, holds: Optional[dict] = None) -> dict[int, int]:
-        """Container size of every rank of the group: from the store, else (a lost rank whose
-        size went with a lost root store) from the sizes the survivors' blocks were built with."""
+        """Container size of every rank of the group: from the store (one read per member node), else (a
+        lost rank whose size went with a lost root store) from the sizes the survivors' blocks were
+        built with."""
         out = {}
         known: dict[str, int] = {}
         for h in (holds or {}).values():
             known.update(h.get("sizes", {}))
+        read: dict[int, dict] = {}
+        rpn = self.cfg.cluster.ranks_per_node
         for r in self.group_ranks:
             v = known.get(str(r))
             if v is None:
-                v = self.store.get(f"size/{r}")
+                node = r // rpn
+                if node not in read:
+                    text = self.store.get(f"size/{node}")
+                    read[node] = json.loads(text) if text else {}
+                v = read[node].get(str(r))
             if v is None:
                 raise RuntimeError(f"the container size of rank {r} is not known yet")
             out[r] = int(v)

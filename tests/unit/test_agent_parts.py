@@ -68,3 +68,29 @@ def test_the_redundancy_reaches_the_slots_through_the_slot_store():
               "persister.py"):
         tree = ast.parse(open(os.path.join(AGENT, f)).read())
         assert not [n.lineno for n in ast.walk(tree) if reaches_the_agent(n)], f
+
+
+def test_container_sizes_are_one_store_key_per_node_not_per_rank():
+    import threading
+
+    from megatron_ft import config as ftconfig
+    from megatron_ft.agent.peer_directory import PeerDirectory
+
+    class Store:
+        def __init__(self):
+            self.data, self.reads = {}, 0
+
+        def publish(self, key, value):
+            self.data[key] = value
+
+        def get(self, key):
+            self.reads += 1
+            return self.data.get(key)
+
+    cfg = ftconfig.from_dict({"cluster": {"nodes": 2, "ranks_per_node": 4}, "parallel": {"tensor": 1, "pipeline": 1}})
+    store = Store()
+    dirs = [PeerDirectory(cfg, n, (0, 1), list(range(8)), store, None, dict, threading.Event()) for n in range(2)]
+    for r in range(8):
+        dirs[r // 4].publish_size(r, 1000 + r)
+    assert sorted(store.data) == ["size/0", "size/1"]
+    assert dirs[0].sizes() == {r: 1000 + r for r in range(8)} and store.reads == 2  # one read per node
