@@ -117,7 +117,7 @@ class InMemoryCheckpointer:
         # where the training thread is, for the agent's hang rule (docs/recovery-time.md, "Hangs"); the
         # training thread's requests to its agent are waits, not its own work
         self.tracker = (rank_progress.install(hp.board_path(cfg.agent.shm_dir, cfg.run_id, self.node),
-                                              rank % cfg.cluster.ranks_per_node)
+                                              int(os.environ.get("LOCAL_RANK", rank % cfg.cluster.ranks_per_node)))
                         if cfg.hang.enabled and self.client is not None else None)
         if self.tracker is not None:
             self.client.request = _waiting_for_agent(self.client.request)  # type: ignore[union-attr,method-assign]
