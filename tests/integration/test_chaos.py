@@ -138,6 +138,21 @@ def test_one_real_trial(tmp_path, kind):
     json.dumps(o.__dict__)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hang", "hang-in-restore", "agent-pause"])
+def test_one_real_trial_of_a_hang(tmp_path, kind):
+    """A trainer stopped and never resumed, a trainer stuck in its restore: found hung (one verdict, on
+    the victim), ended, recovered from local memory bit-exact; an agent paused past health.timeout_s:
+    its verdict withdrawn when it runs again, the job trains through (no restart, no false verdict)."""
+    t = chaos.Trial(0, 1, kind, 5, 0.05, 12)
+    o = chaos.run_trial(t, str(tmp_path), timeout=300)
+    assert o.verdict == "right", (o, open(tmp_path / "trial0000" / "demo.out").read()[-3000:])
+    if kind == "agent-pause":
+        assert o.why == "trained through" and o.recovered_from == "none"
+    else:
+        assert o.recovered_from == o.promised == "local_memory" and o.resumed_step >= 1
+
+
 def _demo_args(*argv):
     import argparse
 
