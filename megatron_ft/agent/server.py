@@ -90,7 +90,7 @@ class Agent:
     def start_peers(self) -> None:
         """Join the job's coordination store (every multi-node job: heartbeats, verdicts, the rendezvous
         record) and, with peer redundancy, the group's peer transport."""
-        from ..health.monitor import Monitor
+        from ..health.etcd_liveness import monitor_class
         from ..health.store import make_store, store_needed
         from .redundancy import Redundancy
 
@@ -103,10 +103,10 @@ class Agent:
             self.redundancy = Redundancy(self.slots, self.cfg, self.node, self.secret, self.store,
                                          network.listen_address(self.cfg, self.node))
         # without a peer port the root has nothing to probe: a lost node is judged after timeout_s
-        self.monitor = Monitor(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s, h.timeout_s,
-                               launcher_pid=self.launcher.launcher_pid,
-                               address=self.redundancy.address if self.redundancy is not None else "",
-                               trained=self.trained, fenced=self.stand_down).start()
+        self.monitor = monitor_class(self.store)(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s,
+                                                 h.timeout_s, launcher_pid=self.launcher.launcher_pid,
+                                                 address=self.redundancy.address if self.redundancy is not None else "",
+                                                 trained=self.trained, fenced=self.stand_down).start()
         if self.redundancy is not None:
             for rank, size in self.slots.slot_sizes().items():
                 self.redundancy.peers.publish_size(rank, size)

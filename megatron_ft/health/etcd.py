@@ -1,32 +1,48 @@
 """``health.store: etcd://HOST:PORT``: the agents' coordination store is an external etcd cluster.
 
 etcd is replicated, so unlike the embedded store (:mod:`.store`) no agent hosts the store and
-nothing fails over: only the *root agent* (the one that watches heartbeats and writes failure
-verdicts) is elected, inside etcd:
+nothing fails over. Liveness and the root are etcd's own mechanisms, not heartbeats read by everyone:
 
-* at start every agent does a put-if-absent of ``root`` (an etcd transaction comparing the key's
-  create revision with 0): the first agent to arrive is root, the others follow it;
-* a non-root agent whose view of the root's heartbeat has not changed for ``health.timeout_s``
-  (see :class:`~megatron_ft.health.monitor.Monitor`) and that is the lowest-numbered node whose
-  heartbeat it sees fresh moves ``root`` from the old root to itself with a compare-and-swap
-  (:meth:`EtcdStore.take_root`). Two agents racing for it swap from the same old value: one wins;
-* :attr:`EtcdStore.is_root` reads ``root`` from etcd each time, so an agent that lost the root
-  (it was only slow) stops acting as root at its next heartbeat.
+* **a lease per agent.** :meth:`EtcdStore.connect` grants a lease of ``ttl_s`` = ``health.timeout_s``
+  rounded up to whole seconds (at least 2) and a thread (``etcd-lease``) keeps it alive every
+  ``ttl_s / 3``. The agent's liveness key ``alive/<node:06d>`` (``{"pid", "lease"}``) is attached to
+  it: when the agent stops refreshing (killed, its host down, cut off from etcd) etcd deletes the key
+  ``ttl_s`` later. A refresh that finds the lease expired (the agent did not run for longer: a paused
+  process) grants a new one, puts ``alive/`` again and calls the :meth:`EtcdStore.on_new_lease`
+  callbacks (the liveness monitor then asks whether this agent was judged lost meanwhile);
+* **the root is a lease-bound key.** ``root`` is put-if-absent (one transaction on the key's create
+  revision) with the agent's lease, so it vanishes with its holder's lease. Every agent follows
+  ``root`` with an etcd watch (thread ``etcd-root``) and keeps its value in memory: :attr:`is_root`
+  and :attr:`root` read no store. When ``root`` is deleted the lowest-numbered live agent (the one
+  with no ``alive/`` key below its own: one count-only range read) puts it; the others wait for
+  that put on the watch, and any agent puts it if it stays vacant for ``ttl_s + 1`` s (the lowest one
+  was lost too). An agent whose lease was not confirmed within ``ttl_s`` is not root
+  (:attr:`is_root` is False) whatever ``root`` said: its key may already be gone;
+* **watches, not polls.** :meth:`EtcdStore.watch` waits for a key's change on an etcd watch stream
+  (one range read, one stream), bounded by its ``wait_s``.
+
+The failure verdicts themselves (the root's watch on ``alive/``) are
+:class:`~megatron_ft.health.etcd_liveness.EtcdLiveness`.
 
 The client is `etcd3gw <https://opendev.org/openstack/etcd3gw>`_ (etcd's v3 gRPC-gateway HTTP API;
-``pip install 'megatron-ft[etcd]'``). Keys are UTF-8 strings under ``mft/<run_id>/``. With
-``health.etcd_ca_file`` it speaks HTTPS, checking etcd's certificate against that CA, and with
-``etcd_cert_file``/``etcd_key_file`` presents a client certificate (:class:`EtcdTLS`).
+``pip install 'megatron-ft[etcd]'``) for the unary calls (range, put, transactions, leases); the watch
+streams are read here (:meth:`EtcdKV.events`) on the same gateway, because etcd3gw's watch has no
+read timeout and drops a broken stream silently in a pool thread. Keys are UTF-8 strings under
+``mft/<run_id>/``. With ``health.etcd_ca_file`` it speaks HTTPS, checking etcd's certificate against
+that CA, and with ``etcd_cert_file``/``etcd_key_file`` presents a client certificate
+(:class:`EtcdTLS`); the watch streams use the same settings.
 """
 from __future__ import annotations
 
 import base64
+import json
 import logging
+import math
 import os
 import re
 import threading
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 from .kv import StoreUnavailable
 
@@ -49,6 +65,33 @@ def _unb64(s: str) -> str:
     return base64.b64decode(s).decode("utf-8")
 
 
+def _range_end(prefix: str) -> str:
+    """The end of the key range holding every key that starts with ``prefix`` (ASCII prefixes)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def lease_ttl(timeout_s: float) -> int:
+    """An agent's lease TTL: ``health.timeout_s`` rounded up to whole seconds, at least 2."""
+    return max(2, math.ceil(timeout_s))
+
+
+def alive_key(node: int) -> str:
+    """Node ``node``'s liveness key; zero-padded so that etcd's key order is the nodes' order (the
+    election counts the live nodes below one with a single range read)."""
+    return f"alive/{node:06d}"
+
+
+class Event(NamedTuple):
+    """One change seen on a watch stream: ``kind`` ``PUT`` or ``DELETE``; ``key`` without the run's
+    prefix; ``value`` the new value (None for a DELETE); ``prev`` the value before (when asked for);
+    ``rev`` the revision of the change."""
+    kind: str
+    key: str
+    value: Optional[str]
+    prev: Optional[str]
+    rev: int
+
+
 class EtcdTLS(NamedTuple):
     """etcd over TLS: the CA that signed etcd's server certificate, and optionally this client's
     certificate and key (all PEM file paths; empty: not used)."""
@@ -65,7 +108,9 @@ class EtcdTLS(NamedTuple):
 class EtcdKV:
     """A client of an etcd cluster: keys prefixed with ``prefix``, values UTF-8 strings. Every
     error (unreachable, timeout, server error, a certificate refused) is a :class:`StoreUnavailable`
-    naming the endpoint. ``tls``: HTTPS (:class:`EtcdTLS`); None: HTTP."""
+    naming the endpoint. ``tls``: HTTPS (:class:`EtcdTLS`); None: HTTP. Thread-safe: the unary calls
+    share one session under a lock; each watch stream (:meth:`events`) has a session of its own.
+    :attr:`requests` counts the requests sent (unary calls and streams opened)."""
 
     def __init__(self, url: str, prefix: str, timeout_s: float = 5.0, tls: Optional[EtcdTLS] = None):
         try:
@@ -76,37 +121,52 @@ class EtcdKV:
         self.url = url
         self.host, self.port = parse_endpoint(url)
         self.prefix = prefix
-        if tls is None:
-            self._client = etcd3gw.Etcd3Client(self.host, self.port, timeout=timeout_s)
-        else:
+        self.timeout_s = timeout_s
+        self.tls = tls
+        self.requests = 0
+        self._open: set = set()  # the responses of the watch streams open now (close() shuts them)
+        if tls is not None:
             for name, path in zip(("health.etcd_ca_file", "health.etcd_cert_file", "health.etcd_key_file"), tls):
                 if path and not os.path.isfile(path):
                     raise StoreUnavailable(f"{name}={path!r}: no such file (etcd at {self.host}:{self.port} over TLS)")
-            import requests
-
-            # a session of its own that ignores the environment: with REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE
-            # set (common on clusters), requests checks etcd's certificate against that bundle instead of
-            # the session's CA (the environment's bundle wins over Session.verify), and a proxy from the
-            # environment has no business between the agents and the job's etcd
-            session = requests.Session()
-            session.trust_env = False
-            session.verify = tls.ca_file
-            if tls.cert_file:
-                session.cert = (tls.cert_file, tls.key_file)
-            self._client = etcd3gw.Etcd3Client(self.host, self.port, protocol="https", timeout=timeout_s,
-                                               session=session)
+        self._client = etcd3gw.Etcd3Client(self.host, self.port, protocol="https" if tls else "http",
+                                           timeout=timeout_s, session=self._session())
         self.scheme = "https" if tls else "http"
         self._errors = (etcd3gw.exceptions.Etcd3Exception, OSError, ValueError, KeyError)
         self._lock = threading.Lock()  # one requests.Session, used by several agent threads
 
+    def _session(self):
+        """A requests session for etcd: with TLS, a session of its own that ignores the environment:
+        with REQUESTS_CA_BUNDLE or CURL_CA_BUNDLE set (common on clusters), requests checks etcd's
+        certificate against that bundle instead of the session's CA (the environment's bundle wins over
+        Session.verify), and a proxy from the environment has no business between the agents and the
+        job's etcd."""
+        import requests
+
+        session = requests.Session()
+        if self.tls is not None:
+            session.trust_env = False
+            session.verify = self.tls.ca_file
+            if self.tls.cert_file:
+                session.cert = (self.tls.cert_file, self.tls.key_file)
+        return session
+
+    def _fail(self, e: BaseException) -> StoreUnavailable:
+        detail = getattr(e, "detail_text", None) or str(e) or type(e).__name__
+        return StoreUnavailable(f"etcd at {self.host}:{self.port} ({self.url}): {type(e).__name__}: "
+                                f"{str(detail).splitlines()[0][:300]}")
+
     def _call(self, fn, *args, **kw):
         with self._lock:
+            self.requests += 1
             try:
                 return fn(*args, **kw)
             except self._errors as e:
-                detail = getattr(e, "detail_text", None) or str(e) or type(e).__name__
-                raise StoreUnavailable(f"etcd at {self.host}:{self.port} ({self.url}): {type(e).__name__}: "
-                                       f"{str(detail).splitlines()[0][:300]}") from None
+                raise self._fail(e) from None
+
+    def _post(self, path: str, body: dict) -> dict:
+        """One call of etcd's gateway (``/v3/<path>``), its JSON answer."""
+        return self._call(lambda: self._client.post(self._client.get_url(path), json=body))
 
     def wait_ready(self, deadline_s: float) -> None:
         """Wait until the endpoint answers (its status call), at most ``deadline_s``."""
@@ -121,36 +181,149 @@ class EtcdKV:
                                            f"and is health.store right?)") from None
             time.sleep(0.2)
 
-    def set(self, key: str, value: str) -> None:
-        self._call(self._client.put, (self.prefix + key).encode(), value.encode())
+    def set(self, key: str, value: str, lease: int = 0) -> None:
+        """Put ``key``; ``lease``: attached to that lease (etcd deletes the key when it expires)."""
+        body = {"key": _b64(self.prefix + key), "value": _b64(value)}
+        if lease:
+            body["lease"] = lease
+        self._post("/kv/put", body)
 
     def get(self, key: str) -> Optional[str]:
-        got = self._call(self._client.get, (self.prefix + key).encode())
-        return got[0].decode() if got else None
+        return self.read(key)[1]
+
+    def read(self, key: str) -> tuple[int, Optional[str]]:
+        """The store's revision and ``key``'s value (None if absent), in one range read."""
+        r = self._post("/kv/range", {"key": _b64(self.prefix + key)})
+        kvs = r.get("kvs", [])
+        return int(r["header"]["revision"]), (_unb64(kvs[0].get("value", "")) if kvs else None)
+
+    def read_prefix(self, prefix: str) -> tuple[int, dict[str, str]]:
+        """The store's revision and every key starting with ``prefix`` (without the run's prefix) with
+        its value, in one range read."""
+        full = self.prefix + prefix
+        r = self._post("/kv/range", {"key": _b64(full), "range_end": _b64(_range_end(full))})
+        n = len(self.prefix)
+        keys = {_unb64(kv["key"])[n:]: _unb64(kv.get("value", "")) for kv in r.get("kvs", [])}
+        return int(r["header"]["revision"]), keys
+
+    def count(self, first: str, end: str) -> int:
+        """How many keys lie in ``[first, end)`` (count only: no values travel)."""
+        r = self._post("/kv/range", {"key": _b64(self.prefix + first), "range_end": _b64(self.prefix + end),
+                                     "count_only": True})
+        return int(r.get("count", 0))
 
     def delete(self, key: str) -> None:
-        self._call(self._client.delete, (self.prefix + key).encode())
+        self._post("/kv/deleterange", {"key": _b64(self.prefix + key)})
 
-    def compare_set(self, key: str, expected: str, desired: str) -> str:
+    def compare_set(self, key: str, expected: str, desired: str, lease: int = 0) -> str:
         """Set ``key`` to ``desired`` if its value is ``expected`` (``""``: if it does not exist), in
-        one etcd transaction; returns the value the key has afterwards (``""`` if absent)."""
+        one etcd transaction (``lease``: the put attached to that lease); returns the value the key
+        has afterwards (``""`` if absent)."""
         k = _b64(self.prefix + key)
         cmp = ({"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0} if expected == ""
                else {"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(expected)})
-        r = self._call(self._client.transaction, {
-            "compare": [cmp], "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
-            "failure": [{"request_range": {"key": k}}]})
+        put = {"key": k, "value": _b64(desired)}
+        if lease:
+            put["lease"] = lease
+        r = self._post("/kv/txn", {"compare": [cmp], "success": [{"request_put": put}],
+                                   "failure": [{"request_range": {"key": k}}]})
         if r.get("succeeded"):
             return desired
         kvs = r["responses"][0]["response_range"].get("kvs", [])
         return _unb64(kvs[0].get("value", "")) if kvs else ""
 
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; its id."""
+        return int(self._post("/lease/grant", {"TTL": ttl_s, "ID": 0})["ID"])
+
+    def keepalive(self, lease: int) -> int:
+        """Refresh ``lease``; its TTL from now, -1 when it has expired (its keys are gone)."""
+        r = self._post("/lease/keepalive", {"ID": lease})
+        return int(r.get("result", {}).get("TTL", -1))
+
+    def events(self, key: str, start_rev: int, wait_s: float, prefix: bool = False, prev: bool = False,
+               stop: Optional[threading.Event] = None) -> Iterator[Event]:
+        """The changes of ``key`` (``prefix``: of every key under it) from revision ``start_rev`` on,
+        on an etcd watch stream (a session of its own), until nothing arrived for ``wait_s`` (then
+        the iterator ends) or ``stop`` is set (checked at each event). ``prev``: each event carries the
+        value before it. Bounded: the connection by the client's timeout, each read by ``wait_s``. A
+        broken stream, or history etcd compacted away, is a :class:`StoreUnavailable`."""
+        import requests
+        import urllib3
+
+        full = self.prefix + key
+        create = {"key": _b64(full), "start_revision": start_rev}
+        if prefix:
+            create["range_end"] = _b64(_range_end(full))
+        if prev:
+            create["prev_kv"] = True
+        url = self._call(lambda: self._client.get_url("/watch"))  # counted: the stream's request
+        n = len(self.prefix)
+        session, resp = self._session(), None
+        try:
+            resp = session.post(url, json={"create_request": create}, stream=True,
+                                timeout=(self.timeout_s, max(0.05, wait_s)))
+            with self._lock:
+                self._open.add(resp)
+            if resp.status_code != 200:
+                raise StoreUnavailable(f"etcd at {self.host}:{self.port} ({self.url}): watch of {full!r} refused: "
+                                       f"HTTP {resp.status_code} {resp.text[:200]}")
+            for line in resp.iter_lines(chunk_size=None):
+                if not line.strip():
+                    continue
+                msg = json.loads(line)
+                if "error" in msg:
+                    raise StoreUnavailable(f"etcd at {self.host}:{self.port} ({self.url}): watch of {full!r}: "
+                                           f"{str(msg['error'])[:300]}")
+                res = msg.get("result", {})
+                if res.get("canceled") or int(res.get("compact_revision", 0) or 0):
+                    raise StoreUnavailable(f"etcd at {self.host}:{self.port} ({self.url}): watch of {full!r} from "
+                                           f"revision {start_rev} canceled ({res.get('cancel_reason') or 'compacted'})")
+                for ev in res.get("events", []):
+                    kv, pkv = ev["kv"], ev.get("prev_kv")
+                    kind = ev.get("type", "PUT")
+                    yield Event(kind, _unb64(kv["key"])[n:],
+                                _unb64(kv.get("value", "")) if kind == "PUT" else None,
+                                _unb64(pkv.get("value", "")) if pkv else None, int(kv.get("mod_revision", 0)))
+                    if stop is not None and stop.is_set():
+                        return
+        except requests.exceptions.ConnectionError as e:
+            if e.args and isinstance(e.args[0], urllib3.exceptions.ReadTimeoutError):
+                return  # nothing for wait_s: the caller looks around and watches again
+            raise self._fail(e) from None
+        except requests.exceptions.Timeout:
+            return
+        except (requests.exceptions.RequestException, OSError, ValueError) as e:
+            raise self._fail(e) from None
+        finally:
+            with self._lock:
+                self._open.discard(resp)
+            session.close()
+
+    def close(self) -> None:
+        """End the watch streams open now (their readers end with a :class:`StoreUnavailable` at once)."""
+        import socket
+
+        with self._lock:
+            open_now, self._open = list(self._open), set()
+        for resp in open_now:
+            try:
+                resp.raw.connection.sock.shutdown(socket.SHUT_RDWR)
+            except (AttributeError, OSError):
+                pass  # already closed
+
 
 class EtcdStore:
     """The store interface the agents use (:class:`~megatron_ft.health.store.EmbeddedStore`'s:
-    connect, publish, set, get, compare_set, delete, root, is_root) on an etcd cluster."""
+    connect, publish, set, get, compare_set, delete, watch, root, is_root, close) on an etcd cluster,
+    with this agent's lease and the lease-bound ``root`` (see the module). Threads: ``etcd-lease``
+    (keepalive every :attr:`refresh_s`) and ``etcd-root`` (the watch on ``root``), both started by
+    :meth:`connect` and ended by :meth:`close` (within :attr:`refresh_s` and the watch's read
+    timeout); nothing else blocks on them. ``timeout_s``: each request's limit, and the lease TTL's
+    source (:func:`lease_ttl`)."""
 
-    elects_root_by_heartbeat = True  # the Monitor moves ``root`` when the root's heartbeat is stale
+    #: how long one watch of ``root`` waits before it is opened again (bounds :meth:`close`)
+    ROOT_WATCH_S = 10.0
 
     def __init__(self, url: str, run_id: str, node: int, nodes: int, timeout_s: float = 5.0,
                  tls: Optional[EtcdTLS] = None):
@@ -158,36 +331,133 @@ class EtcdStore:
         self.prefix = f"mft/{run_id}/"
         self.kv = EtcdKV(url, self.prefix, timeout_s, tls)
         self.url = url
+        self.ttl_s = lease_ttl(timeout_s)
+        self.refresh_s = self.ttl_s / 3
+        self.lease = 0
         self._root = -1
+        self._valid_until = 0.0  # monotonic time until which our lease is known to live
+        #: the revision at which ``root`` was last seen deleted (0: never): the old root's lease expired
+        #: there, so a new root's watch of ``alive/`` starts there and sees that node's loss too
+        self.vacated_rev = 0
+        self._callbacks: list[Callable[[], None]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # lease, _valid_until, _root
+
+    # ------------------------------------------------------------------ lease and election
 
     def connect(self, deadline_s: float = 60.0) -> int:
-        """Wait for etcd, claim ``root`` if nobody holds it; returns the root node id."""
+        """Wait for etcd (at most ``deadline_s``), grant this agent's lease, put its ``alive/`` key,
+        claim ``root`` if nobody holds it, start the lease and root threads; returns the root node id."""
         self.kv.wait_ready(deadline_s)
-        cur = self.kv.compare_set("root", "", str(self.node))
-        self._root = int(cur)
-        if self._root == self.node:
+        self._new_lease()
+        self._root = root = self._claim()
+        if root == self.node:
             log.warning("node %d: this agent is the root (etcd at %s)", self.node, self.url)
         else:
-            log.info("node %d: root agent is node %d (etcd at %s)", self.node, self._root, self.url)
-        return self._root
+            log.info("node %d: root agent is node %d (etcd at %s)", self.node, root, self.url)
+        threading.Thread(target=self._keepalive_loop, name="etcd-lease", daemon=True).start()
+        threading.Thread(target=self._root_loop, name="etcd-root", daemon=True).start()
+        return root
 
-    def take_root(self, old: int) -> bool:
-        """Compare-and-swap ``root`` from ``old`` to this node; True if this agent is now root."""
-        cur = int(self.kv.compare_set("root", str(old), str(self.node)) or -1)
-        self._root = cur
-        if cur == self.node:
-            log.warning("node %d: root agent node %d went silent; this agent is the root now", self.node, old)
-        return cur == self.node
+    def on_new_lease(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (on the lease thread, no lock held) after this agent's lease expired and a new
+        one was granted: it did not run, or reach etcd, for ``ttl_s``, and may have been judged lost."""
+        self._callbacks.append(fn)
+
+    def _new_lease(self) -> None:
+        t0 = time.monotonic()
+        lease = self.kv.grant(self.ttl_s)
+        self.kv.set(alive_key(self.node), json.dumps({"pid": os.getpid(), "lease": lease}), lease=lease)
+        with self._lock:
+            self.lease, self._valid_until = lease, t0 + self.ttl_s
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            try:
+                t0 = time.monotonic()
+                ttl = self.kv.keepalive(self.lease)
+                if ttl > 0:
+                    with self._lock:
+                        self._valid_until = t0 + ttl
+                    continue
+                log.warning("node %d: this agent's etcd lease expired (no refresh for %d s: it did not run, or "
+                            "could not reach etcd); taking a new one", self.node, self.ttl_s)
+                self._new_lease()
+            except StoreUnavailable as e:
+                log.warning("node %d: etcd lease refresh failed: %s", self.node, e)
+                continue
+            for fn in self._callbacks:
+                try:
+                    fn()
+                except Exception as e:
+                    log.warning("node %d: after a new etcd lease: %s", self.node, e)
+
+    def _claim(self) -> int:
+        """Put ``root`` = this node with our lease if it is absent; the holder afterwards (-1: none)."""
+        cur = self.kv.compare_set("root", "", str(self.node), lease=self.lease)
+        return int(cur) if cur else -1
+
+    def _set_root(self, root: int) -> None:
+        with self._lock:
+            old, self._root = self._root, root
+        if old == root or root < 0:
+            return
+        if root == self.node:
+            log.warning("node %d: this agent is the root now (etcd; it was node %d)", self.node, old)
+        else:
+            log.info("node %d: root agent is node %d (was %d)", self.node, root, old)
+
+    def _root_loop(self) -> None:
+        """Follow ``root`` on a watch; when it is vacant, the lowest live node takes it (see the module)."""
+        vacant_since: Optional[float] = None
+        while not self._stop.is_set():
+            try:
+                rev, v = self.kv.read("root")
+                if v is None:
+                    now = time.monotonic()
+                    vacant_since = vacant_since if vacant_since is not None else now
+                    lowest = self.kv.count(alive_key(0), alive_key(self.node)) == 0
+                    if lowest or now - vacant_since > self.ttl_s + 1:
+                        won = self._claim()
+                        if won >= 0:
+                            self._set_root(won)
+                            vacant_since = None
+                            continue
+                    self._set_root(-1)
+                    wait = max(0.1, vacant_since + self.ttl_s + 1 - now)
+                else:
+                    vacant_since = None
+                    self._set_root(int(v))
+                    wait = self.ROOT_WATCH_S
+                for ev in self.kv.events("root", rev + 1, wait, stop=self._stop):
+                    if ev.kind == "DELETE":
+                        self.vacated_rev = ev.rev
+                        break  # vacant: read it again and elect
+                    self._set_root(int(ev.value or -1))
+            except StoreUnavailable as e:
+                if self._stop.is_set():
+                    return
+                log.warning("node %d: following the etcd root key: %s", self.node, e)
+                self._stop.wait(self.refresh_s)
 
     @property
     def root(self) -> int:
+        """The root node as last seen on the watch (-1: vacant). No store read."""
         return self._root
 
     @property
     def is_root(self) -> bool:
-        v = self.kv.get("root")
-        self._root = int(v) if v is not None else -1
-        return self._root == self.node
+        """This agent holds ``root`` and its lease was confirmed within ``ttl_s``. No store read."""
+        with self._lock:
+            return self._root == self.node and time.monotonic() < self._valid_until
+
+    def close(self) -> None:
+        """Stop the lease and root threads (the lease is not revoked: it lapses ``ttl_s`` later, as a
+        lost agent's does, and the root judges the node as it would any silent one)."""
+        self._stop.set()
+        self.kv.close()
+
+    # ------------------------------------------------------------------ the key-value interface
 
     def publish(self, key: str, value: str) -> None:
         """A key this node owns (etcd keeps it; nothing to re-publish)."""
@@ -205,15 +475,20 @@ class EtcdStore:
     def delete(self, key: str) -> None:
         self.kv.delete(key)
 
-    #: how often :meth:`watch` reads the key (etcd3gw's watches are not used yet)
-    WATCH_POLL_S = 0.05
-
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
-        """The key's value once it differs from ``value``, or after ``wait_s`` unchanged (read every
-        :data:`WATCH_POLL_S`)."""
+        """The key's value once it differs from ``value`` (None: absent), or after ``wait_s``
+        unchanged: one range read, then an etcd watch from that read's revision (so no change between
+        the two is missed), at most ``wait_s`` (plus one request's connect timeout)."""
         deadline = time.monotonic() + wait_s
-        while True:
-            cur = self.kv.get(key)
-            if cur != value or time.monotonic() >= deadline:
-                return cur
-            time.sleep(min(self.WATCH_POLL_S, max(0.0, deadline - time.monotonic())))
+        rev, cur = self.kv.read(key)
+        while cur == value:
+            left = deadline - time.monotonic()
+            if left <= 0.01:
+                break
+            for ev in self.kv.events(key, rev + 1, left, stop=self._stop):
+                rev, cur = ev.rev, ev.value
+                if cur != value or time.monotonic() >= deadline:
+                    break
+            else:
+                break  # nothing more within wait_s
+        return cur

@@ -12,9 +12,9 @@ more (the host answers, the agent is gone), which is the same verdict within a s
 connection (an agent alive but slow: the kernel accepts for a starved process too) or no answer (a
 host that is down or unreachable sends nothing back) proves nothing, and ``timeout_s`` decides, so a
 loaded machine gets no false verdict from the probe. The other agents
-follow the root's heartbeat; on a store that elects its root by heartbeats (etcd), they follow
-everyone's, and the lowest-numbered live one takes ``root`` over by compare-and-swap when the
-root's heartbeat goes stale (docs/health.md). ``launcher`` is the pid of the launcher that owns the
+follow the root's heartbeat. This is the embedded store's monitor; on etcd, liveness is a lease per
+agent and the root a lease-bound key (:class:`~megatron_ft.health.etcd_liveness.EtcdLiveness`, a
+subclass sharing the verdict records and their withdrawal). ``launcher`` is the pid of the launcher that owns the
 agent now, 0 while it has none (its launcher died and no new one adopted it yet): the launchers
 read it to tell that the node hosting torchrun's rendezvous lost its launcher although its agent
 lives (``megatron_ft.launch.Rendezvous``). A trainer that died
@@ -189,20 +189,11 @@ class Monitor:
 
     def _watch_root(self) -> None:
         """Not root: follow the root's heartbeat (so a new root knows the old one's last pid and
-        when it stopped). On a store that elects its root by heartbeats (etcd), also follow the
-        others', and when the root's is stale and this node is the lowest-numbered one whose
-        heartbeat is fresh (itself included), compare-and-swap ``root`` to this node."""
+        when it stopped)."""
         root, now = self.store.root, self._look()
         if root < 0 or root == self.node:
             return
-        elect = getattr(self.store, "elects_root_by_heartbeat", False)
-        ages = {n: self._observe(n, now) for n in range(self.nodes) if n != self.node and (elect or n == root)}
-        if not elect or ages[root][1] <= self.timeout_s:
-            return
-        live = [n for n in range(self.nodes) if n != root and (n == self.node or (
-            ages[n][0] is not None and ages[n][1] <= self.timeout_s))]
-        if live and live[0] == self.node:
-            self.store.take_root(root)
+        self._observe(root, now)
 
     def _watch(self) -> None:
         now = self._look()
@@ -225,14 +216,18 @@ class Monitor:
             elif self._refused(n, beat.get("addr", ""), now):
                 why = f"missed heartbeats for {age:.1f} s and its agent's port {beat['addr']} refuses connections"
             if why:
-                verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
-                           "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
-                self.failed[n] = verdict
-                self._judged_alive.add(n)  # its own next heartbeat, if any, comes from a paused agent
-                self.store.set(f"failed/{n}", json.dumps(verdict))
-                # changed by every verdict: a warm spare's keeper watches this one key (spares.fast_restart)
-                self.store.set("last_verdict", f"{n}/{pid}/{verdict['time']}")
-                log.error("root: node %d %s: hardware failure (agent and memory lost)", n, why)
+                self._judge(n, pid, why)
+
+    def _judge(self, n: int, pid: int, why: str) -> None:
+        """The root's verdict: node ``n``'s agent ``pid`` is lost (``why``), in ``failed/<n>`` and ``last_verdict``."""
+        verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
+                   "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
+        self.failed[n] = verdict
+        self._judged_alive.add(n)  # its own next heartbeat, if any, comes from a paused agent
+        self.store.set(f"failed/{n}", json.dumps(verdict))
+        # changed by every verdict: a warm spare's keeper watches this one key (spares.fast_restart)
+        self.store.set("last_verdict", f"{n}/{pid}/{verdict['time']}")
+        log.error("root: node %d %s: hardware failure (agent and memory lost)", n, why)
 
     def _refused(self, n: int, address: str, now: float) -> bool:
         """Probe node ``n``'s agent (at most once per heartbeat period): nothing listens any more?"""

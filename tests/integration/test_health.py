@@ -190,29 +190,26 @@ def test_bad_etcd_endpoint_is_rejected_with_the_value():
         parse_endpoint("etcd://h:99999")
 
 
-def test_etcd_root_is_put_if_absent_and_moves_by_compare_and_swap(etcd):
+def test_etcd_root_is_a_lease_bound_put_if_absent_and_the_lowest_live_node_takes_it(etcd):
+    """``root`` is put-if-absent with the claimer's lease: the first to arrive holds it; when its lease
+    lapses (its keepalive stopped, as a killed agent's) etcd deletes it, the others see that on their
+    watch, and the lowest-numbered live node puts it; exactly one holds it at any time."""
     run = f"t{uuid.uuid4().hex[:8]}"
-    stores = [etcd_store(etcd, n, 4, run) for n in range(4)]
-    assert stores[2].connect(5) == 2  # the first to arrive is root, whatever its number
-    assert [s.connect(5) for s in stores] == [2, 2, 2, 2]
-    assert [s.is_root for s in stores] == [False, False, True, False]
-    # the root went silent: three agents race to swap root from 2 to themselves; one wins
-    won, barrier = [], threading.Barrier(3)
-
-    def race(s):
-        barrier.wait()
-        if s.take_root(2):
-            won.append(s.node)
-
-    ts = [threading.Thread(target=race, args=(stores[n],)) for n in (0, 1, 3)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert len(won) == 1
-    assert [s.is_root for s in stores].count(True) == 1 and stores[won[0]].is_root
-    assert not stores[2].is_root  # the old root sees it lost the root at its next check
-    assert not stores[0 if won[0] else 1].take_root(2)  # a late swap from the old value fails
+    stores = {n: etcd_store(etcd, n, 4, run) for n in (2, 0, 1, 3)}
+    try:
+        assert stores[2].connect(5) == 2  # the first to arrive is root, whatever its number
+        assert [stores[n].connect(5) for n in (0, 1, 3)] == [2, 2, 2]
+        assert [stores[n].is_root for n in range(4)] == [False, False, True, False]
+        assert stores[2].kv.get("alive/000002") is not None  # the liveness key, on the same lease
+        stores[2].close()  # no more keepalives: the lease (2 s) lapses
+        wait_for("node 0 the root", lambda: stores[0].is_root, timeout=stores[0].ttl_s + 3)
+        wait_for("every survivor following node 0", lambda: [stores[n].root for n in (0, 1, 3)] == [0, 0, 0],
+                 timeout=3)
+        assert stores[0].get("root") == "0" and not stores[1].is_root and not stores[3].is_root
+        assert stores[0].get("alive/000002") is None
+    finally:
+        for s in stores.values():
+            s.close()
 
 
 # ---------------------------------------------------------------- real agents: election, verdicts, rebuild

@@ -1,0 +1,189 @@
+"""etcd used natively for liveness, against a real etcd server (the fixtures of test_health: Debian's
+etcd 3.4 on free loopback ports, one over TLS with client certificates): an agent's lease expiring
+(SIGKILL of a child process holding it) is a ``failed/<node>`` verdict within TTL + 1 s and a new
+agent of that node withdraws it; a root whose lease expires is replaced by the lowest live node,
+which judges the old root at once; etcd requests per node per heartbeat period do not grow with the
+number of nodes (4 and 32 simulated agents in one process, counted by the client); ``watch`` waits
+on an etcd watch; all of it over TLS too."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+import test_health
+
+etcd, etcd_tls = test_health.etcd, test_health.etcd_tls  # the real etcd servers (module fixtures)
+
+TIMEOUT_S = 1.0  # health.timeout_s: leases of 2 s (at least 2), refreshed every 0.67 s
+HEARTBEAT_S = 0.1
+TTL = 2
+
+
+def agent(url, run, node, nodes, tls=None):
+    """One agent's etcd side in this process: its store (lease, root) and its liveness monitor."""
+    from megatron_ft.health.etcd import EtcdStore
+    from megatron_ft.health.etcd_liveness import EtcdLiveness
+
+    store = EtcdStore(url, run, node, nodes, timeout_s=TIMEOUT_S, tls=tls)
+    store.connect(10)
+    return store, EtcdLiveness(store, node, nodes, HEARTBEAT_S, TIMEOUT_S).start()
+
+
+def stop(*agents):
+    """An agent stops refreshing its lease (as a killed one): etcd deletes its keys TTL s later."""
+    for store, monitor in agents:
+        monitor.stop()
+        store.close()
+
+
+CHILD = """
+import sys, time
+from megatron_ft.health.etcd import EtcdStore
+from megatron_ft.health.etcd_liveness import EtcdLiveness
+url, run, node, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+s = EtcdStore(url, run, node, nodes, timeout_s=%r)
+s.connect(10)
+EtcdLiveness(s, node, nodes, %r, %r).start()
+print("ready", flush=True)
+time.sleep(120)
+""" % (TIMEOUT_S, HEARTBEAT_S, TIMEOUT_S)
+
+
+def child(url, run, node, nodes):
+    p = subprocess.Popen([sys.executable, "-c", CHILD, url, run, str(node), str(nodes)], stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    assert p.stdout.readline().strip() == "ready", "the child agent did not start"
+    return p
+
+
+def wait_until(what, fn, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.02)
+    pytest.fail(f"no {what} within {timeout_s} s")
+
+
+def test_a_lost_agents_lease_expiry_is_a_verdict_within_ttl_plus_1s_and_a_new_agent_withdraws_it(etcd):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    root = agent(etcd, run, 0, 2)
+    store = root[0]
+    procs = []
+    try:
+        assert store.is_root and store.root == 0
+        procs.append(child(etcd, run, 1, 2))
+        pid = procs[0].pid
+        wait_until("alive/000001", lambda: store.get("alive/000001"), 5)
+        wait_until("hb/1", lambda: store.get("hb/1"), 5)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        v = json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
+        took = time.monotonic() - t0
+        assert took <= TTL + 1, f"the verdict came {took:.2f} s after the SIGKILL (lease TTL {TTL} s)"
+        assert (v["node"], v["kind"], v["pid"], v["detected_by"]) == (1, "hardware", pid, 0), v
+        assert "liveness lease expired" in v["why"], v
+        assert store.get("last_verdict") == f"1/{pid}/{v['time']}"
+        assert json.loads(store.get("hb/1"))["pid"] == pid  # the last heartbeat record stays readable
+        procs.append(child(etcd, run, 1, 2))  # a replacement agent (a new pid): the verdict goes
+        wait_until("failed/1 withdrawn", lambda: store.get("failed/1") is None, 5)
+        assert store.is_root  # nothing moved the root
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        stop(root)
+
+
+def test_a_root_whose_lease_expires_is_replaced_by_the_lowest_live_node_which_judges_it(etcd):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    agents = {n: agent(etcd, run, n, 4) for n in (2, 3, 0, 1)}  # the first to arrive is root, whatever its number
+    try:
+        assert [agents[n][0].root for n in range(4)] == [2] * 4
+        assert [agents[n][0].is_root for n in range(4)] == [False, False, True, False]
+        stop(agents[2])
+        t0 = time.monotonic()
+        wait_until("node 0 root", lambda: agents[0][0].is_root, TTL + 2)
+        v = json.loads(wait_until("failed/2", lambda: agents[0][0].get("failed/2"), 3))
+        took = time.monotonic() - t0
+        assert took <= TTL + 1, f"the new root judged the old one {took:.2f} s after it stopped (lease TTL {TTL} s)"
+        assert (v["node"], v["pid"], v["detected_by"]) == (2, os.getpid(), 0) and "lease expired" in v["why"], v
+        assert agents[0][0].get("root") == "0"
+        wait_until("every survivor follows node 0", lambda: all(agents[n][0].root == 0 for n in (0, 1, 3)), 3)
+        assert [agents[n][0].is_root for n in (1, 3)] == [False, False]
+    finally:
+        stop(*agents.values())
+
+
+def _requests_per_node_per_beat(url, nodes, window_s=3.0):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    agents = [agent(url, run, n, nodes) for n in range(nodes)]
+    try:
+        time.sleep(1.0)  # every join seen by the root
+        before = sum(s.kv.requests for s, _ in agents)
+        time.sleep(window_s)
+        sent = sum(s.kv.requests for s, _ in agents) - before
+        assert [s.is_root for s, _ in agents].count(True) == 1
+        return sent / nodes / (window_s / HEARTBEAT_S)
+    finally:
+        stop(*agents)
+
+
+def test_etcd_requests_per_node_per_heartbeat_do_not_grow_with_the_number_of_nodes(etcd, capsys):
+    """Counted by the client (``EtcdKV.requests``: unary calls and watch streams opened) over 3 s of a
+    steady job, heartbeat_s 0.1 s, timeout_s 1 s. Reading every heartbeat every beat would be N + 2
+    per node per beat (34 at 32 nodes)."""
+    small = _requests_per_node_per_beat(etcd, 4)
+    large = _requests_per_node_per_beat(etcd, 32)
+    with capsys.disabled():
+        print(f"\netcd requests per node per heartbeat period: {small:.3f} at 4 nodes, {large:.3f} at 32 nodes")
+    assert large <= 1.0, large
+    assert large <= small * 1.5 + 0.05, (small, large)
+
+
+def test_store_watch_waits_on_an_etcd_watch_bounded_by_its_wait(etcd):
+    from megatron_ft.health.etcd import EtcdKV, EtcdStore
+
+    run = f"t{uuid.uuid4().hex[:8]}"
+    s = EtcdStore(etcd, run, 0, 1, timeout_s=TIMEOUT_S)
+    s.connect(10)
+    writer = EtcdKV(etcd, f"mft/{run}/")
+    try:
+        threading.Timer(0.3, writer.set, ("k", "v")).start()
+        t0, before = time.monotonic(), s.kv.requests
+        assert s.watch("k", None, 5.0) == "v"
+        # one read and one stream (and the lease's keepalive, when it falls in): no 50 ms poll
+        assert 0.2 < time.monotonic() - t0 < 2.0 and s.kv.requests - before <= 3, s.kv.requests - before
+        t0 = time.monotonic()
+        assert s.watch("k", "v", 0.5) == "v"  # unchanged: returns after its wait
+        assert 0.4 < time.monotonic() - t0 < 2.0
+        assert s.watch("k", "w", 5.0) == "v"  # already different: at once
+        threading.Timer(0.3, writer.delete, ("k",)).start()
+        assert s.watch("k", "v", 5.0) is None
+    finally:
+        s.close()
+
+
+def test_leases_root_watch_and_verdicts_work_over_tls(etcd_tls):
+    from megatron_ft.health.etcd import EtcdTLS
+
+    url, certs, _ = etcd_tls
+    tls = EtcdTLS(certs["ca"], *certs["client"])
+    run = f"t{uuid.uuid4().hex[:8]}"
+    a, b = agent(url, run, 0, 2, tls), agent(url, run, 1, 2, tls)
+    try:
+        assert a[0].is_root and b[0].root == 0
+        threading.Timer(0.3, a[0].set, ("k", "v")).start()
+        assert b[0].watch("k", None, 5.0) == "v"
+        stop(b)
+        v = json.loads(wait_until("failed/1", lambda: a[0].get("failed/1"), TTL + 2))
+        assert (v["node"], v["detected_by"]) == (1, 0), v
+    finally:
+        stop(a, b)
