@@ -2,7 +2,8 @@
 etcd 3.4 on free loopback ports, one over TLS with client certificates): an agent's lease expiring
 (SIGKILL of a child process holding it) is a ``failed/<node>`` verdict within TTL + 1 s and a new
 agent of that node withdraws it; a root whose lease expires is replaced by the lowest live node,
-which judges the old root at once; etcd requests per node per heartbeat period do not grow with the
+which judges the old root at once; a paused agent (SIGSTOP past its lease) is judged, and when it
+runs again its verdict is withdrawn, or, its node claimed by a standby, it stands down; etcd requests per node per heartbeat period do not grow with the
 number of nodes (4 and 32 simulated agents in one process, counted by the client); ``watch`` waits
 on an etcd watch; all of it over TLS too."""
 import json
@@ -43,13 +44,13 @@ def stop(*agents):
 
 
 CHILD = """
-import sys, time
+import os, sys, time
 from megatron_ft.health.etcd import EtcdStore
 from megatron_ft.health.etcd_liveness import EtcdLiveness
 url, run, node, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 s = EtcdStore(url, run, node, nodes, timeout_s=%r)
 s.connect(10)
-EtcdLiveness(s, node, nodes, %r, %r).start()
+EtcdLiveness(s, node, nodes, %r, %r, fenced=lambda why: os._exit(3)).start()  # stands down: exit 3
 print("ready", flush=True)
 time.sleep(120)
 """ % (TIMEOUT_S, HEARTBEAT_S, TIMEOUT_S)
@@ -187,3 +188,53 @@ def test_leases_root_watch_and_verdicts_work_over_tls(etcd_tls):
         assert (v["node"], v["detected_by"]) == (1, 0), v
     finally:
         stop(a, b)
+
+
+def test_a_paused_agent_is_judged_and_its_verdict_withdrawn_when_it_runs_again_unclaimed(etcd):
+    """SIGSTOP of an agent for longer than its lease: the root judges it; on SIGCONT its keepalive finds
+    the lease gone, it takes a new one and puts ``alive/`` again with the same pid, and - no standby
+    having claimed the node - the verdict is withdrawn (a tombstone in the verdict's claim key)."""
+    from megatron_ft.health.monitor import WITHDRAWN, claim_key
+
+    run = f"t{uuid.uuid4().hex[:8]}"
+    root = agent(etcd, run, 0, 2)
+    store = root[0]
+    p = child(etcd, run, 1, 2)
+    try:
+        wait_until("alive/000001", lambda: store.get("alive/000001"), 5)
+        os.kill(p.pid, signal.SIGSTOP)
+        v = json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
+        assert v["pid"] == p.pid
+        os.kill(p.pid, signal.SIGCONT)
+        wait_until("failed/1 withdrawn", lambda: store.get("failed/1") is None, TTL + 5)
+        assert store.get(claim_key(1, v)).startswith(WITHDRAWN)
+        assert json.loads(wait_until("alive/000001", lambda: store.get("alive/000001"), 5))["pid"] == p.pid
+        assert p.poll() is None  # it trains on: not fenced
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+        stop(root)
+
+
+def test_a_paused_agent_whose_node_a_standby_claimed_stands_down_when_it_runs_again(etcd):
+    from megatron_ft.health.monitor import claim_key
+
+    run = f"t{uuid.uuid4().hex[:8]}"
+    root = agent(etcd, run, 0, 2)
+    store = root[0]
+    p = child(etcd, run, 1, 2)
+    try:
+        wait_until("alive/000001", lambda: store.get("alive/000001"), 5)
+        os.kill(p.pid, signal.SIGSTOP)
+        v = json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
+        assert store.compare_set(claim_key(1, v), "", "spare-host:4242") == "spare-host:4242"  # a standby's claim
+        os.kill(p.pid, signal.SIGCONT)
+        assert p.wait(timeout=TTL + 5) == 3  # fenced: it stood down
+        assert store.get("failed/1") is not None  # the node stays failed: the standby has it
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait()
+        stop(root)
