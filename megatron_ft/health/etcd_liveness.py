@@ -9,8 +9,9 @@ stand-down of a fenced agent it shares):
 
 * **every agent** writes ``hb/<node>`` (``{"pid", "seq", "time", "launcher", "addr", "trained"}``, the
   record the launchers read) when its ``launcher`` or ``trained`` field changes - checked every
-  ``heartbeat_s`` without a store call - and otherwise every ``ttl_s / 3`` (so a reader that waits for
-  it to change, an orphaned agent's ``JobEndWatch``, sees it change within ``timeout_s``). ``hb/`` is
+  ``heartbeat_s`` without a store call - and otherwise every ``ttl_s / 3`` or ``timeout_s / 2`` if
+  shorter (so a reader that waits for it to change, an orphaned agent's ``JobEndWatch``, sees it
+  change within ``timeout_s``). ``hb/`` is
   not lease-bound: a lost node's last record stays readable, as on the embedded store;
 * **the root** (thread ``etcd-verdicts``, while :attr:`EtcdStore.is_root`) reads ``alive/``, ``hb/``
   and ``failed/`` once (three range reads) and then follows ``alive/`` on one watch stream. A DELETE
@@ -78,6 +79,8 @@ class EtcdLiveness(Monitor):
     def __init__(self, store: EtcdStore, *args, **kw):
         super().__init__(store, *args, **kw)
         self.refresh_s = store.refresh_s
+        # hb/ changes at least every timeout_s / 2, whatever the lease's whole-second TTL makes refresh_s
+        self._hb_every = min(store.refresh_s, self.timeout_s / 2)
         self.ttl_s = store.ttl_s
         self._hb: tuple[Any, float] = (None, float("-inf"))  # (launcher, trained) last written, when
         self._verdicts: Optional[threading.Thread] = None
@@ -94,7 +97,7 @@ class EtcdLiveness(Monitor):
         """One tick: ``hb/<node>`` when due; the verdict thread when root; the fence check when due."""
         now = time.monotonic()
         fields = (self.launcher_pid(), self.trained())
-        if fields != self._hb[0] or now - self._hb[1] >= self.refresh_s:
+        if fields != self._hb[0] or now - self._hb[1] >= self._hb_every:
             self.seq += 1
             self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time(),
                                                              "launcher": fields[0], "addr": self.address,
