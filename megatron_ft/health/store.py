@@ -8,8 +8,8 @@ compute the same one), that node's agent makes itself root, and everyone re-publ
 A node joining later (a replacement) asks the other nodes' servers which of them is root.
 
 ``store: etcd://host:port`` uses an external etcd cluster instead (:mod:`.etcd`); it needs no
-election of a store (etcd is replicated), the root agent is then elected with a lease-less
-compare-and-set on ``root``.
+election of a store (etcd is replicated), the root agent is then the holder of a lease-bound ``root``
+key (:mod:`.etcd_liveness`: put-if-absent with the agent's lease, gone with it).
 
 Keys (all under ``mft/<run_id>/``): ``root`` (node id), ``addr/<node>`` (peer transport
 ``host:port``), ``hb/<node>`` (heartbeat JSON), ``failed/<node>`` (root's failure verdict JSON),
