@@ -18,6 +18,7 @@ import pytest
 from megatron_ft import config as ftconfig
 from megatron_ft.testing import helpers
 from megatron_ft.testing.helpers import free_port
+from megatron_ft.health.monitor import claim_key
 from megatron_ft.health.store import StoreClient, StoreUnavailable
 from megatron_ft.launch import claim_failed_node
 from megatron_ft.testing.sim import LocalCluster
@@ -299,7 +300,7 @@ def test_lost_node_gets_a_verdict_root_moves_and_node_is_rebuilt_from_peers(tmp_
         wait_for("survivors following the new root",
                  lambda: {c.status(n)["root"] for n in range(3) if n != lost} == {new_root}, cluster=c)
         # exactly one standby claims the node (with the embedded store: on the new root's server)
-        who = wait_for("a standby's claim", lambda: client.get(f"claim/{lost}/{pid}"), cluster=c)
+        who = wait_for("a standby's claim", lambda: client.get(claim_key(lost, v)), cluster=c)
         c.replace_node(lost)  # a fresh agent (new pid): the verdict is withdrawn, the root stays
         wait_for(f"failed/{lost} cleared", lambda: verdict(client, lost) is None, cluster=c)
         assert client.get("root") == str(new_root) and c.status(lost)["root"] == new_root
