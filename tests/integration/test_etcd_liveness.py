@@ -137,6 +137,7 @@ def _requests_per_node_per_beat(url, nodes, window_s=3.0):
         stop(*agents)
 
 
+@pytest.mark.slow  # the default suite keeps one of each kind; `pytest -m slow` runs this
 def test_etcd_requests_per_node_per_heartbeat_do_not_grow_with_the_number_of_nodes(etcd, capsys):
     """Counted by the client (``EtcdKV.requests``: unary calls and watch streams opened) over 3 s of a
     steady job, heartbeat_s 0.1 s, timeout_s 1 s. Reading every heartbeat every beat would be N + 2
@@ -172,6 +173,7 @@ def test_store_watch_waits_on_an_etcd_watch_bounded_by_its_wait(etcd):
         s.close()
 
 
+@pytest.mark.slow  # the default suite keeps one of each kind; `pytest -m slow` runs this
 def test_leases_root_watch_and_verdicts_work_over_tls(etcd_tls):
     from megatron_ft.health.etcd import EtcdTLS
 
@@ -217,6 +219,7 @@ def test_a_paused_agent_is_judged_and_its_verdict_withdrawn_when_it_runs_again_u
         stop(root)
 
 
+@pytest.mark.slow  # the default suite keeps one of each kind; `pytest -m slow` runs this
 def test_a_paused_agent_whose_node_a_standby_claimed_stands_down_when_it_runs_again(etcd):
     from megatron_ft.health.monitor import claim_key
 

@@ -266,7 +266,7 @@ if sys.argv[2] == "raise":
 """
 
 
-@pytest.mark.parametrize("how,code", [("end", 0), ("raise", 1)])
+@pytest.mark.parametrize("how,code", [("end", 0), pytest.param("raise", 1, marks=pytest.mark.slow)])
 def test_a_trainer_that_does_not_end_after_its_training_ends_itself_with_its_stacks(tmp_path, how, code):
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path / "progress"), how], capture_output=True,
