@@ -123,10 +123,8 @@ def test_report_tallies_kinds_and_load():
     assert "max 2.00" in text
 
 
-# with the slow set (default-suite time, CI < 15 min): node 0's launcher lost and started again stays in the
-# default suite as test_recovery.py's own scenario; the harness's rules as the pure tests above
-@pytest.mark.parametrize("kind", [pytest.param("node0-replica", marks=pytest.mark.slow),
-                                  pytest.param("launcher0", marks=pytest.mark.slow)])
+# node0-replica with the slow set (default-suite time, CI < 15 min); node 0's launcher stays in the default
+@pytest.mark.parametrize("kind", [pytest.param("node0-replica", marks=pytest.mark.slow), "launcher0"])
 def test_one_real_trial(tmp_path, kind):
     """A real trial (demo run, SIGKILL at a wall-clock moment inside an iteration): right, at the
     promised tier. node0-replica loses the node hosting torchrun's rendezvous: the survivors move it
