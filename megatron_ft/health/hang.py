@@ -119,6 +119,14 @@ def judge(p: Progress, now: float, limits: Limits, p99_s: Optional[float], stopp
     return "other"
 
 
+def _versioned(text: str, what: str) -> dict:
+    """The JSON record ``text``, refused (ValueError naming ``what``) unless it is of :data:`VERSION`."""
+    d = json.loads(text)
+    if not isinstance(d, dict) or d.get("v") != VERSION:
+        raise ValueError(f"{what} version {d.get('v') if isinstance(d, dict) else None!r}, not {VERSION}")
+    return d
+
+
 @dataclass(frozen=True)
 class Culprit:
     """A rank judged hung: which process, at which record (a verdict acts only while both still hold)."""
@@ -166,9 +174,7 @@ class NodeStall:
 
     @classmethod
     def decode(cls, text: str) -> "NodeStall":
-        d = json.loads(text)
-        if d.get("v") != VERSION:
-            raise ValueError(f"stall report version {d.get('v')!r}, not {VERSION}")
+        d = _versioned(text, "stall report")
         return cls(int(d["node"]), int(d["ranks"]),
                    tuple(Culprit.decoded(c) for c in d["hung"]),
                    tuple(int(r) for r in d["waiting"]), bool(d.get("long", False)))
@@ -188,9 +194,7 @@ class HangVerdict:
 
     @classmethod
     def decode(cls, text: str) -> "HangVerdict":
-        d = json.loads(text)
-        if d.get("v") != VERSION:
-            raise ValueError(f"hang verdict version {d.get('v')!r}, not {VERSION}")
+        d = _versioned(text, "hang verdict")
         return cls(tuple(Culprit.decoded(c) for c in d["culprits"]), bool(d["collective"]))
 
 

@@ -6,6 +6,7 @@ which judges the old root at once; a paused agent (SIGSTOP past its lease) is ju
 runs again its verdict is withdrawn, or, its node claimed by a standby, it stands down; etcd requests per node per heartbeat period do not grow with the
 number of nodes (4 and 32 simulated agents in one process, counted by the client); ``watch`` waits
 on an etcd watch; all of it over TLS too."""
+import contextlib
 import json
 import os
 import signal
@@ -192,12 +193,10 @@ def test_leases_root_watch_and_verdicts_work_over_tls(etcd_tls):
         stop(a, b)
 
 
-def test_a_paused_agent_is_judged_and_its_verdict_withdrawn_when_it_runs_again_unclaimed(etcd):
-    """SIGSTOP of an agent for longer than its lease: the root judges it; on SIGCONT its keepalive finds
-    the lease gone, it takes a new one and puts ``alive/`` again with the same pid, and - no standby
-    having claimed the node - the verdict is withdrawn (a tombstone in the verdict's claim key)."""
-    from megatron_ft.health.monitor import WITHDRAWN, claim_key
-
+@contextlib.contextmanager
+def judged_while_stopped(etcd):
+    """A root agent and a child agent of node 1, the child SIGSTOPped until the root judged it lost:
+    yields (the root's store, the child process, the verdict); the child is ended afterwards."""
     run = f"t{uuid.uuid4().hex[:8]}"
     root = agent(etcd, run, 0, 2)
     store = root[0]
@@ -205,39 +204,36 @@ def test_a_paused_agent_is_judged_and_its_verdict_withdrawn_when_it_runs_again_u
     try:
         wait_until("alive/000001", lambda: store.get("alive/000001"), 5)
         os.kill(p.pid, signal.SIGSTOP)
-        v = json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
-        assert v["pid"] == p.pid
-        os.kill(p.pid, signal.SIGCONT)
-        wait_until("failed/1 withdrawn", lambda: store.get("failed/1") is None, TTL + 5)
-        assert store.get(claim_key(1, v)).startswith(WITHDRAWN)
-        assert json.loads(wait_until("alive/000001", lambda: store.get("alive/000001"), 5))["pid"] == p.pid
-        assert p.poll() is None  # it trains on: not fenced
-    finally:
-        os.kill(p.pid, signal.SIGCONT)
-        p.kill()
-        p.wait()
-        stop(root)
-
-
-@pytest.mark.slow  # the default suite keeps one of each kind; `pytest -m slow` runs this
-def test_a_paused_agent_whose_node_a_standby_claimed_stands_down_when_it_runs_again(etcd):
-    from megatron_ft.health.monitor import claim_key
-
-    run = f"t{uuid.uuid4().hex[:8]}"
-    root = agent(etcd, run, 0, 2)
-    store = root[0]
-    p = child(etcd, run, 1, 2)
-    try:
-        wait_until("alive/000001", lambda: store.get("alive/000001"), 5)
-        os.kill(p.pid, signal.SIGSTOP)
-        v = json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
-        assert store.compare_set(claim_key(1, v), "", "spare-host:4242") == "spare-host:4242"  # a standby's claim
-        os.kill(p.pid, signal.SIGCONT)
-        assert p.wait(timeout=TTL + 5) == 3  # fenced: it stood down
-        assert store.get("failed/1") is not None  # the node stays failed: the standby has it
+        yield store, p, json.loads(wait_until("failed/1", lambda: store.get("failed/1"), TTL + 5))
     finally:
         if p.poll() is None:
             os.kill(p.pid, signal.SIGCONT)
         p.kill()
         p.wait()
         stop(root)
+
+
+def test_a_paused_agent_is_judged_and_its_verdict_withdrawn_when_it_runs_again_unclaimed(etcd):
+    """SIGSTOP of an agent for longer than its lease: the root judges it; on SIGCONT its keepalive finds
+    the lease gone, it takes a new one and puts ``alive/`` again with the same pid, and - no standby
+    having claimed the node - the verdict is withdrawn (a tombstone in the verdict's claim key)."""
+    from megatron_ft.health.monitor import WITHDRAWN, claim_key
+
+    with judged_while_stopped(etcd) as (store, p, v):
+        assert v["pid"] == p.pid
+        os.kill(p.pid, signal.SIGCONT)
+        wait_until("failed/1 withdrawn", lambda: store.get("failed/1") is None, TTL + 5)
+        assert store.get(claim_key(1, v)).startswith(WITHDRAWN)
+        assert json.loads(wait_until("alive/000001", lambda: store.get("alive/000001"), 5))["pid"] == p.pid
+        assert p.poll() is None  # it trains on: not fenced
+
+
+@pytest.mark.slow  # the default suite keeps one of each kind; `pytest -m slow` runs this
+def test_a_paused_agent_whose_node_a_standby_claimed_stands_down_when_it_runs_again(etcd):
+    from megatron_ft.health.monitor import claim_key
+
+    with judged_while_stopped(etcd) as (store, p, v):
+        assert store.compare_set(claim_key(1, v), "", "spare-host:4242") == "spare-host:4242"  # a standby's claim
+        os.kill(p.pid, signal.SIGCONT)
+        assert p.wait(timeout=TTL + 5) == 3  # fenced: it stood down
+        assert store.get("failed/1") is not None  # the node stays failed: the standby has it
