@@ -41,6 +41,7 @@ from typing import Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from megatron_ft import config as ftconfig  # noqa: E402
+from megatron_ft import rank_files  # noqa: E402
 from megatron_ft.testing import demo, helpers  # noqa: E402
 
 ALL_MODES = ["none", "off", "local", "blocking", "naive", "one-buffer", "pipelined", "bubble", "end"]
@@ -94,10 +95,10 @@ def run_job(pp: int, kind: str, iters: int, args: argparse.Namespace, modes: lis
 
 
 def transport_records(run_dir: str) -> dict[int, dict]:
-    """Every rank's transport file of a job (``transport/rank*.json``), by rank."""
+    """Every rank's transport file of a job (``transport/node*/rank*.json``), by rank."""
     out = {}
-    for f in sorted(os.listdir(os.path.join(run_dir, "transport"))):
-        with open(os.path.join(run_dir, "transport", f)) as fh:
+    for _, f in rank_files.rank_files(os.path.join(run_dir, "transport"), ".json"):
+        with open(f) as fh:
             t = json.load(fh)
         out[t["rank"]] = t
     return out

@@ -831,7 +831,7 @@ def add_inmem_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="record each rank's timeline (compute, P2P, collectives, optimizer) for the first W "
                         "iterations into --inmem-ckpt-profile-dir (0: off; GEMINI uses 20)")
     g.add_argument("--inmem-ckpt-profile-dir", metavar="DIR", default=None,
-                   help="where rank{R}.json goes (default: $MFT_RUN_DIR/profile)")
+                   help="where node<N>/rank<R>.json goes (default: $MFT_RUN_DIR/profile)")
     return parser
 
 

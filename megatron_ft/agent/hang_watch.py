@@ -20,8 +20,8 @@ A paused agent (SIGSTOP, a long GC, an overloaded host) judges nothing in the fi
 it runs again: its trainers may have waited for it all that time, in a request they make on the
 training thread outside the phases that say so.
 
-Events go to ``$MFT_RUN_DIR/events/agent-n<node>.jsonl`` (``hang``, ``straggler``) when the launcher
-names the run directory.
+Events go to ``$MFT_RUN_DIR/events/node<node>/agent.jsonl`` (``hang``, ``straggler``; beside the node's
+ranks' event files, :mod:`megatron_ft.rank_files`) when the launcher names the run directory.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from .. import rank_files
 from ..health import hang as rule
 from ..health import progress as hp
 
@@ -306,5 +307,5 @@ def start_for(cfg, node: int, store) -> Optional[HangWatch]:
         return None
     board = hp.ProgressBoard.create(hp.board_path(cfg.agent.shm_dir, cfg.run_id, node), cfg.cluster.ranks_per_node)
     run_dir = os.environ.get("MFT_RUN_DIR")
-    events = os.path.join(run_dir, "events", f"agent-n{node}.jsonl") if run_dir else None
+    events = rank_files.node_path(os.path.join(run_dir, "events"), node, "agent.jsonl") if run_dir else None
     return HangWatch(cfg, node, board, store, events).start()

@@ -215,14 +215,34 @@ def mount_huge_tmpfs(directory: str, size: str, huge: str = "always") -> str:
     return page_backing(directory)
 
 
+#: the longest file name a segment may have (NAME_MAX of Linux file systems, tmpfs included)
+MAX_NAME = 255
+
+
+def _named(name: str) -> str:
+    if len(name.encode()) > MAX_NAME:
+        raise ValueError(f"shared-memory segment name {name!r} has {len(name.encode())} bytes, file names "
+                         f"allow {MAX_NAME}; use a shorter run_id")
+    return name
+
+
 def segment_name(run_id: str, node: int, rank: int, slot: int) -> str:
-    return f"{node_prefix(run_id, node)}r{rank}.s{slot}"
+    """``mft.<run>.n<node>.r<rank>.s<slot>``: rank ``rank``'s slot on ``node``; decimal without padding,
+    any size (a 64-character run id, node and rank 9,999,999: 89 bytes, under :data:`MAX_NAME`).
+
+    >>> parse_segment_name(segment_name("job", 124_999, 999_999, 1))
+    ('job', 124999, 999999, 1)
+    """
+    for what, v in (("node", node), ("rank", rank), ("slot", slot)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{what}={v!r} is invalid: a non-negative integer")
+    return _named(f"{node_prefix(run_id, node)}r{rank}.s{slot}")
 
 
 def block_segment_name(run_id: str, node: int, key: str, serial: int) -> str:
     """A peer block version held by ``node``'s agent. ``serial`` is unique per agent process
     (a counter), so a new version never reuses the file of one that still exists."""
-    return f"{node_prefix(run_id, node)}{os.getpid()}.blk.{key}.{serial}"
+    return _named(f"{node_prefix(run_id, node)}{os.getpid()}.blk.{key}.{serial}")
 
 
 def remove_segments(shm_dir: str, which: Callable[[str], bool]) -> list[str]:

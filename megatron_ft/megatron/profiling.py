@@ -8,7 +8,7 @@ it, and upstream Megatron-LM's loop reaches it through
 :class:`~megatron_ft.schedule.profiler.Profiler` as sink; ``before_iteration`` /
 ``after_iteration`` delimit iterations (the wrapped ``after_iteration`` runs inside the iteration,
 so a snapshot's start shows in the timeline); after W iterations it writes
-``<dir>/rank{R}.json`` and removes the wrappers again (unless a scheduled transport still has
+``<dir>/node<N>/rank<R>.json`` (:mod:`megatron_ft.rank_files`) and removes the wrappers again (unless a scheduled transport still has
 callbacks registered), so later iterations run exactly as without profiling.
 """
 from __future__ import annotations
@@ -59,16 +59,18 @@ def snapshot_bytes(objs: Any) -> Optional[int]:
         return None
 
 
-def end_profile(prof: Profiler, directory: Optional[str], nbytes: Optional[int] = None) -> Optional[str]:
+def end_profile(prof: Profiler, directory: Optional[str], nbytes: Optional[int] = None,
+                node: Optional[int] = None) -> Optional[str]:
     """Stop feeding ``prof``, take megatron-core's wrappers off when nothing else uses them (the
     iterations after the profile run exactly as without it), and write the profile (when
-    ``directory`` is given and it recorded something); returns the file's path."""
+    ``directory`` is given and it recorded something) under ``node``'s directory (None: this
+    process's node); returns the file's path."""
     mhooks.HOOKS.remove_sink(prof.record)
     if not mhooks.HOOKS.active:
         mhooks.uninstall()
     if directory is None or not prof.iterations:
         return None
-    path = prof.write(directory, nbytes)
+    path = prof.write(directory, nbytes, node)
     log.info("profile: %d iterations of rank %d in %s", len(prof.iterations), prof.rank, path)
     return path
 

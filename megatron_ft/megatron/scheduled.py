@@ -6,8 +6,9 @@ goes through the transport's link gate (:mod:`megatron_ft.schedule.link_gate`): 
 training's network calls from the hooks (``p2p``, ``grad_sync``, ``param_sync``; removed at
 :meth:`ScheduledHooks.close`).
 
-Files under ``$MFT_RUN_DIR`` (when set): ``profile/rank{R}.json`` (the profiled iterations, as
-``--inmem-ckpt-profile-iterations`` writes them) and ``transport/rank{R}.json`` (format
+Files under ``$MFT_RUN_DIR`` (when set; one directory per node, :mod:`megatron_ft.rank_files`):
+``profile/node<N>/rank<R>.json`` (the profiled iterations, as ``--inmem-ckpt-profile-iterations``
+writes them) and ``transport/node<N>/rank<R>.json`` (format
 ``megatron-ft-transport`` v1: the schedule, and per transfer iteration the planned and the actual
 chunk times; ``iteration_s``: ``[iteration, mode, seconds, newest agreed snapshot step]``; ``gate``:
 the chunks the link gate let go only after its longest wait, and its total wait, or null; ``cpu_s``:
@@ -147,7 +148,7 @@ class ScheduledHooks:
 
     def _write_profile(self) -> None:
         prof, self.profiler = self.profiler, None
-        end_profile(prof, os.path.join(self.run_dir, "profile") if self.run_dir else None)
+        end_profile(prof, os.path.join(self.run_dir, "profile") if self.run_dir else None, node=self.ckpt.node)
 
     def _plan(self, step: int) -> None:
         sc = self.cfg.schedule
@@ -290,4 +291,4 @@ class ScheduledHooks:
                "gate": ({"forced": self.transport.gate.forced, "waited_s": self.transport.gate.waited_s,
                          "wakeups": self.transport.gate.wakeups}
                         if self.transport.gate is not None else None)}
-        write_rank_json(os.path.join(self.run_dir, "transport"), self.rank, out)
+        write_rank_json(os.path.join(self.run_dir, "transport"), self.rank, out, self.ckpt.node)

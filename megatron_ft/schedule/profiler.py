@@ -4,7 +4,7 @@ variance across iterations (:mod:`.spans`). No torch here: the records come from
 :mod:`megatron_ft.megatron.hooks` (a :class:`Profiler` is one of its sinks) or from anything that
 calls :meth:`Profiler.record`.
 
-File ``$MFT_RUN_DIR/profile/rank{R}.json`` (``format`` ``megatron-ft-profile``, ``version`` 1)::
+File ``$MFT_RUN_DIR/profile/node<N>/rank<R>.json`` (:mod:`megatron_ft.rank_files`; ``format`` ``megatron-ft-profile``, ``version`` 1)::
 
     {"format": "megatron-ft-profile", "version": 1, "rank": 1, "complete": true,
      "meta": {"world_size": 2, "pp_rank": 1, "pp_size": 2, ...},       # free-form, from the caller
@@ -38,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .. import rank_files
 from ..config import _fail
 from .spans import (EVENT_KINDS, P2P_KINDS, Event, IdleSpan, LinkModel, TimelineSummary, _mean_var, average_spans,
                     summarize_iteration)
@@ -111,14 +112,17 @@ class Profiler:
             out["summary"] = {"error": str(e)}
         return out
 
-    def write(self, directory: str, snapshot_bytes: Optional[int] = None) -> str:
-        return write_rank_json(directory, self.rank, self.to_dict(snapshot_bytes))
+    def write(self, directory: str, snapshot_bytes: Optional[int] = None, node: Optional[int] = None) -> str:
+        """The profile to ``directory/node<N>/rank<R>.json`` (:func:`write_rank_json`); its path."""
+        return write_rank_json(directory, self.rank, self.to_dict(snapshot_bytes), node)
 
 
-def write_rank_json(directory: str, rank: int, obj: dict) -> str:
-    """``directory/rank{rank}.json``, replaced atomically (a reader never sees half a file)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"rank{rank}.json")
+def write_rank_json(directory: str, rank: int, obj: dict, node: Optional[int] = None) -> str:
+    """``directory/node<node>/rank<rank>.json`` (:mod:`megatron_ft.rank_files`; ``node`` None: this
+    process's, :func:`~megatron_ft.rank_files.process_node`), replaced atomically (a reader never sees
+    half a file); returns the path."""
+    path = rank_files.rank_path(directory, rank, ".json", rank_files.process_node(rank) if node is None else node)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f)
@@ -144,14 +148,15 @@ def load_profile(path: str) -> dict:
 
 
 def load_profiles(run_dir: str) -> list[dict]:
-    """Every ``rank*.json`` of ``RUN_DIR/profile`` (or of ``RUN_DIR`` itself), by rank."""
+    """Every rank's profile under ``RUN_DIR/profile`` (or ``RUN_DIR`` itself): ``node<N>/rank<R>.json``,
+    or the flat ``rank<R>.json`` of earlier versions (:func:`megatron_ft.rank_files.rank_files`), by rank."""
     directory = os.path.join(run_dir, "profile")
     if not os.path.isdir(directory):
         directory = run_dir
-    names = sorted(n for n in os.listdir(directory) if n.startswith("rank") and n.endswith(".json"))
-    if not names:
-        _fail("run_dir", run_dir, "holds no profile/rank*.json (run with --inmem-ckpt-profile-iterations W)")
-    return sorted((load_profile(os.path.join(directory, n)) for n in names), key=lambda p: p["rank"])
+    paths = [p for _, p in rank_files.rank_files(directory, ".json")]
+    if not paths:
+        _fail("run_dir", run_dir, "holds no profile/node*/rank*.json (run with --inmem-ckpt-profile-iterations W)")
+    return sorted((load_profile(p) for p in paths), key=lambda p: p["rank"])
 
 
 # ------------------------------------------------------------------------------ summary

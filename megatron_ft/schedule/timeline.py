@@ -1,7 +1,7 @@
 """``megatron-ft timeline RUN_DIR``: the profiled timelines as a Chrome trace and a PNG, with the
 GEMINI checkpoint plan computed from them laid over.
 
-Reads ``RUN_DIR/profile/rank*.json`` (:mod:`.profiler`), summarises each rank
+Reads ``RUN_DIR/profile/node*/rank*.json`` (:mod:`.profiler`), summarises each rank
 (:func:`.profiler.summarize_rank`: network idle spans and reserved bubbles with their variance),
 plans each rank's checkpoint traffic with GEMINI Algorithm 2 over its averaged idle spans
 (:func:`.gemini.fitting_interval`: the fewest iterations without interference) and writes to
@@ -17,7 +17,7 @@ plans each rank's checkpoint traffic with GEMINI Algorithm 2 over its averaged i
 * ``summary.json`` - per rank the summary and the plan (chunks, transfer time, interval).
 
 Runs of the scheduled transport (``redundancy.transport: scheduled``) also have
-``RUN_DIR/transport/rank*.json``: their profiles go on for a few iterations with checkpoint traffic
+``RUN_DIR/transport/node*/rank*.json``: their profiles go on for a few iterations with checkpoint traffic
 after the planned ones, and those iterations are drawn with the schedule the transport ran (planned
 chunks, each as long as the plan's link says) and the chunks it actually sent (``ckpt``).
 
@@ -34,6 +34,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from .. import rank_files
 from ..config import ConfigError
 from ..policy.simulate import plot_available
 from ..redundancy.report import parse_bytes
@@ -66,8 +67,9 @@ def plan_rank(summary: RankSummary, ckpt_bytes: int, args: argparse.Namespace) -
 
 
 def load_transport(run_dir: str, rank: int) -> Optional[dict]:
-    path = os.path.join(run_dir, "transport", f"rank{rank}.json")
-    if not os.path.exists(path):
+    """``rank``'s ``RUN_DIR/transport/node<N>/rank<R>.json`` (or the flat layout's), None if absent."""
+    path = rank_files.find_rank_file(os.path.join(run_dir, "transport"), rank, ".json")
+    if path is None:
         return None
     with open(path, encoding="utf-8") as f:
         tr = json.load(f)
@@ -202,7 +204,7 @@ def write_png(profiles: Sequence[dict], segments: dict[int, list[tuple]], plans:
 def add_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("timeline", help="profiled timelines (--inmem-ckpt-profile-iterations) as a Chrome trace "
                                         "and a PNG, with the GEMINI checkpoint plan laid over")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its profile/rank*.json) or the profile dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (its profile/node*/rank*.json) or the profile dir")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/timeline)")
     p.add_argument("--ckpt-bytes", type=parse_bytes, default=None,
                    help="checkpoint bytes per rank for the plan (e.g. 64MiB; default: each rank's measured snapshot)")

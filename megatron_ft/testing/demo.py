@@ -31,7 +31,7 @@ import yaml
 
 from . import faults
 from .. import config as ftconfig
-from .. import tiers
+from .. import rank_files, tiers
 from .helpers import read_jsonl, with_free_ports
 from .hosts import HostBed, off_plan
 
@@ -462,8 +462,8 @@ def life(rec: dict) -> tuple[int, int]:
 
 
 def _all_records(run_dir: str, kind: str) -> list[dict]:
-    d = os.path.join(run_dir, kind)
-    return [r for name in sorted(os.listdir(d)) for r in read_jsonl(os.path.join(d, name))] if os.path.isdir(d) else []
+    """Every record of ``run_dir/<kind>``'s ``.jsonl`` files, flat or per node (:mod:`megatron_ft.rank_files`)."""
+    return [r for path in rank_files.all_files(os.path.join(run_dir, kind), ".jsonl") for r in read_jsonl(path)]
 
 
 def node_pid(run_dir: str, node: int, name: str) -> Optional[int]:
@@ -549,7 +549,8 @@ def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: f
     """Wait for the injected faults' event lines; return the time of the first."""
     deadline = time.time() + timeout
     while True:
-        times = [e["time"] for v in victims for e in read_jsonl(os.path.join(run_dir, "events", f"rank{v}.jsonl"))
+        times = [e["time"] for v in victims
+                 for e in read_jsonl(rank_files.find_rank_file(os.path.join(run_dir, "events"), v, ".jsonl") or "")
                  if e.get("event") == "fault"]
         if len(times) == len(victims):
             return min(times)

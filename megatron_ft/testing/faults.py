@@ -31,9 +31,11 @@ found by the agent its launcher starts next, from what the dead one left in shar
 
 A hang (``stop-``, ``stall-``) writes its event line before it begins, and never returns.
 
-Each rank fires at most once per run when ``run_dir`` is given (a marker file in ``run_dir/faults``
-remembers it; torchrun's restart counter cannot, since only the failed node's counter moves), so
-the restarted job runs clean; an event line is written to ``run_dir/events`` just before the kill.
+Each rank fires at most once per run when ``run_dir`` is given (a marker file
+``run_dir/faults/node<N>/rank<R>.fired``, :mod:`megatron_ft.rank_files`, remembers it; the agent's is
+``node<N>/agent.fired``; torchrun's restart counter cannot, since only the failed node's counter
+moves), so the restarted job runs clean; an event line is written to
+``run_dir/events/node<N>/rank<R>.jsonl`` (the agent's: ``agent.jsonl``) just before the kill.
 
 Wrap a program to give it the injector::
 
@@ -54,6 +56,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .. import rank_files
 from ..faultpoints import POINTS, install
 
 #: truncate action -> the length it cuts a committed slot's file of ``size`` bytes to
@@ -117,8 +120,9 @@ class KillAt:
     """An :class:`megatron_ft.faultpoints.Injector` that SIGKILLs the process at its fault (or, for a
     hang action, stops it or stalls the calling thread there for good)."""
 
-    def __init__(self, fault: Fault, run_dir: Optional[str] = None):
-        self.fault, self.run_dir = fault, run_dir
+    def __init__(self, fault: Fault, run_dir: Optional[str] = None, node: Optional[int] = None):
+        """``node``: the node this process's files go under (None: :func:`.rank_files.process_node`)."""
+        self.fault, self.run_dir, self.node = fault, run_dir, node
 
     def reached(self, point: str, step: int, rank: int, **context: Any) -> None:
         f = self.fault
@@ -137,8 +141,9 @@ class KillAt:
         elif f.action in TRUNCATE_TO:
             os.truncate(context["path"], TRUNCATE_TO[f.action](context["size"]))
         if self.run_dir:
-            os.makedirs(os.path.join(self.run_dir, "events"), exist_ok=True)
-            with open(os.path.join(self.run_dir, "events", f"rank{rank}.jsonl"), "a") as out:
+            path = self._path("events", rank, ".jsonl", "agent.jsonl")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as out:
                 out.write(json.dumps({"event": "fault", "point": f.action, "step": step, "rank": rank,
                                       "pid": os.getpid(), "agent_killed": agent, "time": time.time()}) + "\n")
         if f.hang == "stop-":
@@ -169,8 +174,18 @@ class KillAt:
             time.sleep(0.01)
         return pid
 
+    def _path(self, kind: str, rank: int, suffix: str, agents: str) -> str:
+        """``run_dir/<kind>/node<N>/rank<R><suffix>`` (:mod:`megatron_ft.rank_files`), or the node's
+        ``agents`` file for the agent (rank -1); N is this process's node (``MFT_NODE_RANK``)."""
+        base = os.path.join(self.run_dir, kind)  # type: ignore[arg-type]
+        if rank < 0:
+            return rank_files.node_path(base, self.node if self.node is not None else rank_files.process_node(),
+                                        agents)
+        return rank_files.rank_path(base, rank, suffix,
+                                    self.node if self.node is not None else rank_files.process_node(rank))
+
     def _first_time(self, rank: int) -> bool:
-        marker = os.path.join(self.run_dir, "faults", f"rank{rank}.fired")  # type: ignore[arg-type]
+        marker = self._path("faults", rank, ".fired", "agent.fired")
         os.makedirs(os.path.dirname(marker), exist_ok=True)
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -240,6 +255,16 @@ def wrap(script: list[str], fault: str, run_dir: Optional[str] = None) -> list[s
     return [*out, "--", *script]
 
 
+def _agent_node(program: list[str]) -> Optional[int]:
+    """The ``--node N`` of a wrapped ``-m megatron_ft.agent`` (its files go under node N), else None."""
+    if program[:2] != ["-m", "megatron_ft.agent"] or "--node" not in program[:-1]:
+        return None
+    value = program[program.index("--node") + 1]
+    if not value.isdigit():
+        raise SystemExit(f"--node {value!r} is invalid: a non-negative integer")
+    return int(value)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -255,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     program = argv[cut + 1:]
     if not program or program[0] == "-m" and len(program) < 2:
         p.error("a SCRIPT or -m MODULE after -- is required")
-    install(KillAt(parse(args.fault), args.run_dir))
+    install(KillAt(parse(args.fault), args.run_dir, _agent_node(program)))
     if program[0] == "-m":
         sys.argv[:] = [program[1], *program[2:]]
         runpy.run_module(program[1], run_name="__main__", alter_sys=True)

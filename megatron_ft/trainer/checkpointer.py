@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .. import config as ftconfig
-from .. import fatal, faultpoints
+from .. import fatal, faultpoints, rank_files
 from ..agent import persist
 from ..agent.protocol import AgentClient, socket_path
 from ..health import progress as hp
@@ -125,7 +125,7 @@ class InMemoryCheckpointer:
                                       required=cfg.agent.required,
                                       collective=cfg.snapshot.agreement == "collective")
                        if self.client is not None and cfg.snapshot.enabled else None)
-        self._events = _EventLog(rank)
+        self._events = _EventLog(rank, self.node)
         self._ready_at = time.time()  # model, groups and the agent connection are up
         self.last_restore: Optional[RestoreResult] = None
         self._watch: Optional[_Watch] = None  # the guard's loss check after a restore (see after_iteration)
@@ -538,15 +538,17 @@ def process_start_time() -> float:
 
 
 class _EventLog:
-    """``$MFT_RUN_DIR/events/rank{R}.jsonl``: restores and other events, for the demo and tests."""
+    """``$MFT_RUN_DIR/events/node<N>/rank<R>.jsonl`` (:mod:`megatron_ft.rank_files`): restores and other
+    events, for the demo and tests."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, node: int):
         self.rank = rank
         self._f = None
         run_dir = os.environ.get("MFT_RUN_DIR")
         if run_dir:
-            os.makedirs(os.path.join(run_dir, "events"), exist_ok=True)
-            self._f = open(os.path.join(run_dir, "events", f"rank{rank}.jsonl"), "a", encoding="utf-8")
+            path = rank_files.rank_path(os.path.join(run_dir, "events"), rank, ".jsonl", node)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self._f = open(path, "a", encoding="utf-8")
 
     def write(self, rec: dict) -> None:
         if self._f is not None:

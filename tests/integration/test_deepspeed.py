@@ -33,6 +33,7 @@ import yaml
 from megatron_ft import config as ftconfig
 from megatron_ft.testing import faults
 from megatron_ft.testing.helpers import free_port, read_jsonl, with_free_ports
+from megatron_ft.rank_files import find_rank_file
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install '.[deepspeed]')")
 
@@ -186,7 +187,7 @@ def recovered_run(tmp, stage, pipeline, shm_cleanup, kill_rank=1, fault=None):
 def restores(run_dir):
     out = []
     for r in (0, 1):
-        out += [e for e in read_jsonl(os.path.join(run_dir, "events", f"rank{r}.jsonl")) if e["event"] == "restore"]
+        out += [e for e in read_jsonl(find_rank_file(os.path.join(run_dir, "events"), r, ".jsonl") or "") if e["event"] == "restore"]
     return out
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_ft import faultpoints
 from megatron_ft.testing import faults
+from megatron_ft.rank_files import find_rank_file
 
 from conftest import REPO
 
@@ -117,7 +118,7 @@ def test_a_fault_with_agent_kills_the_nodes_agent_before_the_damage(tmp_path, mo
         faults.KillAt(faults.parse("truncate-empty-after-commit+agent:4:1"), str(run)).reached(
             "after-commit", 4, 1, path=str(path), size=8192)
         assert seen == [(signal.SIGKILL, -signal.SIGKILL, 0)]
-        event = json.loads((run / "events" / "rank1.jsonl").read_text())
+        event = json.loads(open(find_rank_file(str(run / "events"), 1, ".jsonl")).read())
         assert (event["point"], event["agent_killed"]) == ("truncate-empty-after-commit", agent.pid)
     finally:
         agent.kill()
@@ -132,7 +133,7 @@ def test_the_wrapper_kills_the_script_once_per_rank_and_run(tmp_path):
     first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert first.returncode == -9, first.stderr
     assert first.stdout.split("\n")[:2] == ["step 1", "step 2"] and "step 3" not in first.stdout
-    event = json.loads((tmp_path / "run" / "events" / "rank1.jsonl").read_text())
+    event = json.loads(open(find_rank_file(str(tmp_path / "run" / "events"), 1, ".jsonl")).read())
     assert (event["event"], event["point"], event["step"], event["rank"]) == ("fault", "before-snapshot", 3, 1)
     second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # the restarted attempt
     assert second.returncode == 0 and "step 5" in second.stdout

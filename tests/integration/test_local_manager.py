@@ -20,6 +20,7 @@ from megatron_ft import config as ftconfig
 from megatron_ft.megatron import local_manager
 from megatron_ft.testing import faults
 from megatron_ft.trainer.recovery import Container
+from megatron_ft.rank_files import find_rank_file
 
 from conftest import REPO, AgentProc
 
@@ -110,7 +111,7 @@ def test_corrupt_snapshot_is_not_restored(tmp_path, two_rank_job):
                     expect_ok=False)
     run_phase(tmp_path, path, agent, "load")
     check_resume(out, ITERS - 1, agent)
-    events = [json.loads(ln) for ln in open(tmp_path / "run" / "events" / "rank1.jsonl") if '"restore"' in ln]
+    events = [json.loads(ln) for ln in open(find_rank_file(str(tmp_path / "run" / "events"), 1, ".jsonl")) if '"restore"' in ln]
     assert any("checksum mismatch" in r for e in events for r in e["rejected"]), events
 
 

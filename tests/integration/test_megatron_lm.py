@@ -7,7 +7,6 @@ failure and once with one, and every rank's parameter digest and loss at every i
 for bit, with the tier reached and the step resumed from asserted (bit-exact alone cannot tell a
 recovery from a fresh start). Dropout is upstream's default, 0.1.
 """
-import glob
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from conftest import run_demo
 
 from megatron_ft.megatron import upstream
 from megatron_ft.testing import megatron_lm
+from megatron_ft.rank_files import rank_files
 
 SOURCE = megatron_lm.source()
 needs_upstream = pytest.mark.skipif(not SOURCE, reason=f"no upstream Megatron-LM: set MEGATRON_LM_DIR (a checkout "
@@ -304,7 +304,7 @@ def test_upstream_node_loss_recovers_from_a_copy_the_scheduled_transport_sent(tm
              source=release_source(release))
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
     assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
-    files = sorted(glob.glob(str(tmp_path / "demo" / "run" / "transport" / "rank*.json")))
+    files = [p for _, p in rank_files(str(tmp_path / "demo" / "run" / "transport"), ".json")]
     assert len(files) == 4, files  # written at each trainer's exit (atexit, also from a warm spare)
     for path in files:
         rec = json.load(open(path))
@@ -319,7 +319,7 @@ def test_upstream_profiler_records_the_first_iterations(tmp_path, release):
     s = demo(tmp_path, "--fail=trainer", "--kill-at=4", "--train-arg=--inmem-ckpt-profile-iterations=3",
              source=release_source(release))
     assert s["recovered_from"] == "local_memory" and 3 <= s["resumed_step"] <= 4
-    profiles = [json.load(open(p)) for p in sorted(glob.glob(str(tmp_path / "demo" / "run" / "profile" / "rank*.json")))]
+    profiles = [json.load(open(p)) for _, p in rank_files(str(tmp_path / "demo" / "run" / "profile"), ".json")]
     assert [p["rank"] for p in profiles] == [0, 1, 2, 3]
     for p in profiles:
         assert p["complete"] and len(p["iterations"]) == 3, {k: p[k] for k in ("rank", "complete")}

@@ -12,6 +12,7 @@ import yaml
 from megatron_ft import config
 from megatron_ft.policy import recoverability as rc
 from megatron_ft.policy.runtime import AutoIntervals, Measurement, decide, placement_from_config
+from megatron_ft.rank_files import find_rank_file
 
 
 def auto_cfg(**sections):
@@ -268,7 +269,7 @@ def test_checkpointer_auto_intervals_with_a_real_agent(tmp_path, monkeypatch, sh
         if d.persist_every:
             assert persisted, "the agent never persisted on the policy's request"
         ck.close()
-        events = [json.loads(line) for line in open(tmp_path / "run" / "events" / "rank0.jsonl")]
+        events = [json.loads(line) for line in open(find_rank_file(str(tmp_path / "run" / "events"), 0, ".jsonl"))]
         auto_ev = [e for e in events if e["event"] == "auto_intervals"]
         assert len(auto_ev) == 1 and auto_ev[0]["reason"].startswith("auto intervals: snapshot every")
     finally:

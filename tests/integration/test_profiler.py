@@ -19,6 +19,7 @@ import yaml
 from megatron_ft import cli
 from megatron_ft import config as ftconfig
 from megatron_ft.schedule import profiler as prof_mod
+from megatron_ft.rank_files import find_rank_file
 from megatron_ft.schedule.spans import LinkModel
 from megatron_ft.testing.helpers import free_port, with_free_ports
 
@@ -143,7 +144,7 @@ def test_timeline_needs_a_checkpoint_size(profiled_run, tmp_path, capsys):
     d = tmp_path / "profile"
     d.mkdir()
     for r in (0, 1):
-        p = json.load(open(out / "profile" / f"rank{r}.json"))
+        p = json.load(open(find_rank_file(str(out / "profile"), r, ".json")))
         p["snapshot_bytes"] = None
         json.dump(p, open(d / f"rank{r}.json", "w"))
     assert cli.main(["timeline", str(tmp_path), "--out", str(tmp_path / "tl")]) == 2
@@ -233,19 +234,19 @@ def test_a_checkpoint_chunk_seen_after_its_iteration_closed_goes_to_that_iterati
 
 
 def test_timeline_draws_the_schedule_a_transport_ran(tmp_path, capsys):
-    """RUN_DIR/transport/rank0.json: its sends are drawn over the iterations after the plan."""
-    (tmp_path / "profile").mkdir()
-    (tmp_path / "transport").mkdir()
+    """RUN_DIR/transport/node0/rank0.json: its sends are drawn over the iterations after the plan."""
+    (tmp_path / "profile" / "node0").mkdir(parents=True)
+    (tmp_path / "transport" / "node0").mkdir(parents=True)
     its = [_iteration(n, 20.0 * n, 5.0) for n in range(5)]
     prof = {"format": "megatron-ft-profile", "version": 1, "rank": 0, "complete": True,
             "meta": {"planned_iterations": 3}, "snapshot_bytes": None, "clock": {"wall_at_origin": 1000.0},
             "iterations": its}
-    json.dump(prof, open(tmp_path / "profile" / "rank0.json", "w"))
+    json.dump(prof, open(tmp_path / "profile" / "node0" / "rank0.json", "w"))
     tr = {"format": "megatron-ft-transport", "version": 1, "rank": 0,
           "schedule": {"mode": "pipelined", "buffers": 2, "buffer_bytes": 100, "interval_iterations": 2,
                        "sends": [[0, 0, 0.0, 0, 100, 0], [0, 1, 5.0, 100, 50, 1]]},
           "plan": {"planned_at_step": 3, "link_bandwidth": 100.0, "nbytes": 150}}
-    json.dump(tr, open(tmp_path / "transport" / "rank0.json", "w"))
+    json.dump(tr, open(tmp_path / "transport" / "node0" / "rank0.json", "w"))
     assert cli.main(["timeline", str(tmp_path), "--out", str(tmp_path / "tl")]) == 0
     assert "scheduled transport, mode pipelined: 2 chunks" in capsys.readouterr().out
     trace = json.load(open(tmp_path / "tl" / "trace.json"))

@@ -19,6 +19,7 @@ from megatron_ft import config as ftconfig
 from megatron_ft.agent import persist
 from megatron_ft.schedule.modes import free_share_of_waits
 from megatron_ft.testing.helpers import read_jsonl, wait_for, with_free_ports
+from megatron_ft.rank_files import all_files, find_rank_file
 
 ITERS, KILL_AT = 10, 5
 
@@ -113,8 +114,8 @@ def test_a_corrupted_or_poisoned_snapshot_is_never_restored(tmp_path, reference_
     rolls back. Either way all ranks agree on the older version and end bit-exact."""
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", f"--kill-point={damage}-after-commit")
     assert (s["recovered_from"], s["resumed_step"], s["rollbacks"]) == ("local_memory", KILL_AT - 1, rollbacks), s
-    events = [json.loads(ln) for f in os.listdir(os.path.join(s["workdir"], "run", "events"))
-              for ln in open(os.path.join(s["workdir"], "run", "events", f)) if '"restore"' in ln]
+    events = [json.loads(ln) for f in all_files(os.path.join(s["workdir"], "run", "events"), ".jsonl")
+              for ln in open(f) if '"restore"' in ln]
     assert any(f"step {KILL_AT}: " in r and why in r for e in events for r in e["rejected"]), events
 
 
@@ -143,7 +144,7 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     p = demo_mod.launch_job(cfg, str(run), demo_mod.training_args(cfg, ITERS, []), inmem=True,
                             log_path=str(tmp_path / "second.log"))
     demo_mod.wait_job(p, 600, "second run", str(tmp_path / "second.log"))
-    restores = [json.loads(ln) for ln in open(run / "events" / "rank0.jsonl") if '"restore"' in ln]
+    restores = [json.loads(ln) for ln in open(find_rank_file(str(run / "events"), 0, ".jsonl")) if '"restore"' in ln]
     assert [(r["source"], r["step"]) for r in restores] == [("disk", 4)]
     # iterations 5..ITERS and the final state match the uninterrupted reference bit for bit
     same, problems = demo_mod.compare(reference_dir, str(run), 4)
@@ -172,14 +173,14 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
                   "--redundancy=replica", "--transport=scheduled", f"--kill-at={KILL_AT}"], timeout=900)
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
     for rank in range(4):  # written at the end of the run (after the restart)
-        with open(tmp_path / "demo" / "run" / "transport" / f"rank{rank}.json") as f:
+        with open(find_rank_file(str(tmp_path / "demo" / "run" / "transport"), rank, ".json")) as f:
             rec = json.load(f)
         assert rec["format"] == "megatron-ft-transport" and rec["schedule"]["mode"] == "pipelined"
         assert rec["transfers"] and all(t["bytes"] > 0 for t in rec["transfers"]), rec["transfers"]
     agent_logs = "".join((tmp_path / "demo" / "run" / f"node{n}" / "agent.log").read_text() for n in (0, 1))
     assert "exchange of step" not in agent_logs
     # the plan came from megatron-core's own timeline, recorded through the hooks (stage 0 of PP2)
-    with open(tmp_path / "demo" / "run" / "profile" / "rank0.json") as f:
+    with open(find_rank_file(str(tmp_path / "demo" / "run" / "profile"), 0, ".json")) as f:
         prof = json.load(f)
     kinds = {e["kind"] for it in prof["iterations"] for e in it["events"]}
     with open(tmp_path / "demo" / "run" / "transport" / "rank0.json") as f:
@@ -399,8 +400,8 @@ def test_a_restored_version_whose_losses_spike_is_rolled_back_and_the_job_ends_b
     bit-exact (the rolled-back iterations are not compared: they were discarded)."""
     s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--kill-point=scale-optimizer-after-commit")
     assert (s["recovered_from"], s["resumed_step"], s["rollbacks"]) == ("local_memory", KILL_AT - 1, 1), s
-    events = [json.loads(ln) for f in os.listdir(os.path.join(s["workdir"], "run", "events"))
-              for ln in open(os.path.join(s["workdir"], "run", "events", f))]
+    events = [json.loads(ln) for f in all_files(os.path.join(s["workdir"], "run", "events"), ".jsonl")
+              for ln in open(f)]
     rolled = [e for e in events if e["event"] == "rollback"]
     assert rolled and {e["step"] for e in rolled} == {KILL_AT} and all(e["at"] <= KILL_AT + 3 for e in rolled), rolled
     assert any("recorded" in e["why"] or "not finite" in e["why"] for e in rolled), rolled

@@ -7,6 +7,7 @@ from megatron_ft.capture.state import TorchStateAdapter
 from megatron_ft.testing.faults import poison
 from megatron_ft.trainer.guard import RollbacksExhausted
 from megatron_ft.trainer.recovery import Restorer
+from megatron_ft.rank_files import find_rank_file
 
 from test_agent import identity, make_model, train_and_snapshot
 
@@ -207,7 +208,7 @@ def test_the_trainer_certifies_the_versions_its_losses_vouch_for_and_a_restore_t
             ck.after_iteration(it, it * 16, loss=1e6 if it == 7 else 1.0)
         ck.before_optimizer_step()
         ck.close()
-        events = [json.loads(line) for line in open(tmp_path / "run" / "events" / "rank0.jsonl")]
+        events = [json.loads(line) for line in open(find_rank_file(str(tmp_path / "run" / "events"), 0, ".jsonl"))]
         assert [e["step"] for e in events if e["event"] == "certified"] == [1, 2, 3, 4, 7, 8]
 
         m2, opt2 = make_model(seed=1)

@@ -14,6 +14,7 @@ import pytest
 from megatron_ft import config as ftconfig
 from megatron_ft import faultpoints
 from megatron_ft.testing import chaos, demo, faults
+from megatron_ft.rank_files import find_rank_file
 
 NEW = ("hang", "hang-in-restore", "stop-in-restore", "slow-trainer", "agent-pause")
 
@@ -118,7 +119,7 @@ def test_stop_fires_once_at_any_step_and_returns_when_continued(tmp_path, monkey
     assert sent == [(os.getpid(), signal.SIGSTOP)]  # not a kill; returns once continued
     inj.reached("restore", 9, 3)  # its next life restores again: fired already
     assert sent == [(os.getpid(), signal.SIGSTOP)]
-    ev = [json.loads(x) for x in (tmp_path / "events" / "rank3.jsonl").read_text().splitlines()]
+    ev = [json.loads(x) for x in open(find_rank_file(str(tmp_path / "events"), 3, ".jsonl")).read().splitlines()]
     assert [(e["event"], e["point"], e["step"], e["rank"]) for e in ev] == [("fault", "stop-restore", 5, 3)]
 
 
