@@ -183,7 +183,7 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
     with open(find_rank_file(str(tmp_path / "demo" / "run" / "profile"), 0, ".json")) as f:
         prof = json.load(f)
     kinds = {e["kind"] for it in prof["iterations"] for e in it["events"]}
-    with open(tmp_path / "demo" / "run" / "transport" / "rank0.json") as f:
+    with open(find_rank_file(str(tmp_path / "demo" / "run" / "transport"), 0, ".json")) as f:
         rec0 = json.load(f)
     # schedule.idle auto (the demo's): bubbles only while this host has a core to spare for them;
     # the four ranks were counted on this host by the planning all-gather
