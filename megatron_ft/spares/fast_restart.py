@@ -5,7 +5,8 @@ round again (~1.7 s on the demo: its monitor, the teardown, a rendezvous that po
 With warm spares (:mod:`.pool`) the process torchrun watches is a stand-in (:mod:`.worker`) and the
 trainer is forked by a *keeper* (:mod:`.keeper`); so a trainer's failure need not reach torchrun at
 all. When a trainer fails, its keeper opens round ``n + 1`` in torchrun's own store; every keeper
-of the job (each polls the store) kills its trainer of round ``n`` (those still alive: blocked on
+of the job (told by its node's watcher, :mod:`.node_watch`, which waits on the store for all the
+node's keepers: no keeper polls) kills its trainer of round ``n`` (those still alive: blocked on
 the failed peer, or fine) and forks a fresh one from its warm zygote; the new trainers form their
 process group in a store of round ``n + 1`` hosted by the keeper of torchrun's rank 0, and restore
 from their node agents' memory like any restarted trainer. torchrun sees nothing; it stays the outer
@@ -17,8 +18,9 @@ layer for everything a round cannot handle:
   ``launch.max_restarts: 0``), then the failure is reported and torchrun restarts as before;
 * a lost node: its ranks cannot join a round. Its replacement (or standby) joins torchrun's
   rendezvous, which makes every surviving torchrun stop its workers (the stop above). Without one, the
-  keepers see the root agent's failure verdict (``last_verdict`` in the agents' health store) within
-  ``health.timeout_s`` of a round's start and hand the failure to torchrun.
+  keepers see the root agent's failure verdict (``last_verdict`` in the agents' health store, a time
+  since this torchrun attempt's start: :func:`verdict_time`; the node's watcher long-polls it while a
+  round settles) within ``health.timeout_s`` of a round's start and hand the failure to torchrun.
 
 The job's store: ``MASTER_ADDR:MASTER_PORT`` of torchrun's attempt. ``megatron-ft launch`` has torchrun
 make a fresh store per attempt (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), where its rank-0 trainer would
@@ -35,8 +37,8 @@ agree) and ``port/<n>`` (the port of round ``n``'s own store at ``MASTER_ADDR``:
 get ``MASTER_PORT`` = that port and ``MFT_FAST_ROUND`` = ``n``; nothing else of their environment
 changes.
 
-The decisions are pure (:func:`after_exit`, :func:`joins`); :class:`RoundStore` does the store I/O;
-:func:`host_round_store` forks the process that hosts a round's store.
+The decisions are pure (:func:`after_exit`, :func:`joins`); the node's watcher (:mod:`.node_watch`)
+does the store I/O; :func:`host_round_store` forks the process that hosts a round's store.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ from ..fatal import JOB_ENDING
 from .lifetime import die_with_parent, set_process_name
 
 REPORT, OPEN_NEXT = "report", "open-next"
-POLL_S = 0.05  # how often a keeper looks for a newer round
+POLL_S = 0.05  # how often a keeper looks at its trainer where the kernel gives no pidfd to wake it
 log = logging.getLogger("megatron_ft.spares")
 STORE_PROCESS_NAME = "mft-store"  # the process name of a store host (psutil's name(), /proc/PID/comm)
 STORE_TIMEOUT_S = 10.0  # every request to torchrun's store
@@ -205,36 +207,6 @@ def budget(env: dict) -> int:
         return 0
 
 
-class RoundStore:
-    """The rounds of one torchrun attempt, in torchrun's store (a client; one per keeper)."""
-
-    def __init__(self, env: dict):
-        from torch.distributed import PrefixStore, TCPStore
-
-        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
-        base = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout,
-                        wait_for_workers=False)
-        self.store = PrefixStore("mft/fast", base)  # a fresh store per torchrun attempt
-
-    def open(self, n: int) -> None:
-        self.store.add(f"round/{n}", 1)
-
-    def newest(self, after: int, limit: int) -> int:
-        """The newest round opened (``after`` when none is newer; never beyond ``limit``)."""
-        n = after
-        while n < limit and self.store.check([f"round/{n + 1}"]):
-            n += 1
-        return n
-
-    def publish_port(self, n: int, port: int) -> None:
-        self.store.set(f"port/{n}", str(port))
-
-    def port(self, n: int) -> Optional[int]:
-        if not self.store.check([f"port/{n}"]):
-            return None
-        return int(self.store.get(f"port/{n}"))
-
-
 def store_bind_address(addr: str, resolved: str, local: set[str]) -> Optional[str]:
     """Where the trainers' store reached at ``addr`` (resolved here to ``resolved``) listens: that
     address when it is one of this host's (``local``) - a loopback one only when ``addr`` names loopback
@@ -332,38 +304,6 @@ def host_round_store(addr: str, port: int) -> tuple[int, int]:
         raise RuntimeError(f"the store at {addr}:{port} did not start within {BIND_WAIT_S:g} s (the port is held "
                            f"by another process: free it or move launch.trainer_port)")
     return pid, int(data)
-
-
-class VerdictWatch:
-    """Has the root agent judged a node failed since ``since`` (wall clock: this torchrun attempt's
-    start)? ``last_verdict`` in the agents' health store, ``<node>/<pid>/<time>``, changed by every
-    verdict; only with a health store (:func:`megatron_ft.health.store.store_needed`). A node lost during an attempt ends it
-    (its replacement joins torchrun's rendezvous), so a round cannot heal it. Best effort: a store
-    that does not answer is no news (each read bounded by 0.5 s, 5 s while the root moves)."""
-
-    def __init__(self, env: dict, since: float):
-        self.client = None
-        self.since = since
-        try:
-            from .. import config as ftconfig
-
-            from ..health.store import StoreClient, store_needed
-
-            cfg = ftconfig.load(env.get("MFT_CONFIG"))
-            if not store_needed(cfg):
-                return
-
-            self.client = StoreClient(cfg, timeout_s=0.5)
-        except Exception:
-            self.client = None
-
-    def node_lost(self) -> bool:
-        if self.client is None:
-            return False
-        try:
-            return verdict_time(self.client.get("last_verdict")) >= self.since
-        except Exception:
-            return False
 
 
 def verdict_time(value: Optional[str]) -> float:

@@ -7,12 +7,20 @@ new round in its own process (:mod:`megatron_ft.trainer.in_process`) instead of 
 replaced by a fresh fork in that round only when it has not unwound within the grace or ends instead
 (it found it cannot rejoin: its device, its NCCL abort).
 
+The rounds and the root's verdicts come from the node's watcher (:mod:`.node_watch`, over the socket
+the pool handed this keeper): it follows torchrun's job store and the root for all the node's keepers
+and tells each what changed (``opened``, ``port``, ``gone``, ``verdict``); this keeper asks it to
+``open`` a round, to ``publish`` the port of a round's store it hosts, and for ``verdicts`` while a
+round settles. So a keeper sends no request to any store: per round a handful of packets on a local
+socket, idle none. It sleeps in one ``select`` on its worker, its trainer (a pidfd: its exit wakes it),
+the trainer's control socket and the watcher's socket, at most :data:`IDLE_TICK_S` (then
+:data:`~megatron_ft.spares.fast_restart.POLL_S` where the kernel has no pidfds).
+
 Contracts: single-threaded (it forks trainers); owns its trainer (SIGKILLed when the worker goes
 away, so no trainer outlives the worker torchrun watches) and, on torchrun's rank 0, the store of
 the current round; both die with it (``PR_SET_PDEATHSIG``). The worker's standard streams stay open
-here for the trainers of later rounds. Every store request is bounded
-(:data:`~megatron_ft.spares.fast_restart.STORE_TIMEOUT_S`); a store that fails ends the rounds and
-reports the trainer's failure to torchrun instead.
+here for the trainers of later rounds. A job store that fails (the watcher's ``gone``), or a watcher
+that ends, ends the rounds and reports the trainer's failure to torchrun instead.
 """
 from __future__ import annotations
 
@@ -32,13 +40,18 @@ from . import fast_restart as fr
 from ..health import progress as hp
 from ..transport import wire
 from .lifetime import die_with_parent
-from .messages import FROM_TRAINER, FROM_WORKER, Failed, Rejoinable, Restarting
+from .messages import FROM_TRAINER, FROM_WATCHER, FROM_WORKER, Failed, Gone, Opened, Rejoinable, Restarting, \
+    RoundOpened, Verdict
 
 log = logging.getLogger("megatron_ft.spares")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL, signal.SIGUSR1, signal.SIGUSR2)
 STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL)  # torchrun ending its workers
-VERDICT_POLL_S = 0.25  # how often a keeper reads the root's newest verdict while its round settles
+IDLE_TICK_S = 1.0  # the longest a keeper sleeps in select (every event wakes it sooner: a bound, not a poll)
+
+
+class RoundsGone(Exception):
+    """No more fast rounds in this attempt: the job's store is gone, or the node's watcher."""
 
 
 def send(conn: socket.socket, obj: dict) -> None:
@@ -50,21 +63,23 @@ def send(conn: socket.socket, obj: dict) -> None:
 
 
 class Keeper:
-    def __init__(self, conn: socket.socket, req: dict, fds: list[int]):
+    def __init__(self, conn: socket.socket, req: dict, fds: list[int], watch: Optional[socket.socket] = None):
         self.conn, self.req, self.fds = conn, req, fds
+        self.watch = watch  # the node's watcher (node_watch.py): rounds and verdicts, pushed
         self.env = dict(req["env"])
         fr.adopt_trainer_port(self.env)  # the job store at launch.trainer_port, for this keeper and its trainers
         self.round = fr.Round(0, fr.budget(self.env))
         self.trainer: Optional[int] = None
+        self.pidfd: Optional[int] = None  # the trainer's (readable once it exited)
         self.joining: Optional[int] = None  # a round opened, its trainer not forked yet
-        self.rounds: Optional[fr.RoundStore] = None
+        self.newest = 0  # the newest round opened, as the watcher said
+        self.ports: dict[int, int] = {}  # round -> its store's port, as the watcher said (or we host it)
         self.host: Optional[tuple[int, int, int]] = None  # (round, pid, port) of the round store we host
         self.job_host: Optional[int] = None  # pid of the job's store we host (torchrun's rank 0)
-        self.verdicts: Optional[fr.VerdictWatch] = None
+        self.verdict: Optional[str] = None  # the root's last_verdict, as the watcher said
         self.round_started = 0.0
         self.started = time.time()  # this torchrun attempt's start, as far as this worker knows
         self.settle_s = 0.0
-        self.next_poll = 0.0
         # in-process restart (megatron_ft/trainer/in_process.py): the trainer's control socket, whether
         # the trainer said it can rejoin a round in place, and the round it was asked to rejoin
         self.in_process = fr.in_process_grace(self.env) if self.round.budget else None
@@ -83,14 +98,30 @@ class Keeper:
         if pid == 0:
             die_with_parent()
             self.conn.close()
-            if self.ctl is not None:
-                self.ctl.close()
+            for sock in (self.ctl, self.watch):
+                if sock is not None:
+                    sock.close()
+            if self.pidfd is not None:
+                os.close(self.pidfd)
             if theirs is not None:
                 theirs.detach()  # the trainer's end, by number (its environment says which)
             run_trainer(dict(self.req, env=env), self.fds)
         if theirs is not None:
             theirs.close()
+        if self.pidfd is not None:  # the previous trainer's
+            os.close(self.pidfd)
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfds here: the loop looks every POLL_S
+            self.pidfd = None
         return pid
+
+    def forget_trainer(self) -> None:
+        """The trainer was reaped (or is being replaced): no pid, no pidfd."""
+        self.trainer = None
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     def close_ctl(self) -> None:
         if self.ctl is not None:
@@ -116,7 +147,7 @@ class Keeper:
         except ProcessLookupError:
             pass
         os.waitpid(self.trainer, 0)
-        self.trainer = None
+        self.forget_trainer()
 
     # ------------------------------------------------------------------ rounds
     def job_store(self) -> dict:
@@ -137,22 +168,60 @@ class Keeper:
                 return env
         return dict(env, TORCHELASTIC_USE_AGENT_STORE="True", MFT_FRESH_STORE="1")
 
-    def _store(self) -> fr.RoundStore:
-        if self.rounds is None:
-            self.rounds = fr.RoundStore(self.env)
-        return self.rounds
+    def follow_rounds(self) -> None:
+        """Ask the node's watcher for this attempt's rounds (their news comes to :meth:`from_watch`)."""
+        env = self.env
+        attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        try:
+            if self.watch is None:
+                raise OSError("no node watcher")
+            self.to_watch({"op": "rounds", "addr": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"]),
+                           "attempt": attempt, "limit": self.round.budget})
+        except (OSError, ValueError) as e:
+            log.error("spares: rank %s: no fast restarts (%s)", env.get("RANK"), e)
+            self.round = fr.Round(0, 0)
+
+    def to_watch(self, msg: dict) -> None:
+        """One message to the node's watcher; an ``OSError`` when it is gone."""
+        if self.watch is None:
+            raise OSError("the node's watcher is gone")
+        wire.send_packet(self.watch, msg)
 
     def open_next(self) -> None:
-        self._store().open(self.round.number + 1)
+        """Open the round after ours (the watcher adds it to the job's store, once per node), and go to it."""
+        self.to_watch({"op": "open", "round": self.round.number + 1})
         self.joining = self.round.number + 1
+        self.advance()
 
-    def poll_rounds(self) -> None:
-        """Join a newer round; start the one we join once its store's port is known."""
-        if self.round.budget == 0 or time.monotonic() < self.next_poll:
+    def from_watch(self) -> None:
+        """Handle one message of the node's watcher: a newer round, its store's port, the job's store
+        gone (:class:`RoundsGone`), the root's newest verdict."""
+        try:
+            msg, _ = wire.recv_packet(self.watch, FROM_WATCHER)  # type: ignore[arg-type]
+        except wire.WireError as e:
+            log.error("spares: rank %s: node watcher: %s", self.env.get("RANK"), e)
             return
-        self.next_poll = time.monotonic() + fr.POLL_S
-        store = self._store()
-        target = fr.joins(self.round, store.newest(max(self.round.number, self.joining or 0), self.round.budget))
+        except OSError:
+            self.watch.close()  # type: ignore[union-attr]
+            self.watch = None
+            raise RoundsGone("the node's watcher ended") from None
+        if isinstance(msg, Verdict):
+            self.verdict = msg.value
+            return
+        if isinstance(msg, Gone):
+            raise RoundsGone(msg.reason)
+        if isinstance(msg, RoundOpened):
+            self.ports[msg.round] = msg.port
+        if isinstance(msg, (Opened, RoundOpened)):
+            self.newest = max(self.newest, msg.round)
+        self.advance()
+
+    def advance(self) -> None:
+        """Join a newer round; start the one we join once its store's port is known (torchrun's rank 0
+        hosts it, and tells the watcher its port)."""
+        if self.round.budget == 0 or self.round.stopping:
+            return
+        target = fr.joins(self.round, max(min(self.newest, self.round.budget), self.joining or 0))
         if target is not None and target != self.joining:
             if not self.ctl_ready:  # alive in an older round: blocked on a failed peer, or fine
                 if self.trainer is not None:
@@ -166,8 +235,9 @@ class Keeper:
             self.stop_host()
             pid, port = fr.host_round_store(self.env["MASTER_ADDR"], fr.round_port(self.env, self.joining))
             self.host = (self.joining, pid, port)
-            store.publish_port(self.joining, port)
-        port = store.port(self.joining)
+            self.ports[self.joining] = port
+            self.to_watch({"op": "publish", "round": self.joining, "port": port})
+        port = self.ports.get(self.joining)
         if port is None:
             return
         n, self.joining = self.joining, None
@@ -178,10 +248,13 @@ class Keeper:
         else:  # is replaced once the grace is over (see check_asked)
             self.kill_trainer()
             self.trainer = self.fork_trainer(env)
-        if self.verdicts is None:
-            self.verdicts = fr.VerdictWatch(self.env, since=self.started)
+        if not self.settle_s:
             self.settle_s = _health_timeout(self.env) + 1.0
         self.round_started = time.monotonic()
+        try:  # the root's verdicts while this round settles (best effort)
+            self.to_watch({"op": "verdicts", "config": self.env.get("MFT_CONFIG", ""), "settle_s": self.settle_s})
+        except OSError:
+            pass
         log.warning("spares: rank %s: round %d, trainer pid %d%s", self.env.get("RANK"), n, self.trainer,
                     " (asked to rejoin in place)" if self.asked else "")
 
@@ -232,11 +305,12 @@ class Keeper:
                         msg.reason, self.joining)
 
     def node_lost(self) -> bool:
-        """A node verdict since the rounds began, while this round's trainers may still wait for a
-        rank of that node (within ``health.timeout_s`` + 1 s of the round's start)."""
-        if self.verdicts is None or time.monotonic() - self.round_started > self.settle_s:
+        """A node verdict since this torchrun attempt began, while this round's trainers may still wait
+        for a rank of that node (within ``health.timeout_s`` + 1 s of the round's start). No I/O: the
+        watcher pushed the root's newest verdict (:meth:`from_watch`)."""
+        if self.verdict is None or time.monotonic() - self.round_started > self.settle_s:
             return False
-        return self.verdicts.node_lost()
+        return fr.verdict_time(self.verdict) >= self.started
 
     def stop_host(self) -> None:
         if self.host is not None:
@@ -247,6 +321,11 @@ class Keeper:
     def run(self) -> None:
         if self.round.budget:
             self.env = self.job_store()
+        if self.round.budget:
+            self.follow_rounds()
+        if not self.round.budget and self.watch is not None:  # no rounds: nothing to hear from the watcher
+            self.watch.close()
+            self.watch = None
         self.trainer = self.fork_trainer(self.env)
         send(self.conn, {"op": "started", "pid": self.trainer})
         try:
@@ -261,14 +340,21 @@ class Keeper:
             for fd in self.fds:
                 os.close(fd)
 
+    def _timeout(self) -> float:
+        """How long the loop may sleep: until the grace of a trainer asked to rejoin runs out, at most
+        :data:`IDLE_TICK_S` (:data:`~.fast_restart.POLL_S` without a pidfd to wake it at the trainer's exit)."""
+        t = IDLE_TICK_S if self.pidfd is not None or self.trainer is None else fr.POLL_S
+        if self.asked is not None:
+            t = min(t, max(0.0, self.asked[1] - time.monotonic()))
+        return t
+
     def _loop(self) -> Optional[int]:
         """Returns the exit status to report, or None when the worker went away."""
-        next_verdict_check = 0.0
         while True:
             if self.trainer is not None:
                 done, status = os.waitpid(self.trainer, os.WNOHANG)
                 if done:
-                    self.trainer = None
+                    self.forget_trainer()
                     code = os.waitstatus_to_exitcode(status)
                     lost = self.round.number > 0 and self.node_lost()
                     if self.asked is not None and fr.rejoins_fresh(self.round, code, lost):
@@ -283,33 +369,33 @@ class Keeper:
                         return code
                     try:
                         self.open_next()
-                    except Exception as e:  # the store is gone: torchrun's restart does it
+                    except Exception as e:  # the watcher is gone, or no round store here: torchrun's restart
                         log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
                         return code
                     log.warning("spares: rank %s: trainer exited with %d; round %d opened", self.env.get("RANK"),
-                                code, self.joining)
-            if self.round.budget and not self.round.stopping:
-                try:
-                    self.poll_rounds()
-                    if self.trainer is not None and self.round.number > 0 and time.monotonic() > next_verdict_check:
-                        next_verdict_check = time.monotonic() + VERDICT_POLL_S
-                        if self.node_lost():
-                            log.error("spares: rank %s: a node was lost during round %d: torchrun restarts",
-                                      self.env.get("RANK"), self.round.number)
-                            self.kill_trainer()
-                            return 1
-                except Exception as e:  # the job's store is gone (its host ended: the job is ending, or
-                    # torchrun's rank 0 failed): no more rounds; a trainer still running goes on
-                    log.warning("spares: rank %s: no fast restarts any more (%s)", self.env.get("RANK"),
-                                str(e).splitlines()[0] if str(e) else type(e).__name__)
-                    self.round = fr.Round(self.round.number, 0, self.round.stopping)
-                    if self.trainer is None:
-                        return 1  # between rounds: torchrun restarts the job
+                                code, self.joining or self.round.number)
+            if (self.round.budget and not self.round.stopping and self.trainer is not None and self.round.number > 0
+                    and self.node_lost()):
+                log.error("spares: rank %s: a node was lost during round %d: torchrun restarts",
+                          self.env.get("RANK"), self.round.number)
+                self.kill_trainer()
+                return 1
             if self.trainer is None and self.joining is None:
                 return 1  # cannot happen: an exit is reported or a round is being joined
             self.check_asked()
-            watched = [self.conn] + ([self.ctl] if self.ctl is not None else [])
-            ready, _, _ = select.select(watched, [], [], fr.POLL_S)
+            watched = [self.conn] + [x for x in (self.ctl, self.watch, self.pidfd) if x is not None]
+            ready, _, _ = select.select(watched, [], [], self._timeout())
+            if self.watch is not None and self.watch in ready:
+                try:
+                    self.from_watch()
+                except Exception as e:  # the job's store is gone (its host ended: the job is ending, or
+                    # torchrun's rank 0 failed), or the watcher: no more rounds; a trainer still running goes on
+                    if self.round.budget:
+                        log.warning("spares: rank %s: no fast restarts any more (%s)", self.env.get("RANK"),
+                                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.round = fr.Round(self.round.number, 0, self.round.stopping)
+                    if self.trainer is None:
+                        return 1  # between rounds: torchrun restarts the job
             if self.ctl is not None and self.ctl in ready:
                 self.from_trainer()
             if self.conn not in ready:
@@ -349,11 +435,12 @@ def _health_timeout(env: dict) -> float:
         return 5.0
 
 
-def keep(conn: socket.socket, req: dict, fds: list[int]) -> None:
-    """In the keeper process (forked by the pool): serve one worker until its trainer ends."""
+def keep(conn: socket.socket, req: dict, fds: list[int], watch: Optional[socket.socket] = None) -> None:
+    """In the keeper process (forked by the pool): serve one worker until its trainer ends. ``watch``:
+    this keeper's socket to the node's watcher (:mod:`.node_watch`; None: no fast restarts)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     _log_beside_the_trainer(fds[2])
-    Keeper(conn, req, fds).run()
+    Keeper(conn, req, fds, watch).run()
 
 
 def _log_beside_the_trainer(stderr_fd: int) -> None:

@@ -15,6 +15,15 @@ trainer -> keeper        restarting round
 trainer -> keeper        failed     reason (a peer's death reached it first)
 keeper -> trainer        round      round, port (rejoin round ``round``; its store's port)
 keeper -> trainer        exit       - (no round: end as before)
+pool -> watcher          keeper     - (+ one end of a new keeper's socket to the node's watcher)
+keeper -> watcher        rounds     addr, port, attempt, limit (follow this attempt's rounds)
+keeper -> watcher        open       round (open it in the job's store; once per node)
+keeper -> watcher        publish    round, port (torchrun's rank 0: the round's store listens)
+keeper -> watcher        verdicts   config, settle_s (the root's verdicts for that long from now)
+watcher -> keeper        opened     round (the newest round opened)
+watcher -> keeper        port       round, port (that round's store listens there)
+watcher -> keeper        gone       reason (the job's store is gone: no more rounds)
+watcher -> keeper        verdict    value (the root's ``last_verdict``, as it changed)
 =======================  =========  ==========================================================
 
 The worker checks the two replies it reads without pydantic (it must start in milliseconds:
@@ -75,6 +84,34 @@ class RoundOpened(Request):
     port: Annotated[StrictInt, Field(ge=1, le=65535)]
 
 
+class Rounds(Request):
+    addr: Annotated[StrictStr, Field(min_length=1, max_length=255)]
+    port: Annotated[StrictInt, Field(ge=1, le=65535)]
+    attempt: Annotated[StrictStr, Field(max_length=300)]
+    limit: Round
+
+
+class Open(Request):
+    round: Annotated[StrictInt, Field(ge=1)]
+
+
+class Verdicts(Request):
+    config: Annotated[StrictStr, Field(max_length=4096)]
+    settle_s: Annotated[float, Field(ge=0, le=3600, strict=False)]
+
+
+class Opened(Request):
+    round: Round
+
+
+class Gone(Request):
+    reason: Annotated[StrictStr, Field(max_length=500)]
+
+
+class Verdict(Request):
+    value: Annotated[StrictStr, Field(max_length=1000)]
+
+
 #: what the pool accepts
 POOL = Messages("pool", {"spawn": Spawn})
 #: what a keeper reads from its worker
@@ -83,3 +120,8 @@ FROM_WORKER = Messages("keeper", {"signal": Forward})
 FROM_TRAINER = Messages("keeper control", {"rejoinable": Rejoinable, "restarting": Restarting, "failed": Failed})
 #: what a trainer reads from its keeper
 TO_TRAINER = Messages("trainer control", {"round": RoundOpened, "exit": Request})
+#: what the node's watcher reads: from the pool, then from each keeper (:mod:`.node_watch`)
+TO_WATCHER = Messages("node watcher", {"keeper": Request, "rounds": Rounds, "open": Open, "publish": RoundOpened,
+                                       "verdicts": Verdicts})
+#: what a keeper reads from the node's watcher
+FROM_WATCHER = Messages("keeper watch", {"opened": Opened, "port": RoundOpened, "gone": Gone, "verdict": Verdict})

@@ -16,6 +16,8 @@ Processes (all on one node)::
                      │       runs the fast restart rounds of :mod:`.fast_restart`)
                      ├─ trainer (forked from the keeper: runs the training script as __main__)
                      └─ round store (torchrun's rank 0 only, during a fast restart round)
+                  └─ watcher (one per node, :mod:`.node_watch`: follows the rounds in torchrun's store
+                             and the root's verdicts for all the node's keepers, woken by the stores)
     torchrun ── worker (spares.worker: waits for its trainer, forwards signals, exits as it did)
 
 Contracts:
@@ -31,6 +33,8 @@ Contracts:
 * the zygote stays single-threaded (a fork copies only the calling thread) and never initialises
   CUDA (a forked child could not use it); a trainer re-reads the thread settings of its environment.
 * a worker that finds no pool (none started, or it died) runs the script itself, cold, as before.
+* each keeper gets a socket to the node's watcher (forked at the first request, again if it died;
+  it never forks, so it may run threads): the keepers send no request to any store themselves.
 """
 from __future__ import annotations
 
@@ -179,7 +183,10 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
         pass
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     bind_private(srv, path, backlog=64)  # listening before its name appears: a worker connects to a warm pool
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers (and the watcher) are reaped by the kernel
+    from .node_watch import WatcherHandle
+
+    watcher = WatcherHandle()
     log.warning("spares: warm in %.1f s (%s); serving on %s", time.time() - t0, ", ".join(done), path)
     while True:
         conn, _ = srv.accept()
@@ -194,13 +201,15 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
             log.error("spares: bad request: %s", e)
             conn.close()
             continue
+        watch = watcher.attach((srv, conn, *fds))
         if os.fork() == 0:
             srv.close()
+            watcher.close()
             die_with_parent()
             try:
                 from .keeper import keep
 
-                keep(conn, req, fds)
+                keep(conn, req, fds, watch)
             except BaseException:
                 import traceback
 
@@ -208,6 +217,8 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
             finally:
                 os._exit(0)
         conn.close()
+        if watch is not None:
+            watch.close()
         for fd in fds:
             os.close(fd)
 
