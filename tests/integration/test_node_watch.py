@@ -1,0 +1,174 @@
+"""The node's watcher of fast restart rounds and verdicts (megatron_ft/spares/node_watch.py): a real
+torchrun job store (a TCPStore hosted by a forked process, as a rank-0 keeper hosts it), a real root
+agent's store (an EmbeddedStore), and nodes of several keepers (the keepers' ends of their sockets,
+speaking the keepers' messages). Counted, not timed: a node's requests per round and while idle do
+not grow with its keepers, and a node's keepers are told everything each needs."""
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+import yaml
+
+from megatron_ft import config as ftconfig
+from megatron_ft.spares import fast_restart as fr
+from megatron_ft.spares.messages import FROM_WATCHER
+from megatron_ft.spares.node_watch import NodeWatch
+from megatron_ft.testing.helpers import free_port
+from megatron_ft.transport import wire
+
+
+class Node:
+    """A node's watcher (run in a thread here, as the watcher process runs it) and ``keepers`` sockets."""
+
+    def __init__(self, keepers: int, round_wait_s: float = 300.0):
+        self.watch = NodeWatch(round_wait_s=round_wait_s)
+        self.keepers = []
+        for _ in range(keepers):
+            mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.watch.add(theirs)
+            mine.settimeout(20)
+            self.keepers.append(mine)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set() and self.watch.step(0.05):
+            pass
+
+    def send_all(self, msg):
+        for k in self.keepers:
+            wire.send_packet(k, msg)
+
+    def told(self, k, n):
+        """The next ``n`` messages keeper ``k`` is told (each within 20 s)."""
+        return [wire.recv_packet(self.keepers[k], FROM_WATCHER)[0].model_dump(exclude={"v", "nbytes", "wait_s",
+                                                                                        "run_id"}) for _ in range(n)]
+
+    def store_counts(self):
+        return {k.removeprefix("job store "): v for k, v in self.watch.counts().items() if k.startswith("job store")}
+
+    def close(self):
+        for k in self.keepers:
+            k.close()
+        deadline = time.monotonic() + 5
+        while self.watch.keepers and time.monotonic() < deadline:  # the watcher drops them (its streams stop)
+            time.sleep(0.01)
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def job_store():
+    pid, port = fr.host_round_store("127.0.0.1", 0)
+    yield port, pid
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def test_a_nodes_round_requests_do_not_grow_with_its_keepers_and_each_keeper_is_told(job_store):
+    port, host = job_store
+    sub = {"op": "rounds", "addr": "127.0.0.1", "port": port, "attempt": "job/0", "limit": 3}
+    idle_nodes = {keepers: Node(keepers, round_wait_s=0.15) for keepers in (1, 8)}  # short waits, to count some
+    try:
+        for node in idle_nodes.values():
+            node.send_all(dict(sub, attempt="idle/0"))
+        time.sleep(0.1)
+        idle0 = {L: sum(n.store_counts().values()) for L, n in idle_nodes.items()}
+        time.sleep(0.6)  # idle: the same few waits (and a liveness check after each) on every node
+        idle = {L: sum(n.store_counts().values()) - idle0[L] for L, n in idle_nodes.items()}
+        assert 2 <= idle[1] <= 12 and abs(idle[8] - idle[1]) <= 2, idle  # 8 keepers polling: about 100
+    finally:
+        for node in idle_nodes.values():
+            node.close()
+    nodes = {keepers: Node(keepers) for keepers in (1, 8)}
+    try:
+        for node in nodes.values():
+            node.send_all(sub)
+        time.sleep(0.2)
+        before = {L: n.store_counts() for L, n in nodes.items()}
+
+        nodes[8].send_all({"op": "open", "round": 1})  # every trainer of the node failed: one add
+        assert all(nodes[L].told(k, 1) == [{"op": "opened", "round": 1}] for L in nodes for k in range(L))
+        wire.send_packet(nodes[1].keepers[0], {"op": "publish", "round": 1, "port": port + 1})  # rank 0's node
+        for L, node in nodes.items():
+            assert all(node.told(k, 1) == [{"op": "port", "round": 1, "port": port + 1}] for k in range(L))
+        time.sleep(0.2)  # any duplicate would arrive by now; none must
+        for node in nodes.values():
+            for k in node.keepers:
+                k.settimeout(0.01)
+                with pytest.raises(OSError):
+                    k.recv(1)
+                k.settimeout(20)
+        per_round = {L: {k: v - before[L].get(k, 0) for k, v in n.store_counts().items()
+                         if v != before[L].get(k, 0)}
+                     for L, n in nodes.items()}
+        # waits on round/1 and port/1, one get of the port, one check for a newer round; the writes:
+        # one add on the node of failures (8 keepers asked), one set on rank 0's node (with its client)
+        assert per_round[8] == {"wait": 2, "check": 1, "get": 1, "add": 1, "connect": 1}, per_round
+        assert per_round[1] == {"wait": 2, "check": 1, "get": 1, "set": 1, "connect": 1}, per_round
+
+        late = Node(3)  # keepers that subscribe late are caught up at once, with no request of theirs
+        late.send_all(sub)
+        assert all(late.told(k, 2) == [{"op": "opened", "round": 1}, {"op": "port", "round": 1, "port": port + 1}]
+                   for k in range(3))
+
+        os.kill(host, signal.SIGKILL)  # the job store ends (its host, rank 0's keeper, ended): no more rounds
+        for node in (*nodes.values(), late):
+            for k in range(len(node.keepers)):
+                (msg,) = node.told(k, 1)
+                assert msg["op"] == "gone" and msg["reason"], msg
+        late.close()
+    finally:
+        for node in nodes.values():
+            node.close()
+
+
+@pytest.fixture
+def root_store(tmp_path):
+    from megatron_ft.health.store import EmbeddedStore
+
+    run, port = f"t{uuid.uuid4().hex[:8]}", free_port()
+    root = EmbeddedStore(run, 0, 2, [], port, timeout_s=2.0)
+    assert root.connect(10) == 0
+    cfg = ftconfig.replace(ftconfig.load(), run_id=run, cluster={"nodes": 2}, health={"store_port": port})
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    yield root, str(path)
+    root.close()
+
+
+def test_a_nodes_verdict_watch_is_one_long_poll_whatever_its_keepers_and_none_when_idle(root_store):
+    root, config = root_store
+    root.set("last_verdict", "1/4242/100.5")  # a verdict of an earlier attempt
+    watches = lambda: root._server.op_counts().get("watch last_verdict", 0)  # noqa: E731
+    nodes = {L: Node(L) for L in (1, 8)}
+    try:
+        w0 = watches()
+        for node in nodes.values():
+            node.send_all({"op": "verdicts", "config": config, "settle_s": 1.0})  # a round starts on each keeper
+        for L, node in nodes.items():
+            assert all(node.told(k, 1) == [{"op": "verdict", "value": "1/4242/100.5"}] for k in range(L))
+        time.sleep(0.2)
+        root.set("last_verdict", f"1/4243/{time.time()}")  # a node lost during the round
+        value = root.get("last_verdict")
+        for L, node in nodes.items():
+            assert all(node.told(k, 1) == [{"op": "verdict", "value": value}] for k in range(L))
+        time.sleep(1.0)  # the window ends
+        during = {L: n.watch.counts()["root watch"] for L, n in nodes.items()}
+        at_root = watches() - w0
+        time.sleep(0.5)
+        assert watches() - w0 == at_root, "a watch of the root with no round settling"
+        # per node: the first (answered at once: a verdict is there), one held until the change, one
+        # until the window's end; 8 keepers reading every 0.25 s for 6 s would have made 8 * 24 = 192
+        assert during == {1: 3, 8: 3} and at_root == 6, (during, at_root)
+    finally:
+        for node in nodes.values():
+            node.close()
