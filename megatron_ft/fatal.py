@@ -4,10 +4,13 @@ A trainer that finds protection it was asked for unavailable (no agent, no share
 slots: ``agent.required: true``) or a configuration error calls :func:`end_job`. It writes the
 message to ``<run dir>/node<N>/fatal.json`` (atomically, a versioned JSON record) and exits with
 its code: :data:`EXIT_CODE`, or the guard's when restores rolled back more often than allowed
-(:data:`EXIT_ROLLBACKS_EXHAUSTED`). Every node's launcher watches the run
-directory (simulated nodes share it; on a cluster a shared run directory, else each node's own),
-stops torchrun and its agent, prints the message and exits with the recorded code: an error that
-would repeat is not retried ``max_restarts`` times.
+(:data:`EXIT_ROLLBACKS_EXHAUSTED`). The node's launcher reads its own node's record (one file, every
+0.2 s) and puts it into the job's store as ``fatal/<node>`` (:func:`store_value`), where the root's
+job record carries it to every other launcher (``megatron_ft.health.job_record``: a watch, no scan of
+the run directory); each stops torchrun and its agent, prints the message and exits with the recorded
+code: an error that would repeat is not retried ``max_restarts`` times. The files stay the record on
+disk for operators, and the path of a job with no store (one node); :func:`read` scans every node's
+directory once where a launcher ends (simulated nodes share one run directory).
 """
 from __future__ import annotations
 
@@ -46,16 +49,38 @@ def write(run_dir: str, node: int, message: str, code: int = EXIT_CODE) -> str:
     return path
 
 
+def _load(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("format") == FORMAT else None
+
+
 def _first(run_dir: str) -> Optional[dict]:
     for path in sorted(glob.glob(os.path.join(run_dir, "node*", "fatal.json"))):
-        try:
-            with open(path, encoding="utf-8") as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(rec, dict) and rec.get("format") == FORMAT:
+        if (rec := _load(path)) is not None:
             return rec
     return None
+
+
+def read_node(run_dir: str, node: int) -> Optional[tuple[str, int]]:
+    """(message, exit code) of ``node``'s own record, or None: one file, no scan."""
+    rec = _load(record_path(run_dir, node))
+    if rec is None:
+        return None
+    code = rec.get("code", EXIT_CODE)
+    return str(rec.get("message", "")), code if isinstance(code, int) and 0 < code < 126 else EXIT_CODE
+
+
+def store_value(node: int, message: str, code: int = EXIT_CODE) -> str:
+    """The value of the store's ``fatal/<node>``: this format's record of ``node`` ending the job.
+
+    >>> json.loads(store_value(3, "no agent", 2))["code"]
+    2
+    """
+    return json.dumps({"format": FORMAT, "node": node, "message": message, "code": code})
 
 
 def read(run_dir: str) -> Optional[tuple[int, str]]:

@@ -28,8 +28,6 @@ A node's launcher:
 from __future__ import annotations
 
 import argparse
-import json
-from dataclasses import dataclass, replace
 import os
 import signal
 import socket
@@ -47,7 +45,9 @@ from . import network, scheduler
 from .agent import shm
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .health import progress as hp
-from .health.monitor import claim_key, stood_down_path
+from .health.monitor import stood_down_path
+from .rendezvous import (FatalWatch, JobEnded, NodeOwners, RdzvGeneration, Rendezvous,  # noqa: F401 (re-exported)
+                         claim_failed_node)
 from .spares import prestart
 from .spares.lifetime import die_with_parent
 from .trainer.in_process import nccl_env_defaults
@@ -84,11 +84,41 @@ class NodeLauncher:
         self.log = log
         self.rendezvous = Rendezvous(cfg, node)
         self.rdzv = self.rendezvous.initial()
+        # another node's fatal record, seen on the job record (a job with a store), and this node's own
+        self.fatal_watch: Optional[FatalWatch] = None
+        self._fatal: Optional[tuple[int, str, int]] = None
         self.pool: Optional[subprocess.Popen] = None  # warm spare trainers (launch.warm_spares)
         self.pool_socket: Optional[str] = None
         # a standby's agent and torchrun, started while it waited (spares.prestart; see run_standby)
         self.waiting_agent: Optional[subprocess.Popen] = None
         self.waiting_torchrun: Optional[subprocess.Popen] = None
+
+    # ------------------------------------------------------------------ the job's end by a fatal record
+    def fatal_now(self) -> Optional[tuple[int, str, int]]:
+        """(node, message, exit code) of the record that ends the job, if any: this node's own file (one
+        file: a trainer here ended the job; put into the store once, for the others), else what
+        :class:`FatalWatch` saw in the job record. A job with no store (one node) reads the run
+        directory's records (its own node's). Called every 0.2 s: no scan of every node's directory."""
+        if self._fatal is not None:
+            return self._fatal
+        own = fatal.read_node(self.run_dir, self.node)
+        if own is not None:
+            self._fatal = (self.node, own[0], own[1])
+            self.rendezvous.record_fatal(own[0], own[1])
+        elif self.fatal_watch is not None:
+            self._fatal = self.fatal_watch.seen
+        elif self.rendezvous.store is None and (f := fatal.read(self.run_dir)) is not None:
+            self._fatal = (f[0], f[1], fatal.exit_code(self.run_dir))
+        return self._fatal
+
+    def fatal_at_end(self) -> Optional[tuple[int, str, int]]:
+        """As :meth:`fatal_now`, and once (the end of a torchrun) the run directory's records of every node
+        (simulated nodes and a shared run directory: a record the store lost with its root)."""
+        if (f := self.fatal_now()) is not None:
+            return f
+        if (g := fatal.read(self.run_dir)) is not None:
+            self._fatal = (g[0], g[1], fatal.exit_code(self.run_dir))
+        return self._fatal
 
     # ------------------------------------------------------------------ warm spares
     def start_pool(self) -> None:
@@ -169,7 +199,7 @@ class NodeLauncher:
                 self.kill_agent()
                 raise AgentStartError(f"node {self.node}: its agent did not open {self.sock} within "
                                       f"launch.start_timeout_s={limit:g} s; see {self.node_dir}/agent.log")
-            if (f := fatal.read(self.run_dir)) is not None:
+            if (f := self.fatal_now()) is not None:
                 self.kill_agent()
                 raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
             time.sleep(0.05)
@@ -231,6 +261,8 @@ class NodeLauncher:
             return rc
         finally:
             self.stop_pool()
+            if self.fatal_watch is not None:
+                self.fatal_watch.stop()
             if self.rendezvous is not None and rc != fatal.EXIT_STOOD_DOWN:  # the job goes on without this node
                 self.rendezvous.record_end(rc)
 
@@ -243,6 +275,8 @@ class NodeLauncher:
             except FileNotFoundError:
                 pass
         problem = preflight(self.cfg) or network.node_address_problem(self.cfg, self.node)
+        if self.rendezvous.store is not None:
+            self.fatal_watch = FatalWatch(self.cfg).start()
         if problem:
             return self._end_job(problem)
         try:
@@ -281,8 +315,8 @@ class NodeLauncher:
             if rc == fatal.EXIT_STOOD_DOWN:
                 return rc
             if rc is None:  # fatal or interrupted: the job is over
-                return fatal.exit_code(self.run_dir) if fatal.read(self.run_dir) is not None else 130
-            if rc == 0 or fatal.read(self.run_dir) is not None:
+                return f[2] if (f := self.fatal_at_end()) is not None else 130
+            if rc == 0 or self.fatal_at_end() is not None:
                 break
             nxt = self.rendezvous.after_failure(self.rdzv, self.log)
             if nxt is None:
@@ -292,7 +326,7 @@ class NodeLauncher:
             self.rdzv = nxt
         self.rendezvous.record_end(rc)  # while this node's agent (maybe the store's root) still runs
         self.stop_agent()
-        if (f := fatal.read(self.run_dir)) is not None:  # a trainer ended the job as torchrun exited
+        if (f := self.fatal_at_end()) is not None:  # a trainer ended the job as torchrun exited
             return self._end_job(f"node {f[0]}: {f[1]}", record=False)
         return rc
 
@@ -311,7 +345,7 @@ class NodeLauncher:
         next_publish = time.time() + 2.0
         try:
             while self.torchrun.poll() is None:
-                if (f := fatal.read(self.run_dir)) is not None:
+                if (f := self.fatal_now()) is not None:
                     self._stop_torchrun()
                     self.stop_agent()
                     self._end_job(f"node {f[0]}: {f[1]}", record=False)
@@ -336,7 +370,7 @@ class NodeLauncher:
                         self._stop_torchrun()
                         self.kill_agent()  # and unlink the segments the dead agent left
                         self._end_job(f"{e} (restarting it after it died mid-job)",
-                                      record=fatal.read(self.run_dir) is None)
+                                      record=self.fatal_now() is None)
                         return None
                 time.sleep(0.2)
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_signals): the job is stopped on this node
@@ -359,292 +393,14 @@ class NodeLauncher:
             self.torchrun.wait()
 
     def _end_job(self, message: str, record: bool = True) -> int:
-        """This node cannot run (or another node said so): record it for the other launchers, say
-        why, and return the recorded exit code (:func:`megatron_ft.fatal.exit_code`)."""
+        """This node cannot run (or another node said so): record it for the other launchers (the file
+        and the store's ``fatal/<node>``), say why, and return the recorded exit code: the record that
+        ended the job's (:meth:`fatal_at_end`)."""
         if record:
-            fatal.write(self.run_dir, self.node, message)
+            fatal.write(self.run_dir, self.node, message)  # fatal_at_end puts it into the store
         self.log(f"[launch n{self.node}] job ended: {message}")
-        return fatal.exit_code(self.run_dir)
-
-
-@dataclass(frozen=True)
-class RdzvGeneration:
-    """One torchrun rendezvous: generation ``gen`` hosted by node ``node`` at ``addr:port``;
-    ``host_agent``, ``host_launcher``: the host node's agent and launcher when it published it (0: not
-    known), so that a launcher can tell a generation whose host is gone from a live one."""
-    gen: int
-    node: int
-    addr: str
-    port: int
-    host_agent: int = 0
-    host_launcher: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps({"format": "megatron-ft-rdzv/2", "gen": self.gen, "node": self.node, "addr": self.addr,
-                           "port": self.port, "host_agent": self.host_agent, "host_launcher": self.host_launcher})
-
-
-@dataclass(frozen=True)
-class NodeOwners:
-    """The processes that make a node what it was when a rendezvous generation began: its agent
-    (its memory) and the launcher owning it (its torchrun; 0 while the agent has none)."""
-    agent: int
-    launcher: int
-
-
-
-
-class Rendezvous:
-    """Where torchrun's c10d rendezvous lives, so that no node is special.
-
-    Generation 0 is hosted by node 0 at ``launch.master_addr:launch.rdzv_port``; the hosting node's
-    launcher publishes the generation under ``rdzv`` in the agents' store. When a torchrun ends in
-    failure, the launcher asks whether the host node was lost: the root agent's ``failed/<host>``
-    verdict on the host's agent, or another agent or launcher in ``hb/<host>`` (a replacement, a
-    restarted launcher, or none while the host's agent waits for a new launcher). If so, generation
-    g+1 is hosted by the lowest-numbered *survivor* (a node whose agent and launcher are the ones it
-    had when generation g began) at its listening address, on the first port of
-    :func:`megatron_ft.network.rendezvous_ports` free there (``launch.rdzv_port + g + 1`` and on, within the
-    ``launch.rdzv_ports`` of the range; :meth:`_hosted_here`): that launcher publishes it (compare-and-set), the others wait for it (``launch.start_timeout_s``).
-    A launcher starting on the node that hosts the published generation is a replacement of the lost
-    host: it waits for the survivors' next generation instead of hosting the old one. The agents run
-    the store for every job of more than one node, whatever ``redundancy.scheme`` says
-    (:func:`megatron_ft.health.store.store_needed`), so no node is special under any scheme."""
-
-    def __init__(self, cfg: ftconfig.FTConfig, node: int):
-        self.cfg, self.node = cfg, node
-        self.store = None
-        self.owners: dict[int, Optional[NodeOwners]] = {}  # every node's agent and launcher when the generation began
-        from .health.store import StoreClient, store_needed
-
-        if store_needed(cfg):
-            self.store = StoreClient(cfg)
-
-    def initial(self) -> RdzvGeneration:
-        lc = self.cfg.launch
-        return RdzvGeneration(0, 0, lc.master_addr, lc.rdzv_port)
-
-    def _hosted_here(self, gen: int) -> RdzvGeneration:
-        """Generation ``gen`` hosted by this node, on the first port of its range free here now (a
-        :class:`RuntimeError` naming the range when none is)."""
-        addr = network.listen_address(self.cfg, self.node)
-        ports = network.rendezvous_ports(self.cfg, gen)
-        for port in ports:
-            with socket.socket() as s:  # torchrun's store binds it with SO_REUSEADDR: so does the check
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((addr, port))
-                except OSError:
-                    continue
-            return RdzvGeneration(gen, self.node, addr, port)
-        raise RuntimeError(f"node {self.node} cannot host rendezvous generation {gen}: every port of "
-                           f"launch.rdzv_port={self.cfg.launch.rdzv_port} .. +{self.cfg.launch.rdzv_ports - 1} is in use "
-                           f"on {addr}; free one or widen launch.rdzv_ports")
-
-    def _published(self) -> tuple[str, Optional[RdzvGeneration]]:
-        raw = self.store.get("rdzv") or ""
-        try:
-            rec = json.loads(raw) if raw else None
-            if rec is None or rec.get("format") not in ("megatron-ft-rdzv/1", "megatron-ft-rdzv/2"):
-                return raw, None
-            return raw, RdzvGeneration(int(rec["gen"]), int(rec["node"]), str(rec["addr"]), int(rec["port"]),
-                                       int(rec.get("host_agent", 0)), int(rec.get("host_launcher", 0)))
-        except (ValueError, KeyError, TypeError):
-            return raw, None
-
-    def _host_gone(self, pub: RdzvGeneration) -> bool:
-        """Whether the node hosting ``pub`` is no longer what published it: the root's verdict on its agent,
-        or another agent or launcher in its heartbeat (a replacement, a restarted launcher). False where the
-        record does not say who published it. One or two store reads."""
-        if not pub.host_agent:
-            return False
-        try:
-            verdict = json.loads(self.store.get(f"failed/{pub.node}") or "{}")
-        except ValueError:
-            verdict = {}
-        if verdict and verdict.get("pid") == pub.host_agent:
-            return True
-        now = self._owners(pub.node)
-        return now is not None and now != NodeOwners(pub.host_agent, pub.host_launcher or now.launcher)
-
-    def _here(self, gen: RdzvGeneration) -> RdzvGeneration:
-        """``gen`` as this node publishes it: with its agent and launcher (from its heartbeat)."""
-        o = self.owners.get(self.node) or self._owners(self.node)
-        return replace(gen, host_agent=o.agent, host_launcher=o.launcher) if o is not None else gen
-
-    def _heartbeat(self, node: int) -> dict:
-        """Node ``node``'s last heartbeat record ({} when none or unreadable)."""
-        try:
-            hb = json.loads(self.store.get(f"hb/{node}") or "{}")
-        except ValueError:
-            return {}
-        return hb if isinstance(hb, dict) else {}
-
-    def _owners(self, node: int) -> Optional[NodeOwners]:
-        """Node ``node``'s agent and launcher pids from its heartbeat (None: no heartbeat yet)."""
-        try:
-            hb = self._heartbeat(node)
-            return NodeOwners(int(hb["pid"]), int(hb.get("launcher", 0)))
-        except (ValueError, TypeError, KeyError):
-            return None
-
-    def _job_running(self) -> bool:
-        """Whether another node's agent has had a trainer (its heartbeat's ``trained``): this launcher
-        joins a running job (a replacement). While a job starts no agent has one - trainers start only
-        once every node's torchrun joined the rendezvous, i.e. after every launcher asked this - however
-        long the agents have been up (warming spare pools, slow imports)."""
-        return any(self._heartbeat(n).get("trained") is True for n in range(self.cfg.cluster.nodes) if n != self.node)
-
-    def current(self, log) -> RdzvGeneration:
-        """The generation to join at start: the published one, or 0 when the job is starting. A
-        launcher joining a running job waits for the record (the survivors re-publish it into a
-        store that lost it with its root); on the node hosting the published generation (a
-        replacement for the lost host) it waits for the survivors' next generation."""
-        if self.store is None:
-            return self.initial()
-        from .health.store import StoreUnavailable
-
-        deadline = time.time() + self.cfg.launch.start_timeout_s
-        try:
-            self.store.connect(3.0)
-            raw, pub = self._published()
-            if pub is None and self._job_running():
-                log(f"[launch n{self.node}] joining a running job: waiting up to "
-                    f"{self.cfg.launch.start_timeout_s:g} s for its rendezvous record")
-            while pub is None and self._job_running() and time.time() < deadline:
-                time.sleep(0.5)
-                raw, pub = self._published()
-        except StoreUnavailable:
-            return self.initial()  # no agent store yet: the job is starting
-        if pub is None:
-            return self.initial()
-        if pub.node != self.node and not self._host_gone(pub):
-            return pub
-        log(f"[launch n{self.node}] " + (f"this node hosted rendezvous generation {pub.gen} and starts again"
-                                         if pub.node == self.node else
-                                         f"rendezvous generation {pub.gen}'s host, node {pub.node}, is gone") +
-            ": waiting for the survivors' next generation")
-        while time.time() < deadline:
-            time.sleep(0.5)
-            try:
-                _, nxt = self._published()
-            except StoreUnavailable:
-                continue
-            if nxt is not None and nxt.gen > pub.gen:
-                return nxt
-        return pub  # nobody moved on: host it again
-
-    def keep_published(self, cur: RdzvGeneration) -> None:
-        """While ``cur`` runs: put its record back if the store lost it (a new root's store starts
-        empty). Every launcher does it, so the record survives the loss of any node."""
-        if self.store is None:
-            return
-        from .health.store import StoreUnavailable
-
-        try:
-            raw, pub = self._published()
-            if pub is None:
-                o = self.owners.get(cur.node)  # who hosted it when it began, if the record did not say
-                if not cur.host_agent and o is not None:
-                    cur = replace(cur, host_agent=o.agent, host_launcher=o.launcher)
-                self.store.compare_set("rdzv", raw, cur.to_json())
-        except StoreUnavailable:
-            pass
-
-    def begin(self, cur: RdzvGeneration) -> None:
-        """Before torchrun runs generation ``cur``: remember every node's agent and launcher; the
-        host publishes the generation (so a replacement of this node knows it hosted it)."""
-        if self.store is None:
-            return
-        from .health.store import StoreUnavailable
-
-        try:
-            # every node's agent heartbeats within moments of its start, naming its launcher within a
-            # heartbeat of an adoption
-            deadline = time.time() + 15.0
-            while True:
-                self.owners = {n: self._owners(n) for n in range(self.cfg.cluster.nodes)}
-                if all(o is not None and o.launcher for o in self.owners.values()) or time.time() > deadline:
-                    break
-                time.sleep(0.2)
-            if cur.node == self.node:
-                raw, pub = self._published()
-                if pub is None or pub.gen <= cur.gen:
-                    self.store.compare_set("rdzv", raw, self._here(cur).to_json())
-        except StoreUnavailable:
-            pass
-
-    def record_end(self, rc: Optional[int]) -> None:
-        """This launcher is done with the job (exit ``rc``): say so in the store (``ended``), so that an
-        agent whose launcher died and will not come back learns that the job is over
-        (:class:`megatron_ft.agent.launcher_watch.JobEndWatch`). Best effort, on the connection it has (no new
-        root is looked for: bounded by ``health.timeout_s``)."""
-        kv = self.store.kv if self.store is not None else None
-        if kv is None:
-            return
-        try:
-            kv.set("ended", json.dumps({"node": self.node, "rc": rc, "time": time.time()}))
-        except Exception:  # the store went first: the agents' heartbeats tell the rest
-            pass
-
-    def _host_lost(self, cur: RdzvGeneration) -> bool:
-        """Whether the node hosting ``cur`` was lost as a host: the root's verdict on its agent,
-        another agent there, or another launcher (none while its agent waits for one: the launcher,
-        and with it the torchrun hosting the rendezvous, died). Waits up to three health timeouts
-        for the evidence (failure path only)."""
-        from .health.store import StoreUnavailable
-
-        was = self.owners.get(cur.node)
-        deadline = time.time() + 3 * self.cfg.health.timeout_s + 5
-        while time.time() < deadline:
-            try:
-                verdict = json.loads(self.store.get(f"failed/{cur.node}") or "{}")
-                if verdict and (was is None or verdict.get("pid") == was.agent):
-                    return True
-                now = self._owners(cur.node)
-                if now is not None and was is not None and now != was:
-                    return True
-            except (StoreUnavailable, ValueError):
-                pass
-            time.sleep(0.5)
-        return False
-
-    def after_failure(self, cur: RdzvGeneration, log) -> Optional[RdzvGeneration]:
-        """The generation to join after torchrun failed, or None (end: the host node was not lost,
-        there is no store to agree on a new one, or one generation per node was used up)."""
-        from .health.store import StoreUnavailable
-
-        if self.store is None or cur.gen >= self.cfg.cluster.nodes:
-            return None
-        try:  # the survivors moved on already (this launcher joined a generation whose host was lost)
-            _, pub = self._published()
-            if pub is not None and pub.gen > cur.gen:
-                return pub
-        except StoreUnavailable:
-            pass
-        if not self._host_lost(cur):
-            return None
-        deadline = time.time() + self.cfg.launch.start_timeout_s
-        while time.time() < deadline:
-            try:
-                raw, pub = self._published()
-                if pub is not None and pub.gen > cur.gen:
-                    return pub
-                survivors = [n for n in range(self.cfg.cluster.nodes)
-                             if n != cur.node and self.owners.get(n) is not None and self._owners(n) == self.owners[n]]
-                if survivors and survivors[0] == self.node:  # this node hosts the next generation
-                    nxt = self._here(self._hosted_here(max(cur.gen, pub.gen if pub else 0) + 1))
-                    if self.store.compare_set("rdzv", raw, nxt.to_json()) == nxt.to_json():
-                        return nxt
-            except StoreUnavailable as e:
-                log(f"[launch n{self.node}] store not answering while choosing a new rendezvous host: {e}")
-            except RuntimeError as e:  # no port of the range free here
-                log(f"[launch n{self.node}] {e}")
-                return None
-            time.sleep(0.5)
-        log(f"[launch n{self.node}] no new rendezvous host within launch.start_timeout_s="
-            f"{self.cfg.launch.start_timeout_s:g} s")
-        return None
+        f = self.fatal_at_end()
+        return f[2] if f is not None else fatal.EXIT_CODE
 
 
 class _AdoptedProcess:
@@ -745,49 +501,6 @@ def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
             p.send_signal(signal.SIGTERM)
         rcs = [p.wait() for p in procs]
     return max(rcs, default=0)
-
-
-class JobEnded(Exception):
-    """The job a standby waits on ended (a launcher recorded ``ended``) before any node failed."""
-
-
-def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout_s: float = 0.0,
-                      log=print, since: Optional[float] = None) -> tuple[int, dict]:
-    """A standby's wait: poll the store (a :class:`~megatron_ft.health.store.StoreClient`) for a
-    root verdict ``failed/<node>`` and claim that node with a compare-and-set of
-    ``claim/<node>/<failed agent pid>/<verdict time>`` from absent to ``who``; a node another standby claimed
-    first is skipped. Returns (node, verdict). ``timeout_s`` 0: wait for ever. ``since``: raise
-    :class:`JobEnded` once a launcher records the job's end (``ended``) no earlier than this time (an
-    older record is an earlier job's on a store that outlives jobs)."""
-    from .health.store import StoreUnavailable
-
-    deadline = time.time() + timeout_s if timeout_s > 0 else float("inf")
-    warned = False
-    while True:
-        try:
-            if since is not None:
-                ended = client.get("ended")
-                rec = json.loads(ended) if ended else None
-                if isinstance(rec, dict) and float(rec.get("time", 0)) >= since:
-                    raise JobEnded(f"node {rec.get('node')}'s launcher ended the job (exit {rec.get('rc')})")
-            for n in range(nodes):
-                v = client.get(f"failed/{n}")
-                if v is None:
-                    continue
-                verdict = json.loads(v)
-                key = claim_key(n, verdict)
-                owner = client.compare_set(key, "", who)
-                if owner == who:
-                    return n, verdict
-                log(f"[standby {who}] node {n} (agent pid {verdict['pid']}) already claimed by {owner}")
-            warned = False
-        except StoreUnavailable as e:
-            if not warned:
-                log(f"[standby {who}] store not answering yet, retrying: {e}")
-                warned = True
-        if time.time() > deadline:
-            raise TimeoutError(f"standby {who}: no failed node to take over within {timeout_s:g} s")
-        time.sleep(poll_s)
 
 
 STARTED = time.time()  # this launcher's start (a standby heeds only job ends recorded after it, less a timeout)

@@ -1,8 +1,9 @@
 """The agent's watch on its node's launcher: when the launcher dies the agent is an orphan; a
 restarted launcher adopts it (``adopt`` op) within ``launch.start_timeout_s``, else the agent shuts
 down and removes its segments, so nothing outlives a node whose launcher is gone. An orphan also
-shuts down as soon as the job is over (:class:`JobEndWatch`, pure but for the store reads it is
-handed).
+shuts down as soon as the job is over (:class:`JobEndWatch`, pure, fed the job record: one read of
+the record's two index keys, and the parts that changed, per ``poll_s`` while orphaned - not every
+node's heartbeat).
 
 Owns the launcher's pid and the orphan flag under ``LauncherWatch.lock`` (innermost: nothing is
 taken under it). The watch thread reads the store (never under a lock) and calls the agent's
@@ -22,46 +23,43 @@ log = logging.getLogger("megatron_ft.agent")
 
 
 class JobEndWatch:
-    """Whether the job an orphaned agent belongs to is over, from the store (no I/O of its own: ``get``
-    reads a key). Over when a launcher recorded the job's end (``ended``, written no earlier than
-    ``health.timeout_s`` before this agent lost its launcher: an older record is another job's on a
-    store that outlives jobs), or when every other node's heartbeat has not changed (or been absent)
-    for ``timeout_s`` on this agent's clock: their agents were stopped with their launchers.
+    """Whether the job an orphaned agent belongs to is over, from the job record
+    (:mod:`megatron_ft.health.job_record`; no I/O of its own). Over when a launcher recorded the job's end
+    (``ended``, written no earlier than ``health.timeout_s`` before this agent lost its launcher: an older
+    record is another job's on a store that outlives jobs), or when every other node has been gone for
+    ``timeout_s`` on this agent's clock: judged lost by the root (its agent stopped with its launcher)
+    or absent from the record (a new root's, which no agent of it re-filled).
 
-    >>> beats = {"hb/1": "a"}
+    >>> from megatron_ft.health.job_record import JobRecord, Owners, Failed, Ended
+    >>> rec = JobRecord(nodes=2, owners={1: Owners(10, 0)})
     >>> w = JobEndWatch(node=0, nodes=2, timeout_s=5.0, since=100.0)
-    >>> w.over(beats.get, now=101.0), w.over(beats.get, now=105.0), w.over(beats.get, now=106.5)
-    (None, None, 'no heartbeat from nodes [1] for 5 s')
-    >>> w.over({"ended": '{"node": 1, "rc": 0, "time": 99.0}'}.get, now=102.0)
+    >>> w.over(rec, now=101.0), w.over(rec, now=107.0)
+    (None, None)
+    >>> rec.failed[1] = Failed(10, 101.5)
+    >>> w.over(rec, now=108.0), w.over(rec, now=113.5)
+    (None, 'nodes [1] gone (judged lost or unknown to the store) for 5 s')
+    >>> w.over(JobRecord(nodes=2, ended=Ended(1, 0, 99.0)), now=102.0)
     "node 1's launcher ended the job (exit 0)"
     """
 
     def __init__(self, node: int, nodes: int, timeout_s: float, since: float):
         self.node, self.nodes, self.timeout_s, self.since = node, nodes, timeout_s, since
-        self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (heartbeat, our time it last changed)
+        self._gone_since: Optional[float] = None  # our time since when every other node is gone
 
-    def over(self, get, now: Optional[float] = None) -> Optional[str]:
-        """Why the job is over, or None (also when the store cannot be read now)."""
-        import json
-
+    def over(self, rec, now: Optional[float] = None) -> Optional[str]:
+        """Why the job is over, or None; ``rec``: the job record now (a
+        :class:`~megatron_ft.health.job_record.JobRecord`)."""
         now = time.time() if now is None else now
-        try:
-            ended = get("ended")
-            rec = json.loads(ended) if ended else None
-            if isinstance(rec, dict) and float(rec.get("time", 0)) >= self.since - self.timeout_s:
-                return f"node {rec.get('node')}'s launcher ended the job (exit {rec.get('rc')})"
-            beats = {n: get(f"hb/{n}") for n in range(self.nodes) if n != self.node}
-        except Exception:  # a store moving or gone: no news
+        if rec.ended is not None and rec.ended.time >= self.since - self.timeout_s:
+            return f"node {rec.ended.node}'s launcher ended the job (exit {rec.ended.rc})"
+        others = [n for n in range(self.nodes) if n != self.node]
+        if not others or any(n in rec.owners and n not in rec.failed for n in others):
+            self._gone_since = None
             return None
-        quiet = []
-        for n, beat in beats.items():
-            last = self._seen.get(n)
-            if last is None or last[0] != beat:
-                self._seen[n] = (beat, now)
-            elif now - last[1] >= self.timeout_s:
-                quiet.append(n)
-        if beats and len(quiet) == len(beats):
-            return f"no heartbeat from nodes {quiet} for {self.timeout_s:g} s"
+        if self._gone_since is None:
+            self._gone_since = now
+        if now - self._gone_since >= self.timeout_s:
+            return f"nodes {others} gone (judged lost or unknown to the store) for {self.timeout_s:g} s"
         return None
 
 
@@ -101,6 +99,7 @@ class LauncherWatch:
     def _loop(self, pid: int, poll_s: float) -> None:
         orphan_since: Optional[float] = None
         watch: Optional[JobEndWatch] = None
+        view, view_of = None, None  # the job record's reader, on the store it was made for
         while not self._stop.wait(poll_s):
             with self.lock:
                 pid_now = self._launcher
@@ -108,13 +107,17 @@ class LauncherWatch:
                 orphan_since, self._orphan, watch = None, False, None
                 continue
             store = self._store()
+            if store is not None and view_of is not store:
+                from ..health.store import job_view
+
+                view, view_of = job_view(store, self.cfg.cluster.nodes), store
             if orphan_since is None:
                 orphan_since = time.time()
                 self._orphan = True
                 watch = JobEndWatch(self.node, self.cfg.cluster.nodes, self.cfg.health.timeout_s, orphan_since)
                 log.warning("agent node %d: launcher pid %d is gone; waiting %.0f s for a new launcher to "
                             "adopt this agent", self.node, pid_now, self.cfg.launch.start_timeout_s)
-            elif store is not None and watch is not None and (why := watch.over(store.get)):
+            elif store is not None and watch is not None and (why := self._over(watch, view)):
                 log.warning("agent node %d: the job is over (%s); shutting down instead of waiting for a "
                             "launcher", self.node, why)
                 self._shutdown()
@@ -124,6 +127,15 @@ class LauncherWatch:
                           "shutting down", self.node, self.cfg.launch.start_timeout_s)
                 self._shutdown()
                 return
+
+    @staticmethod
+    def _over(watch: JobEndWatch, view) -> Optional[str]:
+        """``watch``'s answer on the record as ``view`` reads it now (None also when the store cannot be
+        read now: a store moving or gone is no news)."""
+        try:
+            return watch.over(view.refresh(owners=True))
+        except Exception:  # noqa: BLE001 - any store error is no news
+            return None
 
     def adopt(self, pid: int) -> dict:
         """A (restarted) launcher of this node takes this agent over."""

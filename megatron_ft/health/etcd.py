@@ -206,6 +206,14 @@ class EtcdKV:
         keys = {_unb64(kv["key"])[n:]: _unb64(kv.get("value", "")) for kv in r.get("kvs", [])}
         return int(r["header"]["revision"]), keys
 
+    def read_range(self, first: str, end: str) -> tuple[int, dict[str, str]]:
+        """The store's revision and every key in ``[first, end)`` (without the run's prefix) with its
+        value, in one range read."""
+        r = self._post("/kv/range", {"key": _b64(self.prefix + first), "range_end": _b64(self.prefix + end)})
+        n = len(self.prefix)
+        return int(r["header"]["revision"]), {_unb64(kv["key"])[n:]: _unb64(kv.get("value", ""))
+                                              for kv in r.get("kvs", [])}
+
     def count(self, first: str, end: str) -> int:
         """How many keys lie in ``[first, end)`` (count only: no values travel)."""
         r = self._post("/kv/range", {"key": _b64(self.prefix + first), "range_end": _b64(self.prefix + end),
@@ -242,8 +250,9 @@ class EtcdKV:
         return int(r.get("result", {}).get("TTL", -1))
 
     def events(self, key: str, start_rev: int, wait_s: float, prefix: bool = False, prev: bool = False,
-               stop: Optional[threading.Event] = None) -> Iterator[Event]:
-        """The changes of ``key`` (``prefix``: of every key under it) from revision ``start_rev`` on,
+               stop: Optional[threading.Event] = None, end: Optional[str] = None) -> Iterator[Event]:
+        """The changes of ``key`` (``prefix``: of every key under it; ``end``: of every key in ``[key, end)``)
+        from revision ``start_rev`` on,
         on an etcd watch stream (a session of its own), until nothing arrived for ``wait_s`` (then
         the iterator ends) or ``stop`` is set (checked at each event). ``prev``: each event carries the
         value before it. Bounded: the connection by the client's timeout, each read by ``wait_s``. A
@@ -255,6 +264,8 @@ class EtcdKV:
         create = {"key": _b64(full), "start_revision": start_rev}
         if prefix:
             create["range_end"] = _b64(_range_end(full))
+        elif end is not None:
+            create["range_end"] = _b64(self.prefix + end)
         if prev:
             create["prev_kv"] = True
         url = self._call(lambda: self._client.get_url("/watch"))  # counted: the stream's request
@@ -477,18 +488,25 @@ class EtcdStore:
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         """The key's value once it differs from ``value`` (None: absent), or after ``wait_s``
-        unchanged: one range read, then an etcd watch from that read's revision (so no change between
-        the two is missed), at most ``wait_s`` (plus one request's connect timeout)."""
-        deadline = time.monotonic() + wait_s
-        rev, cur = self.kv.read(key)
-        while cur == value:
-            left = deadline - time.monotonic()
-            if left <= 0.01:
+        unchanged (:func:`watch_key`)."""
+        return watch_key(self.kv, key, value, wait_s, self._stop)
+
+
+def watch_key(kv: EtcdKV, key: str, value: Optional[str], wait_s: float,
+              stop: Optional[threading.Event] = None) -> Optional[str]:
+    """``key``'s value once it differs from ``value`` (None: absent), or after ``wait_s`` unchanged:
+    one range read, then an etcd watch from that read's revision (so no change between the two is
+    missed), at most ``wait_s`` (plus one request's connect timeout)."""
+    deadline = time.monotonic() + wait_s
+    rev, cur = kv.read(key)
+    while cur == value:
+        left = deadline - time.monotonic()
+        if left <= 0.01:
+            break
+        for ev in kv.events(key, rev + 1, left, stop=stop):
+            rev, cur = ev.rev, ev.value
+            if cur != value or time.monotonic() >= deadline:
                 break
-            for ev in self.kv.events(key, rev + 1, left, stop=self._stop):
-                rev, cur = ev.rev, ev.value
-                if cur != value or time.monotonic() >= deadline:
-                    break
-            else:
-                break  # nothing more within wait_s
-        return cur
+        else:
+            break  # nothing more within wait_s
+    return cur

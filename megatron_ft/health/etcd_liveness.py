@@ -8,11 +8,11 @@ With ``health.store: etcd://...`` each agent's liveness is its etcd lease
 stand-down of a fenced agent it shares):
 
 * **every agent** writes ``hb/<node>`` (``{"pid", "seq", "time", "launcher", "addr", "trained"}``, the
-  record the launchers read) when its ``launcher`` or ``trained`` field changes - checked every
-  ``heartbeat_s`` without a store call - and otherwise every ``ttl_s / 3`` or ``timeout_s / 2`` if
-  shorter (so a reader that waits for it to change, an orphaned agent's ``JobEndWatch``, sees it
-  change within ``timeout_s``). ``hb/`` is
-  not lease-bound: a lost node's last record stays readable, as on the embedded store;
+  owners the job record carries: :mod:`.job_record`) when it starts and when its ``launcher`` or
+  ``trained`` field changes - checked every ``heartbeat_s`` without a store call - and at no other
+  time: liveness is the lease, so every ``hb/`` event a job record reader's watch carries
+  (:mod:`.job_view_etcd`) is a change of the record. ``hb/`` is not lease-bound: a lost node's last
+  record stays readable, as on the embedded store;
 * **the root** (thread ``etcd-verdicts``, while :attr:`EtcdStore.is_root`) reads ``alive/``, ``hb/``
   and ``failed/`` once (three range reads) and then follows ``alive/`` on one watch stream. A DELETE
   of ``alive/<n>`` - etcd deleting it when node ``n``'s lease expired, ``ttl_s`` after its last
@@ -27,8 +27,8 @@ stand-down of a fenced agent it shares):
   record every ``ttl_s / 3``: judged meanwhile and claimed by a standby, it stands down
   (``fenced``), as :meth:`Monitor._check_fenced` decides.
 
-Requests per agent: the keepalive and the ``hb/`` put every ``ttl_s / 3``, the ``root`` watch
-reopened every :data:`EtcdStore.ROOT_WATCH_S`; the root adds its ``alive/`` watch, reopened every
+Requests per agent: the keepalive every ``ttl_s / 3``, an ``hb/`` put per change of its owners, the
+``root`` watch reopened every :data:`EtcdStore.ROOT_WATCH_S`; the root adds its ``alive/`` watch, reopened every
 ``ttl_s / 3``, and one read per joining node. None of it grows with the number of nodes.
 """
 from __future__ import annotations
@@ -79,8 +79,6 @@ class EtcdLiveness(Monitor):
     def __init__(self, store: EtcdStore, *args, **kw):
         super().__init__(store, *args, **kw)
         self.refresh_s = store.refresh_s
-        # hb/ changes at least every timeout_s / 2, whatever the lease's whole-second TTL makes refresh_s
-        self._hb_every = min(store.refresh_s, self.timeout_s / 2)
         self.ttl_s = store.ttl_s
         self._hb: tuple[Any, float] = (None, float("-inf"))  # (launcher, trained) last written, when
         self._verdicts: Optional[threading.Thread] = None
@@ -94,10 +92,11 @@ class EtcdLiveness(Monitor):
         self._fence_until = time.monotonic() + 2 * self.ttl_s + 1
 
     def beat(self) -> None:
-        """One tick: ``hb/<node>`` when due; the verdict thread when root; the fence check when due."""
+        """One tick: ``hb/<node>`` when its owners changed; the verdict thread when root; the fence check
+        when due."""
         now = time.monotonic()
         fields = (self.launcher_pid(), self.trained())
-        if fields != self._hb[0] or now - self._hb[1] >= self._hb_every:
+        if fields != self._hb[0]:
             self.seq += 1
             self.store.set(f"hb/{self.node}", json.dumps({"pid": os.getpid(), "seq": self.seq, "time": time.time(),
                                                              "launcher": fields[0], "addr": self.address,

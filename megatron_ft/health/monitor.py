@@ -11,8 +11,15 @@ connect, at most once per heartbeat period; *connection refused* means no proces
 more (the host answers, the agent is gone), which is the same verdict within a second. An accepted
 connection (an agent alive but slow: the kernel accepts for a starved process too) or no answer (a
 host that is down or unreachable sends nothing back) proves nothing, and ``timeout_s`` decides, so a
-loaded machine gets no false verdict from the probe. The other agents
-follow the root's heartbeat. This is the embedded store's monitor; on etcd, liveness is a lease per
+loaded machine gets no false verdict from the probe. The probes of k suspected nodes run at once
+(:data:`PROBES_AT_ONCE` threads, each bounded by min(``heartbeat_s``, 0.5 s)); a beat waits for them at
+most one such bound, and a probe still running is heard at a later beat, so unreachable hosts do not
+delay the beat by k probes. The other agents follow the root's heartbeat.
+
+Messages per heartbeat period (N nodes): each agent sets its ``hb/`` and reads the root's (2 requests,
+whatever N); the root reads every heartbeat from its own map in process (the embedded store's
+:class:`~megatron_ft.health.wire_store.LocalKV`: no request), so its server answers 2 (N - 1) requests
+per period, 2 per node. This is the embedded store's monitor; on etcd, liveness is a lease per
 agent and the root a lease-bound key (:class:`~megatron_ft.health.etcd_liveness.EtcdLiveness`, a
 subclass sharing the verdict records and their withdrawal). ``launcher`` is the pid of the launcher that owns the
 agent now, 0 while it has none (its launcher died and no new one adopted it yet): the launchers
@@ -26,6 +33,7 @@ recovery stays local.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -35,6 +43,9 @@ import time
 from typing import Any, Callable, Optional
 
 log = logging.getLogger("megatron_ft.health")
+
+#: the root's probes of suspected nodes running at once (more wait for a free thread, heard at a later beat)
+PROBES_AT_ONCE = 16
 
 #: what the root (or the returning agent) writes into a verdict's claim key when the verdict is withdrawn:
 #: no standby may claim that verdict's node after it
@@ -90,6 +101,9 @@ class Monitor:
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
         self.probe_after_s = min(2 * heartbeat_s, timeout_s)  # two heartbeats missed
         self._probed: dict[int, float] = {}  # node -> our time of its last probe (root)
+        # node -> (its probe running, the heartbeat value it was started on) (root)
+        self._probing: dict[int, tuple[concurrent.futures.Future, Optional[str]]] = {}
+        self._probes: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self.seq = 0
         self.failed: dict[int, dict] = {}  # root's verdicts
         self._seen: dict[int, tuple[Optional[str], float]] = {}  # node -> (last heartbeat value, our time seen)
@@ -196,7 +210,11 @@ class Monitor:
         self._observe(root, now)
 
     def _watch(self) -> None:
+        """The root's look at every heartbeat (from its own map: no request): a change clears a verdict, a
+        heartbeat unchanged past ``timeout_s`` is a verdict, one unchanged past two beats is probed (all
+        such probes at once; the beat waits at most one probe's bound for them)."""
         now = self._look()
+        due: dict[int, str] = {}  # node -> its agent's address, to probe now
         for n in range(self.nodes):
             if n == self.node:
                 continue
@@ -210,13 +228,33 @@ class Monitor:
                 continue
             if n in self.failed or age <= self.probe_after_s:
                 continue
-            why = ""
             if age > self.timeout_s:
-                why = f"missed heartbeats for {age:.1f} s"
-            elif self._refused(n, beat.get("addr", ""), now):
-                why = f"missed heartbeats for {age:.1f} s and its agent's port {beat['addr']} refuses connections"
-            if why:
-                self._judge(n, pid, why)
+                self._judge(n, pid, f"missed heartbeats for {age:.1f} s")
+            elif beat.get("addr") and n not in self._probing and now - self._probed.get(n, float("-inf")) >= self.heartbeat_s:
+                self._probed[n] = now
+                due[n] = beat["addr"]
+        if due or self._probing:
+            self._probe(due, now)
+
+    def _probe(self, due: dict[int, str], now: float) -> None:
+        """Start the probes of ``due`` (node -> address), wait at most one probe's bound for every probe
+        running, and judge each node whose agent's port refused while its heartbeat stayed unchanged."""
+        bound = min(self.heartbeat_s, 0.5)
+        if self._probes is None:
+            self._probes = concurrent.futures.ThreadPoolExecutor(PROBES_AT_ONCE, thread_name_prefix="probe")
+        for n, address in due.items():
+            self._probing[n] = (self._probes.submit(refuses_connections, address, bound), self._seen[n][0])
+        concurrent.futures.wait([f for f, _ in self._probing.values()], timeout=bound + 0.05)
+        for n, (fut, value) in list(self._probing.items()):
+            if not fut.done():
+                continue  # heard at a later beat
+            del self._probing[n]
+            seen = self._seen.get(n)
+            if not fut.result() or n in self.failed or seen is None or seen[0] != value or value is None:
+                continue
+            beat = json.loads(value)
+            self._judge(n, beat["pid"], f"missed heartbeats for {now - seen[1]:.1f} s and its agent's port "
+                                        f"{beat.get('addr')} refuses connections")
 
     def _judge(self, n: int, pid: int, why: str) -> None:
         """The root's verdict: node ``n``'s agent ``pid`` is lost (``why``), in ``failed/<n>`` and ``last_verdict``."""
@@ -228,13 +266,6 @@ class Monitor:
         # changed by every verdict: a warm spare's keeper watches this one key (spares.fast_restart)
         self.store.set("last_verdict", f"{n}/{pid}/{verdict['time']}")
         log.error("root: node %d %s: hardware failure (agent and memory lost)", n, why)
-
-    def _refused(self, n: int, address: str, now: float) -> bool:
-        """Probe node ``n``'s agent (at most once per heartbeat period): nothing listens any more?"""
-        if not address or now - self._probed.get(n, float("-inf")) < self.heartbeat_s:
-            return False
-        self._probed[n] = now
-        return refuses_connections(address, min(self.heartbeat_s, 0.5))
 
     def _clear_verdict(self, n: int, pid: int) -> None:
         """A heartbeat of a node judged failed (by us or an earlier root): from a new agent pid (a
@@ -277,3 +308,5 @@ class Monitor:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._probes is not None:
+            self._probes.shutdown(wait=False, cancel_futures=True)

@@ -11,9 +11,14 @@ A node joining later (a replacement) asks the other nodes' servers which of them
 election of a store (etcd is replicated), the root agent is then the holder of a lease-bound ``root``
 key (:mod:`.etcd_liveness`: put-if-absent with the agent's lease, gone with it).
 
+The root serves its own calls from its map in process (:class:`~.wire_store.LocalKV`: no TCP to
+itself; its monitor reads every heartbeat there) and keeps the job record there
+(:class:`~.job_record.RecordKeeper`, derived from the keys as they are set and deleted).
+
 Keys (all under ``mft/<run_id>/``): ``root`` (node id), ``addr/<node>`` (peer transport
 ``host:port``), ``hb/<node>`` (heartbeat JSON), ``failed/<node>`` (root's failure verdict JSON),
-``claim/<node>/<failed agent pid>`` (the standby launcher that took the failed node's place).
+``claim/<node>/<failed agent pid>`` (the standby launcher that took the failed node's place),
+``job/*`` (the job record, :mod:`.job_record`).
 """
 from __future__ import annotations
 
@@ -26,10 +31,12 @@ import time
 from typing import Optional
 
 from .etcd import EtcdKV, EtcdStore, EtcdTLS
+from .job_record import JobView, RecordKeeper
+from .job_view_etcd import EtcdJobView
 from .kv import KV, StoreUnavailable
-from .wire_store import KVServer, WireKV
+from .wire_store import KVServer, LocalKV, WireKV
 
-__all__ = ["KV", "StoreUnavailable", "EmbeddedStore", "StoreClient", "make_store"]
+__all__ = ["KV", "StoreUnavailable", "EmbeddedStore", "StoreClient", "make_store", "job_view"]
 
 log = logging.getLogger("megatron_ft.health")
 
@@ -90,8 +97,10 @@ class EmbeddedStore:
         # machine: loopback), nowhere else
         host, p = self.endpoint(node)
         self._server = KVServer((bind or host, p), secret).start()
+        # the job record, kept by whichever server is the root's (its epoch: this server's)
+        RecordKeeper(nodes, f"{node}/{os.getpid()}/{time.time():.6f}").install(self._server, self.prefix)
         self.root = -1
-        self.kv: Optional[WireKV] = None
+        self.kv: Optional[WireKV | LocalKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
         # connections for watch(): one per watch in progress, kept idle for the next (never more than the
@@ -110,7 +119,7 @@ class EmbeddedStore:
         return root_claimed_by(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
                                self.secret)
 
-    def _use(self, kv: WireKV) -> None:
+    def _use(self, kv: WireKV | LocalKV) -> None:
         """``kv`` is the client of the root's server from now on (the previous one closed)."""
         if self.kv is not None and self.kv is not kv:
             self.kv.close()
@@ -149,7 +158,7 @@ class EmbeddedStore:
 
     def _become_root(self) -> int:
         with self._lock:
-            self._use(self._client(self.node))
+            self._use(self._server.local(self.prefix))  # its own map, in process: no TCP to itself
             self.kv.set("root", str(self.node))  # type: ignore[union-attr]
             self.root = self.node
             log.warning("node %d: this agent is the root (store at %s:%d)", self.node, *self.endpoint(self.node))
@@ -234,8 +243,10 @@ class EmbeddedStore:
         """The key's value at the root once it differs from ``value``, or after ``wait_s`` unchanged
         (a long poll on a connection of the calling thread's own, so that it blocks no other call).
         A root that does not answer raises :class:`StoreUnavailable` (the caller asks again later, when
-        :meth:`get` and the other calls have found the new root)."""
+        :meth:`get` and the other calls have found the new root). The root itself waits on its map."""
         root = self.root
+        if root == self.node:
+            return self._server.local(self.prefix).watch(key, value, wait_s)
         kv = None
         with self._lock:
             while self._idle_watchers:
@@ -284,6 +295,14 @@ class EmbeddedStore:
         self._server.close()
 
 
+def job_view(store, nodes: int) -> "JobView | EtcdJobView":
+    """The job record's reader on ``store`` (an :class:`EmbeddedStore`, :class:`EtcdStore` or
+    :class:`StoreClient`): the record the root keeps on the embedded store, the keys' own events folded
+    by the reader on etcd."""
+    kv = getattr(store, "kv", None)
+    return EtcdJobView(kv, nodes) if isinstance(kv, EtcdKV) else JobView(store, nodes)
+
+
 def store_needed(cfg) -> bool:
     """Whether the job's agents run the coordination store (heartbeats, failure verdicts, the rendezvous
     record): every job of more than one node, whatever ``redundancy.scheme`` says - the rendezvous
@@ -323,6 +342,7 @@ class StoreClient:
         self.prefix = f"mft/{cfg.run_id}/"
         self.kv: Optional[KV] = None
         self.root = -1
+        self._watcher: Optional[tuple[int, WireKV]] = None  # (root, its connection for watch)
         if h.store.startswith("etcd://"):
             self.kv = EtcdKV(h.store, self.prefix, self.timeout_s, EtcdTLS.of(h))
         self.hosts = h.host_list(cfg.cluster.nodes)
@@ -372,3 +392,39 @@ class StoreClient:
 
     def delete(self, key: str) -> None:
         self._do(lambda kv: kv.delete(key))
+
+    def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
+        """The key's value once it differs from ``value``, or after ``wait_s`` unchanged (a long poll;
+        embedded: on a connection to the root of its own, so that the other calls of this client do not
+        wait behind it - one caller at a time; etcd: a range read and a watch stream). A root that stops
+        answering is a :class:`StoreUnavailable`; the next call finds the new root."""
+        if self.cfg.health.store.startswith("etcd://"):
+            from .etcd import watch_key
+
+            return watch_key(self.kv, key, value, wait_s)  # type: ignore[arg-type]
+        if self.kv is None:
+            self.connect(10 * self.timeout_s)
+        if self._watcher is None or self._watcher[0] != self.root:
+            if self._watcher is not None:
+                self._watcher[1].close()
+            self._watcher = (self.root, WireKV(*endpoint(self.hosts, self.cfg.health.store_port, self.root),
+                                               self.prefix, self.timeout_s, self.secret))
+        try:
+            return self._watcher[1].watch(key, value, wait_s)
+        except StoreUnavailable:
+            self._watcher[1].close()
+            self._watcher = None
+            if self.kv is not None:  # the root moved, probably: the next call looks for it again
+                self.kv.close()  # type: ignore[union-attr]
+                self.kv = None
+            raise
+
+    def close(self) -> None:
+        """Close the connections (etcd: end the watch streams open now)."""
+        if self._watcher is not None:
+            self._watcher[1].close()
+            self._watcher = None
+        if self.kv is not None:
+            self.kv.close()  # type: ignore[union-attr]
+            if not self.cfg.health.store.startswith("etcd://"):
+                self.kv = None

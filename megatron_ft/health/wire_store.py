@@ -19,12 +19,23 @@ watch           key, value, wait_s          the key's value once it differs from
 ==============  ==========================  =====================================================
 
 An owner of a server may *derive* keys (:meth:`KVServer.derive`): a function called, under the map's
-lock, with every ``set`` of a key under a given prefix, whose returned keys are set in the same step
-(the root agent's job-wide agreement is computed this way, in process, as the nodes' reports arrive).
+lock, with every ``set`` of a key under a given prefix (and, if it asks, every ``delete``), whose
+returned keys are set in the same step (the root agent's job-wide agreement and the job record,
+:mod:`.job_record`, are computed this way, in process, as the nodes' keys arrive).
+
+The server's own process reads and writes its map without the wire (:class:`LocalKV`: the same rules,
+the same lock, the same derived keys; counted as ``"local <op>"``): the root agent's store calls,
+its monitor's reads of every heartbeat included, cost no TCP round trip to itself.
 
 A key is at most :data:`KEY_MAX` bytes, a value :data:`VALUE_MAX`; a server holds at most
-:data:`KEYS_MAX` keys (a ``set`` of a new key beyond that is refused). The map lives in the agent's
-memory only: a new root is re-filled by the agents' re-publishing (:class:`~.store.EmbeddedStore`).
+:data:`KEYS_MAX` keys and :data:`BYTES_MAX` bytes of keys and values (a ``set`` beyond either is
+refused). A node holds about ten keys at once (``hb``, ``addr``, ``size``, ``failed``, ``software``,
+``agree``, ``stall``, ``fatal``, a reduction's, one ``claim`` per verdict on it), the job a few more
+(``root``, ``rdzv``, ``ended``, ``agreed``, ``hang``, ``last_verdict``, ``job/*``: 2 + 2 per 512 nodes):
+16 per node at 16,384 nodes fit :data:`KEYS_MAX`; their values are mostly under 200 bytes (``size``:
+20 per rank), about 50 MB at that size, well inside :data:`BYTES_MAX` (256 MiB, the map's memory bound
+whatever the clients send). The map lives in the agent's memory only: a new root is re-filled by the
+agents' re-publishing (:class:`~.store.EmbeddedStore`).
 
     >>> server = KVServer(("127.0.0.1", 0), secret=b"s" * 32).start()
     >>> kv = WireKV(*server.address, "mft/run/", timeout_s=2.0, secret=b"s" * 32)
@@ -57,7 +68,10 @@ log = logging.getLogger("megatron_ft.health")
 
 KEY_MAX = 512
 VALUE_MAX = 64 << 10
-KEYS_MAX = 1 << 16
+#: keys one server holds: 16 per node at 16,384 nodes (see the module)
+KEYS_MAX = 1 << 18
+#: bytes of keys and values one server holds (the map's memory bound)
+BYTES_MAX = 1 << 28
 
 Key = Annotated[StrictStr, Field(min_length=1, max_length=KEY_MAX)]
 Value = Annotated[StrictStr, Field(max_length=VALUE_MAX)]
@@ -96,41 +110,48 @@ class Watch(Request):
 STORE_MESSAGES = Messages("store", {"get": Get, "set": Set, "compare_set": CompareSet, "delete": Delete,
                                     "watch": Watch})
 
-#: a derived key's function: (key under the prefix, new value) -> keys to set with it (full keys; a
-#: value None deletes the key, e.g. the one just set once the function has absorbed it)
-Derive = Callable[[str, str], dict[str, Optional[str]]]
+#: a derived key's function: (key under the prefix, new value; None: deleted, for a function that asked
+#: for deletes) -> keys to set with it (full keys; a value None deletes the key, e.g. the one just set once
+#: the function has absorbed it)
+Derive = Callable[[str, Optional[str]], dict[str, Optional[str]]]
 
 
 class _Map:
-    """The store's map and its rules (a :class:`~megatron_ft.transport.wire.Handler`); one lock, held
-    only while the map is read or changed."""
+    """The store's map and its rules (a :class:`~megatron_ft.transport.wire.Handler` for the wire, and
+    :meth:`apply` for its own process); one lock, held only while the map is read or changed."""
 
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
+        self.nbytes = 0  # keys and values held, in characters (bounded by BYTES_MAX)
         self._lock = threading.Lock()
         self._changed: dict[str, threading.Condition] = {}  # key -> its waiters (only keys watched)
-        self._derived: list[tuple[str, Derive]] = []
+        self._derived: list[tuple[str, Derive, bool]] = []  # (prefix, function, called on deletes too)
         # requests served, by op and by "op family" (the key's first part under the job's prefix, e.g.
-        # "set agree", "watch agreed"; a watch that ended unchanged also as "watch-timeout <family>"):
-        # the scale benchmark counts the store's messages with it (benchmarks/scale.py)
+        # "set agree", "watch agreed"; a watch that ended unchanged also as "watch-timeout <family>"; the
+        # server's own process's calls as "local get", "local get hb"): the scale benchmark counts the
+        # store's messages with it (benchmarks/scale.py)
         self.ops: collections.Counter = collections.Counter()
 
     def handle(self, conn: wire.Connection, msg: dict) -> dict:
         req = STORE_MESSAGES.parse(msg)
+        return self.apply(req, "")
+
+    def apply(self, req: Request, via: str) -> dict:
+        """One validated request; ``via``: ``""`` from the wire, ``"local "`` from this process (counted
+        apart). A ``set`` beyond :data:`KEYS_MAX` or :data:`BYTES_MAX` raises ValueError naming the key."""
         family = req.key.split("/")[2] if req.key.count("/") >= 2 else req.key
         with self._lock:
-            self.ops[req.op] += 1
-            self.ops[f"{req.op} {family}"] += 1
+            self.ops[via + req.op] += 1
+            self.ops[f"{via}{req.op} {family}"] += 1
             if isinstance(req, Watch):
                 value = self._wait_locked(req.key, req.value, req.wait_s)
                 if value == req.value:
-                    self.ops[f"watch-timeout {family}"] += 1
+                    self.ops[f"{via}watch-timeout {family}"] += 1
                 return {"value": value}
             if isinstance(req, Get):
                 return {"value": self.data.get(req.key)}
             if isinstance(req, Delete):
-                self.data.pop(req.key, None)
-                self._notify(req.key)
+                self._pop(req.key)
                 return {}
             if isinstance(req, Set):
                 self._put(req.key, req.value)
@@ -142,19 +163,42 @@ class _Map:
                 cur = req.desired
             return {"value": cur or ""}
 
-    def _put(self, key: str, value: str) -> None:
-        if key not in self.data and len(self.data) >= KEYS_MAX:
-            raise ValueError(f"store holds {KEYS_MAX} keys already (KEYS_MAX): {key!r} refused")
+    def _store(self, key: str, value: str) -> None:
+        old = self.data.get(key)
+        self.nbytes += len(value) - (len(old) if old is not None else -len(key))
         self.data[key] = value
+
+    def _put(self, key: str, value: str) -> None:
+        old = self.data.get(key)
+        if old is None and len(self.data) >= KEYS_MAX:
+            raise ValueError(f"store holds {KEYS_MAX} keys already (KEYS_MAX): {key!r} refused")
+        grow = len(value) - (len(old) if old is not None else -len(key))
+        if grow > 0 and self.nbytes + grow > BYTES_MAX:
+            raise ValueError(f"store holds {self.nbytes} bytes already (BYTES_MAX {BYTES_MAX}): {key!r} "
+                             f"of {len(value)} bytes refused")
+        self._store(key, value)
         self._notify(key)
-        for prefix, fn in self._derived:
-            if key.startswith(prefix):
+        self._derive(key, value)
+
+    def _pop(self, key: str) -> None:
+        old = self.data.pop(key, None)
+        if old is None:
+            return
+        self.nbytes -= len(key) + len(old)
+        self._notify(key)
+        self._derive(key, None)
+
+    def _derive(self, key: str, value: Optional[str]) -> None:
+        for prefix, fn, deletes in self._derived:
+            if key.startswith(prefix) and (value is not None or deletes):
                 for k, v in fn(key[len(prefix):], value).items():
                     if v is None:  # the function absorbed the key (or an old one): gone
-                        if self.data.pop(k, None) is not None:
+                        old = self.data.pop(k, None)
+                        if old is not None:
+                            self.nbytes -= len(k) + len(old)
                             self._notify(k)
                     elif self.data.get(k) != v:
-                        self.data[k] = v
+                        self._store(k, v)
                         self._notify(k)
 
     def _notify(self, key: str) -> None:
@@ -176,9 +220,9 @@ class _Map:
             cond.wait(left)
         return self.data.get(key)
 
-    def derive(self, prefix: str, fn: Derive) -> None:
+    def derive(self, prefix: str, fn: Derive, deletes: bool = False) -> None:
         with self._lock:
-            self._derived.append((prefix, fn))
+            self._derived.append((prefix, fn, deletes))
 
     def closed(self, conn: wire.Connection) -> None:
         pass
@@ -198,11 +242,16 @@ class KVServer:
         self._server.start()
         return self
 
-    def derive(self, prefix: str, fn: Derive) -> None:
+    def derive(self, prefix: str, fn: Derive, deletes: bool = False) -> None:
         """Call ``fn(key after prefix, value)`` under the map's lock with every ``set`` of a key under
-        ``prefix`` (full key, the job's prefix included); the keys it returns are set (None: deleted) in
-        the same step (their watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
-        self._map.derive(prefix, fn)
+        ``prefix`` (full key, the job's prefix included) and, with ``deletes``, every ``delete`` of one
+        that existed (``value`` None); the keys it returns are set (None: deleted) in the same step (their
+        watchers woken). ``fn`` must be quick and do no I/O: the map waits for it."""
+        self._map.derive(prefix, fn, deletes)
+
+    def local(self, prefix: str) -> "LocalKV":
+        """A client of this server's map in this process (no wire; see :class:`LocalKV`)."""
+        return LocalKV(self._map, prefix, f"{self.address[0]}:{self.address[1]}")
 
     def op_counts(self) -> dict[str, int]:
         """Requests this server has served: by op (``"set"``) and by op and key family (``"set agree"``,
@@ -212,6 +261,47 @@ class KVServer:
 
     def close(self) -> None:
         self._server.close()
+
+
+class LocalKV:
+    """The :class:`WireKV` interface on a server's map from the server's own process: each call applies
+    the same validated request under the same lock (derived keys included) with no connection, counted
+    as ``"local <op>"`` in :meth:`KVServer.op_counts`. A key or value beyond the limits, or a map that is
+    full, is a :class:`StoreUnavailable` naming the server and the value, as through the wire. A
+    ``watch`` blocks the calling thread only (the map's condition, not its lock, is waited on)."""
+
+    def __init__(self, m: _Map, prefix: str, where: str):
+        self._map, self.prefix, self.where = m, prefix, where
+
+    def _request(self, op: str, **fields) -> dict:
+        try:
+            req = STORE_MESSAGES.parse({"op": op, **fields})
+            return self._map.apply(req, "local ")
+        except ValueError as e:
+            raise StoreUnavailable(f"store at {self.where} (in process): {e}") from None
+
+    def get(self, key: str) -> Optional[str]:
+        with self._map._lock:  # the hot path (the root's monitor reads every heartbeat): no model built
+            full = self.prefix + key
+            self._map.ops["local get"] += 1
+            self._map.ops[f"local get {full.split('/')[2] if full.count('/') >= 2 else full}"] += 1
+            return self._map.data.get(full)
+
+    def set(self, key: str, value: str) -> None:
+        self._request("set", key=self.prefix + key, value=value)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        return self._request("compare_set", key=self.prefix + key, expected=expected, desired=desired)["value"]
+
+    def delete(self, key: str) -> None:
+        self._request("delete", key=self.prefix + key)
+
+    def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
+        return self._request("watch", key=self.prefix + key, value=value,
+                             wait_s=float(min(wait_s, WATCH_MAX_S))).get("value")
+
+    def close(self) -> None:
+        pass
 
 
 class WireKV:

@@ -6,32 +6,43 @@ from __future__ import annotations
 import json
 import os
 
+from megatron_ft.health.job_record import RecordKeeper
 from megatron_ft.health.monitor import WITHDRAWN, Monitor, claim_key
+from megatron_ft.health.wire_store import KVServer
 
 
 class Store:
+    """The root's store: a real store server (keeping the job record, as a root agent's does) read and
+    written in process, as the root agent does its own."""
+
     def __init__(self, root=0):
-        self.data, self.root = {}, root
+        self.root = root
+        self.server = KVServer(("127.0.0.1", 0), None).start()
+        RecordKeeper(2, "test").install(self.server, "")
+        self.kv = self.server.local("")
 
     @property
     def is_root(self):
         return True
 
+    @property
+    def data(self):
+        return {k: v for k, v in self.server._map.data.items() if not k.startswith("job/")}
+
     def get(self, key):
-        return self.data.get(key)
+        return self.kv.get(key)
 
     def set(self, key, value):
-        self.data[key] = value
+        self.kv.set(key, value)
 
     def delete(self, key):
-        self.data.pop(key, None)
+        self.kv.delete(key)
 
     def compare_set(self, key, expected, desired):
-        cur = self.data.get(key)
-        if (cur is None and expected == "") or cur == expected:
-            self.data[key] = desired
-            cur = desired
-        return cur or ""
+        return self.kv.compare_set(key, expected, desired)
+
+    def watch(self, key, value, wait_s):
+        return self.kv.watch(key, value, wait_s)
 
 
 def judged(store):

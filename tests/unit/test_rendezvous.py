@@ -1,6 +1,7 @@
-"""Which rendezvous generation a launcher joins (``megatron_ft.launch.Rendezvous``), against an
-in-memory store: a node replaced between the host's loss and the survivors' next generation must wait
-for that generation, never join the dead one; a live host's generation is joined at once."""
+"""Which rendezvous generation a launcher joins (``megatron_ft.launch.Rendezvous``), against a real
+store server keeping the job record (what a root agent's does): a node replaced between the host's loss
+and the survivors' next generation must wait for that generation, never join the dead one; a live
+host's generation is joined at once."""
 from __future__ import annotations
 
 import json
@@ -8,33 +9,41 @@ import threading
 import time
 
 from megatron_ft import config as ftconfig
+from megatron_ft.health.job_record import RecordKeeper
+from megatron_ft.health.wire_store import KVServer, WireKV
 from megatron_ft.launch import RdzvGeneration, Rendezvous
 
 
 class Store:
-    """What the launcher asks of the agents' store."""
+    """What the launcher asks of the agents' store: a real store server deriving the job record, and a
+    client of it on the wire (a StoreClient's interface: connect, get, set, compare_set, watch, kv)."""
 
-    def __init__(self):
-        self.data, self.lock = {}, threading.Lock()
+    def __init__(self, nodes=4):
+        self.server = KVServer(("127.0.0.1", 0), None).start()
+        RecordKeeper(nodes, "test").install(self.server, "mft/rdzv/")
+        self.kv = WireKV(*self.server.address, "mft/rdzv/", 5.0)
+        self._watch = WireKV(*self.server.address, "mft/rdzv/", 5.0)
 
     def connect(self, deadline_s=0.0):
         return self
 
     def get(self, key):
-        with self.lock:
-            return self.data.get(key)
+        return self.kv.get(key)
 
     def set(self, key, value):
-        with self.lock:
-            self.data[key] = value
+        self.kv.set(key, value)
+
+    def delete(self, key):
+        self.kv.delete(key)
 
     def compare_set(self, key, expected, desired):
-        with self.lock:
-            cur = self.data.get(key)
-            if (cur is None and expected == "") or cur == expected:
-                self.data[key] = desired
-                cur = desired
-            return cur or ""
+        return self.kv.compare_set(key, expected, desired)
+
+    def watch(self, key, value, wait_s):
+        return self._watch.watch(key, value, wait_s)
+
+    def requests(self):
+        return sum(v for k, v in self.server.op_counts().items() if " " not in k)
 
 
 def job(node, store, timeout=3.0):
@@ -70,7 +79,7 @@ def test_the_host_publishes_who_it_is_and_a_replacement_of_a_live_job_joins_at_o
 
 def test_a_node_replaced_before_the_survivors_move_waits_for_their_generation_not_the_dead_one():
     store = running_job()
-    store.set("failed/0", json.dumps({"pid": 100}))  # the root's verdict on node 0's agent
+    store.set("failed/0", json.dumps({"node": 0, "pid": 100, "time": 5.0}))  # the root's verdict on node 0's agent
     nxt = RdzvGeneration(1, 1, "127.0.0.1", 11015, 101, 201)
     threading.Timer(0.7, lambda: store.set("rdzv", nxt.to_json())).start()  # the survivors, moments later
     got = job(3, store).current(print)
