@@ -188,10 +188,10 @@ class Keeper:
         wire.send_packet(self.watch, msg)
 
     def open_next(self) -> None:
-        """Open the round after ours (the watcher adds it to the job's store, once per node), and go to it."""
+        """Open the round after ours (the watcher adds it to the job's store, once per node); the loop
+        goes to it (:meth:`advance`)."""
         self.to_watch({"op": "open", "round": self.round.number + 1})
         self.joining = self.round.number + 1
-        self.advance()
 
     def from_watch(self) -> None:
         """Handle one message of the node's watcher: a newer round, its store's port, the job's store
@@ -214,11 +214,10 @@ class Keeper:
             self.ports[msg.round] = msg.port
         if isinstance(msg, (Opened, RoundOpened)):
             self.newest = max(self.newest, msg.round)
-        self.advance()
 
     def advance(self) -> None:
         """Join a newer round; start the one we join once its store's port is known (torchrun's rank 0
-        hosts it, and tells the watcher its port)."""
+        hosts it, and tells the watcher its port). No I/O but at a round's turn (called every loop)."""
         if self.round.budget == 0 or self.round.stopping:
             return
         target = fr.joins(self.round, max(min(self.newest, self.round.budget), self.joining or 0))
@@ -340,6 +339,15 @@ class Keeper:
             for fd in self.fds:
                 os.close(fd)
 
+    def rounds_over(self, e: Exception) -> None:
+        """The job's store is gone (its host ended: the job is ending, or torchrun's rank 0 failed), or
+        the watcher, or a round's store could not be hosted: no more rounds; a trainer still running
+        goes on."""
+        if self.round.budget:
+            log.warning("spares: rank %s: no fast restarts any more (%s)", self.env.get("RANK"),
+                        str(e).splitlines()[0] if str(e) else type(e).__name__)
+        self.round = fr.Round(self.round.number, 0, self.round.stopping)
+
     def _timeout(self) -> float:
         """How long the loop may sleep: until the grace of a trainer asked to rejoin runs out, at most
         :data:`IDLE_TICK_S` (:data:`~.fast_restart.POLL_S` without a pidfd to wake it at the trainer's exit)."""
@@ -373,7 +381,14 @@ class Keeper:
                         log.error("spares: rank %s: no fast restart (%s)", self.env.get("RANK"), e)
                         return code
                     log.warning("spares: rank %s: trainer exited with %d; round %d opened", self.env.get("RANK"),
-                                code, self.joining or self.round.number)
+                                code, self.joining)
+            try:
+                if self.round.budget and not self.round.stopping:
+                    self.advance()
+            except Exception as e:
+                self.rounds_over(e)
+                if self.trainer is None:
+                    return 1  # between rounds: torchrun restarts the job
             if (self.round.budget and not self.round.stopping and self.trainer is not None and self.round.number > 0
                     and self.node_lost()):
                 log.error("spares: rank %s: a node was lost during round %d: torchrun restarts",
@@ -388,12 +403,8 @@ class Keeper:
             if self.watch is not None and self.watch in ready:
                 try:
                     self.from_watch()
-                except Exception as e:  # the job's store is gone (its host ended: the job is ending, or
-                    # torchrun's rank 0 failed), or the watcher: no more rounds; a trainer still running goes on
-                    if self.round.budget:
-                        log.warning("spares: rank %s: no fast restarts any more (%s)", self.env.get("RANK"),
-                                    str(e).splitlines()[0] if str(e) else type(e).__name__)
-                    self.round = fr.Round(self.round.number, 0, self.round.stopping)
+                except RoundsGone as e:
+                    self.rounds_over(e)
                     if self.trainer is None:
                         return 1  # between rounds: torchrun restarts the job
             if self.ctl is not None and self.ctl in ready:
