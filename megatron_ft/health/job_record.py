@@ -272,13 +272,14 @@ def encode_owners(rec: JobRecord, owners_versions: list[int]) -> str:
 
 
 def largest_part_bytes(nodes: int) -> int:
-    """The size of the largest part a job of ``nodes`` nodes can store: every node of the first part
-    present with the widest pids (2^22) and verdict times."""
+    """The size in bytes of the largest part a job of ``nodes`` nodes can store: every node of its last
+    part (the longest node numbers) present, with the widest pids (2^22) and verdict times."""
+    last = parts_of(nodes) - 1
     rec = JobRecord(nodes=nodes, epoch="16383/4194304/1712345678.123456")
-    for n in range(min(nodes, PART_NODES)):
+    for n in range(last * PART_NODES, min(nodes, (last + 1) * PART_NODES)):
         rec.owners[n] = Owners(4194304, 4194304, True)
         rec.failed[n] = Failed(4194304, 1712345678.1234567)
-    return max(len(encode_part(rec, k, 0, 1 << 40).encode()) for k in ("owners", "failed"))
+    return max(len(encode_part(rec, k, last, 1 << 40).encode()) for k in ("owners", "failed"))
 
 
 # ---------------------------------------------------------------------------------------------- the root's side
@@ -380,9 +381,15 @@ class JobView:
             return None
         self._raw[key] = raw
         idx = _json(raw) if raw is not None else None
-        if idx is None:  # a root that holds no record yet (a new one, before the first heartbeat)
-            self._new_epoch("")
+        if idx is None:  # a root that holds none of it yet (a new one, or nothing happened): empty
+            r = self.record
+            if kind == "owners":
+                r.owners.clear()
+            else:
+                r.failed.clear()
+                r.fatal, r.ended, r.rdzv = {}, None, None
             self._have[kind] = [0] * parts_of(self.nodes)
+            self.version += 1
             return None
         if idx.get("format") != fmt:
             raise StoreUnavailable(f"{key} is not a {fmt} record: {raw[:120]!r}")
