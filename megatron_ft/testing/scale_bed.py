@@ -59,12 +59,16 @@ TENSOR_NUMEL = 256
 #: the steps a restoring rank offers at most (``megatron_ft.trainer.recovery.MAX_CANDIDATES``; not imported:
 #: that module loads torch, which the workers do without)
 RESTORE_MAX_CANDIDATES = 4
+#: the workers' servers' idle accept wake-up (the product's: 0.05 s; see the module, "Sizing")
+ACCEPT_POLL_S = 1.0
 
 
 def bed_config(run_id: str, nodes: int, base_port: int, shm_dir: str, socket_dir: str, persist_dir: str,
-               heartbeat_s: float, timeout_s: float) -> dict:
+               heartbeat_s: float, timeout_s: float, store: str = "embedded", secret_file: str = "") -> dict:
     """The job's configuration (a dict for :func:`megatron_ft.config.from_dict`): ``nodes`` x 1 rank,
-    the agents' agreement, nothing persisted, no redundancy."""
+    the agents' agreement, nothing persisted, no redundancy; ``store``: ``embedded`` or ``etcd://...``;
+    ``secret_file``: the job's secret for the processes that read it from the configuration (the
+    launcher side's store clients)."""
     return {
         "run_id": run_id,
         "cluster": {"nodes": nodes, "ranks_per_node": 1},
@@ -73,9 +77,10 @@ def bed_config(run_id: str, nodes: int, base_port: int, shm_dir: str, socket_dir
         "persist": {"interval": 0, "dir": persist_dir, "on_failure": False},
         "agent": {"shm_dir": shm_dir, "socket_dir": socket_dir, "connect_timeout_s": 300.0,
                   "request_timeout_s": 120.0},
-        "health": {"store": "embedded", "store_port": base_port, "heartbeat_s": heartbeat_s, "timeout_s": timeout_s},
+        "health": {"store": store, "store_port": base_port, "heartbeat_s": heartbeat_s, "timeout_s": timeout_s},
         "network": {"peer_port": base_port + nodes},
         "redundancy": {"scheme": "none"},
+        "security": {"secret_file": secret_file},
     }
 
 
@@ -226,9 +231,10 @@ def _proc_counts() -> dict:
 
 
 class _Worker:
-    def __init__(self, cfg, secret: bytes, nodes: range):
-        self.cfg, self.secret, self.nodes = cfg, secret, nodes
+    def __init__(self, cfg, secret: bytes, nodes: range, mode: str = "agreement"):
+        self.cfg, self.secret, self.nodes, self.mode = cfg, secret, nodes, mode
         self.agents: list = []
+        self.health = None  # the health scenario's instruments (scale_health.WorkerHealth)
         self.trainers: list[LightTrainer] = []
         self.cond = threading.Condition()
         self.agreed: dict[int, int] = {}  # node -> the newest agreed step its agent applied
@@ -253,29 +259,37 @@ class _Worker:
     def start(self, say) -> dict:
         from ..agent.server import Agent
 
+        from .scale_health import WorkerHealth
+
+        self.health = WorkerHealth(self)
         t0 = time.monotonic()
         for n in self.nodes:
             a = Agent(self.cfg, n, self.secret)
             a.start_peers()
-            a.start_agreement()
-            self._instrument(a)
-            threading.Thread(target=a.serve_forever, name=f"agent-n{n}", daemon=True).start()
+            self.health.instrument(a)
+            if self.mode == "health":  # heartbeats and verdicts only: the coordinator stands as every launcher
+                a.watch_launcher(os.getppid(), poll_s=30.0)
+            else:
+                a.start_agreement()
+                self._instrument(a)
+                threading.Thread(target=a.serve_forever, name=f"agent-n{n}", daemon=True).start()
             self.agents.append(a)
             if n == 0:
                 say({"event": "root"})
-        for a in self.agents:
-            self.trainers.append(LightTrainer(self.cfg, a.node))
+        if self.mode != "health":
+            for a in self.agents:
+                self.trainers.append(LightTrainer(self.cfg, a.node))
         return {"event": "ready", "start_s": round(time.monotonic() - t0, 3), **_proc_counts()}
 
     def _root_ops(self) -> Optional[dict]:
         for a in self.agents:
-            if a.store is not None and a.store.is_root:
+            if a.store is not None and a.store.is_root and hasattr(a.store, "_server"):
                 return a.store._server.op_counts()  # the root's own server: the job's store
         return None
 
     def counters(self) -> dict:
-        return {"reports": sum(a.agreement.reports_sent for a in self.agents),
-                "verdicts": sum(a.agreement.verdicts_seen for a in self.agents),
+        ags = [a.agreement for a in self.agents if a.agreement is not None]
+        return {"reports": sum(j.reports_sent for j in ags), "verdicts": sum(j.verdicts_seen for j in ags),
                 "skipped": sum(a.slots.agreement.skipped_pending for a in self.agents),
                 "ops": self._root_ops(), "cpu_s": _cpu_s(), **_proc_counts()}
 
@@ -346,7 +360,10 @@ class _Worker:
                 a.shutdown()
             finally:
                 if a.store is not None:
-                    a.store.close()
+                    try:
+                        a.store.close()
+                    except Exception:  # closed already (a node the bed killed)
+                        pass
 
         threads = [threading.Thread(target=down, args=(a,), daemon=True) for a in self.agents]
         for t in threads:
@@ -360,13 +377,28 @@ class _Worker:
         return {"event": "stopped", "left": left, "stuck": sum(t.is_alive() for t in threads)}
 
 
+def _slow_accept_poll(socketserver, poll_s: float) -> None:
+    """Every server's accept loop here wakes every ``poll_s`` instead of the interval its caller passes
+    (``transport.wire.Server``: 0.05 s, only so that ``close()`` returns soon): a node's 2 servers waking
+    20 times a second cost nothing, 4,096 of them on one 2-core machine most of a core (see the module).
+    A connection or request wakes the loop at once either way; only a server's ``close()`` waits longer."""
+    inner = socketserver.BaseServer.serve_forever
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        inner(self, max(poll_interval, poll_s))
+
+    socketserver.BaseServer.serve_forever = serve_forever
+
+
 def _worker_main() -> None:
     spec = json.loads(sys.stdin.readline())
     _raise_nofile()
-    if spec.get("backlog"):  # diagnostic only: the listen backlog of every server here (socketserver's is 5)
-        import socketserver
+    import socketserver
 
+    if spec.get("backlog"):  # diagnostic only: the listen backlog of every server here (socketserver's is 5)
         socketserver.TCPServer.request_queue_size = int(spec["backlog"])
+    if spec.get("accept_poll_s"):  # the servers' idle wake-up (see the module: shutdown latency only)
+        _slow_accept_poll(socketserver, float(spec["accept_poll_s"]))
     threading.stack_size(spec.get("stack_kib", 512) << 10)
     logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")), stream=sys.stderr,
                         format="[scale-bed w%(process)d %(asctime)s] %(name)s %(levelname)s %(message)s")
@@ -381,7 +413,7 @@ def _worker_main() -> None:
             sys.stdout.write(json.dumps(obj) + "\n")
             sys.stdout.flush()
 
-    w = _Worker(cfg, secret, range(spec["first"], spec["last"]))
+    w = _Worker(cfg, secret, range(spec["first"], spec["last"]), spec.get("mode", "agreement"))
     try:
         say(w.start(say))
         for line in sys.stdin:  # the coordinator's commands; its end (EOF) stops the worker too
@@ -395,6 +427,8 @@ def _worker_main() -> None:
                               cmd["t0"], cmd.get("stagger_s", 0.0)))
             elif cmd["cmd"] == "stop":
                 break
+            else:  # the health scenario's commands (scale_health.WorkerHealth)
+                say(w.health.command(cmd))
     except Exception as e:  # said, then torn down all the same
         logging.getLogger("megatron_ft.scale_bed").exception("worker failed")
         say({"event": "error", "error": f"{type(e).__name__}: {e}"})
@@ -466,7 +500,8 @@ class ScaleBed:
 
     def __init__(self, nodes: int, procs: int = 4, heartbeat_s: float = 2.0, timeout_s: float = 120.0,
                  run_id: Optional[str] = None, step_timeout_s: float = 120.0, log_level: str = "WARNING",
-                 backlog: Optional[int] = None):
+                 backlog: Optional[int] = None, mode: str = "agreement", store: str = "embedded",
+                 accept_poll_s: float = ACCEPT_POLL_S):
         if procs < 1 or nodes < procs:
             raise ValueError(f"nodes={nodes}, procs={procs}: every worker process needs a node")
         self.nodes, self.procs = nodes, procs
@@ -476,6 +511,11 @@ class ScaleBed:
         #: diagnostic: the listen backlog of every server in the workers (None: socketserver's 5, as the agents
         #: run); a burst of connections to the root's store beyond it is what it shows
         self.backlog = backlog
+        #: ``agreement``: agents with the job-wide agreement, their Unix servers and light trainers;
+        #: ``health``: agents with their store and heartbeats only (the health, launch and spares scenarios)
+        self.mode, self.store, self.accept_poll_s = mode, store, accept_poll_s
+        self.config: dict = {}
+        self.config_path = ""  # the configuration as a YAML file (what MFT_CONFIG names for the keepers' side)
         self.tmp = tempfile.mkdtemp(prefix="mftsb-", dir="/tmp")
         self.shm_dir = tempfile.mkdtemp(prefix="mftsb-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.workers: list[_Proc] = []
@@ -495,10 +535,18 @@ class ScaleBed:
 
     def _start(self, timeout_s: float) -> None:
         self.base_port = free_port_base(self.nodes)
-        cfg = bed_config(self.run_id, self.nodes, self.base_port, self.shm_dir, os.path.join(self.tmp, "s"),
-                         os.path.join(self.tmp, "persist"), self.heartbeat_s, self.timeout_s)
+        secret = secrets.token_bytes(32)
+        secret_file = os.path.join(self.tmp, "secret")
+        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            f.write(secret)
+        cfg = self.config = bed_config(self.run_id, self.nodes, self.base_port, self.shm_dir,
+                                       os.path.join(self.tmp, "s"), os.path.join(self.tmp, "persist"),
+                                       self.heartbeat_s, self.timeout_s, self.store, secret_file)
         os.makedirs(cfg["agent"]["socket_dir"], mode=0o700)
-        env = {**os.environ, SECRET_ENV: secrets.token_bytes(32).hex()}
+        self.config_path = os.path.join(self.tmp, "job.yaml")
+        with open(self.config_path, "w") as f:
+            json.dump(cfg, f)  # JSON is YAML
+        env = {**os.environ, SECRET_ENV: secret.hex()}
         per = -(-self.nodes // self.procs)
         t0 = time.monotonic()
         for i in range(self.procs):
@@ -511,7 +559,8 @@ class ScaleBed:
                                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
             w = _Proc(popen, first, last, log_path)
             self.workers.append(w)
-            w.send({"config": cfg, "first": first, "last": last, "log_level": self.log_level, "backlog": self.backlog})
+            w.send({"config": cfg, "first": first, "last": last, "log_level": self.log_level, "backlog": self.backlog,
+                    "mode": self.mode, "accept_poll_s": self.accept_poll_s})
             if i == 0:  # node 0 is the root before any other node looks for one
                 w.recv(timeout_s, "root")
         ready = [w.recv(max(1.0, timeout_s - (time.monotonic() - t0)), "ready") for w in self.workers]
@@ -521,6 +570,18 @@ class ScaleBed:
                         "max_fds_per_proc": max(r.get("fds", 0) for r in ready),
                         "max_maps_per_proc": max(r.get("maps", 0) for r in ready),
                         "rss_mib": round(sum(r.get("rss_mib", 0) for r in ready), 1)}
+
+    def ask_all(self, cmd: dict, timeout_s: float = 120.0) -> list[dict]:
+        """Send ``cmd`` to every worker; their answers (the event ``cmd["cmd"]``), in worker order."""
+        for w in self.workers:
+            w.send(cmd)
+        return [w.recv(timeout_s, cmd["cmd"]) for w in self.workers]
+
+    def ask(self, node: int, cmd: dict, timeout_s: float = 120.0) -> dict:
+        """Send ``cmd`` to the worker hosting ``node``; its answer (the event ``cmd["cmd"]``)."""
+        w = next(w for w in self.workers if w.first <= node < w.last)
+        w.send(cmd)
+        return w.recv(timeout_s, cmd["cmd"])
 
     def __enter__(self) -> "ScaleBed":
         return self.start()
