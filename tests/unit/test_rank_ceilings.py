@@ -118,8 +118,9 @@ def _rank_keyed_store_calls(path: str) -> list[str]:
     """``store.<op>(f"...{...rank...}...")`` calls of ``path``: a store key per rank."""
     out = []
     for node in ast.walk(ast.parse(open(path).read(), path)):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STORE_CALLS
-                and "store" in ast.unparse(node.func.value) and node.args and isinstance(node.args[0], ast.JoinedStr)):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.JoinedStr)
+                and isinstance(node.func, ast.Attribute) and node.func.attr in STORE_CALLS
+                and "store" in ast.unparse(node.func.value)):
             names = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)}
             names |= {n.attr for n in ast.walk(node.args[0]) if isinstance(n, ast.Attribute)}
             if any("rank" in n for n in names):
