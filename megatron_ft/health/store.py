@@ -296,10 +296,10 @@ class EmbeddedStore:
 
 
 def job_view(store, nodes: int) -> "JobView | EtcdJobView":
-    """The job record's reader on ``store`` (an :class:`EmbeddedStore`, :class:`EtcdStore` or
-    :class:`StoreClient`): the record the root keeps on the embedded store, the keys' own events folded
+    """The job record's reader on ``store`` (an :class:`EmbeddedStore`, :class:`EtcdStore`,
+    :class:`StoreClient` or :class:`EtcdKV`): the record the root keeps on the embedded store, the keys' own events folded
     by the reader on etcd."""
-    kv = getattr(store, "kv", None)
+    kv = store if isinstance(store, EtcdKV) else getattr(store, "kv", None)
     return EtcdJobView(kv, nodes) if isinstance(kv, EtcdKV) else JobView(store, nodes)
 
 
