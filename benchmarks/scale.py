@@ -35,6 +35,23 @@ answer (p50/p99), the bed's load, what is left at the root. The decisions run on
 connection after an unmeasured warm-up (``--restore-conn fresh``: a connection per restore, as the
 trainer does; see docs/benchmarks.md for why not by default).
 
+(c) ``--health``: the simulated cluster in its health mode (:mod:`megatron_ft.testing.scale_health`):
+N nodes' real agents with their store and heartbeats only (``--store embedded``: each agent's own
+store server, the root's the job's; ``--store etcd``: a real etcd server the benchmark starts, every
+agent's lease and the root's watch), ``--span-s`` seconds healthy: the store's requests per node per
+heartbeat period (embedded: the root server's op counts, wire requests apart from the root's own calls
+in process; etcd: the agents' clients' count and etcd's own ``grpc_server_started_total``), the
+heartbeat round at the root and every agent's beat (p50/p99), false verdicts; then one node's agent
+stopped as a lost one (its heartbeats stop and its store server closes, or its lease lapses): the time
+until the root's ``failed/<node>``, and until one of 2 waiting standbys (``claim_failed_node``) claimed
+it. ``--launch``: before the loss, the launcher side on the same store - a real ``Rendezvous`` per node
+(``current``, ``begin``, ``keep_published``, then a new generation: ``after_failure`` on every survivor,
+``current`` of the host's restarted launcher, ``begin``) and 2 standbys waiting with no failure; requests
+counted where they leave that process. ``--keepers before after``: the warm spares' verdict watch during
+one fast restart round's settling window (``health.timeout_s`` + 1 s), 8 keepers per node: each keeper's
+``VerdictWatch`` (before) or one ``node_watch.VerdictStream`` per node (after). The fits: requests per node
+against N (least squares).
+
 (a) ``--trainers R ...``: ``megatron-ft demo --fail none`` on R ranks (R/2 nodes x 2 ranks, the tiny
 model), alternating ``--repeats`` times: in-memory checkpointing off, ``snapshot.agreement: agents``,
 ``collective``; per-iteration time (its overhead against off) and megatron-ft's world collectives per
@@ -43,6 +60,8 @@ snapshot and per iteration from the ranks' ``snapshots`` events.
     python benchmarks/scale.py --nodes 64 256 --steps 5 --restores 10              # ~3 min on 2 cores
     python benchmarks/scale.py --nodes 256 1024 --steps 5 --restores 10 --backlog 4096   # ~6 min
     python benchmarks/scale.py --trainers 4 8 --repeats 2 --iterations 30          # ~12 min
+    python benchmarks/scale.py --health --launch --keepers after --nodes 64 256 --span-s 60
+    python benchmarks/scale.py --health --store etcd --nodes 64 128 256 512 --span-s 60
 """
 from __future__ import annotations
 
@@ -86,6 +105,123 @@ def bed(nodes: int, steps: int, procs: int, heartbeat_s: float, timeout_s: float
     for r in rfigs:
         r["teardown"] = closed
     return fig, rfigs
+
+
+def health_bed(nodes: int, procs: int, heartbeat_s: float, timeout_s: float, span_s: float, store: str,
+               launch: bool, keepers: tuple, per_node: int) -> dict:
+    """Part (c): the health figures of one size (see the module); every part's figures, or its error."""
+    from megatron_ft.testing import scale_health as sh
+
+    etcd = sh.start_etcd() if store == "etcd" else None
+    b = ScaleBed(nodes, procs=procs, heartbeat_s=heartbeat_s, timeout_s=timeout_s, mode="health",
+                 store=etcd.url if etcd is not None else "embedded")
+    out: dict = {"nodes": nodes, "store": store}
+    sides = None
+    try:
+        b.start(timeout_s=1800)
+        out["started"] = b.started
+        sides = sh.start_sides(b)
+        time.sleep(2 * heartbeat_s)  # every heartbeat names its launcher
+        out["health"] = sh.health_run(b, span_s, etcd)
+        if launch:
+            try:
+                out["launch"] = sh.launch_run(b, sides)
+            except (BedError, RuntimeError) as e:
+                out["launch"] = {"nodes": nodes, "error": str(e)[:3000]}
+        for kind in keepers:
+            try:
+                out.setdefault("keepers", []).append(
+                    sh.keepers_run(b, sides, kind, nodes if kind == "after" else min(nodes, 64), per_node))
+            except (BedError, RuntimeError) as e:
+                out.setdefault("keepers", []).append({"kind": kind, "nodes": nodes, "error": str(e)[:3000]})
+        out["detect"] = sh.detect(b, nodes - 1, sides, standbys=2)
+    except (BedError, RuntimeError) as e:
+        out["error"] = str(e)[:4000]
+    finally:
+        if sides is not None:
+            sh.stop_sides(sides)
+        out["teardown"] = b.close()
+        if etcd is not None:
+            etcd.stop()
+    return out
+
+
+def _f(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def health_table(rows: list[dict]) -> str:
+    head = ("| nodes | store | store requests / node / period | by family (per node per period) | root in process "
+            "/ node / period | root round p50 / p99 ms | agents' beat p50 / p99 ms | false verdicts | detected s "
+            "(timeout_s) | standby claimed s | bed CPU (cores) | load 1m | threads |\n|" + "---|" * 13)
+    out = [head]
+    for r in rows:
+        h = r.get("health")
+        if h is None:
+            out.append(f"| {r['nodes']} | {r['store']} | failed: {r.get('error', '')[:160]} |" + " |" * 10)
+            continue
+        d = r.get("detect") or {}
+        n, per = h["nodes"], h["periods"]
+        if h["store"] == "etcd":
+            req = (f"{_f(h['etcd_client_requests_per_node_period'], '.3f')} (client), "
+                   f"{_f(h['etcd_server_requests_per_node_s'] and h['etcd_server_requests_per_node_s'] * h['heartbeat_s'], '.3f')} (etcd)")
+            fams, local = "-", "-"
+        else:
+            req = _f(h["store_requests_per_node_period"], ".3f")
+            fams = ", ".join(f"{k} {v / (n * per):.2f}" for k, v in sorted(h["root_ops"].items())
+                             if " " in k and not k.startswith("local") and v / (n * per) >= 0.005)
+            loc = sum(v for k, v in h["root_ops"].items() if k.startswith("local ") and k.count(" ") == 1)
+            local = f"{loc / (n * per):.2f}"
+        out.append(f"| {n} | {h['store']} | {req} | {fams} | {local} | {_f(h['root_round_p50_ms'], '.1f')} / "
+                   f"{_f(h['root_round_p99_ms'], '.1f')} | {_f(h['beat_p50_ms'], '.1f')} / {_f(h['beat_p99_ms'], '.1f')} | "
+                   f"{h['false_verdicts']} in {h['span_s']:.0f} s | {_f(d.get('detected_s'))} ({h['timeout_s']:g}) | "
+                   f"{_f(d.get('claimed_s'))} | {h['bed_cpu_cores']:.2f} | {h['loadavg_1m'][1]:.1f} | {h['threads']} |")
+    return "\n".join(out)
+
+
+def launch_table(rows: list[dict]) -> str:
+    head = ("| nodes | current / launcher | begin / launcher | keep_published / launcher (per 2 s) | after_failure: "
+            "the new host, each other | new generation / launcher (after_failure + begin) | a standby's requests / s "
+            "(no failure) | a standby's claim: its requests (2 standbys) | load 1m |\n|" + "---|" * 9)
+    out = [head]
+    for r in rows:
+        la, d = r.get("launch"), r.get("detect") or {}
+        if not la or "error" in la:
+            out.append(f"| {r['nodes']} | failed: {(la or r).get('error', '')[:160]} |" + " |" * 7)
+            continue
+        claim = sum(v for k, v in (d.get("standby_ops") or {}).items() if " " not in k and k != "connect")
+        out.append(f"| {la['nodes']} | {la['current_per_launcher']:.2f} | {la['begin_per_launcher']:.2f} | "
+                   f"{la['keep_published_per_launcher']:.2f} | {la['after_failure_host_requests']}, "
+                   f"{_f(la['after_failure_other_per_launcher'])} | {la['generation_requests_per_launcher']:.2f} | "
+                   f"{la['standby_requests_per_s']:.2f} | {claim} | {la['loadavg_1m'][1]:.1f} |")
+    return "\n".join(out)
+
+
+def keepers_table(rows: list[dict]) -> str:
+    out = ["| nodes | watch | keepers per node | nodes watching | requests / node / round | requests / keeper / round "
+           "| window s | verdicts told |", "|" + "---|" * 8]
+    for r in rows:
+        for k in r.get("keepers", []):
+            if "error" in k:
+                out.append(f"| {r['nodes']} | {k['kind']} | failed: {k['error'][:160]} |" + " |" * 5)
+                continue
+            out.append(f"| {r['nodes']} | {k['kind']} | {k['per_node']} | {k['nodes']} | {k['requests_per_node_round']:.2f} | "
+                       f"{k['requests_per_keeper_round']:.2f} | {k['window_s']:g} | {k.get('verdicts_told', '-')} |")
+    return "\n".join(out)
+
+
+def fit_line(label: str, xs: list, ys: list) -> str:
+    """``label``: per-node values ``ys`` against N ``xs``: the least-squares line and the spread."""
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if len(pts) < 2:
+        return f"{label}: fewer than 2 sizes"
+    a, b = fit([p[0] for p in pts], [p[1] for p in pts])
+    per = [p[1] for p in pts]
+    mean = sum(per) / len(per)
+    spread = 100 * max(abs(y - mean) for y in per) / mean if mean else 0.0
+    return (f"{label}: per node = {a:.4g} + {b:.3g} x N (least squares over {len(pts)} sizes, "
+            f"{min(p[0] for p in pts)}-{max(p[0] for p in pts)}); {min(per):.3f}-{max(per):.3f}, within "
+            f"{spread:.1f} % of their mean {mean:.3f}")
 
 
 def restore_table(rows: list[dict]) -> str:
@@ -263,12 +399,49 @@ def main(argv=None) -> int:
                         "and leaks it: see docs/benchmarks.md)")
     p.add_argument("--backlog", type=int, default=None,
                    help="diagnostic: the listen backlog of the bed's servers (default: socketserver's 5, as the agents)")
+    p.add_argument("--health", action="store_true", help="part (c): the health scenario at each --nodes")
+    p.add_argument("--store", default="embedded", choices=("embedded", "etcd"), help="part (c)'s store")
+    p.add_argument("--span-s", type=float, default=60.0, help="part (c): the healthy span measured")
+    p.add_argument("--health-heartbeat-s", type=float, default=2.0)
+    p.add_argument("--health-timeout-s", type=float, default=10.0)
+    p.add_argument("--launch", action="store_true", help="part (c): the launcher side too")
+    p.add_argument("--keepers", nargs="*", default=[], choices=("before", "after"),
+                   help="part (c): the keepers' verdict watch, per rank (before) or per node (after)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="part (c): keepers per node")
     p.add_argument("--trainers", type=int, nargs="*", default=[])
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--repeats", type=int, default=2, help="part (a): each mode this many times, alternating")
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
     args = p.parse_args(argv)
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} {platform.node()} {os.cpu_count()} cores", flush=True)
+    if args.health:
+        hrows = []
+        for n in args.nodes:
+            r = health_bed(n, min(args.procs, n), args.health_heartbeat_s, args.health_timeout_s, args.span_s,
+                           args.store, args.launch, tuple(args.keepers), args.ranks_per_node)
+            print(json.dumps({"measurement": "health", **r}), flush=True)
+            hrows.append(r)
+        print(health_table(hrows))
+        ok = [r for r in hrows if r.get("health")]
+        xs = [r["nodes"] for r in ok]
+        if args.store == "etcd":
+            print(fit_line("etcd client requests per heartbeat period", xs,
+                           [r["health"]["etcd_client_requests_per_node_period"] for r in ok]))
+            print(fit_line("etcd server requests per second", xs,
+                           [r["health"]["etcd_server_requests_per_node_s"] for r in ok]))
+        else:
+            print(fit_line("store requests per heartbeat period", xs,
+                           [r["health"]["store_requests_per_node_period"] for r in ok]))
+        if args.launch:
+            print(launch_table(hrows))
+            lok = [r for r in hrows if r.get("launch") and "error" not in r["launch"]]
+            lx = [r["nodes"] for r in lok]
+            for key in ("current_per_launcher", "begin_per_launcher", "generation_requests_per_launcher",
+                        "standby_requests_per_s"):
+                print(fit_line(key, lx, [r["launch"][key] for r in lok]))
+        if args.keepers:
+            print(keepers_table(hrows))
+        return 0
     rows, rrows = [], []
     for n in args.nodes:
         hb = args.heartbeat_s if args.heartbeat_s is not None else (2.0 if n <= 256 else 5.0)

@@ -358,7 +358,7 @@ class Sides:
 
             out = self._phase(list(range(nodes)), fn, nodes)
             out["verdicts_told"] = len(got)
-        out.update(kind=kind, keepers=nodes * per_node, per_node=per_node, window_s=window_s)
+        out.update(kind=kind, nodes=nodes, keepers=nodes * per_node, per_node=per_node, window_s=window_s)
         return out
 
     def close(self) -> None:
