@@ -172,3 +172,31 @@ def test_a_nodes_verdict_watch_is_one_long_poll_whatever_its_keepers_and_none_wh
     finally:
         for node in nodes.values():
             node.close()
+
+
+def test_on_etcd_a_nodes_verdict_watch_is_an_etcd_watch_that_tells_every_keeper(tmp_path):
+    """The same long poll on an etcd store (a real etcd): one read and a watch stream from its revision."""
+    from test_health import ETCD, running_etcd
+
+    if ETCD is None:
+        pytest.skip("no etcd binary on PATH (scripts/setup.sh installs it as root)")
+    pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed (pip install -e '.[etcd]')")
+    from megatron_ft.health.etcd import EtcdKV
+
+    with running_etcd(tmp_path) as url:
+        run = f"t{uuid.uuid4().hex[:8]}"
+        cfg = ftconfig.replace(ftconfig.load(), run_id=run, cluster={"nodes": 2}, health={"store": url})
+        path = tmp_path / "node.yaml"
+        path.write_text(yaml.safe_dump(cfg.to_dict()))
+        kv = EtcdKV(url, f"mft/{run}/", 2.0)
+        node = Node(4)
+        try:
+            node.send_all({"op": "verdicts", "config": str(path), "settle_s": 1.0})
+            time.sleep(0.3)  # the watch is held (nothing to tell: no verdict yet)
+            kv.set("last_verdict", f"1/4243/{time.time()}")
+            value = kv.get("last_verdict")
+            assert all(node.told(k, 1) == [{"op": "verdict", "value": value}] for k in range(4))
+            time.sleep(1.0)  # the window ends
+            assert node.watch.counts()["root watch"] <= 3 and not node.watch.counts()["root error"]
+        finally:
+            node.close()
