@@ -200,3 +200,23 @@ def test_on_etcd_a_nodes_verdict_watch_is_an_etcd_watch_that_tells_every_keeper(
             assert node.watch.counts()["root watch"] <= 3 and not node.watch.counts()["root error"]
         finally:
             node.close()
+
+
+def test_a_bad_message_is_refused_naming_its_value_and_the_watcher_goes_on():
+    from megatron_ft.spares.messages import TO_WATCHER
+
+    with pytest.raises(ValueError, match=r"keeper watch op 'port': port=70000 is invalid"):
+        FROM_WATCHER.parse({"v": 1, "op": "port", "round": 1, "port": 70000})
+    with pytest.raises(ValueError, match=r"node watcher op 'open': round=0 is invalid"):
+        TO_WATCHER.parse({"v": 1, "op": "open", "round": 0})
+    with pytest.raises(ValueError, match=r"node watcher op 'rounds': field 'limit' is missing"):
+        TO_WATCHER.parse({"v": 1, "op": "rounds", "addr": "h", "port": 1, "attempt": "a"})
+    node = Node(2)
+    try:
+        node.keepers[0].send(b'{"v": 1, "op": "verdicts", "config": "", "settle_s": "long"}')
+        node.keepers[0].send(b"not json")
+        node.send_all({"op": "verdicts", "config": "/nonexistent.yaml", "settle_s": 0.2})  # no config: no news
+        time.sleep(0.3)
+        assert len(node.watch.keepers) == 2 and node.watch.counts()["root watch"] == 0
+    finally:
+        node.close()
