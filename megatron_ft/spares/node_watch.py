@@ -102,13 +102,20 @@ class RoundStream:
                  timeout_s: float = fr.STORE_TIMEOUT_S):
         self.addr, self.port, self.limit, self.emit = addr, port, limit, emit
         self.wait_s, self.timeout_s = wait_s, timeout_s
-        self.counts: collections.Counter = collections.Counter()  # by request: wait, check, get, add, set, connect
+        self._counts = collections.Counter()  # the watch thread's requests: wait, check, get, connect
+        self._write_counts = collections.Counter()  # the writer's: add, set, connect
         self.stopped = threading.Event()
         self.newest, self.opening, self.gone = 0, 0, None
         self.ports: dict[int, int] = {}
         self._writes: "queue.SimpleQueue[Optional[tuple[str, int, int]]]" = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._watch_loop, name=f"mft-rounds-{port}", daemon=True),
                          threading.Thread(target=self._write_loop, name=f"mft-round-writes-{port}", daemon=True)]
+
+    @property
+    def counts(self) -> collections.Counter:
+        """Requests to the job store so far, by kind (``wait``, ``wait-timeout`` of those, ``check``,
+        ``get``, ``add``, ``set``, ``connect``)."""
+        return self._counts + self._write_counts
 
     def start(self) -> "RoundStream":
         for t in self._threads:
@@ -161,10 +168,10 @@ class RoundStream:
         return out
 
     # ------------------------------------------------------------------ the threads
-    def _client(self):
+    def _client(self, counts: collections.Counter):
         from torch.distributed import PrefixStore, TCPStore
 
-        self.counts["connect"] += 1
+        counts["connect"] += 1
         base = TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=self.timeout_s))
         return PrefixStore("mft/fast", base)
@@ -174,38 +181,38 @@ class RoundStream:
         from torch.distributed import DistStoreError
 
         while not self.stopped.is_set():
-            self.counts["wait"] += 1
+            self._counts["wait"] += 1
             try:
                 store.wait([key], datetime.timedelta(seconds=self.wait_s))
                 return True
             except DistStoreError as e:
                 if "timeout" not in str(e).lower():
                     raise
-            self.counts["wait-timeout"] += 1
+            self._counts["wait-timeout"] += 1
             if self.stopped.is_set():
                 break
-            self.counts["check"] += 1
+            self._counts["check"] += 1
             if store.check([key]):  # alive (it raises when not), and maybe set just now
                 return True
         return False
 
     def _watch_loop(self) -> None:
         try:
-            store = self._client()
+            store = self._client(self._counts)
             k = 0
             while k < self.limit:
                 if not self._wait(store, f"round/{k + 1}"):
                     return
                 n = k + 1
                 while n < self.limit:
-                    self.counts["check"] += 1
+                    self._counts["check"] += 1
                     if not store.check([f"round/{n + 1}"]):
                         break
                     n += 1
                 self.emit(self, {"op": "opened", "round": n})
                 if not self._wait(store, f"port/{n}"):
                     return
-                self.counts["get"] += 1
+                self._counts["get"] += 1
                 self.emit(self, {"op": "port", "round": n, "port": int(store.get(f"port/{n}"))})
                 k = n
         except Exception as e:  # the store is gone (its host ended: the attempt is over, or rank 0 failed)
@@ -221,12 +228,12 @@ class RoundStream:
             what, n, port = item
             try:
                 if store is None:
-                    store = self._client()
+                    store = self._client(self._write_counts)
                 if what == "open":
-                    self.counts["add"] += 1
+                    self._write_counts["add"] += 1
                     store.add(f"round/{n}", 1)
                 else:
-                    self.counts["set"] += 1
+                    self._write_counts["set"] += 1
                     store.set(f"port/{n}", str(port))
             except Exception as e:
                 if not self.stopped.is_set():
