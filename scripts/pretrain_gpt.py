@@ -104,6 +104,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
 
+    g = p.add_argument_group("mixture of experts (megatron-core MoE; off without --num-experts)")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (every transformer layer's MLP becomes a MoE layer)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: the experts are split over this many ranks of the data-parallel x tensor ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="ETP: tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"],
+                   help="how tokens reach their experts' ranks: allgather (default; gathers every token of "
+                        "the EP group, works on gloo) or alltoall (exchanges only each rank's routed tokens)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "none"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="weight of the load-balancing loss (0: off, as Megatron-LM's default)")
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free load balancing: a per-expert routing bias (a router buffer) updated "
+                        "every step from the tokens each expert got (needs --moe-router-score-function sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+
     g = p.add_argument_group("parallelism and batch")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -177,6 +199,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--overlap-param-gather needs --overlap-grad-reduce (as Megatron-LM requires)")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         p.error(f"--ddp-bucket-size {args.ddp_bucket_size}: needs a positive number of elements")
+    if args.num_experts is None:
+        moe_only = [flag for flag, given in (
+            ("--expert-model-parallel-size", args.expert_model_parallel_size != 1),
+            ("--moe-router-enable-expert-bias", args.moe_router_enable_expert_bias),
+            ("--moe-aux-loss-coeff", args.moe_aux_loss_coeff != 0.0)) if given]
+        if moe_only:
+            p.error(f"{', '.join(moe_only)} given without --num-experts: they apply to MoE models only")
+    else:
+        if args.num_experts < 1:
+            p.error(f"--num-experts {args.num_experts}: needs at least 1 expert")
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            p.error(f"--moe-router-topk {args.moe_router_topk}: needs 1 <= topk <= --num-experts ({args.num_experts})")
+        ep = args.expert_model_parallel_size
+        if ep < 1 or args.num_experts % ep:
+            p.error(f"--expert-model-parallel-size {ep}: needs a divisor of --num-experts ({args.num_experts})")
+        if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+            p.error("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                    f"(is {args.moe_router_score_function}), as megatron-core requires")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
     return args
@@ -198,6 +242,8 @@ def init_distributed(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     args.rank = rank
     args.world_size = world_size
@@ -272,6 +318,21 @@ def build_transformer_config(args: argparse.Namespace, initialise: bool = True) 
         # As Megatron-LM sets it; also makes the schedules call the autograd engine directly.
         deallocate_pipeline_outputs=True,
     )
+    if args.num_experts is not None:
+        kwargs.update(
+            num_moe_experts=args.num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            expert_model_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_grouped_gemm=False,  # one GEMM per local expert (grouped GEMM needs its CUDA kernels)
+        )
     if not torch.cuda.is_available():
         kwargs.update(cpu_config_overrides(param_dtype(args)))
     config = TransformerConfig(**kwargs)
@@ -296,7 +357,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> List[Dis
     for vp_stage in range(vpp) if vpp else [None]:
         gpt = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False),
             vocab_size=args.padded_vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage),
@@ -620,20 +681,26 @@ def optimizer_state_tensors(objs: TrainingObjects) -> Dict[str, torch.Tensor]:
 def dump_final_state(objs: TrainingObjects, path: str, progress: Optional[Dict[str, int]] = None) -> str:
     """HOOK: write ``{path}.rank{R}.json`` with sha256 digests of this rank's final state.
 
-    Covers every model parameter (by name), the contiguous param buffers, every optimizer
-    state tensor, the scheduler state and all RNG states, so two runs can be compared bit
-    for bit. The file format may be replaced by the checkpointing code later.
+    Covers every model parameter (by name), the contiguous param buffers (dense and expert), the
+    module buffers (a MoE router's expert bias), every optimizer state tensor (each part of the
+    chained optimizer), the scheduler state and all RNG states (every stream of megatron's tracker),
+    so two runs can be compared bit for bit. The file format may be replaced by the checkpointing code later.
     """
     if objs.args.overlap_param_gather:  # the last step's all-gather waits for a forward pass that never comes
         for chunk in objs.model:
             chunk.start_param_sync(force_sync=True)
     params: Dict[str, str] = {}
     buffers: Dict[str, str] = {}
+    module_buffers: Dict[str, str] = {}
     for c, chunk in enumerate(objs.model):
         for name, p in chunk.module.named_parameters():
             params[f"chunk{c}.{name}"] = _sha256_tensor(p)
         for b, buf in enumerate(chunk.buffers):
             buffers[f"chunk{c}.buffer{b}.param_data"] = _sha256_tensor(buf.param_data)
+        for b, buf in enumerate(getattr(chunk, "expert_parallel_buffers", [])):
+            buffers[f"chunk{c}.expert_buffer{b}.param_data"] = _sha256_tensor(buf.param_data)
+        for name, t in chunk.module.named_buffers():  # e.g. a MoE router's expert_bias
+            module_buffers[f"chunk{c}.{name}"] = _sha256_tensor(t)
     optim = {k: _sha256_tensor(v) for k, v in optimizer_state_tensors(objs).items()}
     np_state = np.random.get_state()
     rng = {
@@ -652,6 +719,7 @@ def dump_final_state(objs: TrainingObjects, path: str, progress: Optional[Dict[s
         "progress": progress or {},  # iteration and consumed samples (the data position)
         "model_params": params,
         "param_buffers": buffers,
+        "module_buffers": module_buffers,
         "optimizer": optim,
         "optimizer_nontensor": _sha256_json(objs.optimizer.state_dict()),
         "scheduler": objs.scheduler.state_dict(),

@@ -5,7 +5,7 @@ returns ``False`` at once when ``torch.cuda.is_available()`` is true.
 
 megatron-core assumes a CUDA device in a few dozen places. On a CPU-only torch build
 (with the gloo backend) a real training loop needs exactly four shims, each one shown
-necessary on megatron-core 0.16.1:
+necessary on megatron-core 0.16.1 (a fifth for mixture-of-experts models):
 
 1. ``torch.cuda.current_device()`` returns the CPU device. Pipeline receive buffers,
    the DDP grad/param buffers and several ``torch.empty(..., device=current_device())``
@@ -25,6 +25,10 @@ necessary on megatron-core 0.16.1:
    ``Tensor.to("cuda")`` stays on CPU, and ``Tensor.type()`` reports CPU tensors with the
    ``torch.cuda.`` prefix (e.g. ``'torch.cuda.FloatTensor'``) because the optimizer and
    grad clipping test ``param.type() == 'torch.cuda.FloatTensor'``.
+
+5. (MoE) ``moe_utils.te_general_gemm`` is ``None`` where Transformer Engine is absent: the router's
+   GEMM (``RouterGatingLinearFunction``) tests the name, which megatron-core 0.16.1 binds only when TE
+   imports, and raises ``NameError`` otherwise; ``None`` selects its torch path.
 
 The mode is pushed on the torch-function mode stack of the thread that calls
 :func:`install_cpu_compat` (call it from the main thread before building the model) and
@@ -298,6 +302,15 @@ def _megatron_set_cuda_rng_state(
     CUDA_GENERATOR.set_state(new_state)
 
 
+def _moe_without_te() -> None:
+    """Shim 5: the names megatron-core's MoE code uses unconditionally but binds only with Transformer
+    Engine, bound to ``None`` (its "no TE" value) where they are missing."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 class _DropForkWarning(logging.Filter):
     """Drops the expected ``fork()`` warning (see ``_FORK_WARNING``)."""
 
@@ -351,6 +364,11 @@ def install_cpu_compat() -> bool:
         mcore_random._get_cuda_rng_state = _megatron_get_cuda_rng_state
         mcore_random._set_cuda_rng_state = _megatron_set_cuda_rng_state
         logging.getLogger(mcore_random.__name__).addFilter(_DropForkWarning())
+
+        # Shim 5 (MoE): megatron-core 0.16.1's router GEMM tests ``te_general_gemm is not None``, a name
+        # its moe_utils binds only when Transformer Engine imports (NameError without TE, which never
+        # runs on CPU): None selects its own torch.mm path.
+        _moe_without_te()
 
         # Shim 4: push the mode and leave it on the stack for the life of the process.
         _mode = _CudaToCpuMode()

@@ -5,17 +5,24 @@ Per rank, following REFT's sharding:
 * ``model.c{chunk}.b{buffer}.k{bucket}.param_data`` - each DDP bucket's contiguous parameter
   storage is replicated across the data-parallel group, so this rank saves only its 1/DP slice
   of every bucket; on restore every replica all-gathers the slices (one full copy per sharding
-  group). Per bucket, not per buffer: with the distributed optimizer a bucket's slice ``r`` is
+  group). ``model.c{chunk}.e{buffer}.k{bucket}.param_data`` - a MoE model's expert buckets: the
+  same over the *expert*-data-parallel group (EDP = DP x TP / (EP x ETP) ranks hold each expert),
+  1/EDP per rank, gathered there (each buffer's own group: :func:`_param_buckets`). Per bucket, not per buffer: with the distributed optimizer a bucket's slice ``r`` is
   exactly what rank ``r``'s optimizer step writes, synchronously, while the other slices arrive by
   megatron-core's all-gather - which ``--overlap-param-gather`` defers into the next forward pass,
   after the snapshot has started. A 1/DP slice of the whole buffer would span other ranks' slices
   of its buckets and copy them while they change (torn) or before they arrive (stale).
 * ``optim.o{k}.g{group}.p{index}.{param|exp_avg|exp_avg_sq|step|...}`` - the distributed
-  optimizer's shard (already 1/DP), taken as is from the inner torch optimizer. A main param
+  optimizer's shard (already 1/DP; for the expert part of a chained optimizer 1/EDP), taken as is
+  from each inner torch optimizer ``k`` of the chain (dense, expert), step counters included. A main param
   that is a view of a parameter buffer (fp32 training) is not saved twice: the buffer slice
   holds it.
+* ``model.c{chunk}.buffer.<module path>`` - the model's module buffers (a MoE router's
+  ``expert_bias`` and ``local_tokens_per_expert``), each rank's own, copied at capture.
 * ``rng.cpu``, ``rng.cuda`` (when present) and ``rng.tracker.<name>`` - the torch generators and
-  megatron's tensor-parallel RNG tracker states (small owned clones taken at capture).
+  megatron's RNG tracker states, every stream of this rank (``model-parallel-rng``,
+  ``data-parallel-rng``, ``expert-parallel-rng``: the last differs per expert-parallel and
+  expert-tensor rank), small owned clones taken at capture; each rank restores its own.
 * JSON: Python and numpy RNG, the LR scheduler's state, the inner optimizer's param-group
   hyper-parameters, and the job's progress (iteration, consumed samples).
 
@@ -34,17 +41,14 @@ from ..capture.layout import Layout, ShardSpec, dtype_from_name
 from ..capture.state import StateTensor, json_safe, restore_like
 
 
-def _dp_group_and_rank():
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_data_parallel_group(with_context_parallel=True)
-    return group, ps.get_data_parallel_rank(with_context_parallel=True), ps.get_data_parallel_world_size(
-        with_context_parallel=True)
-
-
-def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
+def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor, Any]]:
     """Every DDP bucket's parameter storage (a view into its buffer), named by chunk, buffer
-    (``b``, or ``e`` for expert-parallel ones) and bucket."""
+    (``b``, or ``e`` for expert-parallel ones) and bucket, with the process group its buffer is sharded
+    over: megatron-core's DDP gives each buffer its group - the data-parallel group (with context
+    parallelism) for dense parameters, the expert-data-parallel group for experts' - and pads each
+    bucket to a multiple of that group's size; the distributed optimizer's step on rank ``r`` of it
+    writes slice ``r``. (An expert's parameters live only on its expert-data-parallel ranks: sharded
+    over the whole data-parallel group, a slice would hold another expert's bytes.)"""
     out = []
     for c, chunk in enumerate(model_chunks):
         for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
@@ -52,10 +56,28 @@ def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
                 if buf.param_data is None:
                     continue
                 for k, bucket in enumerate(buf.buckets):
-                    out.append((f"model.c{c}.{kind}{b}.k{k}.param_data", bucket.param_data))
+                    out.append((f"model.c{c}.{kind}{b}.k{k}.param_data", bucket.param_data, buf.data_parallel_group))
     if not out:
         raise ValueError("no megatron DDP parameter buffers found: wrap the model chunks in "
                          "megatron.core.distributed.DistributedDataParallel")
+    return out
+
+
+def bucket_shard(tensor: torch.Tensor, group: Any) -> ShardSpec:
+    """This rank's part of a bucket sharded over ``group``: slice ``group.rank()`` of ``group.size()``."""
+    return ShardSpec(group.rank(), group.size(), tensor.numel())
+
+
+def _module_buffers(model_chunks: list) -> list[tuple[str, torch.Tensor]]:
+    """Every module buffer of the model chunks (``model.c{chunk}.buffer.<name>``): state that is not a
+    parameter, e.g. a MoE router's ``expert_bias`` (aux-loss-free load balancing, updated every step by
+    the gradient finalisation) and its ``local_tokens_per_expert`` count. Each rank holds its own."""
+    out = []
+    for c, chunk in enumerate(model_chunks):
+        module = getattr(chunk, "module", chunk)
+        for name, buf in module.named_buffers():
+            if buf is not None:
+                out.append((f"model.c{c}.buffer.{name}", buf))
     return out
 
 
@@ -126,7 +148,7 @@ class MegatronStateAdapter:
 
     # ------------------------------------------------------------------ capture
     def _buffer_storages(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for _, t in _param_buckets(self.model)}
+        return {t.untyped_storage().data_ptr() for _, t, _ in _param_buckets(self.model)}
 
     def _optimizer_tensors(self) -> list[tuple[str, torch.Tensor, Any, str]]:
         """(name, tensor, param, key) for the optimizer shard, in a deterministic order."""
@@ -158,9 +180,10 @@ class MegatronStateAdapter:
         return out, record
 
     def capture(self) -> tuple[list[StateTensor], dict]:
-        group, dp_rank, dp_size = _dp_group_and_rank()
-        tensors = [StateTensor(name, t, ShardSpec(dp_rank, dp_size, t.numel()), group)
-                   for name, t in _param_buckets(self.model)]
+        tensors = [StateTensor(name, t, bucket_shard(t, group), group) for name, t, group in _param_buckets(self.model)]
+        # module buffers change outside the optimizer step (a router's expert bias in the gradient
+        # finalisation): owned copies, taken now (they are small)
+        tensors += [StateTensor(name, t.detach().clone()) for name, t in _module_buffers(self.model)]
         for name, t, _, key in self._optimizer_tensors():
             if t.dim() == 0:  # e.g. Adam's step counter: tiny, and updated in place -> own it
                 t = t.detach().clone()
@@ -187,10 +210,12 @@ class MegatronStateAdapter:
 
     # ------------------------------------------------------------------ restore
     def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
-        group, _, _ = _dp_group_and_rank()
         out: dict[str, StateTensor] = {}
-        for name, t in _param_buckets(self.model):
+        groups: dict[str, Any] = {}
+        for name, t, group in _param_buckets(self.model):
             out[name] = StateTensor(name, t, None, group)
+            groups[name] = group
+        buffers = dict(_module_buffers(self.model))
         # optimizer state: map saved names onto this process's optimizer, creating missing state
         inners = _inner_optimizers(self.optimizer)
         params = {}
@@ -201,8 +226,21 @@ class MegatronStateAdapter:
         self._rng_targets = {}
         for e in layout.entries:
             name, spec = e.spec.name, e.spec
-            if name in out:
-                out[name] = StateTensor(name, out[name].tensor, spec.shard, group)
+            if name in groups:
+                t, group = out[name].tensor, groups[name]
+                want = bucket_shard(t, group)
+                if spec.shard != want:
+                    raise ValueError(
+                        f"snapshot tensor {name!r} is shard {spec.shard} but this rank's bucket is "
+                        f"{want} (slice {group.rank()} of its {group.size()}-rank sharding group): a "
+                        f"snapshot of another parallel layout or sharding cannot be restored here")
+                out[name] = StateTensor(name, t, spec.shard, group)
+            elif name in buffers:
+                buf = buffers[name]
+                if tuple(buf.shape) != spec.shape or dtype_from_name(spec.dtype) != buf.dtype:
+                    raise ValueError(f"snapshot buffer {name!r} is {spec.dtype}{list(spec.shape)}, the model's "
+                                     f"is {buf.dtype}{list(buf.shape)}")
+                out[name] = StateTensor(name, buf)
             elif name.startswith("optim."):
                 prefix, key = name.rsplit(".", 1)
                 if prefix not in params:
