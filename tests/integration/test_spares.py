@@ -254,3 +254,18 @@ def test_fast_rounds_end_at_the_budget_and_never_retry_an_end_of_the_job(tmp_pat
     assert rc == 7 and [r[1] for r in rounds] == ["0", "1", "2"], (rc, rounds, err)  # then torchrun's turn
     rc, rounds, err = rounds_worker(tmp_path, warm_pool[0], code=2, fail_rounds=9, budget=2)
     assert rc == 2 and [r[1] for r in rounds] == ["0"], (rc, rounds, err)  # megatron_ft.fatal's code: no retry
+
+
+@pytest.mark.slow  # 20 s of real rounds (default-suite time); the watcher itself: tests/integration/test_node_watch.py
+def test_a_node_watcher_that_died_is_started_again_for_the_next_keepers(tmp_path, warm_pool):
+    from megatron_ft.spares.node_watch import WATCH_PROCESS_NAME
+
+    sock, proc = warm_pool
+    rc, rounds, err = rounds_worker(tmp_path, sock, code=7, fail_rounds=1, budget=2)
+    assert rc == 0 and [r[1] for r in rounds] == ["0", "1"], (rc, rounds, err)
+    (watcher,) = [c for c in psutil.Process(proc.pid).children() if c.name() == WATCH_PROCESS_NAME]
+    watcher.kill()
+    watcher.wait(10)
+    rc, rounds, err = rounds_worker(tmp_path, sock, code=7, fail_rounds=1, budget=2)
+    assert rc == 0 and [r[1] for r in rounds] == ["0", "1"], (rc, rounds, err)
+    assert [c.name() for c in psutil.Process(proc.pid).children()].count(WATCH_PROCESS_NAME) == 1
