@@ -123,10 +123,14 @@ class ClusterConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """Megatron model parallelism; data parallelism is what is left of the world size."""
+    """Megatron model parallelism; data parallelism is what is left of the world size. ``expert``: a
+    mixture-of-experts job's expert parallelism (``--expert-model-parallel-size``, EP; 1 for a dense
+    model): each expert's parameters and optimizer state live on the expert-data-parallel ranks only,
+    EDP = DP x TP / (EP x ETP) = DP / EP of them (expert tensor parallelism ETP equal to TP)."""
 
     tensor: _int(1) = 1
     pipeline: _int(1) = 2
+    expert: _int(1) = 1
 
 
 class SnapshotConfig(_Section):
@@ -601,6 +605,11 @@ class FTConfig(_Section):
                 f"cluster.nodes*cluster.ranks_per_node={self.cluster.world_size}: the world size must be a "
                 f"multiple of tensor*pipeline"
             )
+        if self.data_parallel % self.parallel.expert:
+            raise ConfigError(
+                f"parallel.expert={self.parallel.expert} does not divide the data-parallel size "
+                f"{self.data_parallel} (world / (tensor*pipeline)): with expert tensor parallelism equal to "
+                f"parallel.tensor, megatron-core needs DP x TP to be a multiple of EP x TP")
         self.redundancy.check_cluster(self.cluster.nodes)
         if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
             _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")
@@ -612,6 +621,12 @@ class FTConfig(_Section):
     @property
     def data_parallel(self) -> int:
         return self.cluster.world_size // (self.parallel.tensor * self.parallel.pipeline)
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """EDP: the ranks that hold each expert's shard, DP x TP / (EP x ETP) = DP / EP (expert tensor
+        parallelism ETP equal to TP)."""
+        return self.data_parallel // self.parallel.expert
 
     def to_dict(self) -> dict:
         """Plain YAML-safe data (lists, not tuples) that :func:`from_dict` reads back."""

@@ -25,21 +25,26 @@ log = logging.getLogger("megatron_ft")
 def megatron_topology() -> dict:
     from megatron.core import parallel_state as ps
 
-    return {
+    topo = {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
         "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
     }
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    if ep != 1 or etp != topo["tp"]:  # a dense job's identity stays what it was
+        topo.update(ep=ep, etp=etp)
+    return topo
 
 
 def checked_topology(cfg: ftconfig.FTConfig) -> dict:
     """The job's topology, after checking it against the megatron-ft config's ``parallel`` section."""
     topo = megatron_topology()
-    want = (cfg.parallel.tensor, cfg.parallel.pipeline)
-    if (topo["tp"], topo["pp"]) != want:
+    want = (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.expert)
+    if (topo["tp"], topo["pp"], topo.get("ep", 1)) != want:
         raise ftconfig.ConfigError(
-            f"parallel.tensor={want[0]}, parallel.pipeline={want[1]} in the megatron-ft config do not match "
-            f"the job's --tensor-model-parallel-size={topo['tp']} --pipeline-model-parallel-size={topo['pp']}; "
+            f"parallel.tensor={want[0]}, parallel.pipeline={want[1]}, parallel.expert={want[2]} in the megatron-ft "
+            f"config do not match the job's --tensor-model-parallel-size={topo['tp']} "
+            f"--pipeline-model-parallel-size={topo['pp']} --expert-model-parallel-size={topo.get('ep', 1)}; "
             f"they must be equal")
     return topo
 

@@ -89,6 +89,25 @@ def training_args(cfg: ftconfig.FTConfig, iters: int, extra: list[str]) -> list[
     ]
 
 
+#: --moe: the MoE GPT's flags (4 experts, top-2, the load-balancing loss, the aux-loss-free router bias,
+#: the allgather dispatcher: it runs on gloo); the expert-parallel size comes from the config
+MOE_TRAIN_ARGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+                  "--moe-aux-loss-coeff", "1e-2", "--moe-router-score-function", "sigmoid",
+                  "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
+
+
+def moe_shape(cfg: ftconfig.FTConfig) -> dict:
+    """``--moe``: TP1 PP1 and expert parallelism 2, or DP (every expert on one rank: EDP = 1) where the
+    cluster has one rank per node (the rs shape, 4 nodes x 1: EP4)."""
+    world = cfg.cluster.world_size
+    return {"parallel": {"tensor": 1, "pipeline": 1, "expert": world if cfg.cluster.ranks_per_node == 1 else 2}}
+
+
+def moe_train_args(cfg: ftconfig.FTConfig) -> list[str]:
+    """The MoE GPT's flags for ``cfg``'s expert-parallel size."""
+    return [*MOE_TRAIN_ARGS, "--expert-model-parallel-size", str(cfg.parallel.expert)]
+
+
 # --redundancy SCHEME: a cluster on which the scheme is worth showing (all CPU, 4-6 processes)
 DEMO_SHAPES = {
     "replica": {"redundancy": {"scheme": "replica", "replicas": 2}},  # 2 nodes x 2: each holds the other
@@ -677,6 +696,8 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
         cfg = ftconfig.replace(cfg, redundancy=DEMO_SHAPES[args.redundancy]["redundancy"])
     elif args.redundancy:  # the demo's own cluster for the scheme
         cfg = ftconfig.replace(cfg, **DEMO_SHAPES[args.redundancy])
+    if getattr(args, "moe", False):
+        cfg = ftconfig.replace(cfg, **moe_shape(cfg))
     if args.transport == "scheduled":  # the config says why if the scheme is not replica
         # profile a few iterations, then plan (the loss waits for the first complete copy, below): at
         # least 4, since the plan's link is the fastest pipeline transfer the profile saw, and a loaded
@@ -754,7 +775,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
                                       "{run_dir}") + (args.train_arg or [])
     else:
         program = PROJECT_SCRIPT
-        targs = training_args(cfg, args.iters, args.train_arg or [])
+        targs = training_args(cfg, args.iters, (moe_train_args(cfg) if getattr(args, "moe", False) else [])
+                              + (args.train_arg or []))
     say = (lambda *a: print(*a, flush=True)) if not args.quiet else (lambda *a: None)
     if args.megatron_lm:
         say(f"[demo] Megatron-LM from {args.megatron_lm}: the {series} patch series applied")
@@ -1347,6 +1369,9 @@ def add_parser(sub) -> None:
                    help="run upstream Megatron-LM's own pretrain_gpt.py from this unpatched tree (or its .tar.gz), "
                         "patched into a copy in the workdir, instead of scripts/pretrain_gpt.py")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--moe", action="store_true",
+                   help="a mixture-of-experts GPT (4 experts, top-2, load-balancing loss, router expert bias) at "
+                        "TP1 PP1 with expert parallelism 2 (EP = the world size on one rank per node: EDP 1)")
     p.add_argument("--kill-point", default="after-iteration",
                    choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", *DAMAGE_POINTS],
                    help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "
@@ -1413,6 +1438,9 @@ def main(args: argparse.Namespace) -> int:
     if args.slurm and args.fail in ("launcher", "agent"):
         raise ftconfig.ConfigError(f"--slurm is invalid with --fail={args.fail}: the demo restarts that process "
                                    f"itself, outside the Slurm step")
+    if getattr(args, "moe", False) and args.megatron_lm:
+        raise ftconfig.ConfigError("--moe is invalid with --megatron-lm: the MoE shape runs the project's "
+                                   "scripts/pretrain_gpt.py (give upstream its MoE flags with --train-arg)")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")
