@@ -354,6 +354,7 @@ class FatalWatch:
         self.seen: Optional[tuple[int, str, int]] = None
         self._stop = threading.Event()
         self._client = StoreClient(cfg)
+        self._view = None
         self._thread = threading.Thread(target=self._run, name="fatal-watch", daemon=True)
 
     def start(self) -> "FatalWatch":
@@ -363,7 +364,7 @@ class FatalWatch:
     def _run(self) -> None:
         from .health.store import StoreUnavailable
 
-        view = job_view(self._client, self.cfg.cluster.nodes)
+        view = self._view = job_view(self._client, self.cfg.cluster.nodes)
         version = -1
         while not self._stop.is_set():
             try:
@@ -384,6 +385,8 @@ class FatalWatch:
     def stop(self) -> None:
         self._stop.set()
         try:
+            if self._view is not None:
+                self._view.close()  # etcd: its stream's thread
             self._client.close()  # a long poll in progress ends with it
         except Exception:  # noqa: BLE001 - closing at the end, nothing to tell
             pass
