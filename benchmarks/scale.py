@@ -210,8 +210,9 @@ def keepers_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def fit_line(label: str, xs: list, ys: list) -> str:
-    """``label``: per-node values ``ys`` against N ``xs``: the least-squares line and the spread."""
+def fit_line(label: str, xs: list, ys: list, per: str = "per node") -> str:
+    """``label``: values ``ys`` (``per`` node, launcher, standby) against N ``xs``: the least-squares line
+    and the spread."""
     pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
     if len(pts) < 2:
         return f"{label}: fewer than 2 sizes"
@@ -219,7 +220,7 @@ def fit_line(label: str, xs: list, ys: list) -> str:
     per = [p[1] for p in pts]
     mean = sum(per) / len(per)
     spread = 100 * max(abs(y - mean) for y in per) / mean if mean else 0.0
-    return (f"{label}: per node = {a:.4g} + {b:.3g} x N (least squares over {len(pts)} sizes, "
+    return (f"{label}: {per} = {a:.4g} + {b:.3g} x N (least squares over {len(pts)} sizes, "
             f"{min(p[0] for p in pts)}-{max(p[0] for p in pts)}); {min(per):.3f}-{max(per):.3f}, within "
             f"{spread:.1f} % of their mean {mean:.3f}")
 
@@ -436,9 +437,10 @@ def main(argv=None) -> int:
             print(launch_table(hrows))
             lok = [r for r in hrows if r.get("launch") and "error" not in r["launch"]]
             lx = [r["nodes"] for r in lok]
-            for key in ("current_per_launcher", "begin_per_launcher", "generation_requests_per_launcher",
-                        "standby_requests_per_s"):
-                print(fit_line(key, lx, [r["launch"][key] for r in lok]))
+            for key in ("current_per_launcher", "begin_per_launcher", "generation_requests_per_launcher"):
+                print(fit_line(key, lx, [r["launch"][key] for r in lok], "per launcher"))
+            print(fit_line("standby_requests_per_s", lx, [r["launch"]["standby_requests_per_s"] for r in lok],
+                           "per standby"))
         if args.keepers:
             print(keepers_table(hrows))
         return 0

@@ -66,3 +66,33 @@ def test_a_restore_on_its_own_connection_leaves_no_store_connection_behind():
     assert first["same_answers"] and again["same_answers"] and again["failed"] == 0, again
     # the first restore may open each node's watch connection; later restores must reuse or close it
     assert again["watch_conns_added"] == 0, again
+
+
+def test_health_mode_counts_the_stores_requests_per_node_and_a_lost_node_is_judged_once_and_claimed_once():
+    """The health scenario (megatron_ft/testing/scale_health.py) at 6 nodes: heartbeats only, counted at
+    the root's store; then one node's agent lost, judged by the root, and claimed by exactly one of two
+    waiting standbys (real ``claim_failed_node``, each its own store client)."""
+    from megatron_ft.testing import scale_health as sh
+
+    bed = ScaleBed(6, procs=2, heartbeat_s=0.5, timeout_s=2.0, mode="health")
+    sides = None
+    try:
+        bed.start(timeout_s=60)
+        sides = sh.start_sides(bed)
+        h = sh.health_run(bed, 2.0)
+        d = sh.detect(bed, 5, sides, standbys=2)
+    finally:
+        if sides is not None:
+            sh.stop_sides(sides)
+        closed = bed.close()
+    # every node's heartbeat reached the root's store, no node judged while all were healthy
+    assert h["root_ops"].get("set hb", 0) + h["root_ops"].get("local set hb", 0) >= 5 * 3, h["root_ops"]
+    assert h["false_verdicts"] == 0 and h["last_verdict"] is None, h
+    # a few requests per node per heartbeat, not one per node per node
+    assert 0.5 <= h["store_requests_per_node_period"] <= 4.0, h
+    assert h["root_rounds"] >= 2 and h["beats"] >= 5, h
+    # the lost node: judged by the root (its pid, missed heartbeats), claimed by one standby only
+    assert d["verdict"] is not None and d["verdict"]["node"] == 5 and d["verdict"]["detected_by"] == 0, d
+    assert d["detected_s"] is not None and d["claims"] == 1, d
+    assert d["standby_errors"] == [], d
+    assert closed == {"left": [], "stuck_workers": [], "alive_workers": []}, closed
