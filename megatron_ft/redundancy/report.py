@@ -142,10 +142,37 @@ def _node_lines(plan: RedundancyPlan, gi: int, max_nodes: int) -> list[str]:
     return out
 
 
+def moe_lines(topo, moe_bytes: Optional[tuple[int, int]] = None) -> list[str]:
+    """What a mixture-of-experts rank holds, and which ranks hold the rest of it (pure).
+
+    >>> from megatron_ft.redundancy.topology import Topology
+    >>> print("\\n".join(moe_lines(Topology(2, 2, 1, 1, 2), (4 << 20, 8 << 20))))
+    mixture of experts: EP 2, EDP 2 (each expert's shard on 2 ranks)
+      per rank: dense 1/4 of its stage's dense state (sharded over its 4 data-parallel ranks) = 1.00 MiB,
+                experts: 1/2 of the stage's experts, 1/2 of their state (sharded over its 2 expert-data-parallel ranks) = 2.00 MiB
+      rank 0: dense with ranks 0, 1, 2, 3; experts with ranks 0, 2 (expert rank 0 of 2)
+    """
+    tp, dp, ep, edp = topo.tensor, topo.data, topo.expert, topo.expert_data
+    dense = f"dense 1/{tp * dp} of its stage's dense state (sharded over its {dp} data-parallel ranks)"
+    experts = (f"experts: 1/{ep} of the stage's experts, 1/{edp} of their state (sharded over its {edp} "
+               f"expert-data-parallel rank{'s' if edp > 1 else ''})")
+    if moe_bytes is not None:
+        dense += f" = {fmt_bytes(moe_bytes[0] / (tp * dp))}"
+        experts += f" = {fmt_bytes(moe_bytes[1] / (tp * ep * edp))}"
+    out = [f"mixture of experts: EP {ep}, EDP {edp} (each expert's shard on {edp} rank{'s' if edp > 1 else ''}"
+           + ("; every expert exists once: only the redundancy holds a second copy" if edp == 1 else "") + ")",
+           f"  per rank: {dense},", f"            {experts}"]
+    dense_group = topo.sharding_group_ranks(topo.sharding_group(0))
+    out.append(f"  rank 0: dense with ranks {', '.join(map(str, dense_group))}; experts with ranks "
+               f"{', '.join(map(str, topo.expert_sharding_group_ranks(0)))} (expert rank 0 of {ep})")
+    return out
+
+
 def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_failures: Optional[int] = None,
                 show_groups: int = 3, node_failure_prob: Optional[float] = None, source: str = "",
-                max_nodes: int = 8) -> str:
-    """The text ``megatron-ft plan`` prints."""
+                max_nodes: int = 8, moe_bytes: Optional[tuple[int, int]] = None) -> str:
+    """The text ``megatron-ft plan`` prints. ``moe_bytes``: a MoE job's (dense, expert) snapshot bytes of
+    one pipeline stage (all its ranks' parameters and optimizer state), for its per-rank split."""
     topo = plan.topology
     lines = []
     head = f"megatron-ft plan{': ' + source if source else ''}"
@@ -153,6 +180,8 @@ def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_fai
     lines.append(f"topology: {topo.nodes} nodes x {topo.ranks_per_node} ranks = {topo.world_size} ranks, "
                  f"TP {topo.tensor} x DP {topo.data} x PP {topo.pipeline}")
     lines.append(f"  {topo.describe()}")
+    if topo.expert > 1:
+        lines.extend(moe_lines(topo, moe_bytes))
     shapes: dict[tuple, list[int]] = {}
     for gi, g in enumerate(plan.groups):
         shapes.setdefault(_shape(g), []).append(gi)
@@ -244,6 +273,9 @@ def add_parser(sub) -> None:
                    help="print P(recover) for k = 1..K simultaneous node failures (default 8)")
     p.add_argument("--show-groups", type=int, default=3, metavar="G",
                    help="groups printed node by node (at least one of each shape is printed too)")
+    p.add_argument("--moe-bytes-per-stage", default=None, metavar="DENSE,EXPERT",
+                   help="a MoE job (parallel.expert > 1): one pipeline stage's dense and expert snapshot bytes "
+                        "(e.g. 2GiB,12GiB), to print each rank's dense and expert bytes")
     p.add_argument("--node-failure-prob", type=float, default=None, metavar="Q",
                    help="also print P(all groups recover) when each node is down with probability Q (ECHECK eq. 1-2)")
     p.set_defaults(func=main)
@@ -257,6 +289,16 @@ def main(args: argparse.Namespace) -> int:
     q = args.node_failure_prob
     if q is not None and not 0.0 <= q <= 1.0:
         raise ftconfig.ConfigError(f"--node-failure-prob={q} is invalid: must be in [0, 1]")
+    moe_bytes = None
+    if args.moe_bytes_per_stage is not None:
+        parts = args.moe_bytes_per_stage.split(",")
+        try:
+            if len(parts) != 2:
+                raise ValueError(parts)
+            moe_bytes = (parse_bytes(parts[0]), parse_bytes(parts[1]))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise ftconfig.ConfigError(f"--moe-bytes-per-stage={args.moe_bytes_per_stage} is invalid: must be "
+                                       f"DENSE,EXPERT byte counts (e.g. 2GiB,12GiB)") from None
     cfg = ftconfig.load(args.config)
     if args.scheme and args.scheme != cfg.redundancy.scheme:
         cfg = ftconfig.replace(cfg, redundancy={"scheme": args.scheme})  # re-validates against the cluster
@@ -267,6 +309,6 @@ def main(args: argparse.Namespace) -> int:
         raise ftconfig.ConfigError(str(e)) from None
     planned = time.perf_counter() - t0
     print(format_plan(plan, args.state_bytes_per_rank, args.max_failures, args.show_groups, q,
-                      source=args.config or ftconfig.DEFAULT_CONFIG_PATH))
+                      source=args.config or ftconfig.DEFAULT_CONFIG_PATH, moe_bytes=moe_bytes))
     print(f"(planned in {planned * 1000:.1f} ms)", file=sys.stderr)
     return 0

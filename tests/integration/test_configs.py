@@ -29,6 +29,9 @@ def test_shipped_config_plans(path):
     n, r, tp, pp = cfg.cluster.nodes, cfg.cluster.ranks_per_node, cfg.parallel.tensor, cfg.parallel.pipeline
     topology = f"topology: {n} nodes x {r} ranks = {n * r} ranks, TP {tp} x DP {n * r // (tp * pp)} x PP {pp}"
     assert topology in lines, (topology, out.stdout[:2000])
+    if cfg.parallel.expert > 1:  # a MoE job: what a rank holds of the dense and the expert state, and with whom
+        ep = cfg.parallel.expert
+        assert any(ln.startswith(f"mixture of experts: EP {ep}, EDP {n * r // (tp * pp) // ep} ") for ln in lines), out.stdout
     # of its scheme, with the simultaneous node failures that scheme survives: none, m - 1 of m
     # replicas (GEMINI), one per parity group (REFT), m of k + m (ECHECK)
     red = cfg.redundancy

@@ -62,6 +62,23 @@ def test_topology_matches_megatron_default_order(nodes, rpn, tp, pp):
         assert topo.rank_of(*topo.coords(r)) == r
 
 
+@pytest.mark.parametrize("nodes, rpn, tp, pp, ep", [(2, 2, 1, 1, 2), (4, 1, 1, 1, 4), (4, 8, 2, 2, 4), (16, 8, 8, 2, 2)])
+def test_expert_layout_matches_megatron_expert_rank_generator(nodes, rpn, tp, pp, ep):
+    RankGenerator = _megatron_rank_generator()
+    topo = Topology(nodes, rpn, tp, pp, ep)
+    assert topo.expert_data * ep == topo.data
+    gen = RankGenerator(tp=tp, ep=ep, dp=topo.expert_data, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    edp_groups = sorted(sorted(g) for g in gen.get_ranks("dp"))
+    assert edp_groups == sorted(list(g) for g in {topo.expert_sharding_group_ranks(r) for r in range(topo.world_size)})
+    for group in gen.get_ranks("ep"):
+        assert [topo.expert_coords(r)[1] for r in group] == list(range(ep))
+        assert len({topo.expert_coords(r)[::2] + topo.expert_coords(r)[3:] for r in group}) == 1  # etp, edp, pp
+    # EDP = 1: every expert once in the job
+    assert Topology(4, 1, 1, 1, 4).expert_sharding_group_ranks(2) == (2,)
+    with pytest.raises(ValueError, match="expert=3 does not divide the data-parallel size 4"):
+        Topology(2, 2, 1, 1, 3)
+
+
 def test_topology_worked_example():
     topo = Topology(16, 8, 8, 2)
     assert topo.data == 8 and topo.coords(77) == (5, 1, 1) and topo.node_of(77) == 9
