@@ -60,3 +60,28 @@ def test_moe_state_restores_every_rank_bit_exact_with_expert_parallelism(tmp_pat
         by_ep.setdefault(rec["ep_rank"], set()).add(rec["captured"]["expert-parallel-rng"])
     assert len(by_ep) == 2 and all(len(v) == 1 for v in by_ep.values()), by_ep
     assert by_ep[0] != by_ep[1], by_ep
+
+
+def moe_demo(tmp_path, *args):
+    from conftest import run_demo
+
+    cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", "--moe", "--iters=8", "--kill-at=4",
+           f"--workdir={tmp_path / 'demo'}", *args]
+    return run_demo(cmd, timeout=1200)
+
+
+# each compares every rank's losses, parameters (dense and expert buffers), both parts of the chained
+# optimizer, the routers' buffers, the scheduler and every RNG stream with an uninterrupted run
+@pytest.mark.slow
+@pytest.mark.parametrize("args,tier", [
+    (["--fail=trainer"], "local_memory"),                                # EP2 on 2 nodes x 2
+    (["--fail=node", "--redundancy=replica"], "peer_memory"),             # EP2 on 2 nodes x 2
+    (["--fail=node", "--redundancy=rs"], "decoded"),                      # EP4 on 4 nodes x 1: EDP 1
+])
+def test_moe_demo_recovers_bit_exact(tmp_path, args, tier):
+    s = moe_demo(tmp_path, *args)
+    assert s["recovered_from"] == tier, s
+    with open(tmp_path / "demo" / "reference" / "args.json") as f:
+        targs = json.load(f)["train_args"]
+    ep = "4" if "--redundancy=rs" in args else "2"
+    assert targs[targs.index("--expert-model-parallel-size") + 1] == ep and "--moe-router-enable-expert-bias" in targs
