@@ -486,6 +486,12 @@ class _Proc:
             return ""
 
 
+def _both(ops: dict, key: str) -> int:
+    """``key``'s count over the wire and in the root's own process (``"local " + key``: a root that serves
+    its own calls in process counts them apart)."""
+    return ops.get(key, 0) + ops.get(f"local {key}", 0)
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
@@ -635,8 +641,8 @@ class ScaleBed:
         window = time.monotonic() - wall0  # what the op counts span (about)
         n, k = self.nodes, steps
         ops = {key: c1["ops"].get(key, 0) - c0["ops"].get(key, 0) for key in c1["ops"]}
-        reports = ops.get("set agree", 0)
-        watches = ops.get("watch agreed", 0) - ops.get("watch-timeout agreed", 0)
+        reports = _both(ops, "set agree")  # the root's own (in process, "local ...") counted with the wire's
+        watches = _both(ops, "watch agreed") - _both(ops, "watch-timeout agreed")
         latency = [r["all_learnt_s"] for r in per_step]
         median_agent = [r["median_learnt_s"] for r in per_step]
         return {
@@ -645,7 +651,7 @@ class ScaleBed:
             "agreement_msgs_per_step": (reports + watches) / k,
             "agreement_msgs_per_node_step": (reports + watches) / (k * n),
             "reports_per_node_step": reports / (k * n), "verdict_replies_per_node_step": watches / (k * n),
-            "idle_repolls": ops.get("watch-timeout agreed", 0),
+            "idle_repolls": _both(ops, "watch-timeout agreed"),
             "reports_sent_per_node_step": (c1["reports"] - c0["reports"]) / (k * n),
             "verdicts_seen_per_node_step": (c1["verdicts"] - c0["verdicts"]) / (k * n),
             "rounds": (round((c1["reports"] - c0["reports"]) / (k * n)) + round((c1["verdicts"] - c0["verdicts"])
@@ -726,7 +732,7 @@ class ScaleBed:
         ops = {k: ops1.get(k, 0) - ops0.get(k, 0) for k in ops1 if k.endswith(" red") and ops1.get(k, 0) != ops0.get(k, 0)}
         n, k = self.nodes, count
         nd = n * k * decisions
-        sets, watches, idle = ops.get("set red", 0), ops.get("watch red", 0), ops.get("watch-timeout red", 0)
+        sets, watches, idle = _both(ops, "set red"), _both(ops, "watch red"), _both(ops, "watch-timeout red")
         sent = sum(r["decisions_sent"] for r in c1) - sum(r["decisions_sent"] for r in c0)
         root = next((r["root"] for r in c1 if r.get("root") is not None), None) or {"red_keys": [], "open": []}
         mine = f"restore/{ident}/"

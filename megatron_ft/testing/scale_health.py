@@ -34,6 +34,7 @@ import collections
 import contextlib
 import json
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -293,29 +294,44 @@ class Sides:
 
     def standby(self, count: int, span_s: float, poll_s: float) -> dict:
         """``count`` standbys in ``claim_failed_node`` for ``span_s`` (each its own store client, as a
-        standby launcher has): a claim, or the span's end with none."""
+        standby launcher has): answered at the first claim (the others wait on, to their span's end), or
+        at the span's end with none. The requests: all of them until the answer."""
         from ..health.store import StoreClient
 
         launch = self._launch()
-        t0 = time.time()
+        t0, c0, w0 = time.time(), self.count.snapshot(), time.monotonic()
+        done: "queue.Queue[dict]" = queue.Queue()
 
-        def fn(i: int):
+        def one(i: int) -> None:
             client = StoreClient(self.cfg)
             try:
                 node, verdict = launch.claim_failed_node(client, self.cfg.cluster.nodes, f"bed:standby{i}",
                                                          poll_s=poll_s, timeout_s=span_s, log=lambda m: None,
                                                          since=t0 - self.cfg.health.timeout_s)
-                return {"node": node, "pid": verdict.get("pid"), "t": time.monotonic()}
+                done.put({"node": node, "pid": verdict.get("pid"), "t": time.monotonic()})
             except TimeoutError:
-                return {"node": None, "t": time.monotonic()}
+                done.put({"node": None, "t": time.monotonic()})
+            except Exception as e:  # noqa: BLE001 - reported
+                done.put({"node": None, "error": f"{type(e).__name__}: {str(e)[:200]}", "t": time.monotonic()})
             finally:
                 kv = getattr(client, "kv", None)
                 if kv is not None:
                     kv.close()
 
-        out = self._phase(list(range(count)), fn, count)
-        out["claims"] = [json.loads(r) for r, _ in out["results"]]
-        return out
+        for i in range(count):
+            threading.Thread(target=one, args=(i,), name=f"standby{i}", daemon=True).start()
+        claims: list[dict] = []
+        while len(claims) < count:
+            try:
+                c = done.get(timeout=max(0.1, w0 + span_s + 60 - time.monotonic()))
+            except queue.Empty:
+                break
+            claims.append(c)
+            if c.get("node") is not None:
+                break
+        ops = _delta(c0, self.count.snapshot())
+        return {"claims": claims, "ops": ops, "requests": _requests(ops), "wall_s": time.monotonic() - w0,
+                "errors": [c["error"] for c in claims if c.get("error")]}
 
     def keepers(self, kind: str, nodes: int, per_node: int, window_s: float) -> dict:
         """The keepers' watch of the root's verdicts during one fast restart round's settling window
