@@ -238,3 +238,27 @@ def test_requests_per_node_per_period_per_generation_and_per_claim_do_not_grow_w
     # each agent sets its heartbeat and reads the root's: 2 (N - 1) / N per node; the root reads in process
     assert small[0] <= 2.0 and large[0] <= 2.0, (small, large)
     assert large[1:] == small[1:], (small, large)  # a launcher's generation, a standby's claim: the same at 64
+
+
+def test_a_launchers_fatal_record_reaches_the_other_launchers_watch_through_the_store():
+    """Node 1's launcher ends the job (``fatal/1``); node 0's launcher's watch sees it on the record held by
+    a real root (an embedded store in this process), with no file of node 1 to read."""
+    from megatron_ft.rendezvous import FatalWatch
+    from megatron_ft.testing.helpers import free_port
+
+    port = free_port()
+    cfg = ftconfig.from_dict({"run_id": "fatalrec", "cluster": {"nodes": 2, "ranks_per_node": 1},
+                              "health": {"store_port": port}, "redundancy": {"scheme": "none"}})
+    root = EmbeddedStore("fatalrec", 0, 2, [], port, timeout_s=5.0)
+    root.connect(10)
+    watch = FatalWatch(cfg).start()
+    try:
+        time.sleep(0.3)  # the watch waits on the record (a long poll)
+        Rendezvous(cfg, 1).record_fatal("no shared memory for rank 3", 3)
+        deadline = time.monotonic() + 10
+        while watch.seen is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.seen == (1, "no shared memory for rank 3", 3)
+    finally:
+        watch.stop()
+        root.close()
