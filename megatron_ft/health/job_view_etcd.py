@@ -13,7 +13,6 @@ Same interface as :class:`~.job_record.JobView` (``refresh``, ``wait``, ``record
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -46,7 +45,8 @@ class EtcdJobView:
     @property
     def record(self) -> JobRecord:
         with self._cond:
-            return copy.deepcopy(self._rec)
+            r = self._rec  # its entries are frozen: the copy shares them
+            return JobRecord(r.nodes, r.epoch, r.version, dict(r.owners), dict(r.failed), dict(r.fatal), r.ended, r.rdzv)
 
     def _load(self) -> None:
         rev, keys = self.kv.read_range(*RANGE)

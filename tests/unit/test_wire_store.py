@@ -83,3 +83,21 @@ def test_the_server_listens_on_its_address_only():
         assert [c.laddr.ip for c in mine] == ["127.0.0.1"]
     finally:
         s.close()
+
+
+def test_the_byte_bound_refuses_a_set_and_deletes_reach_only_derivers_that_ask(server, monkeypatch):
+    kv = WireKV(*server.address, "", 2.0, SECRET)
+    seen = {"all": [], "sets": []}
+    server.derive("d/", lambda k, v: seen["all"].append((k, v)) or {}, deletes=True)
+    server.derive("d/", lambda k, v: seen["sets"].append((k, v)) or {})
+    kv.set("d/1", "x")
+    kv.delete("d/1")
+    kv.delete("d/2")  # absent: nothing to tell
+    assert seen == {"all": [("1", "x"), ("1", None)], "sets": [("1", "x")]}
+    monkeypatch.setattr(wire_store, "BYTES_MAX", 100)
+    kv.set("small", "v" * 20)
+    with pytest.raises(StoreUnavailable, match=r"BYTES_MAX 100\): 'big' of 200 bytes refused"):
+        kv.set("big", "v" * 200)
+    kv.set("small", "w")  # shrinking is always allowed
+    assert kv.get("big") is None and kv.get("small") == "w"
+    kv.close()
