@@ -217,11 +217,11 @@ def fit_line(label: str, xs: list, ys: list, per: str = "per node") -> str:
     if len(pts) < 2:
         return f"{label}: fewer than 2 sizes"
     a, b = fit([p[0] for p in pts], [p[1] for p in pts])
-    per = [p[1] for p in pts]
-    mean = sum(per) / len(per)
-    spread = 100 * max(abs(y - mean) for y in per) / mean if mean else 0.0
+    vals = [p[1] for p in pts]
+    mean = sum(vals) / len(vals)
+    spread = 100 * max(abs(y - mean) for y in vals) / mean if mean else 0.0
     return (f"{label}: {per} = {a:.4g} + {b:.3g} x N (least squares over {len(pts)} sizes, "
-            f"{min(p[0] for p in pts)}-{max(p[0] for p in pts)}); {min(per):.3f}-{max(per):.3f}, within "
+            f"{min(p[0] for p in pts)}-{max(p[0] for p in pts)}); {min(vals):.3f}-{max(vals):.3f}, within "
             f"{spread:.1f} % of their mean {mean:.3f}")
 
 
