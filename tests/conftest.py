@@ -61,7 +61,8 @@ def run_demo(cmd: list, timeout: float = 1200) -> dict:
     assert out.returncode == 0, out.stderr[-3000:]
     # the guard after a restore never refuses a good version (no false alarm): it rolls back only where a
     # version was made bad on purpose
-    if not any(f"--kill-point={a}" in cmd for a in ("poison-after-commit", "scale-optimizer-after-commit")):
+    if not any(f"--kill-point={a}" in cmd for a in ("poison-after-commit", "scale-optimizer-after-commit",
+                                                        "poison-expert-after-commit")):
         assert summary.get("rollbacks", 0) == 0, summary
     if summary.get("recovery_seconds") is not None:  # the breakdown accounts for the recovery, phase by phase
         phases = summary["recovery_breakdown"]

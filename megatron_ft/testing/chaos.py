@@ -94,7 +94,18 @@ KINDS: dict[str, dict] = {
     # left standing on a node that trains on (docs/reliability.md, "A paused agent")
     "agent-pause": {"fail": "agent-pause", "pause": True},
     "two-nodes": {"fail": "two-nodes", "config_only": True},
+    # mixture-of-experts shapes (demo --moe: 4 experts, top-2, the router's expert bias, the chained
+    # optimizer; EP2 on 2 nodes x 2, EP4 on rs's 4 x 1: EDP 1); drawn only when --kinds names them
+    "moe-trainer": {"fail": "trainer", "moe": True, "shape": "moe"},
+    "moe-node-replica": {"fail": "node", "redundancy": "replica", "moe": True, "shape": "moe-replica"},
+    "moe-node-rs": {"fail": "node", "redundancy": "rs", "moe": True, "shape": "moe-rs"},
+    # NaN in an expert shard of the victim's newest committed slot (its expert parameter bucket slice),
+    # checksums recomputed: only the guard can tell; every rank rolls back to the version before
+    "moe-poisoned-expert": {"fail": "trainer", "kill_point": "poison-expert-after-commit", "rollbacks": 1,
+                            "moe": True, "shape": "moe"},
 }
+#: kinds a campaign draws only when ``--kinds`` names them (each trial of theirs is longer)
+OPT_IN_KINDS = tuple(k for k, v in KINDS.items() if v.get("moe"))
 #: the outcomes of a paused agent that are right (``megatron_ft.testing.demo.PAUSE_OUTCOMES``)
 PAUSE_RIGHT = ("trained through", "node recovered")
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
@@ -125,6 +136,8 @@ class Trial:
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
         out = [f"--fail={k['fail']}", f"--kill-at={self.kill_at}", f"--iters={self.iters}"]
+        if k.get("moe"):
+            out.append("--moe")
         if self.config:
             out.append(f"--config={self.config}")
         elif k.get("redundancy"):
@@ -388,7 +401,7 @@ def read_results(path: str) -> list[dict]:
 def main(args: argparse.Namespace) -> int:
     config = os.path.abspath(args.config) if args.config else None
     allowed = list(CONFIG_KINDS) if config else [k for k, v in KINDS.items() if not v.get("config_only")]
-    kinds = args.kinds.split(",") if args.kinds else allowed
+    kinds = args.kinds.split(",") if args.kinds else [k for k in allowed if k not in OPT_IN_KINDS]
     bad = [k for k in kinds if k not in allowed]
     if bad:
         raise ftconfig.ConfigError(f"--kinds: {bad} not among {allowed}" + (" (with --config)" if config else ""))
@@ -423,7 +436,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--trials", type=int, default=10, help="trials in this batch")
     p.add_argument("--start", type=int, default=0, help="first trial index of this batch")
-    p.add_argument("--kinds", default=None, help=f"comma-separated subset of {list(KINDS)}")
+    p.add_argument("--kinds", default=None, help=f"comma-separated subset of {list(KINDS)} (default: all but "
+                                                 f"the cluster-file kinds and {list(OPT_IN_KINDS)}, drawn only when named)")
     p.add_argument("--config", default=None,
                    help=f"run every trial on this cluster file (its shape and scheme), e.g. configs/cpu/*.yaml; "
                         f"kinds among {list(CONFIG_KINDS)}")

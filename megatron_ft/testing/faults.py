@@ -17,6 +17,10 @@ any step, e.g. whichever step a restore chose). Actions:
   floating-point tensor and recompute the checksums of the chunks it touched: the snapshot verifies,
   its values are garbage (what a replica written from a model that already held NaN looks like);
   restore's guard must refuse it and roll back to the rank's older version;
+* ``poison-expert-after-commit`` - the same NaN, written into the snapshot's first floating-point
+  *expert* tensor (:func:`expert_tensors`: a MoE rank's expert parameter bucket slice, else its expert
+  optimizer state), checksums recomputed: only the guard can tell, on the rank that owns that expert
+  shard; the event line names the tensor. A snapshot without expert tensors is an error naming it;
 * ``scale-optimizer-after-commit`` - the same with Adam's first moments multiplied by
   :data:`OPTIMIZER_SCALE`: finite values that verify, and a loss spike after the next optimizer step;
   the guard's loss check after the restore must roll the job back to the version before;
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import runpy
 import signal
 import sys
@@ -67,7 +72,7 @@ TRUNCATE_TO = {
 }
 #: action -> the runtime point it fires at
 #: actions that change the committed snapshot's values, its checksums recomputed (it still verifies)
-REWRITES = ("poison-after-commit", "scale-optimizer-after-commit")
+REWRITES = ("poison-after-commit", "scale-optimizer-after-commit", "poison-expert-after-commit")
 #: hang actions: the prefix -> what the process does at the point instead of dying
 HANGS = {"stop-": "SIGSTOP itself", "stall-": "sleep forever on the calling thread"}
 ACTIONS = {**{p: p for p in POINTS}, "corrupt-after-commit": "after-commit", **{a: "after-commit" for a in REWRITES},
@@ -131,13 +136,16 @@ class KillAt:
         if self.run_dir and not self._first_time(rank):
             return
         agent = self._kill_agent() if f.with_agent else None
+        changed: Optional[list[str]] = None  # the tensors a rewrite changed
         if f.action == "corrupt-after-commit":
             area = context["area"]
             area[len(area) // 2] ^= 0xFF
         elif f.action == "poison-after-commit":
-            poison(context["path"])
+            changed = poison(context["path"])
+        elif f.action == "poison-expert-after-commit":
+            changed = poison_expert(context["path"])
         elif f.action == "scale-optimizer-after-commit":
-            scale_optimizer(context["path"])
+            changed = scale_optimizer(context["path"])
         elif f.action in TRUNCATE_TO:
             os.truncate(context["path"], TRUNCATE_TO[f.action](context["size"]))
         if self.run_dir:
@@ -145,7 +153,8 @@ class KillAt:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "a") as out:
                 out.write(json.dumps({"event": "fault", "point": f.action, "step": step, "rank": rank,
-                                      "pid": os.getpid(), "agent_killed": agent, "time": time.time()}) + "\n")
+                                      "pid": os.getpid(), "agent_killed": agent, "time": time.time(),
+                                      **({"tensors": changed} if changed is not None else {})}) + "\n")
         if f.hang == "stop-":
             os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops here; only a SIGCONT or SIGKILL ends it
             return
@@ -199,6 +208,38 @@ def poison(path: str, value: float = float("nan")) -> list[str]:
     store the new checksums of the chunks it spans, so that the snapshot still verifies. Returns the
     tensor's name (in a list)."""
     return _rewrite(path, lambda floats: floats[:1], lambda t: t.fill_(value))
+
+
+#: a MoE rank's expert parameter bucket in the project's adapter (megatron_ft.megatron.state: ``e`` buffers)
+_EXPERT_BUCKET = re.compile(r"^model\.c\d+\.e\d+\.k\d+\.")
+#: the expert part of a chained optimizer there: the second inner optimizer (``o1``; dense is ``o0``)
+_EXPERT_OPTIMIZER = re.compile(r"^optim\.o1\.")
+
+
+def expert_tensors(floats: list[str]) -> list[str]:
+    """Among a snapshot's floating-point tensor names (layout order), those of expert shards: expert
+    parameter bucket slices first, then the expert optimizer's state (``megatron_ft.megatron.state``),
+    then, in a snapshot of upstream Megatron-LM's state dict, its ``.experts.`` tensors (not the
+    router's ``expert_bias``, which every rank holds whole). ``optim.o1`` counts only beside an expert
+    bucket (a chained optimizer's second part holds experts only in a MoE job)."""
+    buckets = [n for n in floats if _EXPERT_BUCKET.match(n)]
+    if buckets:
+        return buckets + [n for n in floats if _EXPERT_OPTIMIZER.match(n)]
+    return [n for n in floats if ".experts." in n]
+
+
+def poison_expert(path: str, value: float = float("nan")) -> list[str]:
+    """:func:`poison` on the first expert tensor (:func:`expert_tensors`) of the committed snapshot in
+    ``path``, checksums recomputed. Returns its name (in a list); a snapshot without expert tensors is a
+    ``ValueError`` naming the path."""
+    def pick(floats: list[str]) -> list[str]:
+        experts = expert_tensors(floats)
+        if not experts:
+            raise ValueError(f"{path}: no expert tensor to poison (not a mixture-of-experts rank's snapshot; "
+                             f"floating-point tensors: {floats[:5]}...)")
+        return experts[:1]
+
+    return _rewrite(path, pick, lambda t: t.fill_(value))
 
 
 #: the factor ``scale-optimizer-after-commit`` multiplies Adam's first moments by

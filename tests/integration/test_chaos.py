@@ -53,6 +53,31 @@ def test_kinds_cover_the_promise_table():
     assert chaos.Trial(0, 1, "two-nodes-xor", 4, 0, 12).shape != chaos.Trial(0, 1, "node-xor", 4, 0, 12).shape
 
 
+def test_moe_kinds_run_the_moe_shapes_and_are_drawn_only_when_named(tmp_path, monkeypatch):
+    args = {k: chaos.Trial(0, 1, k, 4, 0.01, 12).demo_args() for k in chaos.OPT_IN_KINDS}
+    assert set(args) == {"moe-trainer", "moe-node-replica", "moe-node-rs", "moe-poisoned-expert"}
+    assert all("--moe" in a for a in args.values())
+    assert "--kill-point=poison-expert-after-commit" in args["moe-poisoned-expert"]
+    assert "--redundancy=rs" in args["moe-node-rs"] and "--fail=node" in args["moe-node-rs"]
+    # a reference run of their own per shape, never a dense kind's
+    shapes = {chaos.Trial(0, 1, k, 4, 0, 12).shape for k in chaos.OPT_IN_KINDS}
+    assert shapes == {"moe", "moe-replica", "moe-rs"}
+    assert not shapes & {chaos.Trial(0, 1, k, 4, 0, 12).shape for k in chaos.KINDS if k not in chaos.OPT_IN_KINDS}
+    # the default campaign draws the kinds it drew before; --kinds names the MoE ones
+    import argparse
+
+    drawn = []
+    monkeypatch.setattr(chaos, "run_trial", lambda t, *a, **k: drawn.append(t.kind) or chaos.Outcome(
+        t.__dict__, "right"))
+    base = dict(config=None, seed=1, results=str(tmp_path / "r.jsonl"), start=0, trials=40, workdir=str(tmp_path),
+                trial_timeout=1, docs=None)
+    chaos.main(argparse.Namespace(kinds=None, **base))
+    assert drawn and not set(drawn) & set(chaos.OPT_IN_KINDS)
+    drawn.clear()
+    chaos.main(argparse.Namespace(kinds="moe-trainer,moe-poisoned-expert", **{**base, "seed": 2, "trials": 4}))
+    assert sorted(drawn) == ["moe-poisoned-expert", "moe-poisoned-expert", "moe-trainer", "moe-trainer"]
+
+
 def test_a_campaign_on_a_cluster_file_keeps_its_scheme_and_reports_per_file(tmp_path):
     """--config: every trial runs the file's shape and scheme (no --redundancy of the kind's own),
     shares a reference per file, and is reported as 'kind @ file'; kinds that bring their own scheme,
@@ -106,6 +131,10 @@ GOOD = {"bitwise_identical": True, "recovered_from": "decoded", "promised_tier":
     ("poisoned", 0, {**GOOD, "recovered_from": "local_memory", "promised_tier": "local_memory", "rollbacks": 0}, [], "",
      ("wrong", "rollbacks: 0, want 1")),
     ("node-rs", 0, {**GOOD, "rollbacks": 1}, [], "", ("wrong", "rollbacks: 1, want 0")),
+    ("moe-poisoned-expert", 0, {**GOOD, "recovered_from": "local_memory", "promised_tier": "local_memory",
+                                "rollbacks": 1}, [], "", ("right", "")),
+    ("moe-poisoned-expert", 0, {**GOOD, "recovered_from": "local_memory", "promised_tier": "local_memory",
+                                "rollbacks": 0}, [], "", ("wrong", "rollbacks: 0, want 1")),
 ])
 def test_classification(kind, rc, summary, left, out, want):
     """Pure rules: a hang, a leak, a mismatch, a false failure verdict, a lower tier are wrong."""
