@@ -772,7 +772,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
         program = upstream_program(args.megatron_lm, workdir)
         series = megatron_lm.series_of(os.path.join(workdir, "megatron-lm"))
         targs = megatron_lm.demo_args(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data_parallel, args.iters,
-                                      "{run_dir}") + (args.train_arg or [])
+                                      "{run_dir}") + (moe_train_args(cfg) if getattr(args, "moe", False) else []) \
+            + (args.train_arg or [])
     else:
         program = PROJECT_SCRIPT
         targs = training_args(cfg, args.iters, (moe_train_args(cfg) if getattr(args, "moe", False) else [])
@@ -1438,9 +1439,6 @@ def main(args: argparse.Namespace) -> int:
     if args.slurm and args.fail in ("launcher", "agent"):
         raise ftconfig.ConfigError(f"--slurm is invalid with --fail={args.fail}: the demo restarts that process "
                                    f"itself, outside the Slurm step")
-    if getattr(args, "moe", False) and args.megatron_lm:
-        raise ftconfig.ConfigError("--moe is invalid with --megatron-lm: the MoE shape runs the project's "
-                                   "scripts/pretrain_gpt.py (give upstream its MoE flags with --train-arg)")
     if args.standby and args.fail != "node":
         raise ftconfig.ConfigError(f"--standby is invalid with --fail={args.fail}: a standby replaces a lost node "
                                    "(--fail node)")

@@ -153,9 +153,11 @@ def demo_args(tensor: int, pipeline: int, data: int, iters: int, run_dir: str) -
 
 
 def _digest(model: list) -> str:
+    """SHA-256 of this rank's parameters and module buffers (a MoE router's ``expert_bias``, which the
+    gradient finalisation updates outside the optimizer), names and bytes."""
     h = hashlib.sha256()
     for chunk in model:
-        for name, p in chunk.named_parameters():
+        for name, p in [*chunk.named_parameters(), *(("buffer." + n, b) for n, b in chunk.named_buffers())]:
             h.update(name.encode())
             h.update(p.detach().cpu().contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.hexdigest()
