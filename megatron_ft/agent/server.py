@@ -98,6 +98,8 @@ class Agent:
             return
         h = self.cfg.health
         self.store = make_store(self.cfg, self.node, self.secret)
+        # this agent's writes end once a standby claimed its node after a verdict on it (health.fencing)
+        self.store.fence_as(os.getpid(), self.stand_down)
         self.store.connect(self.cfg.agent.connect_timeout_s)
         if self.cfg.redundancy.scheme != "none":
             self.redundancy = Redundancy(self.slots, self.cfg, self.node, self.secret, self.store,

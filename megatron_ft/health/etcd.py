@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from .fencing import Fence, Fenced, fence_of_claim
 from .kv import StoreUnavailable
 
 log = logging.getLogger("megatron_ft.health")
@@ -181,12 +182,30 @@ class EtcdKV:
                                            f"and is health.store right?)") from None
             time.sleep(0.2)
 
-    def set(self, key: str, value: str, lease: int = 0) -> None:
-        """Put ``key``; ``lease``: attached to that lease (etcd deletes the key when it expires)."""
+    def set(self, key: str, value: str, lease: int = 0, fence: Optional[str] = None) -> None:
+        """Put ``key``; ``lease``: attached to that lease (etcd deletes the key when it expires);
+        ``fence``: only while that key is absent (one transaction; else :class:`~.fencing.Fenced`)."""
         body = {"key": _b64(self.prefix + key), "value": _b64(value)}
         if lease:
             body["lease"] = lease
-        self._post("/kv/put", body)
+        if fence is None:
+            self._post("/kv/put", body)
+        else:
+            self._fenced_txn([], [{"request_put": body}], fence)
+
+    def _fenced_txn(self, compare: list, success: list, fence: str, failure: tuple = ()) -> dict:
+        """One transaction: ``success`` if ``compare`` holds and ``fence`` is absent; else ``failure`` (and
+        a read of ``fence``, last). A present fence raises :class:`~.fencing.Fenced` naming its value."""
+        f = _b64(self.prefix + fence)
+        r = self._post("/kv/txn", {"compare": [*compare, {"key": f, "result": "EQUAL", "target": "CREATE",
+                                                          "create_revision": 0}],
+                                   "success": success,
+                                   "failure": [*failure, {"request_range": {"key": f}}]})
+        if not r.get("succeeded"):
+            kvs = r["responses"][-1]["response_range"].get("kvs", [])
+            if kvs:
+                raise Fenced(fence, _unb64(kvs[0].get("value", "")), f"{self.host}:{self.port}")
+        return r
 
     def get(self, key: str) -> Optional[str]:
         return self.read(key)[1]
@@ -220,21 +239,35 @@ class EtcdKV:
                                      "count_only": True})
         return int(r.get("count", 0))
 
-    def delete(self, key: str) -> None:
-        self._post("/kv/deleterange", {"key": _b64(self.prefix + key)})
+    def delete(self, key: str, fence: Optional[str] = None) -> None:
+        body = {"key": _b64(self.prefix + key)}
+        if fence is None:
+            self._post("/kv/deleterange", body)
+        else:
+            self._fenced_txn([], [{"request_delete_range": body}], fence)
 
-    def compare_set(self, key: str, expected: str, desired: str, lease: int = 0) -> str:
+    def compare_set(self, key: str, expected: str, desired: str, lease: int = 0, fence: Optional[str] = None,
+                    also: Optional[dict[str, str]] = None) -> str:
         """Set ``key`` to ``desired`` if its value is ``expected`` (``""``: if it does not exist), in
-        one etcd transaction (``lease``: the put attached to that lease); returns the value the key
-        has afterwards (``""`` if absent)."""
+        one etcd transaction (``lease``: the put attached to that lease; ``fence``: only while that key is
+        absent, else :class:`~.fencing.Fenced`; ``also``: more keys put in the same transaction when it
+        succeeds; a standby's claim of a verdict puts the claimed agent's fence with it,
+        :func:`~.fencing.fence_of_claim`); returns the value the key has afterwards (``""`` if absent)."""
+        if (fenced := fence_of_claim(key, desired)) is not None:
+            also = {**(also or {}), fenced[0]: fenced[1]}
         k = _b64(self.prefix + key)
         cmp = ({"key": k, "result": "EQUAL", "target": "CREATE", "create_revision": 0} if expected == ""
                else {"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(expected)})
         put = {"key": k, "value": _b64(desired)}
         if lease:
             put["lease"] = lease
-        r = self._post("/kv/txn", {"compare": [cmp], "success": [{"request_put": put}],
-                                   "failure": [{"request_range": {"key": k}}]})
+        success = [{"request_put": put}] + [{"request_put": {"key": _b64(self.prefix + ak), "value": _b64(av)}}
+                                            for ak, av in (also or {}).items()]
+        failure = ({"request_range": {"key": k}},)
+        if fence is None:
+            r = self._post("/kv/txn", {"compare": [cmp], "success": success, "failure": list(failure)})
+        else:
+            r = self._fenced_txn([cmp], success, fence, failure)
         if r.get("succeeded"):
             return desired
         kvs = r["responses"][0]["response_range"].get("kvs", [])
@@ -352,6 +385,7 @@ class EtcdStore:
         self.vacated_rev = 0
         self._callbacks: list[Callable[[], None]] = []
         self._stop = threading.Event()
+        self.fence = Fence()  # armed by the agent (:meth:`fence_as`)
         self._lock = threading.Lock()  # lease, _valid_until, _root
 
     # ------------------------------------------------------------------ lease and election
@@ -378,7 +412,9 @@ class EtcdStore:
     def _new_lease(self) -> None:
         t0 = time.monotonic()
         lease = self.kv.grant(self.ttl_s)
-        self.kv.set(alive_key(self.node), json.dumps({"pid": os.getpid(), "lease": lease}), lease=lease)
+        # fenced: an agent judged lost whose node was claimed meanwhile takes no new liveness
+        self._write(lambda: self.kv.set(alive_key(self.node), json.dumps({"pid": os.getpid(), "lease": lease}),
+                                        lease=lease, fence=self.fence.key))
         with self._lock:
             self.lease, self._valid_until = lease, t0 + self.ttl_s
 
@@ -470,21 +506,32 @@ class EtcdStore:
 
     # ------------------------------------------------------------------ the key-value interface
 
+    def fence_as(self, pid: int, on_fenced: Callable[[str], None]) -> None:
+        """Every write from now on is agent ``pid``'s of this node (:mod:`.fencing`), its liveness key at a
+        new lease included; ``on_fenced(why)`` once at the first refusal."""
+        self.fence.arm(self.node, pid, on_fenced)
+
+    def _write(self, fn):
+        try:
+            return fn()
+        except Fenced as e:
+            self.fence.refused(e)
+
     def publish(self, key: str, value: str) -> None:
         """A key this node owns (etcd keeps it; nothing to re-publish)."""
-        self.kv.set(key, value)
+        self._write(lambda: self.kv.set(key, value, fence=self.fence.key))
 
     def set(self, key: str, value: str) -> None:
-        self.kv.set(key, value)
+        self._write(lambda: self.kv.set(key, value, fence=self.fence.key))
 
     def get(self, key: str) -> Optional[str]:
         return self.kv.get(key)
 
     def compare_set(self, key: str, expected: str, desired: str) -> str:
-        return self.kv.compare_set(key, expected, desired)
+        return self._write(lambda: self.kv.compare_set(key, expected, desired, fence=self.fence.key))
 
     def delete(self, key: str) -> None:
-        self.kv.delete(key)
+        self._write(lambda: self.kv.delete(key, fence=self.fence.key))
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         """The key's value once it differs from ``value`` (None: absent), or after ``wait_s``

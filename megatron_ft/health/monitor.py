@@ -42,6 +42,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from . import fencing
+
 log = logging.getLogger("megatron_ft.health")
 
 #: the root's probes of suspected nodes running at once (more wait for a free thread, heard at a later beat)
@@ -49,7 +51,7 @@ PROBES_AT_ONCE = 16
 
 #: what the root (or the returning agent) writes into a verdict's claim key when the verdict is withdrawn:
 #: no standby may claim that verdict's node after it
-WITHDRAWN = "withdrawn-by-"
+WITHDRAWN = fencing.WITHDRAWN
 
 
 def claim_key(node: int, verdict: dict) -> str:

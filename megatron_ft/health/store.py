@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Optional
 
+from . import fencing
 from .etcd import EtcdKV, EtcdStore, EtcdTLS
 from .job_record import JobView, RecordKeeper
 from .job_view_etcd import EtcdJobView
@@ -99,6 +100,9 @@ class EmbeddedStore:
         self._server = KVServer((bind or host, p), secret).start()
         # the job record, kept by whichever server is the root's (its epoch: this server's)
         RecordKeeper(nodes, f"{node}/{os.getpid()}/{time.time():.6f}").install(self._server, self.prefix)
+        # a standby's claim fences the claimed agent's writes, in the same step (:mod:`.fencing`)
+        self.derive(fencing.CLAIM_PREFIX, fencing.derive_fences)
+        self.fence = fencing.Fence()  # armed by the agent (:meth:`fence_as`); a launcher's writes are not fenced
         self.root = -1
         self.kv: Optional[WireKV | LocalKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
@@ -174,9 +178,17 @@ class EmbeddedStore:
             self._republish()
             return j
 
+    def fence_as(self, pid: int, on_fenced) -> None:
+        """Every write of this store from now on is agent ``pid``'s of this node: refused once a standby
+        claimed the node after a verdict on that agent; ``on_fenced(why)`` then, once (:mod:`.fencing`)."""
+        self.fence.arm(self.node, pid, on_fenced)
+
     def _republish(self) -> None:
         for k, v in self.published.items():
-            self.kv.set(k, v)  # type: ignore[union-attr]
+            try:
+                self.kv.set(k, v, fence=self.fence.key)  # type: ignore[union-attr]
+            except fencing.Fenced as e:
+                self.fence.refused(e)
 
     def failover(self) -> int:
         """The root's store stopped answering: elect the next root and reconnect."""
@@ -216,6 +228,8 @@ class EmbeddedStore:
                 if kv is None:
                     raise StoreUnavailable("not connected")
                 return fn(kv)
+            except fencing.Fenced as e:
+                self.fence.refused(e)
             except StoreUnavailable:
                 if attempt:
                     raise
@@ -225,19 +239,21 @@ class EmbeddedStore:
         """Set a key this node owns (kept and re-set on a new root after a failover)."""
         with self._lock:
             self.published[key] = value
-        self._do(lambda kv: kv.set(key, value))
+        self._do(lambda kv: kv.set(key, value, fence=self.fence.key))
 
     def set(self, key: str, value: str) -> None:
-        self._do(lambda kv: kv.set(key, value))
+        """Set ``key`` at the root (fenced once :meth:`fence_as` armed it: :class:`~.fencing.Fenced`);
+        likewise :meth:`compare_set`, :meth:`delete`."""
+        self._do(lambda kv: kv.set(key, value, fence=self.fence.key))
 
     def get(self, key: str) -> Optional[str]:
         return self._do(lambda kv: kv.get(key))
 
     def compare_set(self, key: str, expected: str, desired: str) -> str:
-        return self._do(lambda kv: kv.compare_set(key, expected, desired))
+        return self._do(lambda kv: kv.compare_set(key, expected, desired, fence=self.fence.key))
 
     def delete(self, key: str) -> None:
-        self._do(lambda kv: kv.delete(key))
+        self._do(lambda kv: kv.delete(key, fence=self.fence.key))
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         """The key's value at the root once it differs from ``value``, or after ``wait_s`` unchanged

@@ -18,6 +18,10 @@ watch           key, value, wait_s          the key's value once it differs from
                                             waiter learns of a change at once without polling
 ==============  ==========================  =====================================================
 
+``set``, ``compare_set`` and ``delete`` may name a ``fence`` key: the write applies only while that key
+is absent, else the reply is ``{"fenced": <its value>}`` and nothing changes (an agent whose node a
+standby claimed, :mod:`.fencing`); the clients raise :class:`~.fencing.Fenced` for it.
+
 An owner of a server may *derive* keys (:meth:`KVServer.derive`): a function called, under the map's
 lock, with every ``set`` of a key under a given prefix (and, if it asks, every ``delete``), whose
 returned keys are set in the same step (the root agent's job-wide agreement and the job record,
@@ -62,6 +66,7 @@ from pydantic import Field, StrictFloat, StrictStr
 
 from ..transport import wire
 from ..transport.messages import Messages, Request
+from .fencing import Fenced
 from .kv import StoreUnavailable
 
 log = logging.getLogger("megatron_ft.health")
@@ -84,16 +89,19 @@ class Get(Request):
 class Set(Request):
     key: Key
     value: Value
+    fence: Optional[Key] = None  # applied only while this key is absent (:mod:`.fencing`)
 
 
 class CompareSet(Request):
     key: Key
     expected: Value
     desired: Value
+    fence: Optional[Key] = None
 
 
 class Delete(Request):
     key: Key
+    fence: Optional[Key] = None
 
 
 #: the longest a ``watch`` may wait (the client's bound is its timeout plus this)
@@ -150,6 +158,10 @@ class _Map:
                 return {"value": value}
             if isinstance(req, Get):
                 return {"value": self.data.get(req.key)}
+            fence = getattr(req, "fence", None)
+            if fence is not None and fence in self.data:  # the writer's node was claimed: nothing changes
+                self.ops[f"{via}fenced"] += 1
+                return {"fenced": self.data[fence]}
             if isinstance(req, Delete):
                 self._pop(req.key)
                 return {}
@@ -263,6 +275,17 @@ class KVServer:
         self._server.close()
 
 
+def _fenced(reply: dict, fence: Optional[str], where: str) -> dict:
+    """``reply`` unless it says the write was fenced (then :class:`~.fencing.Fenced`)."""
+    if "fenced" in reply:
+        raise Fenced(fence or "", str(reply["fenced"]), where)
+    return reply
+
+
+def _writes(fence: Optional[str], prefix: str) -> dict:
+    return {"fence": prefix + fence} if fence is not None else {}
+
+
 class LocalKV:
     """The :class:`WireKV` interface on a server's map from the server's own process: each call applies
     the same validated request under the same lock (derived keys included) with no connection, counted
@@ -287,14 +310,16 @@ class LocalKV:
             self._map.ops[f"local get {full.split('/')[2] if full.count('/') >= 2 else full}"] += 1
             return self._map.data.get(full)
 
-    def set(self, key: str, value: str) -> None:
-        self._request("set", key=self.prefix + key, value=value)
+    def set(self, key: str, value: str, fence: Optional[str] = None) -> None:
+        _fenced(self._request("set", key=self.prefix + key, value=value, **_writes(fence, self.prefix)), fence,
+                self.where)
 
-    def compare_set(self, key: str, expected: str, desired: str) -> str:
-        return self._request("compare_set", key=self.prefix + key, expected=expected, desired=desired)["value"]
+    def compare_set(self, key: str, expected: str, desired: str, fence: Optional[str] = None) -> str:
+        return _fenced(self._request("compare_set", key=self.prefix + key, expected=expected, desired=desired,
+                                     **_writes(fence, self.prefix)), fence, self.where)["value"]
 
-    def delete(self, key: str) -> None:
-        self._request("delete", key=self.prefix + key)
+    def delete(self, key: str, fence: Optional[str] = None) -> None:
+        _fenced(self._request("delete", key=self.prefix + key, **_writes(fence, self.prefix)), fence, self.where)
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         return self._request("watch", key=self.prefix + key, value=value,
@@ -333,14 +358,19 @@ class WireKV:
     def get(self, key: str) -> Optional[str]:
         return self._request("get", key=self.prefix + key).get("value")
 
-    def set(self, key: str, value: str) -> None:
-        self._request("set", key=self.prefix + key, value=value)
+    def set(self, key: str, value: str, fence: Optional[str] = None) -> None:
+        """``fence`` (here and in :meth:`compare_set`, :meth:`delete`): a key that must be absent for the
+        write to apply, else :class:`~.fencing.Fenced` (:mod:`.fencing`)."""
+        _fenced(self._request("set", key=self.prefix + key, value=value, **_writes(fence, self.prefix)), fence,
+                f"{self.host}:{self.port}")
 
-    def compare_set(self, key: str, expected: str, desired: str) -> str:
-        return self._request("compare_set", key=self.prefix + key, expected=expected, desired=desired)["value"]
+    def compare_set(self, key: str, expected: str, desired: str, fence: Optional[str] = None) -> str:
+        return _fenced(self._request("compare_set", key=self.prefix + key, expected=expected, desired=desired,
+                                     **_writes(fence, self.prefix)), fence, f"{self.host}:{self.port}")["value"]
 
-    def delete(self, key: str) -> None:
-        self._request("delete", key=self.prefix + key)
+    def delete(self, key: str, fence: Optional[str] = None) -> None:
+        _fenced(self._request("delete", key=self.prefix + key, **_writes(fence, self.prefix)), fence,
+                f"{self.host}:{self.port}")
 
     def watch(self, key: str, value: Optional[str], wait_s: float) -> Optional[str]:
         """The key's value once it differs from ``value``, or after ``wait_s`` (at most

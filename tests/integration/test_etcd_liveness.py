@@ -50,6 +50,7 @@ from megatron_ft.health.etcd import EtcdStore
 from megatron_ft.health.etcd_liveness import EtcdLiveness
 url, run, node, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 s = EtcdStore(url, run, node, nodes, timeout_s=%r)
+s.fence_as(os.getpid(), lambda why: os._exit(3))  # as the agent does: its writes fenced once its node is claimed
 s.connect(10)
 EtcdLiveness(s, node, nodes, %r, %r, fenced=lambda why: os._exit(3)).start()  # stands down: exit 3
 print("ready", flush=True)
