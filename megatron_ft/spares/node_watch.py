@@ -72,21 +72,7 @@ def watch_key(client, key: str, value: Optional[str], wait_s: float) -> Optional
     """``key``'s value in the job's health store once it differs from ``value`` (None: absent), or
     after ``wait_s`` unchanged, through ``client`` (a :class:`megatron_ft.health.store.StoreClient`):
     the embedded store's long poll, or on etcd one read and a watch stream from its revision."""
-    own = getattr(client, "watch", None)
-    if own is not None:
-        return own(key, value, wait_s)
-
-    def one(kv):
-        if hasattr(kv, "watch"):  # the embedded store's client (WireKV)
-            return kv.watch(key, value, wait_s)
-        rev, cur = kv.read(key)  # etcd (EtcdKV): no change between the read and the watch is missed
-        if cur != value:
-            return cur
-        for ev in kv.events(key, rev + 1, wait_s):
-            return ev.value
-        return cur
-
-    return client._do(one)
+    return client.watch(key, value, wait_s)
 
 
 class RoundStream:
