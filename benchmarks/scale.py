@@ -117,25 +117,34 @@ def health_bed(nodes: int, procs: int, heartbeat_s: float, timeout_s: float, spa
                  store=etcd.url if etcd is not None else "embedded")
     out: dict = {"nodes": nodes, "store": store}
     sides = None
+
+    def say(part: str) -> None:  # progress, on stderr
+        print(f"# {time.strftime('%H:%M:%S')} {nodes} nodes ({store}): {part} done, load {os.getloadavg()[0]:.1f}: "
+              f"{json.dumps(out.get(part))[:600]}", file=sys.stderr, flush=True)
     try:
         b.start(timeout_s=1800)
         out["started"] = b.started
+        say("started")
         sides = sh.start_sides(b)
         time.sleep(2 * heartbeat_s)  # every heartbeat names its launcher
         out["health"] = sh.health_run(b, span_s, etcd)
+        say("health")
         if launch:
             try:
                 out["launch"] = sh.launch_run(b, sides)
             except (BedError, RuntimeError) as e:
                 out["launch"] = {"nodes": nodes, "error": str(e)[:3000]}
+            say("launch")
         for kind in keepers:
             try:
                 out.setdefault("keepers", []).append(
                     sh.keepers_run(b, sides, kind, nodes if kind == "after" else min(nodes, 64), per_node))
             except (BedError, RuntimeError) as e:
                 out.setdefault("keepers", []).append({"kind": kind, "nodes": nodes, "error": str(e)[:3000]})
+            say("keepers")
         out["detect"] = sh.detect(b, sorted({nodes - 1, nodes // 2, nodes // 3} - {0}), sides, standbys=2)
-    except (BedError, RuntimeError) as e:
+        say("detect")
+    except (BedError, RuntimeError, OSError) as e:
         out["error"] = str(e)[:4000]
     finally:
         if sides is not None:
