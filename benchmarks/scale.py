@@ -81,12 +81,12 @@ from megatron_ft.testing.scale_bed import BedError, ScaleBed  # noqa: E402
 
 
 def bed(nodes: int, steps: int, procs: int, heartbeat_s: float, timeout_s: float, restores: int = 0,
-        decisions: int = 3, conns: tuple = ("fresh",), backlog=None) -> tuple[dict, list[dict]]:
+        decisions: int = 3, conns: tuple = ("fresh",), backlog=None, root_alone: bool = False) -> tuple[dict, list[dict]]:
     """The agreement's figures over ``steps`` agreed steps, then (``restores``) each connection kind's
     restore figures in the same bed: ``fresh``, a connection per restore as the trainer's
     ``Checkpointer._decisions`` opens (``role: coordination``), ``trainer``: the trainer's own."""
     b = ScaleBed(nodes, procs=procs, heartbeat_s=heartbeat_s, timeout_s=timeout_s, step_timeout_s=300.0,
-                 backlog=backlog)
+                 backlog=backlog, root_alone=root_alone)
     rfigs: list[dict] = []
     try:
         b.start(timeout_s=1800)
@@ -114,7 +114,7 @@ def health_bed(nodes: int, procs: int, heartbeat_s: float, timeout_s: float, spa
 
     etcd = sh.start_etcd() if store == "etcd" else None
     b = ScaleBed(nodes, procs=procs, heartbeat_s=heartbeat_s, timeout_s=timeout_s, mode="health",
-                 store=etcd.url if etcd is not None else "embedded")
+                 store=etcd.url if etcd is not None else "embedded", root_alone=procs > 2)
     out: dict = {"nodes": nodes, "store": store}
     sides = None
 
@@ -410,6 +410,9 @@ def main(argv=None) -> int:
                         "and leaks it: see docs/benchmarks.md)")
     p.add_argument("--backlog", type=int, default=None,
                    help="diagnostic: the listen backlog of the bed's servers (default: socketserver's 5, as the agents)")
+    p.add_argument("--root-alone", action="store_true",
+                   help="node 0 (the root) alone in worker 0, the other nodes over the other workers (part (c): "
+                        "always, with more than 2 workers)")
     p.add_argument("--health", action="store_true", help="part (c): the health scenario at each --nodes")
     p.add_argument("--store", default="embedded", choices=("embedded", "etcd"), help="part (c)'s store")
     p.add_argument("--span-s", type=float, default=60.0, help="part (c): the healthy span measured")
@@ -459,7 +462,7 @@ def main(argv=None) -> int:
         hb = args.heartbeat_s if args.heartbeat_s is not None else (2.0 if n <= 256 else 5.0)
         conns = tuple(args.restore_conn) if args.restore_conn else ("trainer",)
         r, rr = bed(n, args.steps, min(args.procs, n), hb, args.timeout_s, args.restores, args.decisions, conns,
-                    args.backlog)
+                    args.backlog, args.root_alone)
         print(json.dumps({"measurement": "agreement", **r}), flush=True)
         rows.append(r)
         for x in rr:

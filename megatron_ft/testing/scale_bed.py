@@ -507,7 +507,7 @@ class ScaleBed:
     def __init__(self, nodes: int, procs: int = 4, heartbeat_s: float = 2.0, timeout_s: float = 120.0,
                  run_id: Optional[str] = None, step_timeout_s: float = 120.0, log_level: str = "WARNING",
                  backlog: Optional[int] = None, mode: str = "agreement", store: str = "embedded",
-                 accept_poll_s: float = ACCEPT_POLL_S):
+                 accept_poll_s: float = ACCEPT_POLL_S, root_alone: bool = False):
         if procs < 1 or nodes < procs:
             raise ValueError(f"nodes={nodes}, procs={procs}: every worker process needs a node")
         self.nodes, self.procs = nodes, procs
@@ -519,7 +519,7 @@ class ScaleBed:
         self.backlog = backlog
         #: ``agreement``: agents with the job-wide agreement, their Unix servers and light trainers;
         #: ``health``: agents with their store and heartbeats only (the health, launch and spares scenarios)
-        self.mode, self.store, self.accept_poll_s = mode, store, accept_poll_s
+        self.mode, self.store, self.accept_poll_s, self.root_alone = mode, store, accept_poll_s, root_alone
         self.config: dict = {}
         self.config_path = ""  # the configuration as a YAML file (what MFT_CONFIG names for the keepers' side)
         self.tmp = tempfile.mkdtemp(prefix="mftsb-", dir="/tmp")
@@ -553,12 +553,8 @@ class ScaleBed:
         with open(self.config_path, "w") as f:
             json.dump(cfg, f)  # JSON is YAML
         env = {**os.environ, SECRET_ENV: secret.hex()}
-        per = -(-self.nodes // self.procs)
         t0 = time.monotonic()
-        for i in range(self.procs):
-            first, last = i * per, min(self.nodes, (i + 1) * per)
-            if first >= last:
-                break
+        for i, (first, last) in enumerate(self.node_ranges()):
             log_path = os.path.join(self.tmp, f"worker{i}.log")
             with open(log_path, "w") as log:
                 popen = subprocess.Popen([sys.executable, "-m", "megatron_ft.testing.scale_bed"], stdin=subprocess.PIPE,
@@ -576,6 +572,17 @@ class ScaleBed:
                         "max_fds_per_proc": max(r.get("fds", 0) for r in ready),
                         "max_maps_per_proc": max(r.get("maps", 0) for r in ready),
                         "rss_mib": round(sum(r.get("rss_mib", 0) for r in ready), 1)}
+
+    def node_ranges(self) -> list[tuple[int, int]]:
+        """Each worker's nodes ``[first, last)``: an equal share each, or (``root_alone``) node 0 alone in
+        worker 0 and the others shared by the rest - the root's store then shares its process's lock
+        with no other agent's threads, as on a cluster, where it has its node to itself."""
+        if self.root_alone and self.procs > 1:
+            per = -(-(self.nodes - 1) // (self.procs - 1))
+            return [(0, 1)] + [(1 + i * per, min(self.nodes, 1 + (i + 1) * per)) for i in range(self.procs - 1)
+                               if 1 + i * per < self.nodes]
+        per = -(-self.nodes // self.procs)
+        return [(i * per, min(self.nodes, (i + 1) * per)) for i in range(self.procs) if i * per < self.nodes]
 
     def ask_all(self, cmd: dict, timeout_s: float = 120.0) -> list[dict]:
         """Send ``cmd`` to every worker; their answers (the event ``cmd["cmd"]``), in worker order."""
