@@ -1372,7 +1372,8 @@ def add_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--moe", action="store_true",
                    help="a mixture-of-experts GPT (4 experts, top-2, load-balancing loss, router expert bias) at "
-                        "TP1 PP1 with expert parallelism 2 (EP = the world size on one rank per node: EDP 1)")
+                        "TP1 PP1 with expert parallelism 2 (EP = the world size on one rank per node: EDP 1); with "
+                        "--megatron-lm, upstream's pretrain_gpt.py with the same flags")
     p.add_argument("--kill-point", default="after-iteration",
                    choices=["after-iteration", "before-snapshot", "mid-copy", "after-commit", *DAMAGE_POINTS],
                    help="after-iteration: the demo SIGKILLs the victims once they logged --kill-at; the others: "

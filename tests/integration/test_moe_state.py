@@ -85,3 +85,27 @@ def test_moe_demo_recovers_bit_exact(tmp_path, args, tier):
         targs = json.load(f)["train_args"]
     ep = "4" if "--redundancy=rs" in args else "2"
     assert targs[targs.index("--expert-model-parallel-size") + 1] == ep and "--moe-router-enable-expert-bias" in targs
+
+
+@pytest.mark.slow
+def test_a_poisoned_expert_shard_is_refused_and_every_rank_rolls_back(tmp_path):
+    """NaN in the expert parameter bucket slice of one rank's newest committed snapshot (step 4), its
+    checksums recomputed: it verifies, so only the guard's finiteness check can refuse it. The victim dies
+    right after; every rank rolls back to step 3 together, from local memory, and trains on bit for bit."""
+    from megatron_ft.rank_files import all_files
+
+    s = moe_demo(tmp_path, "--fail=trainer", "--kill-point=poison-expert-after-commit")
+    assert (s["recovered_from"], s["resumed_step"], s["rollbacks"]) == ("local_memory", 3, 1), s
+    events = [json.loads(ln) for f in all_files(os.path.join(s["workdir"], "run", "events"), ".jsonl")
+              for ln in open(f)]
+    fired = [e for e in events if e.get("event") == "fault"]
+    assert len(fired) == 1 and fired[0]["step"] == 4 and fired[0]["point"] == "poison-expert-after-commit", fired
+    poisoned = fired[0]["tensors"]
+    assert len(poisoned) == 1 and poisoned[0].startswith("model.c0.e"), poisoned  # an expert bucket slice
+    restores = [e for e in events if e.get("event") == "restore" and e.get("source") not in (None, "none")]
+    # every rank of the job restored once, each from its local memory at step 3 after one rollback
+    assert sorted((e["source"], e["step"], e["rollbacks"]) for e in restores) == [("local_memory", 3, 1)] * 4, restores
+    rejected = [r for e in restores for r in e.get("rejected", [])]
+    # the owner of the shard refused it naming the tensor; the others followed its verdict
+    assert any("step 4: non-finite values" in r and poisoned[0] in r for r in rejected), rejected
+    assert any("step 4: refused by the guard on another rank" in r for r in rejected), rejected
