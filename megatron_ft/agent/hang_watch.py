@@ -88,6 +88,7 @@ class HangWatch:
         self._acted: set[tuple[int, int, int]] = set()
         self._sent: Optional[rule.NodeStall] = None
         self._last_tick: Optional[float] = None
+        self.training_over = False  # every local rank's record says "done" (read by the heartbeat thread)
         self._quiet_until = 0.0
         self._local = (rule.StallAggregator(1, self.rpn, self.limits.collective_s, self.limits.max_culprits)
                        if store is None else None)
@@ -134,6 +135,8 @@ class HangWatch:
             p = self.board.read(i)
             if p is not None:
                 records[self.node * self.rpn + i] = p
+        # every local rank wrote "done": this node's training is over (the monitor judges nobody then)
+        self.training_over = len(records) == self.rpn and all(p.phase == hp.DONE for p in records.values())
         self._count_iterations(records)
         report = self._judge(records, now)
         if now < self._quiet_until:

@@ -98,8 +98,7 @@ class Agent:
             return
         h = self.cfg.health
         self.store = make_store(self.cfg, self.node, self.secret)
-        # this agent's writes end once a standby claimed its node after a verdict on it (health.fencing)
-        self.store.fence_as(os.getpid(), self.stand_down)
+        self.store.fence_as(os.getpid(), self.stand_down)  # writes refused once its node is claimed (health.fencing)
         self.store.connect(self.cfg.agent.connect_timeout_s)
         if self.cfg.redundancy.scheme != "none":
             self.redundancy = Redundancy(self.slots, self.cfg, self.node, self.secret, self.store,
@@ -108,7 +107,8 @@ class Agent:
         self.monitor = monitor_class(self.store)(self.store, self.node, self.cfg.cluster.nodes, h.heartbeat_s,
                                                  h.timeout_s, launcher_pid=self.launcher.launcher_pid,
                                                  address=self.redundancy.address if self.redundancy is not None else "",
-                                                 trained=self.trained, fenced=self.stand_down).start()
+                                                 trained=self.trained, fenced=self.stand_down, finished=lambda: (
+                                                     self.hang is not None and self.hang.training_over)).start()
         if self.redundancy is not None:
             for rank, size in self.slots.slot_sizes().items():
                 self.redundancy.peers.publish_size(rank, size)

@@ -96,8 +96,12 @@ class Monitor:
     def __init__(self, store: Any, node: int, nodes: int, heartbeat_s: float, timeout_s: float,
                  launcher_pid: Callable[[], int] = lambda: 0, address: str = "",
                  trained: Callable[[], bool] = lambda: False, clock: Callable[[], float] = time.monotonic,
-                 fenced: Callable[[str], None] = lambda why: None):
+                 fenced: Callable[[str], None] = lambda why: None, finished: Callable[[], bool] = lambda: False):
         self.store, self.node, self.nodes, self.clock = store, node, nodes, clock
+        # this node's trainers all ended their training (the agent's hang watch reads it from the progress
+        # records): the job is ending, agents stop one after another and a new root would judge the ones
+        # gone first - no verdict then (see _judge)
+        self.finished = finished
         self.fenced = fenced  # this agent was judged lost and its node claimed: it stands down (see beat)
         self.launcher_pid, self.address, self.trained = launcher_pid, address, trained
         self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
@@ -259,7 +263,14 @@ class Monitor:
                                         f"{beat.get('addr')} refuses connections")
 
     def _judge(self, n: int, pid: int, why: str) -> None:
-        """The root's verdict: node ``n``'s agent ``pid`` is lost (``why``), in ``failed/<n>`` and ``last_verdict``."""
+        """The root's verdict: node ``n``'s agent ``pid`` is lost (``why``), in ``failed/<n>`` and ``last_verdict``
+        - unless this node's training is over (``finished``): at a job's end the agents stop one after
+        another, and a root elected as the first of them stopped would judge those gone (a port that
+        refuses is what a clean end looks like too); a node lost then costs nothing."""
+        if self.finished():
+            log.info("root: node %d %s, but this node's trainers ended their training: the job is ending, no "
+                     "verdict", n, why)
+            return
         verdict = {"node": n, "kind": classify(agent_alive=False, trainer_lost=True),
                    "pid": pid, "detected_by": self.node, "time": time.time(), "why": why}
         self.failed[n] = verdict

@@ -63,3 +63,25 @@ def test_probes_of_many_silent_hosts_take_one_bound_and_a_refusing_one_is_judged
                 c.close()
             srv.close()
         store.server.close()
+
+
+def test_no_verdict_once_this_nodes_training_is_over():
+    """At a job's end agents stop one after another; a root whose own trainers all wrote "done" judges
+    nobody (a refused port looks the same as a lost node's), and judges again once they train."""
+    store, now, over = RootStore(), [0.0], [True]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        gone = s.getsockname()[1]
+    root = Monitor(store, 0, 2, heartbeat_s=0.25, timeout_s=1.0, clock=lambda: now[0], finished=lambda: over[0])
+    try:
+        store.set("hb/1", json.dumps({"pid": 101, "seq": 1, "addr": f"127.0.0.1:{gone}"}))
+        root.beat()
+        now[0] += 2.0  # past timeout_s, and the port refuses
+        root.beat()
+        assert root.failed == {} and store.get("failed/1") is None
+        over[0] = False
+        now[0] += 0.1
+        root.beat()
+        assert list(root.failed) == [1]
+    finally:
+        root.stop()
