@@ -515,6 +515,9 @@ def health_run(bed, span_s: float, etcd=None) -> dict:
         "beats": sum(hist.values()),
         "false_verdicts": len(root1.get("root_verdicts") or []), "last_verdict": root1.get("last_verdict"),
         "bed_cpu_cores": (sum(r["cpu_s"] for r in s1) - sum(r["cpu_s"] for r in s0)) / window,
+        # the root's worker (with root_alone: the root's agent and store alone): its CPU per request served
+        "root_worker_cpu_cores": (s1[0]["cpu_s"] - s0[0]["cpu_s"]) / window,
+        "root_worker_us_per_request": (1e6 * (s1[0]["cpu_s"] - s0[0]["cpu_s"]) / reqs) if reqs else None,
         "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "threads": sum(r["threads"] for r in s1), **bed.started,
     }
