@@ -120,7 +120,7 @@ def health_bed(nodes: int, procs: int, heartbeat_s: float, timeout_s: float, spa
 
     def say(part: str) -> None:  # progress, on stderr
         print(f"# {time.strftime('%H:%M:%S')} {nodes} nodes ({store}): {part} done, load {os.getloadavg()[0]:.1f}: "
-              f"{json.dumps(out.get(part))[:600]}", file=sys.stderr, flush=True)
+              f"{json.dumps(out.get(part))}", file=sys.stderr, flush=True)
     try:
         b.start(timeout_s=1800)
         out["started"] = b.started

@@ -794,21 +794,38 @@ class ScaleBed:
             return self.closed
         left: list[str] = []
         stuck: list[int] = []
-        for w in self.workers[1:] + self.workers[:1]:
+        # first every agent's heartbeat stopped (no agent starts a root election while the others stop), then
+        # every worker but the root's stopped at once, then the root's
+        live = [w for w in self.workers if w.popen.poll() is None]
+        for w in live:
             try:
-                if w.popen.poll() is None:
-                    w.send({"cmd": "stop"})
-                    w.popen.stdin.close()  # type: ignore[union-attr]
-                    r = w.recv(180, "stopped")
-                    left += r["left"]
-            except (BedError, OSError, ValueError):
+                w.send({"cmd": "quiesce"})
+            except (OSError, ValueError):
                 pass
+        for w in live:
             try:
-                w.popen.wait(30)
-            except subprocess.TimeoutExpired:
-                stuck.append(w.popen.pid)
-                w.popen.kill()  # only the bed's own worker, by its pid
-                w.popen.wait(10)
+                w.recv(60, "quiesce")
+            except BedError:
+                pass
+        for group in (self.workers[1:], self.workers[:1]):
+            for w in group:
+                try:
+                    if w.popen.poll() is None:
+                        w.send({"cmd": "stop"})
+                        w.popen.stdin.close()  # type: ignore[union-attr]
+                except (OSError, ValueError):
+                    pass
+            for w in group:
+                try:
+                    left += w.recv(180, "stopped")["left"]
+                except BedError:
+                    pass
+                try:
+                    w.popen.wait(30)
+                except subprocess.TimeoutExpired:
+                    stuck.append(w.popen.pid)
+                    w.popen.kill()  # only the bed's own worker, by its pid
+                    w.popen.wait(10)
         left += [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir)] if os.path.isdir(self.shm_dir) else []
         sockets = os.path.join(self.tmp, "s")
         left += [os.path.join(sockets, f) for f in os.listdir(sockets)] if os.path.isdir(sockets) else []

@@ -169,6 +169,12 @@ class WorkerHealth:
             return {"event": op}
         if op == "state":
             return {"event": op, **self._state()}
+        if op == "quiesce":  # the bed's teardown: every heartbeat stopped before any agent stops
+            self.recording = False
+            for a in self.w.agents:
+                if a.monitor is not None:
+                    a.monitor.stop()
+            return {"event": op}
         return {"event": "error", "error": f"unknown command {op!r}"}
 
 
