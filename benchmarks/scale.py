@@ -191,19 +191,21 @@ def health_table(rows: list[dict]) -> str:
 
 def launch_table(rows: list[dict]) -> str:
     head = ("| nodes | current / launcher | begin / launcher | keep_published / launcher (per 2 s) | after_failure: "
-            "the new host, each other | new generation / launcher (after_failure + begin) | a standby's requests / s "
-            "(no failure) | a standby's claim: its requests (2 standbys) | load 1m |\n|" + "---|" * 9)
+            "the new host, each other | new generation / launcher (after_failure + begin) | a launcher's own requests / s "
+            "while torchrun runs (besides keep_published) | a standby's requests / s (no failure) | a standby's claim: "
+            "its requests (2 standbys) | load 1m |\n|" + "---|" * 10)
     out = [head]
     for r in rows:
         la, d = r.get("launch"), r.get("detect") or {}
         if not la or "error" in la:
-            out.append(f"| {r['nodes']} | failed: {(la or r).get('error', '')[:160]} |" + " |" * 7)
+            out.append(f"| {r['nodes']} | failed: {(la or r).get('error', '')[:160]} |" + " |" * 8)
             continue
         claim = sum(v for k, v in (d.get("standby_ops") or {}).items() if " " not in k and k != "connect")
         out.append(f"| {la['nodes']} | {la['current_per_launcher']:.2f} | {la['begin_per_launcher']:.2f} | "
                    f"{la['keep_published_per_launcher']:.2f} | {la['after_failure_host_requests']}, "
                    f"{_f(la['after_failure_other_per_launcher'])} | {la['generation_requests_per_launcher']:.2f} | "
-                   f"{la['standby_requests_per_s']:.2f} | {claim} | {la['loadavg_1m'][1]:.1f} |")
+                   f"{_f(la.get('launcher_idle_requests_per_s'), '.3f')} | {la['standby_requests_per_s']:.2f} | {claim} | "
+                   f"{la['loadavg_1m'][1]:.1f} |")
     return "\n".join(out)
 
 

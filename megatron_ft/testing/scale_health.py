@@ -386,6 +386,14 @@ class Sides:
         out.update(kind=kind, nodes=nodes, keepers=nodes * per_node, per_node=per_node, window_s=window_s)
         return out
 
+    def idle(self, span_s: float) -> dict:
+        """Nothing called for ``span_s``: what the launchers' own threads send meanwhile (on etcd the job
+        record's watch stream of each launcher, re-opened every ``job_view_etcd.WATCH_S``)."""
+        c0, t0 = self.count.snapshot(), time.monotonic()
+        time.sleep(span_s)
+        ops = _delta(c0, self.count.snapshot())
+        return {"ops": ops, "requests": _requests(ops), "wall_s": time.monotonic() - t0}
+
     def close(self) -> None:
         for r in self.launchers.values():
             kv = getattr(getattr(r, "store", None), "kv", None)
@@ -421,6 +429,8 @@ def _sides_main() -> None:
                 say({"event": op, **s.launch_phase(cmd["phase"], cmd["nodes"], cmd.get("threads", 8), cmd.get("gen"))})
             elif op == "published":
                 say({"event": op, "gen": s.published()})
+            elif op == "idle":
+                say({"event": op, **s.idle(cmd["span_s"])})
             elif op == "standby":
                 say({"event": op, **s.standby(cmd["count"], cmd["span_s"], cmd.get("poll_s", 0.2))})
             elif op == "keepers":
@@ -596,8 +606,12 @@ def launch_run(bed, sides, threads: int = 8, standby_span_s: float = 10.0, stand
     begin_host = phase("begin", [0], gen0, 1)
     begin_rest = phase("begin", others, gen0)
     keep = phase("keep_published", everyone, sides_ask(sides, {"cmd": "published"})["gen"] or gen0)
+    # the launchers' own threads while torchrun runs (etcd: each one's job record stream), then the standbys
+    # waiting meanwhile: their own requests are the difference
+    idle = sides_ask(sides, {"cmd": "idle", "span_s": standby_span_s}, timeout_s=standby_span_s + 60)
     standby = sides_ask(sides, {"cmd": "standby", "count": standbys, "span_s": standby_span_s, "poll_s": 0.2},
                         timeout_s=standby_span_s + 120)
+    standby_own = standby["requests"] - idle["requests"] * standby["wall_s"] / idle["wall_s"]
     # node 0's launcher restarted: its agent names another launcher from its next heartbeat
     bed.ask(0, {"cmd": "adopt", "node": 0, "pid": sides.pid})
     time.sleep(2 * bed.heartbeat_s + 0.5)
@@ -621,12 +635,13 @@ def launch_run(bed, sides, threads: int = 8, standby_span_s: float = 10.0, stand
         "begin_next_per_launcher": begin1["requests"] / n,
         "connections_per_launcher": sum(p["ops"].get("connect", 0) for p in [start, begin_host, begin_rest] + per_gen
                                         if p) / n,
-        "standby_requests_per_s": standby["requests"] / (standbys * standby_span_s),
-        "standby_requests_per_period": standby["requests"] / (standbys * standby_span_s / bed.heartbeat_s),
+        "launcher_idle_requests_per_s": idle["requests"] / (n * idle["wall_s"]),
+        "standby_requests_per_s": standby_own / (standbys * standby["wall_s"]),
+        "standby_requests_per_period": standby_own / (standbys * standby["wall_s"] / bed.heartbeat_s),
         "standby_claims": [c for c in standby["claims"] if c.get("node") is not None],
         "phases": {"current": start["ops"], "begin": begin_rest["ops"], "keep_published": keep["ops"],
                    "after_failure_host": fail_host["ops"], "after_failure_other": fail_rest["ops"] if fail_rest else {},
-                   "begin_next": begin1["ops"], "standby": standby["ops"]},
+                   "begin_next": begin1["ops"], "standby": standby["ops"], "idle": idle["ops"]},
         "wall_s": round(time.monotonic() - t0, 1), "loadavg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)],
     }
 
