@@ -404,7 +404,7 @@ class Sides:
 
 def _sides_main() -> None:
     from .. import config as ftconfig
-    from .scale_bed import _raise_nofile
+    from .scale_procs import _raise_nofile
 
     spec = json.loads(sys.stdin.readline())
     _raise_nofile()
@@ -448,7 +448,7 @@ def _sides_main() -> None:
 # ---------------------------------------------------------------------------------------- the coordinator
 def start_sides(bed) -> object:
     """The launcher/keeper side's process for ``bed`` (a started :class:`~.scale_bed.ScaleBed`)."""
-    from .scale_bed import _Proc
+    from .scale_procs import _Proc
 
     log_path = os.path.join(bed.tmp, "sides.log")
     with open(log_path, "w") as log:
