@@ -18,13 +18,12 @@ step it measures:
 * the bed's own load beside it: the workers' CPU seconds per wall second (2 cores here) and the
   1-minute load average.
 
-Sizing on this machine (pid_max 32,768, 20,000 descriptors and 65,530 mappings per process): 1 rank per
-node, 2 slots of a few KiB per rank, 512 KiB thread stacks, RLIMIT_NOFILE raised to its hard limit in
-each worker; 2,048 nodes are ~18,500 threads over 4 workers plus ~4,100 store connections into the root
-worker. Heartbeats every ``--heartbeat-s`` (default: 2 s up to 256 nodes, 5 s above) with a 300 s
-``timeout_s``: the root reads all N heartbeats every period, the health scan another issue makes
-cheaper; a long timeout keeps a loaded bed from judging nodes failed, which this benchmark does not
-measure.
+Sizing on this machine (pid_max 32,768, 20,000 descriptors and 65,530 mappings per process, 2 cores):
+see :mod:`megatron_ft.testing.scale_bed` - the workers' servers wake every 1 s when idle (not 20 times a
+second), 512 KiB thread stacks, ``--root-alone`` puts the root in a worker of its own; 2,048 nodes in this
+mode are 14,344 threads over 8 workers (``--procs 8``). Heartbeats every ``--heartbeat-s`` (default: 2 s up
+to 256 nodes, 5 s above) with a 300 s ``timeout_s``: a long timeout keeps a loaded bed from judging nodes
+failed, which this part does not measure (part (c) does).
 
 ``--restores K``: then, in the same bed, K restores' job-wide decisions (a node loss's restore
 coordination, best case): every light client lists its held steps and asks its agent to ``decide`` the
@@ -60,8 +59,10 @@ snapshot and per iteration from the ranks' ``snapshots`` events.
     python benchmarks/scale.py --nodes 64 256 --steps 5 --restores 10              # ~3 min on 2 cores
     python benchmarks/scale.py --nodes 256 1024 --steps 5 --restores 10 --backlog 4096   # ~6 min
     python benchmarks/scale.py --trainers 4 8 --repeats 2 --iterations 30          # ~12 min
-    python benchmarks/scale.py --health --launch --keepers after --nodes 64 256 --span-s 60
-    python benchmarks/scale.py --health --store etcd --nodes 64 128 256 512 --span-s 60
+    python benchmarks/scale.py --health --launch --keepers after --nodes 64 256 --span-s 60     # ~6 min
+    python benchmarks/scale.py --health --launch --nodes 2048 --span-s 600 --procs 8           # ~13 min
+    python benchmarks/scale.py --health --launch --keepers after --store etcd --nodes 64 128 256 512 --span-s 60
+    python benchmarks/scale.py --nodes 2048 --steps 5 --restores 10 --procs 8 --root-alone
 """
 from __future__ import annotations
 

@@ -17,17 +17,36 @@ megatron_ft.testing.scale_bed``), each hosting its share of the agents in thread
 command and per answer). Worker 0 hosts node 0, which becomes the root, and starts first.
 
 Sizing on one machine (pid_max 32,768 threads machine-wide, 20,000 descriptors and 65,530 mappings per
-process here): an agent has 7 threads (store server, heartbeat, report, verdict, Unix server, the
-trainer's connection handler, persist), the root's store serves 2 more per other node (the agent's
-store connection and its watch connection): 2,048 nodes are about 14,300 + 4,100 threads. Each
-worker raises RLIMIT_NOFILE to its hard limit and makes its threads' stacks 512 KiB (the mappings
-count 2 per thread). A node holds 2 slots of a few KiB (files in a tmpfs directory of the bed's own
-under /dev/shm, removed at the end; the Unix sockets in a short directory under /tmp, likewise).
-Ports: ``[base, base + nodes)`` for the stores (``health.store_port``; :func:`free_port_base` picks a
-range below the ephemeral ports that nothing listens on), the next ``nodes`` for the (unused) peer
-port setting. The health scan is not what is measured: heartbeats every ``heartbeat_s`` (2-5 s at
-large sizes, the root reads every heartbeat each period) and a long ``timeout_s`` so a loaded bed
-never judges a node failed.
+process here; 2 cores). What made 2,048 nodes fit (docs/benchmarks.md, "Scale, part 2"):
+
+* **the servers' idle wake-up** (the bed's, not a node's cost): every ``transport.wire.Server`` runs
+  socketserver's accept loop with a 0.05 s poll, only so that ``close()`` returns soon - 2 servers per
+  node, 20 wake-ups a second each, nothing on a real node; 4,096 of them on 2 cores were most of a core
+  (1.46 cores idle for 1,024 health-mode agents in one process, 0.24 at 1 s). Each worker makes that loop
+  wake every :data:`ACCEPT_POLL_S` (1 s) instead (:func:`_slow_accept_poll`); a connection or a request
+  still wakes a server at once, only a server's ``close()`` waits longer;
+* **fewer threads per simulated node where they are the bed's**: ``mode="health"`` runs each agent's
+  store and heartbeat only (:mod:`.scale_health`: 3 threads per node - its store server, its heartbeat,
+  its launcher watch - and 1 per connection at the root: 6,152 threads at 2,048 nodes, at most 880 per
+  process), and the threads' stacks are 512 KiB; ``mode="agreement"`` (the agreement and restores) keeps
+  the 7 threads per agent of the product (store server, heartbeat, report, verdict, Unix server, the
+  trainer's connection handler, persist) plus the root's 2 per node: 14,344 threads at 2,048 nodes;
+* **the root alone** (``root_alone``): node 0 alone in worker 0, the others spread over the rest, so that
+  the job's store shares its process's lock and GIL with no other agent, as on a cluster;
+* **more workers** (8 at 2,048 nodes), RLIMIT_NOFILE raised to its hard limit in each;
+* **a teardown that starts no election**: every heartbeat is stopped first, then every worker but the
+  root's at once, then the root's.
+
+What remains the product's: the root's thread per connection (2,048 agents' connections plus the launcher
+side's in the root's process), and its clients' way of finding the root (a probe of node 0, 1, 2, ... in
+turn, 1 s each): a root slow to answer makes each client probe every node's server, which on one machine
+loads every other agent - measured and reported in docs/benchmarks.md. A node holds 2 slots of a few KiB
+(files in a tmpfs directory of the bed's own under /dev/shm, removed at the end; the Unix sockets in a
+short directory under /tmp, likewise). Ports: ``[base, base + nodes)`` for the stores
+(``health.store_port``; :func:`free_port_base` picks a range below the ephemeral ports that nothing
+listens on), the next ``nodes`` for the (unused) peer port setting. Heartbeats every ``heartbeat_s`` and
+a ``timeout_s`` the caller chooses (the agreement's runs: a long one, so a loaded bed never judges a node
+failed; the health scenarios: 10 s, and they count what is judged).
 
 Per step the coordinator measures: each worker's first and last commit (monotonic clock: one
 machine), the time each agent learnt the agreed step (its ``protect`` hook wrapped: the moment the
