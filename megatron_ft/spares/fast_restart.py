@@ -266,11 +266,30 @@ def hosted_store(addr: str, port: int, world: Optional[int], timeout: datetime.t
                     master_listen_fd=store_listener(addr, port))
 
 
-def host_round_store(addr: str, port: int) -> tuple[int, int]:
+def store_stamp(env: Mapping[str, str]) -> str:
+    """What names one torchrun rendezvous's job store (:data:`STAMP_KEY`): its run id
+    (``TORCHELASTIC_RUN_ID``; ``megatron-ft launch`` makes it ``<run_id>-g<generation>``), the same on
+    every node of it. Every generation's store listens on the same ``launch.trainer_port``, so a client
+    that connects late (torch's client retries a refused connection for its whole timeout) may reach
+    the next generation's store: the stamp tells it so (:mod:`.node_watch`). Not the restart count: a
+    replacement node's torchrun counts from 0.
+
+    >>> store_stamp({"TORCHELASTIC_RUN_ID": "job-g1"}), store_stamp({})
+    ('job-g1', '')
+    """
+    return env.get("TORCHELASTIC_RUN_ID", "")
+
+
+STAMP_KEY = "mft/fast/run"  # the job store's stamp (store_stamp), set by its host before it is announced
+
+
+def host_round_store(addr: str, port: int, stamp: Optional[str] = None) -> tuple[int, int]:
     """Fork the process that hosts a store (a ``TCPStore`` server on ``port``, reached at ``addr``):
     (its pid, the port). It dies with its keeper; the keeper kills it when it is no longer needed. The
     server's threads run in that process, so the keeper stays single-threaded. A port still held (a
-    previous host not yet gone) is tried again for up to ``BIND_WAIT_S``; then a :class:`RuntimeError`."""
+    previous host not yet gone) is tried again for up to ``BIND_WAIT_S``; then a :class:`RuntimeError`.
+    ``stamp``: the job store's :data:`STAMP_KEY` (:func:`store_stamp`), set before any client can use it
+    (a client's read of it waits for it)."""
     rd, wr = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -288,6 +307,8 @@ def host_round_store(addr: str, port: int) -> tuple[int, int]:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
+            if stamp is not None:
+                store.set(STAMP_KEY, stamp)
             os.write(wr, str(store.port).encode())
             os.close(wr)
             while True:

@@ -160,7 +160,8 @@ class Keeper:
             return env
         if env.get("RANK") == "0":
             try:
-                self.job_host, _ = fr.host_round_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+                self.job_host, _ = fr.host_round_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                                                       stamp=fr.store_stamp(env))
             except (RuntimeError, OSError, ValueError) as e:  # the port is taken: rank 0's trainer hosts
                 log.error("spares: no job store at %s:%s (%s): no fast restarts", env["MASTER_ADDR"],
                           env["MASTER_PORT"], e)
@@ -171,7 +172,7 @@ class Keeper:
     def follow_rounds(self) -> None:
         """Ask the node's watcher for this attempt's rounds (their news comes to :meth:`from_watch`)."""
         env = self.env
-        attempt = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        attempt = f"{fr.store_stamp(env)}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # the stamp first
         try:
             if self.watch is None:
                 raise OSError("no node watcher")

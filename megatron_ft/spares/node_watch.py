@@ -29,6 +29,14 @@ subscribed keeper (L local packets); a keeper that subscribes late is caught up 
 ends when its store does (``gone`` to its keepers: no more rounds, as a failed request ended them
 before), when it reached the attempt's budget, or when its last keeper left.
 
+Every generation's and every torchrun attempt's job store listens on the same port
+(``launch.trainer_port``), and torch's client retries a refused connection for its whole timeout: a
+stream's client made as its store goes may reach the next one's. So each client first reads the
+store's stamp (its rendezvous' run id, set by its host: :func:`~.fast_restart.store_stamp`; one
+``get`` per client, counted as ``stamp``) and ends its stream when it is another's, and the writer
+writes nothing once the watch thread saw the store end (a stale ``add`` would open a round in the
+next attempt that its other nodes' trainers never join).
+
 Contracts: the watcher never forks (it runs threads; the pool and the keepers stay single-threaded),
 dies with the pool (``PR_SET_PDEATHSIG``) and ends when the pool's control socket closes. Every
 wait is bounded: a job-store ``wait`` by :data:`ROUND_WAIT_S` (then a ``check`` with the store's
@@ -85,12 +93,15 @@ class RoundStream:
     torchrun's rank 0's node); independent of N and of the L keepers subscribed."""
 
     def __init__(self, addr: str, port: int, limit: int, emit: Emit, wait_s: float = ROUND_WAIT_S,
-                 timeout_s: float = fr.STORE_TIMEOUT_S):
+                 timeout_s: float = fr.STORE_TIMEOUT_S, stamp: Optional[str] = None):
         self.addr, self.port, self.limit, self.emit = addr, port, limit, emit
-        self.wait_s, self.timeout_s = wait_s, timeout_s
-        self._counts = collections.Counter()  # the watch thread's requests: wait, check, get, connect
-        self._write_counts = collections.Counter()  # the writer's: add, set, connect
+        self.wait_s, self.timeout_s, self.stamp = wait_s, timeout_s, stamp
+        self._counts = collections.Counter()  # the watch thread's requests: wait, check, get, connect, stamp
+        self._write_counts = collections.Counter()  # the writer's: add, set, connect, stamp
         self.stopped = threading.Event()
+        # the watch thread's store failed: this attempt's store is gone, and whatever listens on its port
+        # from now on is another's (the next torchrun attempt's or generation's, on the same trainer port)
+        self.lost = threading.Event()
         self.newest, self.opening, self.gone = 0, 0, None
         self.ports: dict[int, int] = {}
         self._writes: "queue.SimpleQueue[Optional[tuple[str, int, int]]]" = queue.SimpleQueue()
@@ -155,12 +166,33 @@ class RoundStream:
 
     # ------------------------------------------------------------------ the threads
     def _client(self, counts: collections.Counter):
+        """A client of this attempt's job store. torch's client retries a refused connection for its
+        whole timeout, so one made after the store went may reach the next attempt's store on the same
+        port: the store's stamp (:func:`~.fast_restart.store_stamp`, one ``get``) must be this stream's,
+        else a :class:`RuntimeError` says whose it is."""
         from torch.distributed import PrefixStore, TCPStore
 
         counts["connect"] += 1
         base = TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
                         timeout=datetime.timedelta(seconds=self.timeout_s))
+        if self.stamp is not None:
+            counts["stamp"] += 1
+            try:
+                got = base.get(fr.STAMP_KEY).decode(errors="replace")
+            except Exception as e:
+                raise RuntimeError(f"the job store at {self.addr}:{self.port} has no stamp of its rendezvous "
+                                   f"within {self.timeout_s:g} s ({_first_line(e)}): not this attempt's "
+                                   f"({self.stamp!r}) store") from None
+            if got != self.stamp:
+                raise RuntimeError(f"the store at {self.addr}:{self.port} is rendezvous {got!r}'s, not "
+                                   f"{self.stamp!r}'s: this attempt's job store is gone (a later one listens "
+                                   f"on its port)")
         return PrefixStore("mft/fast", base)
+
+    def _stale(self) -> bool:
+        """Whether the writer must not write any more: no keeper follows the stream, or the watch thread
+        saw this attempt's store end (a client connected since reached another's)."""
+        return self.stopped.is_set() or self.lost.is_set()
 
     def _wait(self, store, key: str) -> bool:
         """Block until ``key`` exists (True), or the stream is stopped (False). The store's end raises."""
@@ -202,6 +234,7 @@ class RoundStream:
                 self.emit(self, {"op": "port", "round": n, "port": int(store.get(f"port/{n}"))})
                 k = n
         except Exception as e:  # the store is gone (its host ended: the attempt is over, or rank 0 failed)
+            self.lost.set()
             if not self.stopped.is_set():
                 self.emit(self, {"op": "gone", "reason": _first_line(e)})
 
@@ -214,7 +247,11 @@ class RoundStream:
             what, n, port = item
             try:
                 if store is None:
-                    store = self._client(self._write_counts)
+                    store = self._client(self._write_counts)  # lazily: may take the client's whole timeout
+                if self._stale():  # never a write of this attempt's rounds into another attempt's store
+                    log.warning("spares: node watcher: round %d of the job store at %s:%d not %s: that store "
+                                "is gone", n, self.addr, self.port, "opened" if what == "open" else "published")
+                    return
                 if what == "open":
                     self._write_counts["add"] += 1
                     store.add(f"round/{n}", 1)
@@ -391,7 +428,8 @@ class NodeWatch:
                 if stream is not None:
                     self._retire(key, stream)
                 stream = self.rounds[key] = RoundStream(msg.addr, msg.port, msg.limit, self.emit,
-                                                        wait_s=self.round_wait_s).start()
+                                                        wait_s=self.round_wait_s,
+                                                        stamp=msg.attempt.rsplit("/", 1)[0]).start()
             sub.rounds = key
             for news in stream.replay():
                 self._send(sock, news)

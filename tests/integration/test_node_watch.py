@@ -64,7 +64,7 @@ class Node:
 
 @pytest.fixture
 def job_store():
-    pid, port = fr.host_round_store("127.0.0.1", 0)
+    pid, port = fr.host_round_store("127.0.0.1", 0, stamp="job")
     yield port, pid
     try:
         os.kill(pid, signal.SIGKILL)
@@ -79,7 +79,7 @@ def test_a_nodes_round_requests_do_not_grow_with_its_keepers_and_each_keeper_is_
     idle_nodes = {keepers: Node(keepers, round_wait_s=0.15) for keepers in (1, 8)}  # short waits, to count some
     try:
         for node in idle_nodes.values():
-            node.send_all(dict(sub, attempt="idle/0"))
+            node.send_all(dict(sub, attempt="job/1"))
         time.sleep(0.1)
         idle0 = {L: sum(n.store_counts().values()) for L, n in idle_nodes.items()}
         time.sleep(0.6)  # idle: the same few waits (and a liveness check after each) on every node
@@ -111,9 +111,10 @@ def test_a_nodes_round_requests_do_not_grow_with_its_keepers_and_each_keeper_is_
                          if v != before[L].get(k, 0)}
                      for L, n in nodes.items()}
         # waits on round/1 and port/1, one get of the port, one check for a newer round; the writes:
-        # one add on the node of failures (8 keepers asked), one set on rank 0's node (with its client)
-        assert per_round[8] == {"wait": 2, "check": 1, "get": 1, "add": 1, "connect": 1}, per_round
-        assert per_round[1] == {"wait": 2, "check": 1, "get": 1, "set": 1, "connect": 1}, per_round
+        # one add on the node of failures (8 keepers asked), one set on rank 0's node (with its client,
+        # which reads the store's stamp first)
+        assert per_round[8] == {"wait": 2, "check": 1, "get": 1, "add": 1, "connect": 1, "stamp": 1}, per_round
+        assert per_round[1] == {"wait": 2, "check": 1, "get": 1, "set": 1, "connect": 1, "stamp": 1}, per_round
 
         late = Node(3)  # keepers that subscribe late are caught up at once, with no request of theirs
         late.send_all(sub)
@@ -129,6 +130,52 @@ def test_a_nodes_round_requests_do_not_grow_with_its_keepers_and_each_keeper_is_
     finally:
         for node in nodes.values():
             node.close()
+
+
+@pytest.mark.parametrize("next_stamp", ["job-g1", "job-g0"], ids=["next-generation", "next-attempt"])
+def test_a_round_asked_for_as_its_store_ends_is_never_opened_in_the_next_store_on_its_port(next_stamp):
+    """Chaos seed 60 trial 0 (launcher0): node 0's launcher died and took generation 0's job store with
+    it as a trainer of node 1 failed; node 1's watcher asked to open round 1, its writer's client retried
+    the refused port for 10 s and reached generation 1's store, newly on the same trainer port, and
+    opened round 1 there: node 1's trainers moved to round 1, node 0's new ones (cold) stayed in round 0,
+    and the job hung. Now the writer writes nothing once its store ended, and a client reaching a store
+    of another rendezvous (its stamp) ends the stream naming it."""
+    from torch.distributed import TCPStore
+    import datetime
+
+    from megatron_ft.spares.node_watch import RoundStream
+
+    port = free_port()
+    old, _ = fr.host_round_store("127.0.0.1", port, stamp="job-g0")
+    news = []
+    stream = RoundStream("127.0.0.1", port, 3, lambda s, m: news.append(m), timeout_s=4.0, stamp="job-g0").start()
+    new = None
+    try:
+        deadline = time.monotonic() + 10
+        while stream.counts["wait"] < 1 and time.monotonic() < deadline:  # the watch thread follows it
+            time.sleep(0.01)
+        os.kill(old, signal.SIGKILL)  # its host ends (the launcher's kill took node 0's torchrun)
+        os.waitpid(old, 0)
+        while not news and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert news and news[0]["op"] == "gone", news
+        stream.open(1)  # a keeper asked before the news reached the watcher's main thread
+        time.sleep(0.1)  # the writer's client is retrying the refused port
+        new, _ = fr.host_round_store("127.0.0.1", port, stamp=next_stamp)  # the next store, the same port
+        stream._threads[1].join(10)
+        assert not stream._threads[1].is_alive()
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        assert not client.check(["mft/fast/round/1"]), "a stale round opened in the next store"
+        if next_stamp != "job-g0":
+            assert any("is rendezvous 'job-g1'" in m.get("reason", "") for m in news), news
+    finally:
+        stream.stop()
+        for pid in (old, new):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError, TypeError):
+                pass
 
 
 @pytest.fixture
