@@ -187,6 +187,10 @@ class Rendezvous:
             return self.initial()
         if pub.node != self.node and not self._host_gone(pub):
             return pub
+        if pub.node == self.node and not self._job_running():
+            # the job is starting (no trainer anywhere yet) and another launcher, started first, put the
+            # record of this node's generation back already (keep_published): host it, no replacement
+            return pub
         log(f"[launch n{self.node}] " + (f"this node hosted rendezvous generation {pub.gen} and starts again"
                                          if pub.node == self.node else
                                          f"rendezvous generation {pub.gen}'s host, node {pub.node}, is gone") +

@@ -108,3 +108,16 @@ def test_a_record_of_the_earlier_format_is_still_joined():
     store.set("rdzv", json.dumps({"format": "megatron-ft-rdzv/1", "gen": 0, "node": 0, "addr": "127.0.0.1",
                                   "port": 11014}))
     assert job(3, store).current(print).port == 11014
+
+
+def test_the_host_node_starting_last_hosts_the_record_another_launcher_put_back():
+    """At the job's start (no trainer anywhere yet) the launchers that started first put generation 0's
+    record into the store (keep_published); node 0's launcher, slower to start, hosts it at once - it is
+    not a replacement of a lost host waiting for a next generation that nobody will make."""
+    store = Store()
+    for n in (1, 2, 3):
+        beat(store, n, 100 + n, 200 + n, trained=False)
+    store.set("rdzv", RdzvGeneration(0, 0, "127.0.0.1", 29400).to_json())
+    t0 = time.monotonic()
+    got = job(0, store, timeout=30.0).current(lambda m: None)
+    assert (got.gen, got.node) == (0, 0) and time.monotonic() - t0 < 2.0, got
