@@ -229,7 +229,9 @@ def test_a_node_whose_name_resolves_to_loopback_is_refused_at_launch(bed_allowed
 
 
 @pytest.mark.parametrize("argv,tier", [
-    (["--fail=trainer"], "local_memory"),
+    # default-suite time: the node loss covers the bed, its listeners and the stranger's probes; the
+    # trainer kill on hosts is in the slow set (`pytest -m slow tests/integration/test_hosts.py`)
+    pytest.param(["--fail=trainer"], "local_memory", marks=pytest.mark.slow),
     (["--fail=node", "--redundancy=replica"], "peer_memory"),
 ], ids=["trainer", "node-replica"])
 def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_path, argv, tier):
