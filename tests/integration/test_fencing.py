@@ -6,7 +6,6 @@ Embedded: two real EmbeddedStore servers on loopback (the root derives the fence
 real etcd server (test_health's fixture), the claim's transaction puts the fence, and a fenced agent
 takes no new lease."""
 import json
-import socket
 import time
 import uuid
 
@@ -16,29 +15,11 @@ import test_health
 
 from megatron_ft.health import fencing
 from megatron_ft.health.monitor import WITHDRAWN, claim_key
+from megatron_ft.testing.helpers import free_port_range
 
 etcd = test_health.etcd  # the real etcd server (module fixture)
 
 JUDGED_PID = 4242  # the agent the root judged lost (a pid of this test's choosing: the fence names it)
-
-
-def free_base(count: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count < 65000 and all(_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def verdict(node: int, pid: int) -> dict:
@@ -62,7 +43,7 @@ def check_fenced(root_get, claimer_cas, judged, told):
 
 
 def test_an_embedded_store_refuses_a_claimed_agents_writes_and_tells_it_once():
-    run, base = f"f{uuid.uuid4().hex[:6]}", free_base(2)
+    run, base = f"f{uuid.uuid4().hex[:6]}", free_port_range(2)
     from megatron_ft.health.store import EmbeddedStore
 
     root = EmbeddedStore(run, 0, 2, [], base, timeout_s=5.0)
