@@ -64,20 +64,67 @@ def endpoint(hosts, base_port: int, node: int) -> tuple[str, int]:
     return "127.0.0.1", base_port + node
 
 
-def root_claimed_by(hosts, base_port: int, node: int, prefix: str, timeout_s: float,
-                    secret: Optional[bytes]) -> Optional[int]:
-    """The ``root`` value in node ``node``'s server (None: no answer or no root key)."""
+#: a probe's answers (:func:`probe_node`): the node's server holds the root key naming itself; its agent
+#: follows the node in ``follows``; it answers knowing neither (an agent starting); it does not answer
+ROOT, ANSWERS, SILENT = "root", "answers", "silent"
+#: the key a following agent sets in its *own* server: the root it follows (a hint for whoever asks it)
+FOLLOWS_KEY = "follows"
+
+
+def probe_node(hosts, base_port: int, node: int, prefix: str, timeout_s: float,
+               secret: Optional[bytes]) -> "str | int":
+    """What node ``node``'s server says of the root: :data:`ROOT` (it is the root), the node id its
+    agent follows, :data:`ANSWERS` (neither) or :data:`SILENT` (no answer within ``timeout_s``:
+    refused, unreachable or too slow). One connection, at most two requests."""
     try:
         kv = WireKV(*endpoint(hosts, base_port, node), prefix, timeout_s, secret)
     except StoreUnavailable:
-        return None
+        return SILENT
     try:
         v = kv.get("root")
-        return int(v) if v is not None else None
+        if v is not None and int(v) == node:
+            return ROOT
+        f = kv.get(FOLLOWS_KEY)
+        return int(f) if f is not None else ANSWERS
     except (StoreUnavailable, ValueError):
-        return None
+        return SILENT
     finally:
         kv.close()
+
+
+def find_root(ask, nodes: int, first: int = 0, exclude=()) -> Optional[int]:
+    """The root node, found by asking as few servers as possible (pure: ``ask(j)`` is
+    :func:`probe_node` for node j); None: not known yet (ask again later).
+
+    Starting at ``first`` (the root last known, else node 0) and going on in node order, silent
+    nodes are passed over; the first node that answers ends the search: it is the root, or names the
+    root its agent follows (asked once to confirm), or knows none (an agent starting: the root is
+    being chosen). A named root that is silent, excluded (``exclude``: this node, a root being
+    replaced) or does not confirm means the root is slow or moving: None, rather than asking every
+    other node (a slow root must not set every agent asking every node: N agents x N probes).
+    Cost: one probe per silent node before the first answering one, plus at most two.
+
+    >>> answers = {0: "silent", 1: 2, 2: "root", 3: 2}
+    >>> asked = []
+    >>> find_root(lambda j: asked.append(j) or answers[j], 4), asked
+    (2, [0, 1, 2])
+    >>> find_root(lambda j: {0: "silent", 1: 0, 2: 0}[j], 3) is None   # node 0 slow: ask again later
+    True
+    """
+    asked: set[int] = set()
+    for j in [first, *(j for j in range(nodes) if j != first)]:
+        if j in exclude:
+            continue
+        a = ask(j)
+        asked.add(j)
+        if a == SILENT:
+            continue
+        if a == ROOT:
+            return j
+        if a == ANSWERS or a in exclude or a in asked:
+            return None
+        return a if ask(a) == ROOT else None
+    return None
 
 
 class EmbeddedStore:
@@ -119,9 +166,12 @@ class EmbeddedStore:
         host, p = self.endpoint(node)
         return WireKV(host, p, self.prefix, self.timeout_s, self.secret)
 
-    def _root_claimed_by(self, node: int) -> Optional[int]:
-        return root_claimed_by(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
-                               self.secret)
+    def _probe(self, node: int) -> "str | int":
+        return probe_node(self.hosts, self.base_port, node, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
+                          self.secret)
+
+    def _find_root(self, exclude=()) -> Optional[int]:
+        return find_root(self._probe, self.nodes, max(self.root, 0), {self.node, *exclude})
 
     def _use(self, kv: WireKV | LocalKV) -> None:
         """``kv`` is the client of the root's server from now on (the previous one closed)."""
@@ -136,9 +186,9 @@ class EmbeddedStore:
         why = f"no root agent found among {self.nodes} nodes"
         while True:
             try:
-                for j in range(self.nodes):
-                    if j != self.node and self._root_claimed_by(j) == j:
-                        return self._follow(j)
+                j = self._find_root()
+                if j is not None:
+                    return self._follow(j)
                 if not self.adopted and (self.node == 0 or (self.root >= 0 and self._next_root_is_me())):
                     return self._become_root()
             except StoreUnavailable as e:
@@ -163,6 +213,7 @@ class EmbeddedStore:
     def _become_root(self) -> int:
         with self._lock:
             self._use(self._server.local(self.prefix))  # its own map, in process: no TCP to itself
+            self.kv.delete(FOLLOWS_KEY)  # type: ignore[union-attr]
             self.kv.set("root", str(self.node))  # type: ignore[union-attr]
             self.root = self.node
             log.warning("node %d: this agent is the root (store at %s:%d)", self.node, *self.endpoint(self.node))
@@ -172,6 +223,7 @@ class EmbeddedStore:
     def _follow(self, j: int) -> int:
         with self._lock:
             self._use(self._client(j))
+            self._server.local(self.prefix).set(FOLLOWS_KEY, str(j))  # for whoever asks this node's server
             if self.root != j:
                 log.info("node %d: root agent is node %d", self.node, j)
             self.root = j
@@ -200,9 +252,9 @@ class EmbeddedStore:
                 try:
                     if self._next_root_is_me():
                         return self._become_root()
-                    for j in range(self.nodes):
-                        if j not in (old, self.node) and self._root_claimed_by(j) == j:
-                            return self._follow(j)
+                    j = self._find_root(exclude=(old,))
+                    if j is not None:
+                        return self._follow(j)
                 except StoreUnavailable as e:  # a store slow to answer while the others move too: again
                     log.warning("node %d: %s; asking again", self.node, e)
                 time.sleep(random.uniform(0.1, 0.3))
@@ -216,7 +268,7 @@ class EmbeddedStore:
         with self._lock:
             if self.root == self.node:
                 self._become_root()
-            elif self.root >= 0 and self._root_claimed_by(self.root) == self.root:
+            elif self.root >= 0 and self._probe(self.root) == ROOT:
                 self._follow(self.root)
             else:
                 self.failover()
@@ -371,13 +423,14 @@ class StoreClient:
             self.kv.wait_ready(deadline_s)  # type: ignore[union-attr]
             return self
         h = self.cfg.health
+        probe = lambda j: probe_node(self.hosts, h.store_port, j, self.prefix,  # noqa: E731
+                                     min(self.timeout_s, PROBE_TIMEOUT_S), self.secret)
         while True:
-            for j in range(self.cfg.cluster.nodes):
-                if root_claimed_by(self.hosts, h.store_port, j, self.prefix, min(self.timeout_s, PROBE_TIMEOUT_S),
-                                   self.secret) == j:
-                    self.kv, self.root = WireKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
-                                                self.timeout_s, self.secret), j
-                    return self
+            j = find_root(probe, self.cfg.cluster.nodes, max(self.root, 0))
+            if j is not None:
+                self.kv, self.root = WireKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
+                                            self.timeout_s, self.secret), j
+                return self
             if time.time() > deadline:
                 raise StoreUnavailable(f"no root agent answered within {deadline_s:g} s ({self.where}, "
                                        f"{self.cfg.cluster.nodes} nodes)")

@@ -494,6 +494,24 @@ def node_pid(run_dir: str, node: int, name: str) -> Optional[int]:
         return None
 
 
+def agent_protected(cfg, node: int) -> Optional[int]:
+    """The newest step node ``node``'s agent protects for every one of its ranks (the job's agreed
+    version, as its status says; None: no answer, or a rank with none yet)."""
+    from ..agent.protocol import AgentClient, socket_path
+
+    try:
+        c = AgentClient(socket_path(cfg.agent.socket_dir, cfg.run_id, node), cfg.agent.request_timeout_s)
+        c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": cfg.run_id})
+        try:
+            ranks = c.request("status")["status"]["ranks"]
+        finally:
+            c.close(orderly=True)
+    except (OSError, KeyError, RuntimeError):
+        return None
+    steps = [r["global_step"] for r in ranks.values()]
+    return min(steps) if len(steps) == cfg.cluster.ranks_per_node and min(steps) >= 0 else None
+
+
 def node_workers(run_dir: str, node: int) -> list[int]:
     """Process ids of node ``node``'s trainers now: the children of its launcher's torchrun, or with
     warm spares the trainers its pool's keepers forked for them (a fast restart round forks new
@@ -989,7 +1007,17 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
                     raise RuntimeError(f"the agent restarted after iteration {done}: too late to check it "
                                        f"protects the next steps of {last}; use a smaller --kill-at")
                 say(f"[demo] agent of node {node} restarted (pid {new}) after iteration {done}")
-                kill_trainers(wait_iteration(victims, protected_from + 1))
+                # the new agent protects a step taken after its restart once the job agreed on it: a step
+                # the killed agent never committed waits first for the node's trainers' next snapshot
+                # to abandon it, so this takes a few iterations, not one
+                while (held := agent_protected(cfg, node)) is None or held < protected_from:
+                    recs = wait_iteration(victims, 0)
+                    if min(r[-1]["iteration"] for r in recs.values()) >= last:
+                        raise RuntimeError(f"node {node}'s restarted agent protected no step >= {protected_from} "
+                                           f"before the job's last iteration {last} (holds {held}); log {log_path}")
+                    time.sleep(0.05)
+                say(f"[demo] it protects step {held} for every rank of its node")
+                kill_trainers(wait_iteration(victims, held + 1))
             elif args.fail == "slow":  # no failure: the victim only runs slower for a while
                 pid = recs[victims[0]][-1]["pid"]
                 say(f"[demo] slowing rank {victims[0]} (pid {pid}): SIGSTOP {args.slow_stop:g} s of every "
@@ -1459,7 +1487,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     if not summary["hang_ok"] or summary["restarted_ranks"]:
         print(f"[demo] FAILED: hang verdicts {[(v['rank'], v['phase']) for v in summary['hang_verdicts']]}"
-              + (f", want one on each of the victims" if args.fail in HANG_SCENARIOS else ", want none")
+              + (", want one on each of the victims" if args.fail in HANG_SCENARIOS else ", want none")
               + (f"; rank(s) {summary['restarted_ranks']} restarted without a failure" if summary["restarted_ranks"]
                  else ""), file=sys.stderr, flush=True)
         return 1
