@@ -434,7 +434,7 @@ class StoreClient:
             if time.time() > deadline:
                 raise StoreUnavailable(f"no root agent answered within {deadline_s:g} s ({self.where}, "
                                        f"{self.cfg.cluster.nodes} nodes)")
-            time.sleep(0.2)
+            time.sleep(random.uniform(0.1, 0.3))
 
     def _do(self, fn):
         try:
