@@ -62,8 +62,10 @@ _BODY = struct.Struct("<qIIddddII")  # every field after ``seq``, at offset 8
 assert _SEQ.size + _BODY.size == RECORD
 
 #: the phases a trainer reports, by index
-PHASES = ("none", "start", "work", "collective", "agent", "restore", "save", "done", "rendezvous")
-NONE, START, WORK, COLLECTIVE, AGENT, RESTORE, SAVE, DONE, RENDEZVOUS = range(len(PHASES))
+#: ``done``: the training ended as the script meant it to; ``exiting``: the process ends on an error (a
+#: crash, a lost peer): never judged hung either, but its node's training is not over
+PHASES = ("none", "start", "work", "collective", "agent", "restore", "save", "done", "rendezvous", "exiting")
+NONE, START, WORK, COLLECTIVE, AGENT, RESTORE, SAVE, DONE, RENDEZVOUS, EXITING = range(len(PHASES))
 #: phases in which a rank waits for others (never the one to blame for a stall)
 WAITING = frozenset({COLLECTIVE, AGENT, RENDEZVOUS})
 #: the environment variable that names a trainer's progress file (``megatron-ft launch`` sets it)

@@ -521,11 +521,14 @@ def run_trainer(req: dict, fds: list[int]) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
-    except BaseException:
+        if code:
+            sys.last_value = e  # the exit handlers see an error exit (megatron_ft.trainer.progress.ended_well)
+    except BaseException as e:
         import traceback
 
         traceback.print_exc()
         code = 1
+        sys.last_value = e  # as the interpreter sets it for an exception that reached the top
     finally:
         _interpreter_exit()
         try:

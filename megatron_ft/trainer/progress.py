@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Iterator, Optional
@@ -157,15 +158,23 @@ else:  # pragma: no cover - every supported Python has it
     atexit.register(_interpreter_ending)
 
 
+def ended_well() -> bool:
+    """Whether this process ends without an error: no exception on its way up (``close`` called from a
+    ``finally``), none that reached the top (``sys.last_value``: the interpreter sets it, and so does a
+    warm spare's keeper for its forked trainer)."""
+    return sys.exc_info()[0] is None and getattr(sys, "last_value", None) is None
+
+
 def close(exit_s: float = 0.0) -> None:
-    """The training ended: :data:`~hp.DONE` (the record stays open: a later in-process attempt writes
-    on). With ``exit_s``, a process that has not ended that long after its interpreter began to end
+    """The training ended: :data:`~hp.DONE`, or :data:`~hp.EXITING` where the process ends on an error
+    (:func:`ended_well`: a crashed node's neighbours must not read "training over" and spare a lost node
+    its verdict). The record stays open: a later in-process attempt writes on. With ``exit_s``, a process that has not ended that long after its interpreter began to end
     ends itself (:func:`_end_if_still_here`): what holds it - a thread that never ends, an exit handler
     waiting on a socket - would hold the job in torchrun's exit barrier. Nothing before the interpreter
     ends counts (a final dump, an in-process restart's wait for its next round)."""
     global _current, _exit_watch
     if _current is not None:
-        _current.writer.enter(hp.DONE)
+        _current.writer.enter(hp.DONE if ended_well() else hp.EXITING)
         _current = None
     if exit_s > 0 and _exit_watch is None:
         _exit_watch = threading.Event()
@@ -183,7 +192,6 @@ def _end_if_still_here(exit_s: float, cancelled: threading.Event) -> None:
     if cancelled.wait(exit_s):
         return
     import faulthandler
-    import sys
 
     code = 1 if getattr(sys, "last_value", None) is not None else 0
     log.error("this trainer began to exit %.0f s ago but its process has not ended: its threads' stacks follow; "

@@ -343,3 +343,26 @@ def test_a_job_of_one_rank_is_judged_only_when_its_process_is_stopped():
     assert rule.decide({0: quiet}, 1, 1, 0.0) is None
     assert rule.decide({0: stopped}, 1, 1, 0.0).culprits[0].stopped
     assert rule.NodeStall.decode(stopped.encode()).hung[0].stopped
+
+
+ENDS = r"""
+import atexit, sys
+from megatron_ft.health import progress as hp
+from megatron_ft.trainer import progress
+hp.ProgressBoard.create(sys.argv[1], 1)
+assert progress.install(sys.argv[1], 0) is not None
+atexit.register(progress.close)  # as the checkpoint managers close at exit
+if sys.argv[2] == "raise":
+    raise RuntimeError("gloo: connection closed by peer")
+"""
+
+
+@pytest.mark.parametrize("how,phase", [("end", hp.DONE), ("raise", hp.EXITING)])
+def test_a_trainer_ended_by_an_error_does_not_say_its_training_is_over(tmp_path, how, phase):
+    """A node's training is over (no verdict on the others: the job is ending) only where every local
+    trainer ended well; a trainer that a lost peer's broken collective ends says "exiting", so that its
+    agent still judges the lost node."""
+    path = str(tmp_path / "progress")
+    out = subprocess.run([sys.executable, "-c", ENDS, path, how], capture_output=True, text=True, timeout=60)
+    assert out.returncode == (1 if how == "raise" else 0), out.stderr
+    assert hp.ProgressBoard.create(path, 1).read(0).phase == phase  # re-opened as an adopting agent does
