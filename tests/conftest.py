@@ -45,6 +45,13 @@ def agent(job_config):
     a.forget_socket()
 
 
+@pytest.fixture(scope="session")
+def reference_dir(tmp_path_factory):
+    """Where the demo runs of the whole session keep their reference runs (one per job shape, reused by
+    every later run of that shape: ``megatron-ft demo --reference-dir``)."""
+    return str(tmp_path_factory.mktemp("references"))
+
+
 def run_demo(cmd: list, timeout: float = 1200) -> dict:
     """Run a ``megatron-ft demo`` command; return its JSON summary after asserting what every recovery
     test needs: bit-exact, the promised tier reached (bit-exact alone cannot tell a recovery from a

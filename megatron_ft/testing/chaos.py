@@ -301,9 +301,12 @@ def _leftovers(run_tag: str, workdir: str, shm_dir: str) -> list[str]:
         time.sleep(0.5)
 
 
-def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/shm") -> Outcome:
+def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/shm",
+              references: Optional[str] = None) -> Outcome:
+    """One trial in ``workdir``; its reference run kept under ``references`` (default: the workdir's,
+    one per shape), reused by later trials of the same job shape."""
     wd = os.path.join(workdir, f"trial{trial.index:04d}")
-    ref = os.path.join(workdir, "references", trial.shape)
+    ref = references or os.path.join(workdir, "references", trial.shape)
     os.makedirs(wd, exist_ok=True)
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--workdir={wd}/demo",
            f"--reference-dir={ref}", f"--timeout={timeout}", *trial.demo_args()]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -372,6 +373,16 @@ def compare(ref_dir: str, run_dir: str, world: int, discarded: Optional[dict] = 
                 keys = sorted(k for k in (set(a) | set(b)) if a.get(k) != b.get(k)) if isinstance(a, dict) and isinstance(b, dict) else []
                 problems.append(f"rank {r}: final {section} differs {keys[:4]}")
     return not problems, problems
+
+
+def reference_key(targs: list[str], world: int) -> str:
+    """The name of a reference run's directory under ``--reference-dir``: one per job (its training
+    arguments and world size), so that runs of different shapes sharing the directory keep theirs.
+
+    >>> reference_key(["--iters", "10"], 4) == reference_key(["--iters", "10"], 4) != reference_key([], 4)
+    True
+    """
+    return "ref-" + hashlib.sha1(json.dumps([targs, world]).encode()).hexdigest()[:12]
 
 
 def reference_matches(ref_dir: str, targs: list[str], world: int) -> bool:
@@ -802,7 +813,8 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
     victims, lost_nodes = choose_victims(args, cfg)  # refused before anything runs
 
     # 1. reference (or an earlier one with the same arguments)
-    ref_dir = os.path.abspath(args.reference_dir) if args.reference_dir else os.path.join(workdir, "reference")
+    ref_dir = (os.path.join(os.path.abspath(args.reference_dir), reference_key(targs, world)) if args.reference_dir
+               else os.path.join(workdir, "reference"))
     ref_seconds = 0.0
     if reference_matches(ref_dir, targs, world):
         say(f"[demo] reusing the reference run in {ref_dir}")
@@ -1419,7 +1431,8 @@ def add_parser(sub) -> None:
     p.add_argument("--standby", action="store_true",
                    help="--fail node: start a standby launcher (launch --standby) with the job instead of a "
                         "replacement after the loss; the root agent's failure verdict makes it take the node's place")
-    p.add_argument("--reference-dir", default=None, help="reuse (or create) the reference run here")
+    p.add_argument("--reference-dir", default=None,
+                   help="reuse (or create) the reference run under this directory (one per job shape)")
     p.add_argument("--relaunch-delay", type=float, default=0.0,
                    help="--fail launcher: start the node's launcher again this many seconds after it died")
     p.add_argument("--hosts", action="store_true",

@@ -44,7 +44,7 @@ def test_kinds_cover_the_promise_table():
     assert "--train-arg=--inmem-ckpt-persist-interval=3" in args["two-nodes-xor"]
     for kind, point in (("cut-empty+agent", "truncate-empty"), ("cut-header+agent", "truncate-header"),
                         ("cut-data+agent", "truncate")):
-        assert f"--fail=trainer" in args[kind] and f"--kill-point={point}-after-commit --with-agent" in args[kind]
+        assert "--fail=trainer" in args[kind] and f"--kill-point={point}-after-commit --with-agent" in args[kind]
     assert "--hosts" in chaos.draw(3, 0, ["node-replica"], hosts=True).demo_args()
     assert "--hosts" not in chaos.draw(3, 0, ["node-replica"]).demo_args()
     pair = chaos.Trial(0, 1, "two-nodes-rs", 1, 0.5, 12, lost_pair=(1, 2)).demo_args()
@@ -154,14 +154,14 @@ def test_report_tallies_kinds_and_load():
 
 # node0-replica with the slow set (default-suite time, CI < 15 min); node 0's launcher stays in the default
 @pytest.mark.parametrize("kind", [pytest.param("node0-replica", marks=pytest.mark.slow), "launcher0"])
-def test_one_real_trial(tmp_path, kind):
+def test_one_real_trial(tmp_path, kind, reference_dir):
     """A real trial (demo run, SIGKILL at a wall-clock moment inside an iteration): right, at the
     promised tier. node0-replica loses the node hosting torchrun's rendezvous: the survivors move it
     to the next generation; launcher0 kills only that node's launcher (its torchrun, the rendezvous
     host, dies with it; its agent lives and reports no launcher): the survivors move the rendezvous
     too, and the restarted launcher adopts the agent and joins them."""
     t = chaos.Trial(0, 1, kind, 5, 0.05, 10)
-    o = chaos.run_trial(t, str(tmp_path), timeout=300)
+    o = chaos.run_trial(t, str(tmp_path), timeout=300, references=reference_dir)  # the suite's reference runs
     assert (o.verdict, o.why) == ("right", ""), (o, open(tmp_path / "trial0000" / "demo.out").read()[-3000:])
     assert o.recovered_from == o.promised and o.resumed_step >= 1
     json.dumps(o.__dict__)

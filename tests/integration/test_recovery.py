@@ -24,11 +24,6 @@ from megatron_ft.rank_files import all_files, find_rank_file
 ITERS, KILL_AT = 10, 5
 
 
-@pytest.fixture(scope="session")
-def reference_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("reference") / "ref")
-
-
 def demo(tmp_path, reference_dir, *args, config=None):
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--iters={ITERS}",
            f"--workdir={tmp_path / 'demo'}", f"--reference-dir={reference_dir}", *args]
@@ -59,14 +54,14 @@ def test_trainer_sigkill_recovers_from_local_memory(tmp_path, reference_dir):
     assert "rejoins round 1 in place" in log and "[keeper " in log, log[-3000:]
 
 
-def test_overlapped_param_gather_bf16_snapshots_what_each_step_wrote(tmp_path):
+def test_overlapped_param_gather_bf16_snapshots_what_each_step_wrote(tmp_path, reference_dir):
     """Production options on the project's script: bf16 parameters with fp32 main parameters,
     ``--overlap-grad-reduce`` and ``--overlap-param-gather`` with several buckets per buffer. The
     all-gather of each bucket's updated slices runs in the next forward pass, after the snapshot
     began; a snapshot of this rank's slice of the whole buffer (other ranks' slices of its buckets
     among it) restored them stale or torn - not bit-exact. Each bucket's own slice is what the step
     wrote."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=trainer", f"--kill-at={KILL_AT}", "--train-arg=--bf16",
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}", "--train-arg=--bf16",
              "--train-arg=--overlap-grad-reduce", "--train-arg=--overlap-param-gather",
              "--train-arg=--ddp-bucket-size=3000")
     assert s["recovered_from"] == "local_memory" and s["resumed_step"] >= KILL_AT - 1, s
@@ -213,29 +208,29 @@ def test_node_lost_standby_takes_its_place(tmp_path, reference_dir):
 # both with the slow set (default-suite time, CI < 15 min); the default suite decodes through the agents in
 # test_peer_redundancy.py and loses a whole node end to end on hosts of their own (test_hosts.py)
 @pytest.mark.parametrize("scheme", [pytest.param("xor", marks=pytest.mark.slow), pytest.param("rs", marks=pytest.mark.slow)])
-def test_node_lost_recovers_by_decoding(tmp_path, scheme):
+def test_node_lost_recovers_by_decoding(tmp_path, scheme, reference_dir):
     """The lost node's ranks are decoded from the survivors; a parity node whose single slot holds a
     newer step the group never completed does not hide the group's complete step (the ranks agree
     on local and peer holdings together)."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", f"--kill-at={KILL_AT}")
+    s = demo(tmp_path, reference_dir, "--fail=node", f"--redundancy={scheme}", f"--kill-at={KILL_AT}")
     assert s["recovered_from"] == "decoded" and s["promised_tier"] == "decoded"
     assert 1 <= s["resumed_step"] <= KILL_AT, s
 
 
 @pytest.mark.slow  # default-suite time (CI < 15 min); run with -m slow
-def test_agent_killed_alone_its_restart_protects_the_next_steps(tmp_path):
+def test_agent_killed_alone_its_restart_protects_the_next_steps(tmp_path, reference_dir):
     """The agent dies inside an iteration; its launcher restarts it. Once it serves, the node's trainers
     are killed: they must resume from it at a step taken after its restart (protection is back on)."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=agent", "--kill-at=3", "--kill-delay=0.05", "--iters=48")
+    s = demo(tmp_path, reference_dir, "--fail=agent", "--kill-at=3", "--kill-delay=0.05", "--iters=48")
     assert s["recovered_from"] == "local_memory" and s["agent_killed"]
     assert s["resumed_step"] > 3 and not s["problems"], s
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first", [["--fail=trainer"], ["--fail=node", "--redundancy=replica"]])
-def test_a_second_failure_during_the_recovery_ends_at_the_same_tier(tmp_path, first):
+def test_a_second_failure_during_the_recovery_ends_at_the_same_tier(tmp_path, first, reference_dir):
     """A restarted trainer is SIGKILLed while it imports, joins the rendezvous or restores."""
-    s = demo(tmp_path, str(tmp_path / "ref"), *first, f"--kill-at={KILL_AT}", "--second-failure",
+    s = demo(tmp_path, reference_dir, *first, f"--kill-at={KILL_AT}", "--second-failure",
              "--second-delay=1.5")
     assert s["second_failure"] and s["recovered_from"] == s["promised_tier"], s
     assert 1 <= s["resumed_step"] <= KILL_AT
@@ -243,10 +238,10 @@ def test_a_second_failure_during_the_recovery_ends_at_the_same_tier(tmp_path, fi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme,tier", [("rs", "decoded"), ("xor", "disk")])
-def test_two_nodes_of_one_group_lost_at_once(tmp_path, scheme, tier):
+def test_two_nodes_of_one_group_lost_at_once(tmp_path, scheme, tier, reference_dir):
     """rs with m = 2 decodes two lost nodes; xor tolerates one, so two send the job to the newest step
     persisted whole (every 3 steps here), which the demo checks against the files at the kill."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=two-nodes", f"--redundancy={scheme}", "--kill-at=7",
+    s = demo(tmp_path, reference_dir, "--fail=two-nodes", f"--redundancy={scheme}", "--kill-at=7",
              "--train-arg=--inmem-ckpt-persist-interval=3")
     assert len(s["lost_nodes"]) == 2 and (s["promised_tier"], s["recovered_from"]) in ((tier, tier), ("none", "none"))
     if tier == "disk" and s["recovered_from"] == "disk":
@@ -255,9 +250,9 @@ def test_two_nodes_of_one_group_lost_at_once(tmp_path, scheme, tier):
 
 
 @pytest.mark.slow
-def test_interleaved_pipeline_recovers_bit_exact(tmp_path):
+def test_interleaved_pipeline_recovers_bit_exact(tmp_path, reference_dir):
     """--virtual-pipeline-model-parallel-size 2: two model chunks per stage, the interleaved 1F1B schedule."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=trainer", f"--kill-at={KILL_AT}",
+    s = demo(tmp_path, reference_dir, "--fail=trainer", f"--kill-at={KILL_AT}",
              "--train-arg=--virtual-pipeline-model-parallel-size=2")
     assert s["recovered_from"] == "local_memory" and s["resumed_step"] >= KILL_AT - 1
     with open(tmp_path / "demo" / "run" / "final" / "state.rank0.json") as f:
@@ -445,11 +440,11 @@ def test_prefer_certified_resumes_from_the_newest_certified_version_not_the_newe
 
 @pytest.mark.slow  # default-suite time
 @pytest.mark.parametrize("scheme,tier", [("replica", "peer_memory"), ("rs", "decoded")])
-def test_prefer_certified_rebuilds_a_lost_nodes_ranks_at_the_certified_version(tmp_path, scheme, tier):
+def test_prefer_certified_rebuilds_a_lost_nodes_ranks_at_the_certified_version(tmp_path, scheme, tier, reference_dir):
     """With peer redundancy the agents keep their blocks of the certified and the watched version too:
     a node lost after iteration 8 comes back from its group at the version certified before the loss
     (an older one than the group's complete step), bit-exact, every restore certified."""
-    s = demo(tmp_path, str(tmp_path / "ref"), "--fail=node", f"--redundancy={scheme}", "--kill-at=8",
+    s = demo(tmp_path, reference_dir, "--fail=node", f"--redundancy={scheme}", "--kill-at=8",
              "--prefer=certified")
     assert s["recovered_from"] == tier and s["certified_before_failure"] is not None, s
     assert s["certified_before_failure"] <= s["resumed_step"] <= 8 - 3, s
