@@ -118,13 +118,13 @@ class Agent:
         the store where the job has one, else decided on this node alone)."""
         if self.cfg.snapshot.agreement != "agents" or self.agreement is not None:
             return
-        self.agreement = JobAgreement(self.node, self.cfg.cluster.nodes if self.store is not None else 1, self.store,
-                                      self.slots.protect_agreed, self._agreed_locally,
-                                      poll_s=max(0.5, 2 * self.cfg.health.heartbeat_s),
-                                      certify_after=(self.cfg.recovery.certify_after
-                                                     if self.cfg.recovery.prefer == "certified" else None)).start()
-        with self.slots.lock:
-            self.slots.agreement.attach(self.agreement, self.slots.table)
+        certify_after = self.cfg.recovery.certify_after if self.cfg.recovery.prefer == "certified" else None
+        job = JobAgreement(self.node, self.cfg.cluster.nodes if self.store is not None else 1, self.store,
+                           self.slots.protect_agreed, self._agreed_locally,
+                           poll_s=max(0.5, 2 * self.cfg.health.heartbeat_s), certify_after=certify_after)
+        with self.slots.lock:  # attached before its threads start: a verdict already in the store (a restarted
+            self.slots.agreement.attach(job, self.slots.table)  # agent) is learned at once, into the slot store
+        self.agreement = job.start()
 
     def stand_down(self, why: str) -> None:
         """Judged lost while it did not run, its node claimed meanwhile: end with ``EXIT_STOOD_DOWN``

@@ -10,6 +10,7 @@ import os
 
 from conftest import REPO
 from test_import_graph import graph
+from megatron_ft import config as ftconfig
 
 AGENT = os.path.join(REPO, "megatron_ft", "agent")
 MAX_SERVER_LINES = 400
@@ -94,3 +95,31 @@ def test_container_sizes_are_one_store_key_per_node_not_per_rank():
         dirs[r // 4].publish_size(r, 1000 + r)
     assert sorted(store.data) == ["size/0", "size/1"]
     assert dirs[0].sizes() == {r: 1000 + r for r in range(8)} and store.reads == 2  # one read per node
+
+
+def test_the_node_agreement_is_attached_before_the_job_agreements_threads_start(tmp_path, monkeypatch):
+    """A restarted agent's verdict thread learns the job's verdict at its first watch (the verdict is
+    already in the store) and hands it to the slot store at once: the slot store's agreement must be
+    attached by then. Started first, the thread's first verdict raced the attach; losing the race killed
+    the thread (AssertionError in ``adopt_verdict``), and the restarted agent never protected a step
+    again while training went on (chaos, the ``agent`` kind)."""
+    from megatron_ft.agent import job_agreement
+    from megatron_ft.agent.server import Agent
+
+    cfg = ftconfig.from_dict({"run_id": f"attach-{os.getpid()}", "cluster": {"nodes": 1, "ranks_per_node": 1},
+                              "parallel": {"tensor": 1, "pipeline": 1},
+                              "agent": {"shm_dir": str(tmp_path), "socket_dir": str(tmp_path)}})
+    attached_at_start = []
+    real_start = job_agreement.JobAgreement.start
+
+    def start(self):
+        attached_at_start.append(agent.slots.agreement.job is self)
+        return real_start(self)
+
+    monkeypatch.setattr(job_agreement.JobAgreement, "start", start)
+    agent = Agent(cfg, 0)
+    try:
+        agent.start_agreement()
+        assert attached_at_start == [True] and agent.agreement is agent.slots.agreement.job
+    finally:
+        agent.shutdown()
