@@ -14,10 +14,13 @@ Threads (both daemons, started by :meth:`JobAgreement.start`, ended by :meth:`cl
 The root aggregates in process: the embedded store derives the verdict key from every report set
 on the root's own server (:meth:`~megatron_ft.health.wire_store.KVServer.derive`), so a report
 costs the root one dictionary update and the watchers are woken at once. etcd has no such hook:
-the root agent reads the N reports once per ``poll_s`` and writes the verdict when it changes.
+the root agent reads the reports once (one range read of ``agree/``), then follows them on one etcd
+watch stream of that prefix, folding each report as it arrives and writing the verdict when it changes
+(thread ``agree-root``).
 
 Messages per agreed step (N nodes): N reports in, one verdict out to each of N watchers: 2N, two
-rounds, constant per node; the etcd root reads N keys per ``poll_s`` besides.
+rounds, constant per node; on etcd the root's stream carries the N reports to it besides (no read of
+N keys per period).
 
 The agent's two hooks: ``protect(verdict)`` makes the verdict this node's (:attr:`verdict` is set
 there, together with the protection of the agreed version, under the agent's lock: a ``begin`` never
@@ -35,15 +38,14 @@ from typing import Callable, Optional
 import time
 
 from . import reductions
-from .agreement import REPORT_KEY, VERDICT_KEY, Aggregator, NodeReport, Verdict, decide
+from .agreement import REPORT_KEY, VERDICT_KEY, Aggregator, NodeReport, Verdict
 
 log = logging.getLogger("megatron_ft.agent")
 
 
 class JobAgreement:
     """``store``: the job's store (None: a one-node job, decided here); ``protect``, ``after``: the
-    agent's hooks (above); ``poll_s``: the longest a watch waits before it asks again (the etcd root's
-    reading period too)."""
+    agent's hooks (above); ``poll_s``: the longest a watch waits before it asks again."""
 
     def __init__(self, node: int, nodes: int, store, protect: Callable[[Verdict], None],
                  after: Callable[[], None], poll_s: float = 1.0, certify_after: Optional[int] = None):
@@ -216,26 +218,54 @@ class JobAgreement:
         return out
 
     def _root_loop(self) -> None:
-        """A store without a hook (etcd): the root reads the N reports every ``poll_s``."""
-        last = None
-        while not self._stop.wait(self.poll_s):
+        """A store without a hook (etcd): where this agent is the root, the reports are read once (one
+        range read of ``agree/``) and then followed on one etcd watch stream of that prefix, each event
+        folded into an :class:`Aggregator` and a changed verdict written at once - no read of the N
+        reports per period. A broken or compacted stream, or the root role regained, reads them again."""
+        agg: Optional[Aggregator] = None
+        rev, last = 0, None
+        while not self._stop.is_set():
             try:
                 if not self.store.is_root:
+                    agg = None
+                    self._stop.wait(self.poll_s)
                     continue
-                reports = {}
-                for n in range(self.nodes):
-                    v = self.store.get(f"{REPORT_KEY}{n}")
-                    if v:
-                        try:
-                            reports[n] = NodeReport.decode(v)
-                        except ValueError:
-                            pass
-                verdict = decide(reports, self.nodes).encode()  # (etcd: no certification at the root yet)
-                if verdict != last:
-                    self.store.set(VERDICT_KEY, verdict)
-                    last = verdict
-            except Exception as e:
+                if agg is None:
+                    rev, keys = self.store.kv.read_prefix(REPORT_KEY)
+                    agg = Aggregator(self.nodes)  # (etcd: no certification at the root yet)
+                    for key, value in keys.items():
+                        self._fold(agg, key[len(REPORT_KEY):], value)
+                    last = self._publish(agg, last)
+                for ev in self.store.kv.events(REPORT_KEY, rev + 1, max(2.0, 4 * self.poll_s), prefix=True,
+                                               stop=self._stop):
+                    rev = ev.rev
+                    self._fold(agg, ev.key[len(REPORT_KEY):], ev.value)
+                    last = self._publish(agg, last)
+                    if not self.store.is_root:
+                        break
+            except Exception as e:  # etcd unavailable, a stream broken or compacted: read them again
                 log.debug("agent node %d: aggregating the agreement: %s", self.node, e)
+                agg = None
+                self._stop.wait(self.poll_s)
+
+    def _fold(self, agg: Aggregator, node_s: str, value: Optional[str]) -> None:
+        """One node's report (None: its key deleted) into the root's aggregator."""
+        try:
+            node = int(node_s)
+            if not 0 <= node < self.nodes:
+                raise ValueError(f"node {node} of {self.nodes}")
+            if value:
+                agg.update(node, NodeReport.decode(value))
+            else:
+                agg.forget(node)
+        except ValueError as e:
+            log.error("agent node %d (root): ignored the agreement report of %r: %s", self.node, node_s, e)
+
+    def _publish(self, agg: Aggregator, last: Optional[str]) -> str:
+        verdict = agg.verdict().encode()
+        if verdict != last:
+            self.store.set(VERDICT_KEY, verdict)
+        return verdict
 
     def close(self) -> None:
         self._stop.set()

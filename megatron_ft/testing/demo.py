@@ -593,15 +593,17 @@ def wait_group_complete(run_dir: str, nodes: int, p, deadline: float, log_path: 
         time.sleep(0.05)
 
 
-def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: float, log_path: str) -> float:
-    """Wait for the injected faults' event lines; return the time of the first."""
+def wait_fault(run_dir: str, victims: list[int], p: subprocess.Popen, timeout: float,
+               log_path: str) -> tuple[float, int]:
+    """Wait for the injected faults' event lines; return the time of the first and the newest step they
+    fired at (a fault fires at its step, or the first step after it that reaches its point)."""
     deadline = time.time() + timeout
     while True:
-        times = [e["time"] for v in victims
+        fired = [e for v in victims
                  for e in read_jsonl(rank_files.find_rank_file(os.path.join(run_dir, "events"), v, ".jsonl") or "")
                  if e.get("event") == "fault"]
-        if len(times) == len(victims):
-            return min(times)
+        if len(fired) == len(victims):
+            return min(e["time"] for e in fired), max(e["step"] for e in fired)
         if p.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"the injected fault never fired; log {log_path}")
         time.sleep(0.05)
@@ -952,7 +954,10 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             os.kill(agent_killed[1], signal.SIGKILL)
             say(f"[demo] SIGKILL -> agent of node {agent_killed[0]} (pid {agent_killed[1]}); the launcher restarts it")
         if victims and args.kill_point != "after-iteration":
-            kill_time = wait_fault(run_dir, victims, p, args.timeout, log_path)
+            kill_time, fired_at = wait_fault(run_dir, victims, p, args.timeout, log_path)
+            if fired_at != args.kill_at:  # the snapshot of step kill_at was skipped (the agreement pending)
+                say(f"[demo] the snapshot of step {args.kill_at} was not taken: the fault fired at step {fired_at}")
+                args.kill_at = fired_at
             say(f"[demo] rank(s) {victims} SIGKILLed themselves at {args.kill_point} of step {args.kill_at}")
             if args.with_agent:
                 fired = [e for e in _all_records(run_dir, "events") if e.get("event") == "fault"]
@@ -1047,7 +1052,7 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
                 if args.fail == "hang":
                     hang_time = kill_time
                 elif args.fail == "hang-in-restore":
-                    hang_time = wait_fault(run_dir, victims, p, max(1.0, deadline - time.time()), log_path)
+                    hang_time, _ = wait_fault(run_dir, victims, p, max(1.0, deadline - time.time()), log_path)
                     say(f"[demo] the restarted rank(s) {victims} hung in their restore ({args.restore_hang}): "
                         f"the agents must find it after hang.restore_s={cfg.hang.restore_s:g} s and end it")
         if args.second_failure and kill_time is not None:

@@ -3,7 +3,10 @@ named point of the runtime (:mod:`megatron_ft.faultpoints`), optionally damaging
 or hangs there.
 
 A *fault* is ``<action>:<step>[:<rank>[,<rank>...]]`` (no ranks: any rank, and the agent; step ``*``:
-any step, e.g. whichever step a restore chose). Actions:
+any step, e.g. whichever step a restore chose). It fires at the first of the rank's steps at or after
+``<step>`` that reaches its point: a snapshot skipped while the job's agreement is pending (an
+agreement slower than an iteration: etcd, a loaded machine) never reaches ``after-commit``, and the
+fault then fires at the next one that does. Actions:
 
 * ``before-snapshot``, ``mid-copy``, ``after-commit``, ``restore``, ``mid-exchange`` - kill at that point;
 * ``stop-<point>`` (e.g. ``stop-restore``) - at that point the process SIGSTOPs itself and stays stopped
@@ -131,7 +134,7 @@ class KillAt:
 
     def reached(self, point: str, step: int, rank: int, **context: Any) -> None:
         f = self.fault
-        if point != f.point or f.step is not None and step != f.step or (f.ranks is not None and rank not in f.ranks):
+        if point != f.point or f.step is not None and step < f.step or (f.ranks is not None and rank not in f.ranks):
             return
         if self.run_dir and not self._first_time(rank):
             return

@@ -238,3 +238,43 @@ def test_a_paused_agent_whose_node_a_standby_claimed_stands_down_when_it_runs_ag
         os.kill(p.pid, signal.SIGCONT)
         assert p.wait(timeout=TTL + 5) == 3  # fenced: it stood down
         assert store.get("failed/1") is not None  # the node stays failed: the standby has it
+
+
+def test_the_etcd_root_follows_the_reports_on_a_watch_and_reads_no_key_per_period(etcd):
+    """The job-wide agreement on etcd: the root reads the reports once, then follows ``agree/`` on one
+    watch stream, each report folded as it arrives; idle, it reads no report (before: every report, every
+    ``poll_s``) and only re-opens its stream now and then."""
+    from megatron_ft.agent.agreement import REPORT_KEY, NodeReport
+    from megatron_ft.agent.job_agreement import JobAgreement
+    from megatron_ft.health.etcd import EtcdStore
+    from megatron_ft.testing.helpers import wait_for
+
+    run, n = f"t{uuid.uuid4().hex[:8]}", 3
+    stores = [EtcdStore(etcd, run, i, n, timeout_s=TIMEOUT_S) for i in range(n)]
+    jobs = []
+    reads, streams = [], []
+    root = stores[0]
+    get, read_prefix, events = root.get, root.kv.read_prefix, root.kv.events
+    root.get = lambda key: (reads.append(key) if key.startswith(REPORT_KEY) else None) or get(key)
+    root.kv.read_prefix = lambda prefix: reads.append(prefix) or read_prefix(prefix)
+    root.kv.events = lambda key, *a, **k: (streams.append(key) if key == REPORT_KEY else None) or events(key, *a, **k)
+    try:
+        for s in stores:
+            s.connect(10)
+        assert root.is_root
+        learned = [[] for _ in range(n)]
+        for i, s in enumerate(stores):
+            jobs.append(JobAgreement(i, n, s, lambda v, i=i: learned[i].append(v), lambda: None, poll_s=0.5).start())
+        for step in (3, 4):
+            for j in jobs:
+                j.report(NodeReport(held=(step,), seen=step))
+            wait_for(f"every agent learns step {step}", lambda: all(seen and seen[-1].agreed == step for seen in learned),
+                     10.0, lambda: repr(learned))
+        reads.clear(), streams.clear()
+        time.sleep(3.0)  # six periods of poll_s, nothing reported
+        assert reads == [] and len(streams) <= 2, (reads, streams)
+    finally:
+        for j in jobs:
+            j.close()
+        for s in stores:
+            s.close()

@@ -78,9 +78,16 @@ def test_the_damage_actions_act_on_the_context_before_the_kill(tmp_path, monkeyp
     faults.KillAt(faults.parse("truncate-after-commit:2")).reached("after-commit", 2, 7, area=area, path=str(path),
                                                                   size=100)
     assert path.stat().st_size == 50 and len(killed) == 2
-    faults.KillAt(faults.parse("after-commit:2:0")).reached("after-commit", 3, 0)  # another step
+    faults.KillAt(faults.parse("after-commit:2:0")).reached("after-commit", 1, 0)  # an earlier step
     faults.KillAt(faults.parse("after-commit:2:0")).reached("after-commit", 2, 1)  # another rank
     assert len(killed) == 2
+    # a later step fires (the fault's own step never reached the point: its snapshot skipped), once per
+    # run where the run directory remembers it
+    once = faults.KillAt(faults.parse("after-commit:2:0"), run_dir=str(tmp_path / "run"), node=0)
+    once.reached("after-commit", 3, 0)
+    once.reached("after-commit", 4, 0)
+    assert len(killed) == 3
+    killed.pop()
     for action, length in (("truncate-header-after-commit", 100), ("truncate-empty-after-commit", 0)):
         path.write_bytes(b"x" * 8192)
         faults.KillAt(faults.parse(f"{action}:2")).reached("after-commit", 2, 0, area=area, path=str(path), size=8192)
