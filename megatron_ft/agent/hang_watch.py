@@ -8,8 +8,9 @@ from shared memory and ``L`` reads of ``/proc/<pid>/stat`` (L = the node's ranks
 sends its stall report (``stall/<node>``) only when what it says changes - never while the job trains
 - and, while it holds a hung or waiting rank, reads the verdict (``hang``) once a tick. The root's
 store derives the verdict from the reports as they arrive (the embedded store's hook); etcd has none,
-so there the root agent reads the N reports and writes the verdict, once a tick while its own node
-stalls (in a hang every node does): O(N) at the root, one read per tick at every other stalled node.
+so there the root agent reads the N reports (one range read of ``stall/``) and writes the verdict, once
+a tick while its own node stalls (in a hang every node does): one request per tick at the root, one
+read per tick at every other stalled node.
 A one-node job decides on its own.
 
 Stragglers: each finished iteration's own work (the iteration less its waits) per rank; a rank over
@@ -206,12 +207,13 @@ class HangWatch:
             if self._derives or not self.store.is_root:
                 text = self.store.get(rule.HANG_KEY)
                 return rule.HangVerdict.decode(text) if text else None
-            # etcd, at the root, while its own node stalls (in a hang every node does): the N reports
+            # etcd, at the root, while its own node stalls (in a hang every node does): the N reports in
+            # one range read (one request, not one per node)
+            _, keys = self.store.kv.read_prefix(rule.STALL_KEY)
             reports = {}
-            for n in range(self.nodes):
-                text = self.store.get(f"{rule.STALL_KEY}{n}")
+            for key, text in keys.items():
                 if text:
-                    reports[n] = rule.NodeStall.decode(text)
+                    reports[int(key[len(rule.STALL_KEY):])] = rule.NodeStall.decode(text)
             reports = {n: r for n, r in reports.items() if not r.clear}
             verdict = rule.decide(reports, self.nodes, self.rpn, self.limits.collective_s, self.limits.max_culprits)
             self.store.set(rule.HANG_KEY, verdict.encode() if verdict is not None else "")

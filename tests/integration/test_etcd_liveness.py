@@ -278,3 +278,36 @@ def test_the_etcd_root_follows_the_reports_on_a_watch_and_reads_no_key_per_perio
             j.close()
         for s in stores:
             s.close()
+
+
+def test_the_etcd_roots_hang_verdict_reads_every_stall_report_in_one_request(etcd):
+    """etcd derives no key: while its own node stalls, the root agent reads the N stall reports in one
+    range read per tick (not one read per node) and writes the verdict."""
+    from megatron_ft import config as ftconfig
+    from megatron_ft.agent.hang_watch import HangWatch
+    from megatron_ft.health import hang as rule
+    from megatron_ft.health.etcd import EtcdStore
+
+    run, n = f"t{uuid.uuid4().hex[:8]}", 6
+    cfg = ftconfig.from_dict({"run_id": run, "cluster": {"nodes": n, "ranks_per_node": 1},
+                              "parallel": {"tensor": 1, "pipeline": 1}})
+    stores = [EtcdStore(etcd, run, i, n, timeout_s=TIMEOUT_S) for i in range(n)]
+    try:
+        for s in stores:
+            s.connect(10)
+        assert stores[0].is_root
+        hung = rule.NodeStall(1, 1, (rule.Culprit(1, 4242, 4, "work", 6.0),), ())
+        stores[1].publish(f"{rule.STALL_KEY}1", hung.encode())
+        for k in range(2, n):  # every other node's rank waits
+            stores[k].publish(f"{rule.STALL_KEY}{k}", rule.NodeStall(k, 1, (), (k,)).encode())
+        own = rule.NodeStall(0, 1, (), (0,))  # the root's own node waits too
+        stores[0].publish(f"{rule.STALL_KEY}0", own.encode())  # as its tick sends it before asking
+        watch = HangWatch(cfg, 0, None, stores[0])
+        before = stores[0].kv.requests
+        verdict = watch._verdict(own)
+        assert verdict is not None and [c.rank for c in verdict.culprits] == [1]
+        assert stores[0].kv.requests - before <= 3  # one range read, the verdict written (+ a lease refresh); n + 1 before
+        assert rule.HangVerdict.decode(stores[2].get(rule.HANG_KEY)).culprits[0].rank == 1
+    finally:
+        for s in stores:
+            s.close()
