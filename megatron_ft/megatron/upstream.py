@@ -470,24 +470,30 @@ def _field_docstrings_once() -> None:
 
 
 def _disk_save_is_its_own_phase() -> None:
-    """Megatron's own checkpoint to disk (``save_checkpoint_and_time`` without ``non_persistent_ckpt``)
-    is the ``save`` phase of the hang rule (``hang.save_s``, not the iteration's bound): every rank may
-    write for minutes with no collective. The in-memory saves keep their phases."""
+    """Megatron's own checkpoint to disk (``save_checkpoint_and_time``, and ``save_checkpoint`` as the
+    training module calls it directly - core_v0.16.1's save after the last iteration does - each without
+    ``non_persistent_ckpt``) is the ``save`` phase of the hang rule (``hang.save_s``, not the iteration's
+    bound): every rank may write for minutes with no collective. The in-memory saves keep their phases.
+    Before, core_v0.16.1's final save ran in ``work``: a save longer than the bound was a hang verdict
+    on the ranks still writing, SIGKILLed at the job's end."""
     import megatron.training.training as training
 
     from ..health import progress as hp
     from ..trainer import progress as rank_progress
 
     def make(orig: Callable[..., Any]) -> Callable[..., Any]:
-        def save_checkpoint_and_time(*args: Any, **kwargs: Any) -> Any:
+        def disk_save(*args: Any, **kwargs: Any) -> Any:
             if kwargs.get("non_persistent_ckpt"):
                 return orig(*args, **kwargs)
             with rank_progress.phase(hp.SAVE):
                 return orig(*args, **kwargs)
 
-        return save_checkpoint_and_time
+        disk_save.__name__ = disk_save.__qualname__ = orig.__name__
+        return disk_save
 
-    _wrap(training, "save_checkpoint_and_time", make)
+    for name in ("save_checkpoint_and_time", "save_checkpoint"):
+        if hasattr(training, name):
+            _wrap(training, name, make)
 
 
 def after_training_import() -> None:
