@@ -125,8 +125,10 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     """A job stops (agents shut down, memory gone); the next launch resumes from disk."""
     from megatron_ft.testing import demo as demo_mod
 
-    # make sure the shared reference exists (ITERS iterations; an earlier test usually made it)
-    if not demo_mod.reference_matches(reference_dir, demo_mod.training_args(ftconfig.load(), ITERS, []), 4):
+    # make sure the shared reference of this shape exists (ITERS iterations; an earlier test usually made it)
+    targs = demo_mod.training_args(ftconfig.load(), ITERS, [])
+    reference = os.path.join(reference_dir, demo_mod.reference_key(targs, 4))
+    if not demo_mod.reference_matches(reference, targs, 4):
         demo(tmp_path / "r", reference_dir, "--fail=none")
     cfg = with_free_ports(ftconfig.load(), run_id=f"cold{os.getpid()}",
                           persist={"dir": str(tmp_path / "persist"), "interval": 4})
@@ -142,7 +144,7 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     restores = [json.loads(ln) for ln in open(find_rank_file(str(run / "events"), 0, ".jsonl")) if '"restore"' in ln]
     assert [(r["source"], r["step"]) for r in restores] == [("disk", 4)]
     # iterations 5..ITERS and the final state match the uninterrupted reference bit for bit
-    same, problems = demo_mod.compare(reference_dir, str(run), 4)
+    same, problems = demo_mod.compare(reference, str(run), 4)
     missing = [p for p in problems if "no loss logged" in p]
     assert all("iteration" in p and int(p.split("iteration ")[1].split(":")[0]) <= 4 for p in missing)
     assert not [p for p in problems if p not in missing], problems
