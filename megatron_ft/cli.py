@@ -10,19 +10,15 @@ from . import config as ftconfig
 
 
 def _status(args: argparse.Namespace) -> int:
-    from .agent.protocol import AgentClient, socket_path
+    from .agent.protocol import agent_status, socket_path
 
     cfg = ftconfig.load(args.config)
     rc = 0
-    for node in range(cfg.cluster.nodes):
-        path = socket_path(cfg.agent.socket_dir, cfg.run_id, node)
+    for node in range(cfg.cluster.nodes):  # an operator's command: one request per node, on demand
         try:
-            c = AgentClient(path, cfg.agent.request_timeout_s)
-            c.connect({"rank": -1, "local_rank": -1, "pid": 0, "run_id": cfg.run_id})
-            print(json.dumps(c.request("status")["status"], indent=1))
-            c.close(orderly=True)
+            print(json.dumps(agent_status(cfg, node), indent=1))
         except OSError as e:
-            print(f"node {node}: no agent at {path} ({e})")
+            print(f"node {node}: no agent at {socket_path(cfg.agent.socket_dir, cfg.run_id, node)} ({e})")
             rc = 1
     return rc
 

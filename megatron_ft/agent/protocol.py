@@ -52,6 +52,8 @@ shutdown        -                                           - (agent removes its
 """
 from __future__ import annotations
 
+import os
+
 from typing import Annotated, Literal, Optional
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -170,6 +172,18 @@ class AgentClient(Client):
     def close(self, orderly: bool = True) -> None:  # type: ignore[override]
         """``orderly``: say ``bye`` first (the agent then does not treat the trainer as lost)."""
         super().close("bye" if orderly else None)
+
+
+def agent_status(cfg, node: int) -> dict:
+    """Node ``node``'s agent's ``status`` (its version table, agreement, memory; ``megatron-ft status``):
+    one connection as no rank, closed with ``bye``. An ``OSError`` where no agent answers on the node's
+    socket, an :class:`AgentError` where it refuses."""
+    c = AgentClient(socket_path(cfg.agent.socket_dir, cfg.run_id, node), cfg.agent.request_timeout_s)
+    c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": cfg.run_id})
+    try:
+        return c.request("status")["status"]
+    finally:
+        c.close(orderly=True)
 
 
 MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path on Linux, minus the terminating NUL

@@ -508,15 +508,10 @@ def node_pid(run_dir: str, node: int, name: str) -> Optional[int]:
 def agent_protected(cfg, node: int) -> Optional[int]:
     """The newest step node ``node``'s agent protects for every one of its ranks (the job's agreed
     version, as its status says; None: no answer, or a rank with none yet)."""
-    from ..agent.protocol import AgentClient, socket_path
+    from ..agent.protocol import agent_status
 
     try:
-        c = AgentClient(socket_path(cfg.agent.socket_dir, cfg.run_id, node), cfg.agent.request_timeout_s)
-        c.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": cfg.run_id})
-        try:
-            ranks = c.request("status")["status"]["ranks"]
-        finally:
-            c.close(orderly=True)
+        ranks = agent_status(cfg, node)["ranks"]
     except (OSError, KeyError, RuntimeError):
         return None
     steps = [r["global_step"] for r in ranks.values()]

@@ -403,3 +403,27 @@ def test_a_cpu_job_stages_nothing_for_a_gpu(agent):
     assert eng.history[-1].ok
     assert eng._staging is None
     eng.close()
+
+
+def test_megatron_ft_status_prints_every_agents_table_and_names_a_missing_one(agent, tmp_path):
+    """``megatron-ft status`` (:func:`~megatron_ft.agent.protocol.agent_status` per node, the call the
+    demo also makes): the running agent's table as JSON; a node with no agent named with its socket and
+    exit status 1."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from megatron_ft import config as ftconfig
+    from megatron_ft.agent.protocol import agent_status
+
+    assert agent_status(agent.cfg, 0)["node"] == 0
+    out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "status", "--config", agent.cfg_path],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and json.loads(out.stdout)["run_id"] == agent.cfg.run_id, out
+    two = tmp_path / "two.yaml"
+    two.write_text(yaml.safe_dump(ftconfig.replace(agent.cfg, cluster={"nodes": 2}).to_dict()))
+    out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "status", "--config", str(two)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "node 1: no agent at " in out.stdout, out
