@@ -45,7 +45,11 @@ class NodeAgreement:
 
     def check_begin(self, rank: int, slot: Any, step: int, table: VersionTable) -> None:
         """:class:`PendingAgreement` if ``slot`` (the one ``begin`` would hand out for ``step``) holds a
-        version the job has not resolved yet."""
+        version the job has not resolved yet. The first ``begin`` of a rank this agent sees (an agent
+        restarted over its slots knows them, not how far its ranks went) says the rank finished with every
+        older step: a step the old agent never committed is abandoned now, one snapshot sooner."""
+        if rank not in self.seen:
+            self.finished(rank, step - 1, table)
         if self.job is None or slot.state != CLEAN:
             return
         verdict = self.job.verdict

@@ -302,9 +302,6 @@ class SlotStore:
             if self.budget.refusal:  # the node cannot hold its peers' blocks: no snapshot it could protect
                 raise shm.SharedMemoryError(self.budget.refusal)
             self.check_intact(rank)
-            if rank not in self.agreement.seen:  # an agent restarted over its slots learns how far its
-                # ranks went: a step the old agent never committed is abandoned now, one snapshot sooner
-                self.agreement.finished(rank, step - 1, self.table)
             try:
                 self.agreement.check_begin(rank, self.table.choose(rank, step, keep, staging_only), step, self.table)
                 slot = self.table.begin(rank, step, keep, staging_only)

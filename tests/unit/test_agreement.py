@@ -226,3 +226,32 @@ def test_no_iteration_is_certified_past_a_node_that_has_not_judged_it():
     agg.update(0, NodeReport((5,), 5, judged=9))
     v = agg.update(1, NodeReport((5,), 5, judged=3))
     assert v.judged == 3 and v.certified <= 2
+
+
+def test_a_restarted_agents_first_begin_of_a_rank_abandons_the_step_its_predecessor_never_committed():
+    """An agent restarted over its slots (steps 3 and 4) knows them, not that its rank went on to begin
+    step 9: the other node's step 5, which the killed agent never committed, waited until this node's
+    first snapshot was *committed*. The rank's first begin now says it finished with every step before
+    9, so the job abandons 5 at once."""
+    from megatron_ft.agent.node_agreement import NodeAgreement
+
+    t = VersionTable()
+    t.add_rank(0, 2)
+    t.adopt(0, 0, CLEAN, 3)
+    t.adopt(0, 1, CLEAN, 4)
+    reports = []
+
+    class JobSide:  # what a node's agreement hands its report to (JobAgreement.report) and reads back
+        verdict = Verdict(agreed=4)
+
+        def report(self, report):
+            reports.append(report)
+
+    node = NodeAgreement(ranks_per_node=1)
+    node.attach(JobSide(), t)
+    assert reports[-1] == NodeReport((3, 4), 4)
+    node.check_begin(0, t.choose(0, 9), 9, t)
+    assert reports[-1] == NodeReport((3, 4), 8)
+    agg = Aggregator(2)
+    agg.update(0, reports[-1])
+    assert 5 in agg.update(1, NodeReport((4, 5), 5)).abandoned
