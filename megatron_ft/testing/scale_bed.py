@@ -38,9 +38,10 @@ process here; 2 cores). What made 2,048 nodes fit (docs/benchmarks.md, "Scale, p
   root's at once, then the root's.
 
 What remains the product's: the root's thread per connection (2,048 agents' connections plus the launcher
-side's in the root's process), and its clients' way of finding the root (a probe of node 0, 1, 2, ... in
-turn, 1 s each): a root slow to answer makes each client probe every node's server, which on one machine
-loads every other agent - measured and reported in docs/benchmarks.md. A node holds 2 slots of a few KiB
+side's in the root's process; a restore's decisions open one more per node at once, which collapsed the
+bed's 2,048-node restores). Its clients' way of finding the root no longer loads it: a root slow to answer
+made each client probe every node's server in turn (N x N probes); they now stop at the first server that
+answers (``health.store.find_root``, docs/health.md). A node holds 2 slots of a few KiB
 (files in a tmpfs directory of the bed's own under /dev/shm, removed at the end; the Unix sockets in a
 short directory under /tmp, likewise). Ports: ``[base, base + nodes)`` for the stores
 (``health.store_port``; :func:`free_port_base` picks a range below the ephemeral ports that nothing
