@@ -408,11 +408,11 @@ def main(argv=None) -> int:
                    help="per restore: intersect, min, min (3); with the newest certified step's max first (4)")
     p.add_argument("--restore-conn", nargs="*", default=None, choices=("fresh", "trainer"),
                    help="the decisions' connection: fresh per restore (as Checkpointer._decisions) or the "
-                        "trainer's (default: the trainer's; fresh: every node's agent opens a store watch "
-                        "connection to the root at once, beyond the root's listen backlog of 5 from ~64 nodes, "
-                        "and leaks it: see docs/benchmarks.md)")
+                        "trainer's (default: the trainer's; fresh: a new trainer-agent connection and agent "
+                        "handler thread per restore; no root connection either way, see docs/benchmarks.md)")
     p.add_argument("--backlog", type=int, default=None,
-                   help="diagnostic: the listen backlog of the bed's servers (default: socketserver's 5, as the agents)")
+                   help="diagnostic: the listen backlog of the bed's servers (default: the agents' own, "
+                        "wire.LISTEN_BACKLOG)")
     p.add_argument("--root-alone", action="store_true",
                    help="node 0 (the root) alone in worker 0, the other nodes over the other workers (part (c): "
                         "always, with more than 2 workers)")

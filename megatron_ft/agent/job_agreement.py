@@ -71,7 +71,11 @@ class JobAgreement:
             store.derive(reductions.PREFIX, self._derive_reduction)
 
     def start(self) -> "JobAgreement":
+        """Start the report and verdict threads (and, on etcd, the root's). On the embedded store two root
+        connections are kept for this agreement's watches: the verdict's long poll and a decision's."""
         targets = [("agree-report", self._report_loop)]
+        if hasattr(self.store, "reserve_watchers"):
+            self.store.reserve_watchers(2)
         if self.store is not None:
             targets.append(("agree-verdict", self._verdict_loop))
             if not hasattr(self.store, "derive"):

@@ -127,6 +127,81 @@ def find_root(ask, nodes: int, first: int = 0, exclude=()) -> Optional[int]:
     return None
 
 
+class WatchConnections:
+    """The connections an agent's long polls on the root use: one per watch in progress, kept idle for the
+    next, so that there are never more than the most watches at once (a thread per restore must not mean a
+    root connection per restore). Thread-safe; ``client(node)`` opens a connection to node ``node``'s server.
+
+    :meth:`reserve` keeps ``n`` of them open to every root from the moment it is followed, so that the
+    watches an agent runs at most at once (the agreement's verdict and a restore's decision) borrow one
+    instead of opening one: without it, every node's first restore after a node loss opens a root
+    connection at the same moment - N authenticated handshakes in one burst at the root (at 2,048
+    simulated nodes the root's handshakes timed out). Best effort: one that cannot be opened now is
+    opened by the watch that needs it."""
+
+    def __init__(self, client):
+        self._client = client
+        self._lock = threading.Lock()
+        self._idle: list[tuple[int, WireKV]] = []
+        self._all: list[tuple[int, WireKV]] = []  # closed with the store
+        self.reserved = 0
+
+    def reserve(self, n: int, root: int) -> None:
+        """From now on keep ``n`` open to the root; open them now to ``root`` (-1: no root to open them to)."""
+        self.reserved = n
+        self.open_reserved(root)
+
+    def open_reserved(self, root: int) -> None:
+        """Open connections to ``root`` until :attr:`reserved` exist (-1: none)."""
+        if root < 0:
+            return
+        with self._lock:
+            missing = self.reserved - sum(1 for r, _ in self._all if r == root)
+        for _ in range(missing):
+            try:
+                kv = self._client(root)
+            except StoreUnavailable as e:
+                log.debug("a watch connection to the root (node %d) not opened now: %s", root, e)
+                return
+            with self._lock:
+                self._all.append((root, kv))
+                self._idle.append((root, kv))
+
+    def borrow(self, root: int) -> WireKV:
+        """An idle connection to ``root``, or a new one (idle ones to an earlier root are closed)."""
+        with self._lock:
+            while self._idle:
+                r, kv = self._idle.pop()
+                if r == root:
+                    return kv
+                self._all.remove((r, kv))
+                kv.close()
+        kv = self._client(root)
+        with self._lock:
+            self._all.append((root, kv))
+        return kv
+
+    def give_back(self, root: int, kv: WireKV) -> None:
+        with self._lock:
+            self._idle.append((root, kv))
+
+    def drop(self, kv: WireKV) -> None:
+        """A connection that failed: closed and forgotten."""
+        kv.close()
+        with self._lock:
+            self._all = [(r, c) for r, c in self._all if c is not kv]
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._all)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._all, self._idle = self._all, [], []
+        for _, kv in conns:
+            kv.close()
+
+
 class EmbeddedStore:
     """This agent's own store server plus a client of the root's, with root failover. ``secret``: the
     job's (every connection to every node's server proves it)."""
@@ -154,10 +229,7 @@ class EmbeddedStore:
         self.kv: Optional[WireKV | LocalKV] = None
         self.published: dict[str, str] = {}  # re-set on the new root after a failover
         self._lock = threading.RLock()
-        # connections for watch(): one per watch in progress, kept idle for the next (never more than the
-        # most watches at once: a thread per restore must not mean a root connection per restore)
-        self._idle_watchers: list[tuple[int, WireKV]] = []
-        self._watch_conns: list[WireKV] = []  # all of them, closed with the store
+        self.watchers = WatchConnections(self._client)  # watch()'s connections to the root
 
     def endpoint(self, node: int) -> tuple[str, int]:
         return endpoint(self.hosts, self.base_port, node)
@@ -228,6 +300,7 @@ class EmbeddedStore:
                 log.info("node %d: root agent is node %d", self.node, j)
             self.root = j
             self._republish()
+            self.watchers.open_reserved(j)
             return j
 
     def fence_as(self, pid: int, on_fenced) -> None:
@@ -315,33 +388,19 @@ class EmbeddedStore:
         root = self.root
         if root == self.node:
             return self._server.local(self.prefix).watch(key, value, wait_s)
-        kv = None
-        with self._lock:
-            while self._idle_watchers:
-                r, idle = self._idle_watchers.pop()
-                if r == root:
-                    kv = idle
-                    break
-                self._watch_conns.remove(idle)
-                idle.close()
-        if kv is None:
-            kv = self._client(root)
-            with self._lock:
-                self._watch_conns.append(kv)
+        kv = self.watchers.borrow(root)
         try:
             got = kv.watch(key, value, wait_s)
         except StoreUnavailable:
-            self._drop_watcher(kv)
+            self.watchers.drop(kv)
             raise
-        with self._lock:
-            self._idle_watchers.append((root, kv))
+        self.watchers.give_back(root, kv)
         return got
 
-    def _drop_watcher(self, kv: WireKV) -> None:
-        kv.close()
+    def reserve_watchers(self, n: int) -> None:
+        """Keep ``n`` watch connections to the root open from now on (:meth:`WatchConnections.reserve`)."""
         with self._lock:
-            if kv in self._watch_conns:
-                self._watch_conns.remove(kv)
+            self.watchers.reserve(n, self.root if self.root != self.node else -1)
 
     def derive(self, prefix: str, fn) -> None:
         """Keys this node's own server derives when it is the root (:meth:`KVServer.derive`; ``prefix``
@@ -354,10 +413,7 @@ class EmbeddedStore:
 
     def close(self) -> None:
         """Stop this node's server and close the client (the agent's end)."""
-        with self._lock:
-            conns, self._watch_conns, self._idle_watchers = self._watch_conns, [], []
-        for kv in conns:
-            kv.close()
+        self.watchers.close()
         if self.kv is not None:
             self.kv.close()
         self._server.close()

@@ -354,7 +354,7 @@ class _Worker:
         root's map, decisions the root still has open, the agents' store watch connections (one per
         thread that ever watched), the decisions each agent sent."""
         out = {"decisions_sent": sum(a.agreement.decisions_sent for a in self.agents),
-               "watch_conns": sum(len(getattr(a.store, "_watch_conns", [])) for a in self.agents),
+               "watch_conns": sum(a.store.watchers.count() for a in self.agents if hasattr(a.store, "watchers")),
                "root": None}
         for a in self.agents:
             if a.store is not None and a.store.is_root:
@@ -409,8 +409,10 @@ def _worker_main() -> None:
     _raise_nofile()
     import socketserver
 
-    if spec.get("backlog"):  # diagnostic only: the listen backlog of every server here (socketserver's is 5)
-        socketserver.TCPServer.request_queue_size = int(spec["backlog"])
+    if spec.get("backlog"):  # diagnostic only: the listen backlog of every server here (the agents' own otherwise)
+        from ..transport import wire
+
+        wire.LISTEN_BACKLOG = int(spec["backlog"])
     if spec.get("accept_poll_s"):  # the servers' idle wake-up (see the module: shutdown latency only)
         _slow_accept_poll(socketserver, float(spec["accept_poll_s"]))
     threading.stack_size(spec.get("stack_kib", 512) << 10)
@@ -481,8 +483,8 @@ class ScaleBed:
         self.heartbeat_s, self.timeout_s, self.step_timeout_s = heartbeat_s, timeout_s, step_timeout_s
         self.run_id = run_id or f"sb{nodes}-{secrets.token_hex(3)}"
         self.log_level = log_level
-        #: diagnostic: the listen backlog of every server in the workers (None: socketserver's 5, as the agents
-        #: run); a burst of connections to the root's store beyond it is what it shows
+        #: diagnostic: the listen backlog of every server in the workers (None: ``wire.LISTEN_BACKLOG``, as the
+        #: agents run); a burst of connections to the root's store beyond it is what it shows
         self.backlog = backlog
         #: ``agreement``: agents with the job-wide agreement, their Unix servers and light trainers;
         #: ``health``: agents with their store and heartbeats only (the health, launch and spares scenarios)
