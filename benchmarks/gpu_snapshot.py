@@ -59,7 +59,8 @@ from megatron_ft.testing.sim import AgentProc  # noqa: E402
 from megatron_ft.trainer import device_staging  # noqa: E402
 from megatron_ft.trainer.device_staging import (PageLockedFile, default_sums, lock_while_copying,  # noqa: E402
                                                 page_locked_file, release_page_locked)
-from megatron_ft.trainer.recovery import MAX_GPU_HOST_THREADS, Restorer, threads_here  # noqa: E402
+from megatron_ft.trainer.recovery import Restorer  # noqa: E402
+from megatron_ft.trainer.restore_read import MAX_GPU_HOST_THREADS, threads_here  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from snapshot import BenchStateAdapter, one_node_config, timed_snapshot  # noqa: E402  (benchmarks/snapshot.py)
 

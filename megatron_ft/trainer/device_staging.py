@@ -12,7 +12,7 @@ Snapshot (device -> host), :class:`SnapshotStaging`:
   after the optimizer step) and returns;
 * the engine's worker thread makes a dedicated stream wait for that event, enqueues every chunk's
   copies on it with one event per chunk, and sums each chunk on the host as soon as its event has
-  completed, in a few threads (up to ``recovery.MAX_GPU_HOST_THREADS``), while later chunks are
+  completed, in a few threads (up to ``restore_read.MAX_GPU_HOST_THREADS``), while later chunks are
   still in flight. The next forward/backward runs on the training stream meanwhile; the engine's
   ``wait()`` before the next optimizer step returns only after the last copy and sum (host-side),
   so the step cannot change bytes in flight;

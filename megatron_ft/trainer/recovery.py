@@ -27,17 +27,12 @@ on any rank is invalidated on every rank and all roll back to the next older one
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,42 +42,11 @@ from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout
 from ..capture.state import StateAdapter
-from . import device_staging, guard
+from . import device_staging, guard, restore_read
 from .guard import RollbacksExhausted
 
 log = logging.getLogger("megatron_ft.trainer.recovery")
 MAX_CANDIDATES = 4
-MAX_RESTORE_THREADS = 4
-#: GPU path: host threads that read or sum blocks while the copy engine moves others (a GPU node's
-#: host cores are otherwise idle then; on the H200 machine 8 reached 38-47 GB/s reading a slot)
-MAX_GPU_HOST_THREADS = 8
-
-
-def restore_threads(cores: int, local_ranks: int, cap: int = MAX_RESTORE_THREADS) -> int:
-    """Threads one rank reads its snapshot back with (read + checksum release the GIL; restore runs
-    before training): its share of the cores, since every rank on the node restores at once, at
-    least 1 and at most ``cap``. One rank on 2 cores: 2; four ranks on 2 cores:
-    1 (with 2 each, 8 threads contended for 2 cores: the 256 MiB x 4 restore took 100-102 ms
-    against 74-91 ms with 1, in alternating runs of ``benchmarks/snapshot.py --huge-shm``)."""
-    return max(1, min(cap, cores // max(1, local_ranks)))
-
-
-def threads_here(cap: int = MAX_RESTORE_THREADS) -> int:
-    """:func:`restore_threads` for this process: its CPU affinity and torchrun's ``LOCAL_WORLD_SIZE``.
-    Also the GPU snapshot's checksum threads (``cap`` :data:`MAX_GPU_HOST_THREADS`)."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return restore_threads(len(os.sched_getaffinity(0)), local, cap)
-
-
-# restore reads pieces in blocks of this size into a per-thread buffer that stays in cache,
-# then copies them into the tensors while summing (needs the native library)
-READ_BLOCK = 4 << 20  # a multiple of 32 (the checksum groups)
-#: GPU path: pinned blocks of this size go to the device (fewer, larger copies and fewer Python calls)
-GPU_READ_BLOCK = 16 << 20
-STREAMING_RESTORE = checksum.HAVE_NATIVE
 
 
 @dataclass
@@ -121,7 +85,7 @@ class Container:
         self.path = path
         #: GPU path, set by :meth:`load_verified`: when every copy was queued / had landed (``perf_counter``)
         self.marks: dict[str, float] = {}
-        self.mapped = STREAMING_RESTORE and shm.backing_of(os.path.dirname(path) or ".") == shm.HUGE
+        self.mapped = restore_read.STREAMING_RESTORE and shm.backing_of(os.path.dirname(path) or ".") == shm.HUGE
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -151,149 +115,19 @@ class Container:
                                                f"{self.layout.num_chunks} chunks")
 
     def load_verified(self, targets: dict, after_copies: Optional[Callable[[], None]] = None) -> None:
-        """Read every tensor into its destination and verify each chunk's checksum in the same pass.
-        Raises on the first mismatch; the destinations may then hold part of this snapshot (the
-        caller handles that). ``after_copies``, if given, is called on this thread once every byte is
-        read or (GPU path) its copy queued, with each device's current stream ordered after the copies
-        (:meth:`device_staging.RestoreStagings.after_copies`): what it queues there (the value guard's
-        reads) runs as the bytes land and is complete when this returns. Not called when a chunk
-        already failed on the host.
-
-        CPU destinations, with the native library: each piece is read with ``pread`` in blocks of
-        ``READ_BLOCK`` bytes into a per-thread buffer that stays in cache, then copied into the
-        tensor and summed in one pass (``ChunkSum.copy_to``: streaming stores, so the tensor's lines
-        are not read from memory first). Reading straight into the tensor and summing it afterwards
-        cost ~10% more CPU here (the kernel's copy reads every destination line first, the sum reads
-        the bytes again); smaller blocks (256 KiB) cost more than they save in per-call overhead.
-        Without the native library (numpy checksum) the bytes are read straight into the tensor
-        and summed there."""
-        sums = self.version["chunks"]
-        base = self.header.geometry.data_off
-        names = [e.spec.name for e in self.layout.entries]
-        views = {n: targets[n].saved_view().reshape(-1) for n in names}
-        all_pieces = self.layout.all_pieces()
-        buffers = threading.local()  # one read buffer per worker thread
-        mapping = None
-        if self.mapped:
-            try:
-                mapping = self._map()
-            except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
-                log.warning("%s: mapping failed (%s); reading with pread", self.path, e)
-        src = np.frombuffer(mapping, np.uint8) if mapping is not None else None
-        # GPU path (nothing is allocated for CPU targets); on the caller's thread: see its ordering rule
-        devices = device_staging.devices_of(views.values())  # GPU path: the destinations' devices (else none)
-        on_gpu = bool(devices)
-        stagings = device_staging.RestoreStagings(GPU_READ_BLOCK, devices)
-        # GPU path: chunks with pieces on a device are verified on the device, after the copies
-        on_device_sums = self.version["checksum"] == checksum.ALGORITHM
-        verify_later: dict[int, list] = {}
-        locked = None  # GPU path: the container page-locked in this process (perhaps still being, range by range)
-        if on_device_sums and on_gpu:
-            locked = self._page_locked(devices[0])
-        page_locked = torch.from_numpy(locked.array) if locked is not None else None
-
-        def upload(p, dst: torch.Tensor) -> torch.Tensor:
-            """GPU path: a piece to the device - straight from a page-locked slot, else through the
-            thread's pinned blocks; its lanes, summed there."""
-            stage = stagings.here(dst.device)
-            part = _byte_view(dst)[p.src_start:p.src_end]
-            at = base + p.dst_offset
-            if locked is not None and locked.wait_range(at, at + part.numel()):
-                for lo, hi in locked.pieces(at, at + part.numel()):  # each copy inside one page-locked range
-                    stage.upload_page_locked(page_locked[lo:hi], part[lo - at: hi - at])
-                return _Landed(part)  # summed after every copy, all such pieces in one launch (below)
-            for off in range(0, part.numel(), GPU_READ_BLOCK):
-                k, block = stage.block()
-                n = min(GPU_READ_BLOCK, part.numel() - off)
-                if src is not None:
-                    np.copyto(block[:n].numpy(), src[at + off: at + off + n])
-                else:
-                    _pread_into(self.fd, block[:n], at + off)
-                stage.upload(k, part[off: off + n])
-            return stage.lanes(part)
-
-        def one_chunk(i: int) -> Optional[str]:
-            lo, hi = self.layout.chunk_bounds(i)
-            pieces = all_pieces[i]
-            if on_device_sums and any(device_staging.on_device(views[names[p.entry_index]]) for p in pieces):
-                parts = []  # GPU path: (offset in the chunk, lanes), combined after every copy is done
-                for p in pieces:
-                    dst = views[names[p.entry_index]]
-                    if not device_staging.on_device(dst):
-                        part = _byte_view(dst)[p.src_start:p.src_end]
-                        _pread_into(self.fd, part, base + p.dst_offset)
-                        parts.append((p.dst_offset - lo, checksum.host_lanes(part)))
-                    else:
-                        parts.append((p.dst_offset - lo, upload(p, dst)))
-                verify_later[i] = parts
-                return None
-            chunk = checksum.ChunkSum(hi - lo, algorithm=self.version["checksum"])
-            for p in pieces:
-                dst = views[names[p.entry_index]]
-                at = base + p.dst_offset
-                if dst.device.type == "cpu" and src is not None:  # huge-page slot: straight from the mapping
-                    part = _byte_view(dst)[p.src_start:p.src_end].numpy()
-                    chunk.copy_to(p.dst_offset - lo, part, src[at: at + part.size])
-                elif dst.device.type == "cpu" and STREAMING_RESTORE:
-                    part = _byte_view(dst)[p.src_start:p.src_end].numpy()  # numpy: cheap slices
-                    if not hasattr(buffers, "block"):
-                        buffers.block = np.empty(READ_BLOCK, np.uint8)
-                    for off in range(0, part.size, READ_BLOCK):
-                        block = buffers.block[: min(READ_BLOCK, part.size - off)]
-                        _pread_into(self.fd, block, at + off)
-                        chunk.copy_to(p.dst_offset - lo + off, part[off: off + block.size], block)
-                elif dst.device.type == "cpu":  # no native library: read in place, sum (numpy)
-                    part = _byte_view(dst)[p.src_start:p.src_end]
-                    _pread_into(self.fd, part, at)
-                    chunk.add(p.dst_offset - lo, part)
-                else:  # GPU path, a snapshot of an older checksum: read and summed on the host, then copied
-                    part = torch.empty(p.src_end - p.src_start, dtype=torch.uint8)
-                    _pread_into(self.fd, part, at)
-                    chunk.add(p.dst_offset - lo, part)
-                    _byte_view(dst)[p.src_start:p.src_end].copy_(part)
-            return _mismatch(i, chunk.finish())
-
-        def _mismatch(i: int, got: int) -> Optional[str]:
-            if f"{got:016x}" != sums[i]:
-                return f"{self.path}: chunk {i} checksum mismatch (stored {sums[i]}, computed {got:016x})"
-            return None
-
-        # chunks are independent and the read + checksum calls release the GIL: use the idle cores
-        # (straight from a page-locked slot a thread only queues copies: one is enough, and no pool to start)
-        workers = 1 if page_locked is not None else max(
-            1, min(threads_here(MAX_GPU_HOST_THREADS if on_gpu else MAX_RESTORE_THREADS), self.layout.num_chunks))
-        try:
-            if workers == 1:
-                errors = [one_chunk(i) for i in range(self.layout.num_chunks)]
-            else:  # (each RestoreStaging makes its device current for its CUDA calls: a pool thread's is 0)
-                with ThreadPoolExecutor(workers, thread_name_prefix="mft-restore") as pool:
-                    errors = list(pool.map(one_chunk, range(self.layout.num_chunks)))
-            if on_gpu:
-                self.marks["queued"] = time.perf_counter()
-            landed = [x for parts in verify_later.values() for _, x in parts if isinstance(x, _Landed)]
-            with stagings.after_copies():  # launched while the copies are in flight
-                _sum_landed(landed)
-                if after_copies is not None and not any(errors):
-                    after_copies()
-        finally:
-            stagings.finish()  # every device copy done before the blocks or the mapping go
-            if on_gpu:
-                self.marks["landed"] = time.perf_counter()
-            if mapping is not None:
-                del src
-                mapping.close()
-        if verify_later:  # GPU path: the device lanes to the host in one copy per device, then combined
-            later = sorted(verify_later.items())
-            device_parts = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
-            lanes = [x.lanes if isinstance(x, _Landed) else x for x in device_parts]
-            on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
-            for i, parts in later:
-                lo, hi = self.layout.chunk_bounds(i)
-                host = [(off, lanes if isinstance(lanes, list) else next(on_host)) for off, lanes in parts]
-                errors.append(_mismatch(i, checksum.combine_lanes(hi - lo, host)))
-        bad = [e for e in errors if e]
-        if bad:
-            raise snapfile.SnapshotFormatError(bad[0] + (f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""))
+        """Read every tensor into its destination and verify each chunk's checksum in the same pass
+        (:mod:`.restore_read`: the read plan, and the reader for this container's medium and the
+        destinations' devices, chosen here once). Raises on a mismatch, after every chunk was read; the
+        destinations may then hold part of this snapshot (the caller handles that). ``after_copies``, if
+        given, is called on this thread once every byte is read or (GPU path) its copy queued, with each
+        device's current stream ordered after the copies (:meth:`device_staging.RestoreStagings.after_copies`):
+        what it queues there (the value guard's reads) runs as the bytes land and is complete when this
+        returns. Not called when a chunk already failed on the host."""
+        views = {e.spec.name: targets[e.spec.name].saved_view().reshape(-1) for e in self.layout.entries}
+        plan = restore_read.plan_reads(self.path, self.layout, self.version["chunks"], self.version["checksum"],
+                                       self.header.geometry.data_off, views)
+        reader = restore_read.choose_reader(plan, self.fd, self.mapped, self._page_locked, self.marks)
+        restore_read.read_verified(plan, reader, after_copies)
 
     def _page_locked(self, device: torch.device) -> Optional[device_staging.PageLockedFile]:
         """GPU path: this container page-locked in this process, for the copy engine to read without a
@@ -309,7 +143,8 @@ class Container:
             return locked
         if not device_staging.lock_while_copying(shm.backing_of(os.path.dirname(self.path) or ".")):
             return None
-        locking = device_staging.page_lock_while_copying(self.path, threads_here(MAX_GPU_HOST_THREADS), device)
+        locking = device_staging.page_lock_while_copying(self.path, restore_read.threads_here(
+            restore_read.MAX_GPU_HOST_THREADS), device)
         if locking is None:
             return None
         if locking.array.nbytes < need:  # (read through blocks, which find it short)
@@ -318,63 +153,11 @@ class Container:
         log.info("%s: restoring straight from the slot, page-locking it range by range as the copies go", self.path)
         return locking
 
-    def _map(self) -> mmap.mmap:
-        """The whole container, read-only. A file shorter than its header says is refused here:
-        reading past its end through a mapping would be SIGBUS, not an error."""
-        need, size = self.header.geometry.data_off + self.layout.data_nbytes, os.fstat(self.fd).st_size
-        if size < need:
-            raise snapfile.SnapshotFormatError(f"{self.path}: snapshot ends early ({size} bytes, needs {need})")
-        return mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-
     def close(self) -> None:
         try:
             os.close(self.fd)
         except OSError:
             pass
-
-
-class _Landed:
-    """GPU path: a piece copied straight from a page-locked slot into ``part`` (device bytes); its
-    ``lanes`` are summed after every copy has landed, with the restore's other such pieces in one launch."""
-    __slots__ = ("part", "lanes")
-
-    def __init__(self, part: torch.Tensor):
-        self.part, self.lanes = part, None
-
-
-def _sum_landed(landed: list[_Landed]) -> None:
-    """Fill in the lanes of ``landed`` pieces (their copies complete), one batched call per device."""
-    by_device: dict[torch.device, list[_Landed]] = {}
-    for x in landed:
-        by_device.setdefault(x.part.device, []).append(x)
-    for device, xs in by_device.items():
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            out = torch.empty(len(xs), 16, dtype=torch.int64, device=device)
-            checksum.pieces_lanes([x.part for x in xs], out)
-        for x, row in zip(xs, out):
-            x.lanes = row
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-_PREAD_BLOCK = 1 << 30
-
-
-def _pread_into(fd: int, dst: torch.Tensor | np.ndarray, offset: int) -> None:
-    """Fill the contiguous CPU uint8 tensor or array ``dst`` from ``fd`` at ``offset`` (releases the GIL)."""
-    arr = dst.numpy() if isinstance(dst, torch.Tensor) else dst
-    n = arr.size
-    if not n:
-        return
-    mv = memoryview(arr).cast("B")
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [mv[done: min(n, done + _PREAD_BLOCK)]], offset + done)
-        if got <= 0:
-            raise snapfile.SnapshotFormatError(f"snapshot ends early: {n - done} bytes missing at offset {offset + done}")
-        done += got
 
 
 def resolve_targets(container: Container, adapter: StateAdapter) -> dict:

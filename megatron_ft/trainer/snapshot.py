@@ -47,7 +47,7 @@ from ..capture import checksum, snapfile
 from ..capture.layout import Layout, plan_layout
 from ..capture.state import LaterCapture, StateTensor
 from . import device_staging
-from .recovery import MAX_GPU_HOST_THREADS, threads_here
+from .restore_read import MAX_GPU_HOST_THREADS, threads_here
 
 log = logging.getLogger("megatron_ft.trainer.snapshot")
 

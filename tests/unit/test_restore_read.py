@@ -1,7 +1,9 @@
-"""Container.load_verified: the read + verify pass of a restore, on its three read paths: block
-buffer + streaming copy (native library, 4 KiB-page memory or disk), straight from a mapping of the
-slot (native library, huge-page tmpfs) and straight into the tensors + numpy-compatible sum (no
-native library)."""
+"""The read + verify pass of a restore (megatron_ft/trainer/restore_read.py): the readers' contract - the
+block reader (native library, 4 KiB-page memory or disk), the mapped reader (native library, huge-page
+tmpfs) and the in-place reader (no native library) each run over the same containers (whole,
+truncated, corrupted, of the previous format) and give the same verdicts and bytes - the choice of
+reader, and Container.load_verified end to end on each path. The device reader's bookkeeping:
+tests/integration/test_gpu_path_logic.py (CPU, stubs) and tests/gpu (a GPU)."""
 import mmap
 import os
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from megatron_ft.capture import checksum, snapfile
-from megatron_ft.trainer import recovery
+from megatron_ft.trainer import recovery, restore_read
 from megatron_ft.agent import shm
 from megatron_ft.capture.layout import plan_layout
 from megatron_ft.capture.state import StateTensor
@@ -58,6 +60,7 @@ def write_container(path, tensors, chunk=8192, algorithm=checksum.ALGORITHM):
 
 
 def load(path, dst, expect_mapped=None):
+    """Through the restore's own entry: Container.load_verified (the reader chosen for the container)."""
     cont = recovery.Container(path)
     try:
         if expect_mapped is not None:
@@ -68,16 +71,130 @@ def load(path, dst, expect_mapped=None):
         cont.close()
 
 
+#: every CPU reader, made directly (the contract below holds each to the same verdicts and bytes)
+READERS = {
+    "block-buffer": lambda plan, fd: restore_read.BlockReader(plan, fd, 4096),  # pieces span several blocks
+    "mapped": lambda plan, fd: restore_read.MappedReader(plan, fd),
+    "in-place": lambda plan, fd: restore_read.InPlaceReader(plan, fd),
+}
+NATIVE = {"block-buffer", "mapped"}
+
+
+def read_with(kind, path, dst):
+    """The read plan of the container at ``path`` into ``dst``, run with reader ``kind``: None, or the
+    error it raised (the verdict)."""
+    if kind in NATIVE and not checksum.HAVE_NATIVE:
+        pytest.skip("native library not built")
+    cont = recovery.Container(str(path))
+    try:
+        cont.check_identity(IDENTITY, 1)
+        views = {n: StateTensor(n, t).saved_view().reshape(-1) for n, t in dst.items()}
+        plan = restore_read.plan_reads(cont.path, cont.layout, cont.version["chunks"], cont.version["checksum"],
+                                       cont.header.geometry.data_off, views)
+        restore_read.read_verified(plan, READERS[kind](plan, cont.fd))
+        return None
+    except snapfile.SnapshotFormatError as e:
+        return str(e)
+    finally:
+        cont.close()
+
+
+def containers(tmp_path):
+    """The contract's containers: whole, truncated, corrupted in four places, and one of the previous
+    format (its own, weaker checksum) whole and corrupted; each with the error it must be refused with
+    (None: read whole)."""
+    src = make_tensors()
+    out = []
+    lay, g = write_container(tmp_path / "whole.mft", src)
+    out.append(("whole", tmp_path / "whole.mft", None))
+    write_container(tmp_path / "short.mft", src)
+    os.truncate(tmp_path / "short.mft", g.data_off + lay.data_nbytes - 100)
+    out.append(("truncated", tmp_path / "short.mft", "ends early"))
+    e = lay.by_name()
+    for where, pos in {"first": 0, "later-block": e["big"].offset + 3 * 4096 + 17,
+                       "misaligned": e["misaligned"].offset + 40000, "last": e["tiny"].offset + 7}.items():
+        path = tmp_path / f"flip-{where}.mft"
+        write_container(path, src)
+        flip(path, g.data_off + pos)
+        out.append((f"flipped {where}", path, f"chunk {pos // lay.chunk_size} checksum mismatch"))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(snapfile, "FORMAT_VERSION", 1)
+        write_container(tmp_path / "v1.mft", src, algorithm="fl64x4-v1")
+        _, g1 = write_container(tmp_path / "v1-flip.mft", src, algorithm="fl64x4-v1")
+    flip(tmp_path / "v1-flip.mft", g1.data_off + 100)
+    out += [("format 1", tmp_path / "v1.mft", None), ("format 1, flipped", tmp_path / "v1-flip.mft", "chunk 0 checksum mismatch")]
+    return src, out
+
+
+def flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("kind", list(READERS))
+def test_every_reader_keeps_the_contract(tmp_path, kind):
+    """The readers' contract: the same containers give every reader the same verdicts - whole ones read
+    bit-exact, a truncated one refused ("ends early", before a mapping could SIGBUS), a flipped byte refused
+    naming its chunk - and the same bytes."""
+    src, cases = containers(tmp_path)
+    for name, path, refused in cases:
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
+        verdict = read_with(kind, path, dst)
+        if refused is None:
+            assert verdict is None, (name, verdict)
+            for n in src:
+                assert torch.equal(src[n], dst[n]), (name, n)
+        else:
+            assert verdict is not None and refused in verdict, (name, verdict)
+
+
+def test_the_readers_give_the_same_verdicts(tmp_path):
+    """Word for word: what one reader says of a container, every other says."""
+    src, cases = containers(tmp_path)
+    kinds = [k for k in READERS if k not in NATIVE or checksum.HAVE_NATIVE]
+    for name, path, _ in cases:
+        said = {k: read_with(k, path, {n: torch.zeros_like(t) for n, t in src.items()}) for k in kinds}
+        assert len(set(said.values())) == 1, (name, said)
+
+
+@pytest.mark.parametrize("backing, native, chosen", [("huge", True, "MappedReader"), ("small", True, "BlockReader"),
+                                                     ("huge", False, "InPlaceReader"), ("small", False, "InPlaceReader")])
+def test_the_reader_is_chosen_by_the_medium(tmp_path, monkeypatch, backing, native, chosen):
+    """Once per restore: the mapping for a huge-page slot, blocks for 4 KiB pages or disk, in place
+    without the native library (CPU destinations: no device reader)."""
+    if native and not checksum.HAVE_NATIVE:
+        pytest.skip("native library not built")
+    monkeypatch.setattr(restore_read, "STREAMING_RESTORE", native)
+    monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: shm.HUGE if backing == "huge" else shm.SMALL)
+    src = make_tensors()
+    lay, g = write_container(tmp_path / "s.mft", src)
+    cont = recovery.Container(str(tmp_path / "s.mft"))
+    try:
+        views = {n: torch.zeros_like(t).reshape(-1) for n, t in src.items()}
+        plan = restore_read.plan_reads(cont.path, lay, cont.version["chunks"], cont.version["checksum"], g.data_off, views)
+        reader = restore_read.choose_reader(plan, cont.fd, cont.mapped, lambda d: None, cont.marks)
+        try:
+            assert type(reader).__name__ == chosen
+        finally:
+            reader.close()
+    finally:
+        cont.close()
+
+
 @pytest.fixture
 def read_path(request, monkeypatch):
-    """Selects the read path. "mapped" is chosen for a huge-page tmpfs; here the container's
-    directory is declared one (the mapping code is the same on any file; a real huge-page mount is
-    tested in test_huge_page_tmpfs_restore_reads_the_mapping)."""
+    """Selects the read path Container.load_verified takes. "mapped" is chosen for a huge-page tmpfs;
+    here the container's directory is declared one (the mapping code is the same on any file; a real
+    huge-page mount: tests/integration/test_huge_pages.py)."""
     path = request.param
     if path != "in-place" and not checksum.HAVE_NATIVE:
         pytest.skip("native library not built")
-    monkeypatch.setattr(recovery, "STREAMING_RESTORE", path != "in-place")
-    monkeypatch.setattr(recovery, "READ_BLOCK", 4096)  # pieces span several read blocks
+    monkeypatch.setattr(restore_read, "STREAMING_RESTORE", path != "in-place")
+    monkeypatch.setattr(restore_read, "READ_BLOCK", 4096)  # pieces span several read blocks
     backing = shm.HUGE if path == "mapped" else shm.SMALL
     monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: backing)
     return path
@@ -92,24 +209,6 @@ def test_restore_is_bit_exact(tmp_path, read_path):
     load(tmp_path / "s.mft", dst, expect_mapped=read_path == "mapped")
     for n in src:
         assert torch.equal(src[n], dst[n]), n
-
-
-@pytest.mark.parametrize("read_path", PATHS, indirect=True)
-@pytest.mark.parametrize("where", ["first", "later-block", "misaligned", "last"])
-def test_a_flipped_byte_is_rejected(tmp_path, read_path, where):
-    src = make_tensors()
-    lay, g = write_container(tmp_path / "s.mft", src)
-    e = lay.by_name()
-    pos = {"first": 0, "later-block": e["big"].offset + 3 * 4096 + 17,
-           "misaligned": e["misaligned"].offset + 40000, "last": e["tiny"].offset + 7}[where]  # last byte of data
-    with open(tmp_path / "s.mft", "r+b") as f:
-        f.seek(g.data_off + pos)
-        b = f.read(1)
-        f.seek(g.data_off + pos)
-        f.write(bytes([b[0] ^ 0x10]))
-    dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    with pytest.raises(snapfile.SnapshotFormatError, match=f"chunk {pos // lay.chunk_size} checksum mismatch"):
-        load(tmp_path / "s.mft", dst)
 
 
 @pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
@@ -127,18 +226,6 @@ def test_streaming_copy_matches_checksum(dst_offset):
         assert not out[:base].any() and not out[base + n:].any()
 
 
-@pytest.mark.parametrize("read_path", PATHS, indirect=True)
-def test_a_short_container_is_refused_before_reading(tmp_path, read_path):
-    """A slot cut short (a torn file) is an error on every path; through a mapping, reading past
-    the end would be SIGBUS, so the size is checked first."""
-    src = make_tensors()
-    lay, g = write_container(tmp_path / "s.mft", src)
-    os.truncate(tmp_path / "s.mft", g.data_off + lay.data_nbytes - 100)
-    dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    with pytest.raises(snapfile.SnapshotFormatError, match="ends early"):
-        load(tmp_path / "s.mft", dst)
-
-
 @pytest.mark.parametrize("read_path", ["mapped"], indirect=True)
 def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, monkeypatch):
     """A failed mmap (e.g. no address space left) is not the snapshot's fault: the restore reads
@@ -149,7 +236,7 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
     def no_map(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(recovery.mmap, "mmap", no_map)
+    monkeypatch.setattr(restore_read.mmap, "mmap", no_map)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     load(tmp_path / "s.mft", dst, expect_mapped=True)
     for n in src:
@@ -160,34 +247,10 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
                                                          (1, 1, 1), (8, 0, 4)])
 def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ranks, threads):
     """Every rank of a node restores at once: each takes its share of the cores (1..4 threads)."""
-    assert recovery.restore_threads(cores, local_ranks) == threads
+    assert restore_read.restore_threads(cores, local_ranks) == threads
 
 
 @pytest.mark.parametrize("cores, local_ranks, threads", [(16, 1, 8), (16, 8, 2), (128, 8, 8), (2, 1, 2)])
 def test_a_gpu_rank_uses_up_to_eight_host_threads(cores, local_ranks, threads):
     """GPU path: the host threads that read or sum blocks beside the copy engine (its share, at most 8)."""
-    assert recovery.restore_threads(cores, local_ranks, recovery.MAX_GPU_HOST_THREADS) == threads
-
-
-@pytest.mark.parametrize("read_path", PATHS, indirect=True)
-def test_a_snapshot_of_the_previous_format_is_still_verified_and_restored(tmp_path, read_path, monkeypatch):
-    """Containers of format version 1 carry fl64x4-v1 chunk sums (the weaker fold): still read,
-    verified with their own algorithm, and refused when corrupted."""
-    src = make_tensors(5)
-    path = str(tmp_path / "v1.mft")
-    monkeypatch.setattr(snapfile, "FORMAT_VERSION", 1)
-    lay, g = write_container(path, src, algorithm="fl64x4-v1")
-    monkeypatch.undo()
-    assert snapfile.read_header(open(path, "rb").read(4096)).step == 1
-    with open(path, "rb") as f:
-        assert int.from_bytes(f.read(12)[8:12], "little") == 1  # the header says format 1
-    dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    load(path, dst)
-    assert all(torch.equal(dst[n], src[n]) for n in src)
-    with open(path, "r+b") as f:  # one bit of the data area
-        f.seek(g.data_off + 100)
-        b = f.read(1)[0]
-        f.seek(g.data_off + 100)
-        f.write(bytes([b ^ 0x80]))
-    with pytest.raises(snapfile.SnapshotFormatError, match="checksum mismatch"):
-        load(path, {n: torch.zeros_like(t) for n, t in src.items()})
+    assert restore_read.restore_threads(cores, local_ranks, restore_read.MAX_GPU_HOST_THREADS) == threads
