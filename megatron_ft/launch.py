@@ -39,10 +39,12 @@ from typing import Any, Optional
 import psutil
 import yaml
 
+from . import clock
 from . import config as ftconfig
 from . import fatal
 from . import network, scheduler
 from .agent import shm
+from .clock import Deadline
 from .agent.protocol import AgentClient, AgentError, socket_path
 from .health import progress as hp
 from .health.monitor import stood_down_path
@@ -190,19 +192,19 @@ class NodeLauncher:
         with open(os.path.join(self.node_dir, "agent.pid"), "w") as f:
             f.write(str(self.agent.pid))
         limit = self.cfg.launch.start_timeout_s
-        deadline = time.time() + limit
+        deadline = Deadline(limit, f"node {self.node}'s agent")
         while not os.path.exists(self.sock):
             if self.agent.poll() is not None:
                 raise AgentStartError(f"node {self.node}: its agent exited with {self.agent.returncode} at start-up; "
                                       f"see {self.node_dir}/agent.log")
-            if time.time() > deadline:
+            if deadline.expired():
                 self.kill_agent()
                 raise AgentStartError(f"node {self.node}: its agent did not open {self.sock} within "
                                       f"launch.start_timeout_s={limit:g} s; see {self.node_dir}/agent.log")
             if (f := self.fatal_now()) is not None:
                 self.kill_agent()
                 raise AgentStartError(f"node {f[0]} ended the job: {f[1]}")
-            time.sleep(0.05)
+            deadline.pause(0.05)
 
     def kill_agent(self) -> None:
         """SIGKILL the agent while the job ends, and unlink what it held in shared memory: a killed
@@ -342,7 +344,7 @@ class NodeLauncher:
             self.torchrun = subprocess.Popen(cmd, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         with open(os.path.join(self.node_dir, "torchrun.pid"), "w") as f:
             f.write(str(self.torchrun.pid))
-        next_publish = time.time() + 2.0
+        next_publish = Deadline(2.0, "the next look at the rendezvous record")
         try:
             while self.torchrun.poll() is None:
                 if (f := self.fatal_now()) is not None:
@@ -350,9 +352,9 @@ class NodeLauncher:
                     self.stop_agent()
                     self._end_job(f"node {f[0]}: {f[1]}", record=False)
                     return None
-                if time.time() > next_publish:
+                if next_publish.expired():
                     self.rendezvous.keep_published(self.rdzv)
-                    next_publish = time.time() + 2.0
+                    next_publish = Deadline(2.0, "the next look at the rendezvous record")
                 if self.agent is not None and self.agent.poll() is not None and (
                         self.agent.poll() == fatal.EXIT_STOOD_DOWN or os.path.exists(stood_down_path(self.run_dir,
                                                                                                      self.node))):
@@ -372,7 +374,7 @@ class NodeLauncher:
                         self._end_job(f"{e} (restarting it after it died mid-job)",
                                       record=self.fatal_now() is None)
                         return None
-                time.sleep(0.2)
+                clock.pause(0.2)  # supervising torchrun: the job's own length bounds this loop
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (stop_on_signals): the job is stopped on this node
             self.torchrun.send_signal(signal.SIGINT)
             self.torchrun.wait()
@@ -491,7 +493,7 @@ def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
             cmd.append(f"--config={args.config}")
         procs.append(subprocess.Popen(cmd + ["--", *script], start_new_session=True))
         if i == 0:
-            time.sleep(0.5)  # let node 0 host the rendezvous store first
+            clock.pause(0.5)  # let node 0 host the rendezvous store first
     rcs = []
     try:
         for p in procs:

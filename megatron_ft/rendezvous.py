@@ -25,6 +25,7 @@ from typing import Optional
 
 from . import config as ftconfig
 from . import fatal, network
+from .clock import Deadline
 from .health.job_record import JobRecord
 from .health.store import job_view
 from .health.monitor import claim_key
@@ -171,15 +172,15 @@ class Rendezvous:
             return self.initial()
         from .health.store import StoreUnavailable
 
-        deadline = time.time() + self.cfg.launch.start_timeout_s
+        deadline = Deadline(self.cfg.launch.start_timeout_s, "the running job's rendezvous record")
         try:
             self.store.connect(3.0)
             raw, pub = self._published()
             if pub is None and self._job_running():
                 log(f"[launch n{self.node}] joining a running job: waiting up to "
                     f"{self.cfg.launch.start_timeout_s:g} s for its rendezvous record")
-            while pub is None and self._job_running() and time.time() < deadline:
-                self.view.wait(self.view.version, min(1.0, max(0.0, deadline - time.time())))
+            while pub is None and self._job_running() and not deadline.expired():
+                self.view.wait(self.view.version, min(1.0, deadline.left()))
                 raw, pub = self._published()
         except StoreUnavailable:
             return self.initial()  # no agent store yet: the job is starting
@@ -195,12 +196,12 @@ class Rendezvous:
                                          if pub.node == self.node else
                                          f"rendezvous generation {pub.gen}'s host, node {pub.node}, is gone") +
             ": waiting for the survivors' next generation")
-        while time.time() < deadline:
+        while not deadline.expired():
             try:
-                self.view.wait(self.view.version, min(1.0, max(0.0, deadline - time.time())))
+                self.view.wait(self.view.version, min(1.0, deadline.left()))
                 _, nxt = self._published()
             except StoreUnavailable:
-                time.sleep(0.5)
+                deadline.pause(0.5)
                 continue
             if nxt is not None and nxt.gen > pub.gen:
                 return nxt
@@ -235,9 +236,9 @@ class Rendezvous:
         try:
             # every node's agent heartbeats within moments of its start, naming its launcher within a
             # heartbeat of an adoption
-            deadline = time.time() + 15.0
-            while self.view.complete() < nodes and time.time() < deadline:
-                time.sleep(0.2)
+            deadline = Deadline(15.0, "every node's agent and launcher")
+            while self.view.complete() < nodes and deadline.pause(0.2):
+                pass
             rec = self.view.refresh(owners=True)
             self.owners = {n: owners_in(rec, n) for n in range(nodes)}
             if cur.node == self.node:
@@ -295,14 +296,14 @@ class Rendezvous:
         its owners."""
         from .health.store import StoreUnavailable
 
-        deadline = time.time() + 3 * self.cfg.health.timeout_s + 5
-        while time.time() < deadline:
+        deadline = Deadline(3 * self.cfg.health.timeout_s + 5, f"the evidence on node {cur.node}")
+        while not deadline.expired():
             try:
                 if self._lost_as_host(cur):
                     return True
                 self.view.wait(self.view.version, 0.5)
             except StoreUnavailable:
-                time.sleep(0.5)
+                deadline.pause(0.5)
         return False
 
     def after_failure(self, cur: RdzvGeneration, log) -> Optional[RdzvGeneration]:
@@ -320,8 +321,8 @@ class Rendezvous:
             pass
         if not self._host_lost(cur):
             return None
-        deadline = time.time() + self.cfg.launch.start_timeout_s
-        while time.time() < deadline:
+        deadline = Deadline(self.cfg.launch.start_timeout_s, "the next rendezvous host")
+        while not deadline.expired():
             try:
                 raw, pub = self._published()
                 if pub is not None and pub.gen > cur.gen:
@@ -336,7 +337,7 @@ class Rendezvous:
                 self.view.wait(self.view.version, 0.5)  # the next host's record wakes it
             except StoreUnavailable as e:
                 log(f"[launch n{self.node}] store not answering while choosing a new rendezvous host: {e}")
-                time.sleep(0.5)
+                deadline.pause(0.5)
             except RuntimeError as e:  # no port of the range free here
                 log(f"[launch n{self.node}] {e}")
                 return None
@@ -412,15 +413,14 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
     that did not answer."""
     from .health.store import StoreUnavailable
 
-    deadline = time.time() + timeout_s if timeout_s > 0 else float("inf")
+    deadline = Deadline(timeout_s if timeout_s > 0 else float("inf"), f"standby {who}: a failed node to take over")
     view = job_view(client, nodes)
     warned, version = False, -1
     lost: set[str] = set()  # claim keys another standby holds (or a tombstone)
     try:
         while True:
             try:
-                left = deadline - time.time()
-                rec = view.wait(version, max(0.0, min(WAIT_S, left))) if version >= 0 else view.refresh()
+                rec = view.wait(version, min(WAIT_S, deadline.left())) if version >= 0 else view.refresh()
                 version = view.version
                 if since is not None and rec.ended is not None and rec.ended.time >= since:
                     raise JobEnded(f"node {rec.ended.node}'s launcher ended the job (exit {rec.ended.rc})")
@@ -438,8 +438,8 @@ def claim_failed_node(client, nodes: int, who: str, poll_s: float = 0.2, timeout
                 if not warned:
                     log(f"[standby {who}] store not answering yet, retrying: {e}")
                     warned = True
-                time.sleep(poll_s)
-            if time.time() > deadline:
+                deadline.pause(poll_s)
+            if deadline.expired():
                 raise TimeoutError(f"standby {who}: no failed node to take over within {timeout_s:g} s")
     finally:
         view.close()

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ..clock import Deadline
 from .peer_rebuild import GroupHoldings, PeerError
 from ..health.kv import StoreUnavailable
 from ..transport import wire
@@ -80,14 +81,13 @@ class PeerDirectory:
     def wait_sizes(self, timeout: float = 30.0) -> dict[int, int]:
         """Every rank's container size, for sending. Every rank of a consistent step has registered,
         but its agent may publish a moment later (bounded by ``timeout``)."""
-        deadline = time.time() + timeout
+        deadline = Deadline(timeout, "every rank's container size")
         while True:
             try:
                 return self.sizes()
             except RuntimeError:  # not published yet (or the store is moving: StoreUnavailable)
-                if time.time() > deadline or self._stop.is_set():
+                if not deadline.pause(0.05, self._stop):
                     raise
-                time.sleep(0.05)
 
     def group_holdings(self, wait_s: float) -> "GroupHoldings":
         """What every member of the group holds, this node included: its own ``holds``, and every other
@@ -119,7 +119,7 @@ class PeerDirectory:
         return GroupHoldings(holds, sizes, unanswered)
 
     def _ask_group(self, wait_s: float) -> "GroupHoldings":
-        deadline = time.monotonic() + wait_s
+        deadline = Deadline(wait_s, "what the group holds")
         ask_s = max(1.0, wait_s / 3)  # one silent member does not use up the others' time
         holds: dict[int, dict] = {self.node: self._own_holds()}
         unanswered: dict[str, str] = {}
@@ -128,7 +128,7 @@ class PeerDirectory:
                 if n == self.node or n in holds:
                     continue
                 try:
-                    holds[n] = self._ask_holds(n, min(ask_s, max(deadline - time.monotonic(), 0.5)))
+                    holds[n] = self._ask_holds(n, min(ask_s, max(deadline.left(), 0.5)))
                     unanswered.pop(f"node {n}", None)
                 except (OSError, PeerError, StoreUnavailable, wire.WireError) as e:
                     unanswered[f"node {n}"] = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -140,12 +140,12 @@ class PeerDirectory:
                 unanswered["store"] = str(e).splitlines()[0]
             except RuntimeError:
                 pass  # everyone answered and nobody knows a rank's size: nobody holds its data
-            if not unanswered or time.monotonic() >= deadline or self._stop.is_set():
+            if not unanswered or deadline.expired() or self._stop.is_set():
                 if unanswered:
                     log.warning("agent node %d: no answer within %.0f s about what the group holds from %s",
                                 self.node, wait_s, unanswered)
                 return GroupHoldings(holds, sizes, unanswered)
-            time.sleep(0.2)
+            deadline.pause(0.2, self._stop)
 
     def _ask_holds(self, node: int, within_s: float) -> dict:
         """Node ``node``'s ``holds`` reply; its address lookup, connection and reply each bounded by
@@ -163,16 +163,16 @@ class PeerDirectory:
         h = self.cfg.health
         if wait_s is None:
             wait_s = h.timeout_s + 4 * h.heartbeat_s + 1.0
-        deadline = time.time() + wait_s
+        deadline = Deadline(wait_s, f"node {node}'s peer address")
         why = "has not published its peer address"
         while True:
             try:
                 v = self.store.get(f"addr/{node}")
             except StoreUnavailable as e:  # the store moving to a new root: ask again
                 v, why = None, f"peer address unknown: {e}"
-            if v is not None or time.time() >= deadline:
+            if v is not None or deadline.expired():
                 break
-            time.sleep(0.05)
+            deadline.pause(0.05)
         if v is None:
             raise PeerError(f"node {node} {why}")
         host, port = v.rsplit(":", 1)

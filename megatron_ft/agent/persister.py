@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Optional
 
+from ..clock import wait_until
 from . import persist
 from .. import config as ftconfig
 from ..capture import snapfile
@@ -78,13 +79,11 @@ class Persister:
 
     def wait(self, wait_s: float) -> list[int]:
         """The persisted steps once nothing is queued or being written (TimeoutError after ``wait_s``)."""
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
+        def idle() -> Optional[list[int]]:
             with self.lock:
-                if not self._queued and self._q.empty():
-                    return list(self.persisted)
-            time.sleep(0.05)
-        raise TimeoutError(f"persists still pending after {wait_s:g} s")
+                return list(self.persisted) if not self._queued and self._q.empty() else None
+
+        return wait_until(idle, wait_s, "the persists still pending")
 
     def status(self) -> dict:
         with self.lock:

@@ -44,6 +44,7 @@ import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from ..clock import Deadline
 from .fencing import Fence, Fenced, fence_of_claim
 from .kv import StoreUnavailable
 
@@ -171,16 +172,15 @@ class EtcdKV:
 
     def wait_ready(self, deadline_s: float) -> None:
         """Wait until the endpoint answers (its status call), at most ``deadline_s``."""
-        deadline = time.time() + deadline_s
+        deadline = Deadline(deadline_s, "etcd's status")
         while True:
             try:
                 self._call(self._client.status)
                 return
             except StoreUnavailable as e:
-                if time.time() > deadline:
+                if not deadline.pause(0.2):
                     raise StoreUnavailable(f"{e} (still unreachable after {deadline_s:g} s; is etcd running "
                                            f"and is health.store right?)") from None
-            time.sleep(0.2)
 
     def set(self, key: str, value: str, lease: int = 0, fence: Optional[str] = None) -> None:
         """Put ``key``; ``lease``: attached to that lease (etcd deletes the key when it expires);

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Optional
 
+from ..clock import Deadline
 from . import fencing
 from .etcd import EtcdKV, EtcdStore, EtcdTLS
 from .job_record import JobView, RecordKeeper
@@ -254,7 +255,7 @@ class EmbeddedStore:
     def connect(self, deadline_s: float = 60.0) -> int:
         """Find (or become) the root; returns the root node id. A store that does not answer in time
         (a root moving, a machine loaded by a whole node starting) is asked again until ``deadline_s``."""
-        deadline = time.time() + deadline_s
+        deadline = Deadline(deadline_s, "the root agent")
         why = f"no root agent found among {self.nodes} nodes"
         while True:
             try:
@@ -266,9 +267,8 @@ class EmbeddedStore:
             except StoreUnavailable as e:
                 why = str(e)
                 log.warning("node %d: %s; asking again", self.node, why)
-            if time.time() > deadline:
+            if not deadline.pause(random.uniform(0.1, 0.3)):  # a back-off, jittered: not every agent at once
                 raise StoreUnavailable(f"node {self.node}: no root agent within {deadline_s:g} s: {why}")
-            time.sleep(random.uniform(0.1, 0.3))
 
     def _next_root_is_me(self) -> bool:
         """After the root failed: am I the lowest-numbered node (other than the failed root)
@@ -320,8 +320,8 @@ class EmbeddedStore:
         with self._lock:
             old = self.root
             log.warning("node %d: root agent (node %d) unreachable; electing a new root", self.node, old)
-            deadline = time.time() + 10 * self.timeout_s
-            while time.time() < deadline:
+            deadline = Deadline(10 * self.timeout_s, "a new root")
+            while not deadline.expired():
                 try:
                     if self._next_root_is_me():
                         return self._become_root()
@@ -330,7 +330,7 @@ class EmbeddedStore:
                         return self._follow(j)
                 except StoreUnavailable as e:  # a store slow to answer while the others move too: again
                     log.warning("node %d: %s; asking again", self.node, e)
-                time.sleep(random.uniform(0.1, 0.3))
+                deadline.pause(random.uniform(0.1, 0.3))
             raise StoreUnavailable(f"node {self.node}: no new root after node {old} failed")
 
     def _reconnect(self) -> None:
@@ -474,7 +474,7 @@ class StoreClient:
             f"embedded store (node servers from {':'.join(map(str, endpoint(self.hosts, h.store_port, 0)))})")
 
     def connect(self, deadline_s: float = 60.0) -> "StoreClient":
-        deadline = time.time() + deadline_s
+        deadline = Deadline(deadline_s, "the root agent")
         if self.cfg.health.store.startswith("etcd://"):
             self.kv.wait_ready(deadline_s)  # type: ignore[union-attr]
             return self
@@ -487,10 +487,9 @@ class StoreClient:
                 self.kv, self.root = WireKV(*endpoint(self.hosts, h.store_port, j), self.prefix,
                                             self.timeout_s, self.secret), j
                 return self
-            if time.time() > deadline:
+            if not deadline.pause(random.uniform(0.1, 0.3)):  # a back-off, jittered: not every client at once
                 raise StoreUnavailable(f"no root agent answered within {deadline_s:g} s ({self.where}, "
                                        f"{self.cfg.cluster.nodes} nodes)")
-            time.sleep(random.uniform(0.1, 0.3))
 
     def _do(self, fn):
         try:

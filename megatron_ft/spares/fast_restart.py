@@ -49,10 +49,10 @@ import os
 import signal
 import socket
 import sys
-import time
 from dataclasses import dataclass, replace
 from typing import Mapping, MutableMapping, Optional
 
+from ..clock import Deadline
 from ..fatal import JOB_ENDING
 from .lifetime import die_with_parent, set_process_name
 
@@ -297,16 +297,15 @@ def host_round_store(addr: str, port: int, stamp: Optional[str] = None) -> tuple
             os.close(rd)
             die_with_parent()
             set_process_name(STORE_PROCESS_NAME)
-            deadline = time.monotonic() + BIND_WAIT_S
+            deadline = Deadline(BIND_WAIT_S, f"the round store's port {port}")
             while True:
                 try:
                     store = hosted_store(addr, port, None, datetime.timedelta(seconds=STORE_TIMEOUT_S),
                                          wait_for_workers=False)
                     break
                 except (OSError, RuntimeError):  # the port is held (by the previous host, going away)
-                    if time.monotonic() > deadline:
+                    if not deadline.pause(0.1):
                         raise
-                    time.sleep(0.1)
             if stamp is not None:
                 store.set(STAMP_KEY, stamp)
             os.write(wr, str(store.port).encode())

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # annotations only: subprocess is imported where a process is started
     import subprocess
 
+from ..clock import Deadline
 from ..transport import wire
 from ..transport.wire import bind_private, stranger
 from .lifetime import die_with_parent
@@ -242,14 +243,14 @@ def start(path: str, log_path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS,
 def wait_warm(proc: "subprocess.Popen", path: str, timeout_s: float) -> Optional[str]:
     """Wait until the pool listens (its imports done); None when warm, else why not (it exited,
     or ``timeout_s`` passed: then it is stopped and the job starts its trainers cold)."""
-    deadline = time.time() + timeout_s
+    deadline = Deadline(timeout_s, "the spare pool warming up")
     while not os.path.exists(path):
         if proc.poll() is not None:
             return f"the spare pool exited with {proc.returncode} while warming up"
-        if time.time() > deadline:
+        if deadline.expired():
             stop(proc, path)
             return f"the spare pool was not warm within {timeout_s:g} s"
-        time.sleep(0.05)
+        deadline.pause(0.05)
     return None
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..clock import Deadline
 from ..health import progress as hp
 from . import progress
 
@@ -70,17 +71,16 @@ def wait_for_store(addr: str, port: int, within_s: float) -> None:
     a ``RuntimeError`` naming the store and the bound after ``within_s`` (``launch.start_timeout_s``) -
     rather than torch's client retrying for the whole process-group timeout (10 minutes) against a round
     whose host is gone (its job ended, or its rank 0 failed, while this trainer started)."""
-    deadline = time.monotonic() + within_s
+    deadline = Deadline(within_s, f"the trainers' store at {addr}:{port}")
     while True:
         try:
             socket.create_connection((addr, port), timeout=min(5.0, within_s)).close()
             return
         except OSError as e:
-            if time.monotonic() > deadline:
+            if not deadline.pause(0.1):
                 raise RuntimeError(f"the trainers' store at {addr}:{port} did not answer within "
                                    f"launch.start_timeout_s={within_s:g} s ({e}): the round's host is gone (the "
                                    f"job ended, or its torchrun rank 0 failed)") from None
-            time.sleep(0.1)
 
 
 #: wall-clock (start, end) of this process's ``init_process_group``: its rendezvous with the other

@@ -54,6 +54,9 @@ log = logging.getLogger("megatron_ft.trainer.snapshot")
 # A failed registration (e.g. /dev/shm too small) is retried only this many steps later,
 # so a job without room for snapshots keeps training at full speed and logs rarely.
 REGISTER_RETRY_STEPS = 50
+#: the longest a training step waits for the previous snapshot (its copy, its slot's begin and commit, the
+#: collective agreement): far beyond what any of them takes - the last bound, after their own
+WAIT_S = 600.0
 
 
 @dataclass
@@ -147,6 +150,7 @@ class SnapshotEngine:
         self.last_committed = -1
         self.last_agreed = -1
         self._register_retry_step = -1  # after a failed registration, retry from this step on
+        self._doing = "idle"  # what the worker does now (named when a wait for it times out)
         self._worker = threading.Thread(target=self._run, name=f"mft-snapshot-r{rank}", daemon=True)
         self._worker.start()
 
@@ -212,13 +216,20 @@ class SnapshotEngine:
         self._q.put(job)
         return stats
 
-    def wait(self) -> Optional[SnapshotStats]:
+    def wait(self, wait_s: Optional[float] = None) -> Optional[SnapshotStats]:
         """Block until the pending snapshot (if any) is committed (and, with the collective agreement,
-        agreed)."""
+        agreed): at most ``wait_s`` (default :data:`WAIT_S`), then :class:`TimeoutError` naming the step
+        and what the worker is doing. Every call the worker makes is bounded on its own (the agent's
+        requests by ``agent.request_timeout_s``, a collective by its group's timeout, a copy by its
+        size), so this bound is the last line: a worker stuck beyond it ends the trainer with that
+        error (restarted and restored like any failed trainer) rather than hanging it."""
         job = self._pending
         if job is None:
             return None
-        job.done.wait()
+        limit = WAIT_S if wait_s is None else wait_s
+        if not job.done.wait(limit):
+            raise TimeoutError(f"rank {self.rank}: the snapshot of step {job.step} did not finish within "
+                               f"{limit:g} s (its worker is {self._doing})")
         self._pending = None
         return job.stats
 
@@ -263,12 +274,15 @@ class SnapshotEngine:
                 return
             try:
                 if job.later is not None:
+                    self._doing = f"encoding step {job.step}'s state"
                     self._encode(job)
                 if job.begin:
+                    self._doing = f"asking its agent for a slot for step {job.step}"
                     t0 = time.perf_counter()
                     job.slot = self._begin(job)
                     job.stats.phases["begin"] = time.perf_counter() - t0
                 if job.slot is not None:
+                    self._doing = f"copying and committing step {job.step}"
                     self._write(job)
                 elif not job.stats.pending and not self.collective:
                     self._skip(job)
@@ -281,12 +295,14 @@ class SnapshotEngine:
                     pass
             try:
                 if self.collective:
+                    self._doing = f"in step {job.step}'s collective agreement"
                     self._agree(job)
             except Exception as e:
                 log.warning("rank %d: agreement for step %d failed: %s", self.rank, job.step, e)
             self.history.append(job.stats)
             if len(self.history) > 1000:
                 del self.history[:500]
+            self._doing = "idle"
             job.done.set()
 
     def _encode(self, job: _Job) -> None:

@@ -96,6 +96,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .. import clock
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
 from ..schedule.link_gate import LinkGate
@@ -835,9 +836,7 @@ class ScheduledTransport:
                 if gate is not None and sending:  # GPU: each batch with a send waits for the gate
                     gate.wait(sending)
                 else:
-                    delay = min(op.due for op in batch) - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
+                    clock.pause(min(op.due for op in batch) - time.perf_counter())  # paced: its planned time
                 exchange(cur.group, batch, self._stream)
         except Exception as e:  # the peers' streams are out of step with this one now: stop
             self.failed = self.failed or f"transfer started after step {cur.started_at}: {e}"

@@ -58,9 +58,10 @@ import socket
 import socketserver
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
+
+from ..clock import Deadline
 
 log = logging.getLogger("megatron_ft.wire")
 
@@ -549,7 +550,7 @@ class Client:
         ``wait_s``: while nothing listens at the address yet (a server starting or restarting: its
         socket file missing, or the connection refused), try again every :data:`CONNECT_POLL_S` for up
         to this long, then raise what the last try raised."""
-        deadline = time.monotonic() + wait_s
+        deadline = Deadline(wait_s, f"a server at {self._where}")
         with self._lock:
             if greeting is not None:
                 self.greeting = greeting
@@ -559,9 +560,9 @@ class Client:
                     self._open_locked()
                     return self.greeted
                 except (FileNotFoundError, ConnectionRefusedError):
-                    if time.monotonic() + CONNECT_POLL_S > deadline:
+                    if deadline.left() < CONNECT_POLL_S:
                         raise
-                time.sleep(CONNECT_POLL_S)
+                deadline.pause(CONNECT_POLL_S)
 
     def request(self, op: str, *, payload: Optional[memoryview] = None, into: Optional[memoryview] = None,
                 **fields: Any) -> dict:

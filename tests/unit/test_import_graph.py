@@ -19,7 +19,7 @@ ENTRY_POINTS = {f"{PKG}.cli"}  # the command line dispatches to the harness's co
 #: ``__init__``); a module is in the layer of the longest entry that names it or a package above it,
 #: so ``transport.scheduled`` sits above the rest of ``transport``. Every module must be in one.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundation", {"", "config", "fatal", "faultpoints", "tiers", "network", "scheduler", "_native",
+    ("foundation", {"", "clock", "config", "fatal", "faultpoints", "tiers", "network", "scheduler", "_native",
                     "rank_files"}),
     ("bytes, the wire, health", {"capture", "transport", "health"}),  # transport: wire, messages, p2p order
     ("pure models", {"policy"}),
