@@ -250,7 +250,7 @@ class Redundancy:
         log.info("agent node %d: step %d is complete in group %d %s", self.node, done.step, self.gi, self.members)
 
     # ------------------------------------------------------------------ scheduled transport
-    # The trainers move the bytes (megatron_ft/transport/scheduled.py): a sender pins the slot of the
+    # The trainers move the bytes (megatron_ft/transport/scheduled/): a sender pins the slot of the
     # version it sends for as long as its chunks read it; a receiver writes the chunks into a block
     # version here and reports when every chunk arrived - only then is the block complete, so a
     # transfer spread over iterations (or cut by a failure) never counts as held.

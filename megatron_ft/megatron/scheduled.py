@@ -169,11 +169,11 @@ class ScheduledHooks:
         on_gpu = torch.cuda.is_available()
         share = 1.0
         if sc.idle != "network" and not on_gpu:  # the same on every rank: the exchange is collective
-            share = free_share_of_waits(len(os.sched_getaffinity(0)), self.transport.ranks_on_my_host())
+            share = free_share_of_waits(len(os.sched_getaffinity(0)), self.transport.groups.ranks_on_my_host())
         idle, spans = idle_spans(sc.idle, on_gpu, spans, bubbles, share)
         spans = planning_spans(spans, profiled, iteration_s)
         wants_bubbles = "bubble" in (sc.compare_modes or (sc.mode,))
-        peer = self.transport.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
+        peer = self.transport.groups.exchange_bubbles([(b.start, b.end) for b in bubbles]) if wants_bubbles else {}
         window, capacity = (self._gate_window(data, link, iteration_s) if idle.startswith("network") and profiled
                             else (0.0, 0.0))
         nbytes = self._container_bytes()
@@ -186,7 +186,7 @@ class ScheduledHooks:
                 agreed.append((mode, None))
                 continue
             sched = self._schedule(mode, nbytes, link, spans, bubbles, peer)
-            agreed.append((mode, self.transport.agree(gated(sched, window, link, capacity) if sched else None)))
+            agreed.append((mode, self.transport.groups.agree(gated(sched, window, link, capacity) if sched else None)))
         if sc.compare_modes:
             self.rotation, self.rotation_index = agreed, 0
             self.segment_end = step + self._segment(agreed[0][1])

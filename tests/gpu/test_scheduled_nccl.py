@@ -1,4 +1,4 @@
-"""The scheduled transport on NCCL (megatron_ft/transport/scheduled.py): what only GPUs can check.
+"""The scheduled transport on NCCL (megatron_ft/transport/scheduled/): what only GPUs can check.
 Skipped without enough CUDA devices (CI has none); run on a machine with two or more GPUs with
 ``pytest tests/gpu/test_scheduled_nccl.py``.
 
@@ -6,7 +6,7 @@ Skipped without enough CUDA devices (CI has none); run on a machine with two or 
   same planned times and complete (the ungrouped sends from two threads the transport used to issue
   can deadlock here), byte for byte through the side-stream staging: host -> device before the wire,
   device -> host before the agent is told the block is complete.
-* The first batch on the data group follows the eager barrier ``agree()`` runs, so it needs no rank
+* The first batch on the data group follows the eager barrier ``groups.agree()`` runs, so it needs no rank
   that is not its peer; with three GPUs, a ring (each rank sends to the next only) checks that.
 * The driver thread issues on its rank's device (a new thread starts on device 0).
 * Through the link gate, each batch with a send waits for it (in key order) and no chunk starts

@@ -137,7 +137,9 @@ def main(rank: int, args) -> None:
 
         gate = t.use_link(LINK_BYTES_S, quiet_s=1.0)
         sched = gated(sched, args.gate_ms / 1e3, LinkModel(LINK_BYTES_S))
-    sched = t.agree(sched)
+    sched = t.groups.agree(sched)
+    # a second schedule with the same data timeout (compare_modes agrees one per mode) reuses its group
+    assert t.groups.agree(sched) == sched
     t.use(sched, 0, sched.mode)
     calls: list = []  # (start, end) of each simulated network call of training
     for it in range(ITERS):
@@ -161,7 +163,7 @@ def main(rank: int, args) -> None:
     inside = sum(1 for issued, _ in chunks if any(a <= issued < b for a, b in calls))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"done": FakeAgent.done, "exact": FakeAgent.exact, "records": t.records, "failed": t.failed,
-                   "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t._groups),
+                   "srcs": t.srcs, "dsts": t.dsts, "mode": sched.mode, "groups": sorted(t.groups.data),
                    "new_groups": made, "local_synchronization": scheduled.LOCAL_SYNCHRONIZATION,
                    "pins": FakeAgent.pins, "interval": sched.interval_iterations, "chunks": len(chunks),
                    "chunks_inside_calls": inside, "gate_forced": gate.forced if gate else 0,

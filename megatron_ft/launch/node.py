@@ -1,59 +1,34 @@
-"""``megatron-ft launch``: per node, start the snapshot agent, then a real torchrun elastic agent.
+"""A node's launcher: its agent, its warm spare pool and its torchrun, from the job's start to its end.
 
-::
-
-    megatron-ft launch --nodes 2 --nproc-per-node 2 [--node-rank I] [--config F] -- script.py args...
-    megatron-ft launch --standby --nodes 2 --config F -- script.py args...
-
-With ``--standby`` this process is a spare machine: it polls the agents' store (docs/health.md)
-for the root agent's ``failed/<node>`` verdict, claims that node with a compare-and-set of
-``claim/<node>/<failed agent pid>/<verdict time>`` and then runs as that node's launcher (below).
-
-With ``--node-rank I`` this process is node I's launcher (one per machine). Without it, all N
-nodes are simulated on this machine: N launcher instances share a c10d rendezvous on loopback
-(the first hosts it), each with its own agent and its own shared memory.
-
-A node's launcher:
-
-1. starts the agent in its own session (it outlives every trainer and is nobody's child but
-   the launcher's) and waits for its socket;
-2. runs ``torchrun --rdzv-backend c10d --max-restarts R`` with ``MFT_NODE_RANK``, ``MFT_CONFIG``,
-   ``MFT_RUN_ID`` and ``MFT_AGENT_SOCKET`` in the workers' environment (trainers derive a stable
-   rank ``node_rank * nproc_per_node + local_rank`` from them, so a restarted worker finds its
-   own snapshots on its own node);
-3. restarts the agent if it dies while training runs (the new agent re-adopts the shared memory);
-4. when torchrun ends, asks the agent to shut down cleanly (segments removed) and returns
-   torchrun's exit code.
+:class:`NodeLauncher` is one node's launcher (``megatron-ft launch --node-rank I``, or one of the simulated
+nodes, or a standby that claimed a node): it checks what the node needs (:func:`preflight`), starts the
+agent and waits for its socket, runs torchrun generation after generation (:mod:`megatron_ft.rendezvous`),
+restarts a dead agent, and ends the job when a node records a fatal error. Its calls are one thread's.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from typing import Any, Optional
+from typing import Optional
 
 import psutil
 import yaml
 
-from . import clock
-from . import config as ftconfig
-from . import fatal
-from . import network, scheduler
-from .agent import shm
-from .clock import Deadline
-from .agent.protocol import AgentClient, AgentError, socket_path
-from .health import progress as hp
-from .health.monitor import stood_down_path
-from .rendezvous import (FatalWatch, JobEnded, NodeOwners, RdzvGeneration, Rendezvous,  # noqa: F401 (re-exported)
-                         claim_failed_node)
-from .spares import prestart
-from .spares.lifetime import die_with_parent
-from .trainer.in_process import nccl_env_defaults
-from .transport import credential
+from .. import clock
+from .. import config as ftconfig
+from .. import fatal
+from .. import network
+from ..agent import shm
+from ..agent.protocol import AgentClient, AgentError, socket_path
+from ..clock import Deadline
+from ..health import progress as hp
+from ..health.monitor import stood_down_path
+from ..rendezvous import FatalWatch, Rendezvous
+from ..spares import prestart
+from ..spares.lifetime import die_with_parent
+from ..trainer.in_process import nccl_env_defaults
 
 #: set in the trainers' environment unless it already sets them: none by default. ``TORCH_GLOO_LAZY_INIT=1``
 #: (a gloo group connects a pair of its ranks on their first operation together instead of a full mesh
@@ -64,7 +39,7 @@ from .transport import credential
 GLOO_ENV_DEFAULTS: dict[str, str] = {}
 
 
-def _write_config(cfg: ftconfig.FTConfig, path: str) -> str:
+def write_config(cfg: ftconfig.FTConfig, path: str) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
@@ -126,7 +101,7 @@ class NodeLauncher:
     def start_pool(self) -> None:
         """The node's warm spare trainers, warm before torchrun starts (bounded by
         ``launch.start_timeout_s``); without them the trainers start cold, as they would anyway."""
-        from .spares import pool
+        from ..spares import pool
 
         if self.pool is None:  # else a standby's, started while it waited
             if not self.cfg.launch.warm_spares:
@@ -143,7 +118,7 @@ class NodeLauncher:
 
     def stop_pool(self) -> None:
         if self.pool is not None:
-            from .spares import pool
+            from ..spares import pool
 
             pool.stop(self.pool, self.pool_socket or "")
             self.pool = None
@@ -445,7 +420,7 @@ class AgentStartError(RuntimeError):
 
 def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
     """What keeps this node from protecting its trainers, checked before anything starts (None: fine)."""
-    from .transport.wire import private_directory
+    from ..transport.wire import private_directory
 
     try:  # the agent's and the spare pool's sockets: private to the job's user
         private_directory(cfg.agent.socket_dir)
@@ -465,197 +440,3 @@ def preflight(cfg: ftconfig.FTConfig) -> Optional[str]:
         return (f"agent.shm_dir={d!r} has {free / 2**20:.0f} MiB free but agent.shm_limit_mib="
                 f"{cfg.agent.shm_limit_mib}; enlarge it or lower the limit")
     return None
-
-
-def stop_on_signals() -> None:
-    """SIGTERM to a launcher (a supervisor's or scheduler's stop: systemd, Slurm's scancel, the kubelet)
-    takes Ctrl-C's path: torchrun stops its workers, the launcher records the job's end and shuts its
-    agent down cleanly (segments removed), instead of dying at once and leaving the agent waiting
-    ``launch.start_timeout_s`` for a launcher that will not come. A second SIGTERM is ignored (SIGKILL
-    still ends it). SIGINT stops it the same way even where it started with SIGINT ignored (a
-    background command of a non-interactive shell inherits that, and Python then never raises
-    KeyboardInterrupt)."""
-    def stop(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def simulate_nodes(args: argparse.Namespace, script: list[str]) -> int:
-    """Start one launcher per simulated node on this machine and wait for all of them."""
-    procs = []
-    for i in range(args.nodes):
-        cmd = [sys.executable, "-m", "megatron_ft.cli", "launch", f"--nodes={args.nodes}",
-               f"--nproc-per-node={args.nproc_per_node}", f"--node-rank={i}", f"--run-dir={args.run_dir}"]
-        if args.config:
-            cmd.append(f"--config={args.config}")
-        procs.append(subprocess.Popen(cmd + ["--", *script], start_new_session=True))
-        if i == 0:
-            clock.pause(0.5)  # let node 0 host the rendezvous store first
-    rcs = []
-    try:
-        for p in procs:
-            rcs.append(p.wait())
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: every node's launcher stops its node (stop_on_signals)
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        rcs = [p.wait() for p in procs]
-    return max(rcs, default=0)
-
-
-STARTED = time.time()  # this launcher's start (a standby heeds only job ends recorded after it, less a timeout)
-
-
-def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]) -> int:
-    """``--standby``: wait for the root's failure verdict on some node, claim it, become it."""
-    who = f"{socket.gethostname()}:{os.getpid()}"
-    pool, pool_socket = None, None
-    # the agent and torchrun of the node it will become, their imports done while it waits
-    os.makedirs(args.run_dir, exist_ok=True)
-    with open(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"), "ab") as logf:
-        agent = prestart.start(AGENT_MODULE, AGENT_PRELOAD, stdout=logf, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    torchrun = prestart.start(TORCHRUN_MODULE, (TORCHRUN_MODULE,), preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
-        from .spares import pool as spares
-
-        pool_socket = spares.socket_path(cfg.agent.socket_dir, f"{cfg.run_id}.standby{os.getpid()}", 0)
-        pool = spares.start(pool_socket, os.path.join(args.run_dir, f"standby{os.getpid()}.spares.log"),
-                            spares.imports_for(script), spares.own_trees(script))
-    try:
-        return _standby(args, cfg, script, who, pool, pool_socket, agent, torchrun)
-    finally:
-        if pool is not None:
-            spares.stop(pool, pool_socket or "")
-        for proc in (agent, torchrun):
-            prestart.discard(proc)  # never handed a node
-
-
-#: what a standby pre-starts (``spares.prestart``): its node's agent and torchrun, imports done
-AGENT_MODULE, AGENT_PRELOAD = "megatron_ft.agent", ("megatron_ft.agent.server",)
-TORCHRUN_MODULE = "torch.distributed.run"
-
-
-def _standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str], who: str,
-             pool: Optional[subprocess.Popen], pool_socket: Optional[str], agent: subprocess.Popen,
-             torchrun: subprocess.Popen) -> int:
-    from .health.store import StoreClient
-
-    client = StoreClient(cfg)
-    print(f"[standby {who}] waiting for a failed node of run {cfg.run_id} ({client.where})", flush=True)
-    try:
-        node, verdict = claim_failed_node(client, args.nodes, who, timeout_s=args.standby_timeout,
-                                          log=lambda m: print(m, flush=True), since=STARTED - cfg.health.timeout_s)
-    except JobEnded as e:  # nothing to take over: the standby's part of the job is done
-        print(f"[standby {who}] {e} with no failed node to take over; standing down", flush=True)
-        return 0
-    own = socket.gethostname()
-    if not cfg.health.one_machine and own != cfg.health.host_of(node):
-        # a host of its own: the node's agent serves under this host's name (the others find its store and
-        # peer address through the root's store; network.node_host)
-        os.environ[network.NODE_HOST_VARIABLE] = own
-    print(f"[standby {who}] node {node} failed ({verdict.get('kind')}, agent pid {verdict['pid']}, detected by "
-          f"node {verdict.get('detected_by')}); claimed it, starting as node {node}"
-          + (f" on this host ({own}, not {cfg.health.host_of(node)})" if network.NODE_HOST_VARIABLE in os.environ
-             else ""), flush=True)
-    cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{node}", "config.yaml"))
-    launcher = NodeLauncher(cfg, cfg_path, node, args.nodes, args.nproc_per_node, script, args.run_dir)
-    if pool is not None:
-        launcher.pool, launcher.pool_socket = pool, pool_socket  # started before the failure
-    launcher.waiting_agent, launcher.waiting_torchrun = agent, torchrun  # likewise
-    return launcher.run()
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="start agents and torchrun (simulates all nodes when --node-rank is absent)")
-    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: cluster.nodes)")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="trainers per node (default: cluster.ranks_per_node)")
-    p.add_argument("--node-rank", type=int, default=None, help="this machine's node index; omit to simulate all nodes here")
-    p.add_argument("--config", default=None, help="job YAML (default: embedded configs/local-cpu.yaml)")
-    p.add_argument("--run-dir", default=None, help="logs, pids and progress (default: /tmp/megatron-ft/runs/<run_id>)")
-    p.add_argument("--standby", action="store_true",
-                   help="a standby node: wait for the root agent's verdict that a node failed, claim that "
-                        "node rank (no two standbys take the same), then run as that node")
-    p.add_argument("--standby-timeout", type=float, default=0.0,
-                   help="--standby: give up after this many seconds without a failed node (0: wait for ever)")
-    p.add_argument("script", nargs=argparse.REMAINDER, help="-- training script and its arguments")
-    p.set_defaults(func=main)
-
-
-def job_config(config: Optional[str], script: list[str]) -> ftconfig.FTConfig:
-    """One source of truth: the YAML (``--config``, else the training command's
-    ``--inmem-ckpt-config``, else the default) with the training command's ``--inmem-ckpt*`` flags
-    applied, as the trainers apply them, so that the agents persist where and when the trainers
-    look. Two different YAML files on the launcher and the training command are an error."""
-    flags = ftconfig.command_flags(script[1:])
-    if config and flags.inmem_ckpt_config and os.path.realpath(config) != os.path.realpath(flags.inmem_ckpt_config):
-        raise ftconfig.ConfigError(f"--config={config} and the training command's --inmem-ckpt-config="
-                                   f"{flags.inmem_ckpt_config} name different files: give one, or the same file")
-    return ftconfig.apply_flags(ftconfig.load(config or flags.inmem_ckpt_config), flags)
-
-
-def with_job_secret(cfg: ftconfig.FTConfig, run_dir: str) -> ftconfig.FTConfig:
-    """``cfg`` naming the job's secret file in ``security.secret_file`` when the job's agents serve
-    anything over TCP (the store of a job of several nodes, the peer transport): found or generated by
-    :func:`megatron_ft.transport.credential.job_secret_file`, so that the node's configuration file hands
-    it to the agent, the trainers and a standby alike. A :class:`~megatron_ft.config.ConfigError` (exit 2,
-    before anything starts) when a job of hosts of their own names none."""
-    from .health.store import store_needed
-
-    if not store_needed(cfg):
-        return cfg
-    path = credential.job_secret_file(cfg.security.secret_file, os.environ, run_dir, network.multi_host(cfg))
-    return ftconfig.replace(cfg, security={"secret_file": path})
-
-
-def main(args: argparse.Namespace) -> int:
-    script = list(args.script)
-    if script and script[0] == "--":
-        script = script[1:]
-    if not script:
-        raise SystemExit("megatron-ft launch: give the training script after '--'")
-    cfg = job_config(args.config, script)
-    nodes = args.nodes if args.nodes is not None else cfg.cluster.nodes
-    nproc = args.nproc_per_node if args.nproc_per_node is not None else cfg.cluster.ranks_per_node
-    if nodes < 1:
-        raise ftconfig.ConfigError(f"--nodes={nodes} is invalid: must be >= 1")
-    if nproc < 1:
-        raise ftconfig.ConfigError(f"--nproc-per-node={nproc} is invalid: must be >= 1")
-    if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
-        cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
-    args.nodes, args.nproc_per_node = nodes, nproc
-    alloc = scheduler.allocation(os.environ) if args.node_rank is None and not args.standby else None
-    if alloc is not None:  # a Slurm step or a Kubernetes indexed Job says which node this host is
-        cfg = scheduler.placed(cfg, alloc)
-        args.node_rank = alloc.node_rank(nodes)
-        args.standby = args.node_rank is None
-        what = (f"node {args.node_rank} of {nodes}" if not args.standby else
-                f"a standby (host {alloc.index} of the allocation, beyond its {nodes} nodes)")
-        print(f"[megatron-ft launch] {alloc.scheduler}: this host is {what} ({alloc.said_by}); nodes "
-              f"{', '.join(cfg.health.host_list(nodes)) or 'simulated here'}, rendezvous on {cfg.launch.master_addr}",
-              flush=True)
-        if args.standby and cfg.redundancy.scheme == "none":
-            print("[megatron-ft launch] redundancy.scheme is none: no agent declares a node lost and no memory "
-                  "holds its state, so a standby has nothing to take over; this host does nothing (a lost node "
-                  "is replaced by relaunching its rank, which restores from persist.dir)", flush=True)
-            return 0
-    args.run_dir = args.run_dir or os.path.join("/tmp/megatron-ft/runs", cfg.run_id)
-    os.makedirs(args.run_dir, exist_ok=True)
-    cfg = with_job_secret(cfg, args.run_dir)
-    stop_on_signals()
-    if args.standby:
-        if args.node_rank is not None:
-            raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid with --standby: a standby "
-                                       "takes the rank of the node that failed")
-        if cfg.redundancy.scheme == "none":
-            raise ftconfig.ConfigError("--standby needs the agents' health store: redundancy.scheme is 'none' "
-                                       "(set replica, xor or rs), so no agent watches for failed nodes")
-        return run_standby(args, cfg, script)
-    if args.node_rank is None:
-        return simulate_nodes(args, script)
-    if not 0 <= args.node_rank < nodes:
-        raise ftconfig.ConfigError(f"--node-rank={args.node_rank} is invalid: must be in [0, {nodes - 1}]")
-    cfg_path = _write_config(cfg, os.path.join(args.run_dir, f"node{args.node_rank}", "config.yaml"))
-    return NodeLauncher(cfg, cfg_path, args.node_rank, nodes, nproc, script, args.run_dir).run()
