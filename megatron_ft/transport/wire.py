@@ -45,15 +45,16 @@ socket gets the same treatment (``megatron_ft/spares/pool.py``).
 
 Lock order: a client's lock is the innermost lock of its caller; the server holds no lock while it
 reads or writes a socket.
+
+Parts: the frame, the packets and :class:`WireError` are :mod:`.wire_frames`'s, the job's credential
+:mod:`.wire_auth`'s, the sockets (private Unix sockets, TCP connections) :mod:`.wire_sockets`'s; this
+module holds the server and the client and re-exports the parts' names, so that ``wire.X`` names each.
+The settings read when a server or client works (:data:`LISTEN_BACKLOG`, :data:`CONNECT_POLL_S`) are
+this module's: set here, they take effect.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
-import os
-import secrets
 import socket
 import socketserver
 import struct
@@ -62,308 +63,25 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
 from ..clock import Deadline
+from .wire_auth import AUTH_FRAME_MAX, AUTH_TIMEOUT_S, AuthError, answer_challenge, check_client
+from .wire_frames import (_LEN, IO_BLOCK, MAX_FRAME, PACKET_MAX, SOCKET_BUFFER, WIRE_VERSION, Address, FieldTable,
+                          WireError, discard, recv_frame, recv_into, recv_packet, send_frame, send_packet)
+from .wire_sockets import (_peer, _tune_tcp, bind_private, describe, mark, open_socket, peer_credentials,
+                           private_directory, stranger)
+
+__all__ = [
+    # the frame and the packets (wire_frames)
+    "WIRE_VERSION", "MAX_FRAME", "IO_BLOCK", "SOCKET_BUFFER", "_LEN", "Address", "WireError", "send_frame",
+    "recv_frame", "recv_into", "discard", "PACKET_MAX", "send_packet", "recv_packet", "FieldTable",
+    # the job's credential (wire_auth)
+    "AUTH_FRAME_MAX", "AUTH_TIMEOUT_S", "AuthError", "check_client", "answer_challenge",
+    # the sockets (wire_sockets)
+    "private_directory", "bind_private", "peer_credentials", "stranger", "describe", "mark", "open_socket",
+    # the server and the client (here)
+    "Reply", "Connection", "Handler", "LISTEN_BACKLOG", "Server", "RemoteError", "CONNECT_POLL_S", "Client",
+]
 
 log = logging.getLogger("megatron_ft.wire")
-
-WIRE_VERSION = 1
-MAX_FRAME = 16 << 20
-IO_BLOCK = 8 << 20
-SOCKET_BUFFER = 4 << 20  # kernel socket buffers for bulk TCP transfers (the default ~200 KiB stalls loopback)
-_LEN = struct.Struct(">I")
-
-#: A Unix socket path, or a TCP ``(host, port)``.
-Address = Union[str, "tuple[str, int]"]
-
-
-class WireError(RuntimeError):
-    """A frame that breaks the wire format (wrong version, too large, not a JSON object)."""
-
-
-# ------------------------------------------------------------------------ the job's credential
-AUTH_FRAME_MAX = 1024  # a frame before the peer proved the secret
-AUTH_TIMEOUT_S = 5.0  # the whole challenge and response
-
-
-class AuthError(WireError):
-    """The other side did not prove the job's secret."""
-
-
-def _mac(secret: bytes, role: str, first: str, second: str) -> str:
-    return hmac.new(secret, f"megatron-ft/1|{role}|{first}|{second}".encode(), hashlib.sha256).hexdigest()
-
-
-def _recv_small(sock: socket.socket) -> dict:
-    """A frame before authentication: at most :data:`AUTH_FRAME_MAX` bytes, else :class:`AuthError`."""
-    try:
-        return recv_frame(sock, AUTH_FRAME_MAX)
-    except WireError as e:
-        raise AuthError(f"before authentication: {e}") from None
-
-
-def check_client(sock: socket.socket, secret: bytes) -> None:
-    """Server side: challenge the client, check its answer, prove the secret back. Raises
-    :class:`AuthError` (or ``OSError``) when the client does not prove it; bounded by the socket's timeout."""
-    nonce = secrets.token_hex(16)
-    send_frame(sock, {"op": "challenge", "nonce": nonce})
-    msg = _recv_small(sock)
-    theirs = msg.get("nonce")
-    if msg.get("op") != "auth" or not isinstance(theirs, str) or not isinstance(msg.get("mac"), str) \
-            or not hmac.compare_digest(msg["mac"], _mac(secret, "client", nonce, theirs)):
-        raise AuthError("the client did not prove the job's secret")
-    send_frame(sock, {"op": "auth", "mac": _mac(secret, "server", theirs, nonce)})
-
-
-def answer_challenge(sock: socket.socket, secret: bytes) -> None:
-    """Client side of :func:`check_client`: answer the server's challenge and check its proof."""
-    msg = _recv_small(sock)
-    theirs = msg.get("nonce")
-    if msg.get("op") != "challenge" or not isinstance(theirs, str):
-        raise AuthError(f"the server sent no challenge (it asks for no secret, or is not this job's): {msg.get('op')!r}")
-    mine = secrets.token_hex(16)
-    send_frame(sock, {"op": "auth", "nonce": mine, "mac": _mac(secret, "client", theirs, mine)})
-    try:
-        reply = _recv_small(sock)
-    except ConnectionError:  # the server hung up on the answer: it holds another secret
-        raise AuthError("the server refused this process's answer (the job's secrets differ)") from None
-    if not isinstance(reply.get("mac"), str) or not hmac.compare_digest(reply["mac"], _mac(secret, "server", mine, theirs)):
-        raise AuthError("the server did not prove the job's secret")
-
-
-# ---------------------------------------------------------------------------- local sockets
-def private_directory(path: str) -> None:
-    """Make ``path`` the home of this user's sockets: created with mode 0700 (its parents as the umask
-    says). An existing directory must be this process's user's and closed to everyone else: one owned by
-    another user, or open to others (``/tmp`` itself, a home directory), is refused with a
-    :class:`PermissionError` naming it and the fix; it is never chmod-ed behind the operator's back."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.geteuid():
-        raise PermissionError(f"{path} belongs to uid {st.st_uid}, not to this job's uid {os.geteuid()}: another "
-                              f"user could read or replace the sockets in it; set agent.socket_dir to a directory "
-                              f"of your own")
-    if st.st_mode & 0o077:
-        raise PermissionError(f"{path} is open to other users (mode {st.st_mode & 0o7777:o}): they could reach the "
-                              f"sockets in it; chmod 700 {path}, or set agent.socket_dir to a new directory (it is "
-                              f"created with mode 700)")
-
-
-def bind_private(sock: socket.socket, path: str, backlog: Optional[int] = None) -> None:
-    """Bind Unix socket ``sock`` at ``path`` in a private directory, readable and writable by this user
-    only (0600) before anyone can connect: it is bound under a temporary name (and listening, with a
-    ``backlog``), then renamed."""
-    private_directory(os.path.dirname(path) or ".")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    sock.bind(tmp)
-    os.chmod(tmp, 0o600)
-    if backlog is not None:
-        sock.listen(backlog)
-    os.replace(tmp, path)
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", creds)
-    return pid, uid, gid
-
-
-def stranger(sock: socket.socket) -> Optional[str]:
-    """Who is at the other end of Unix socket ``sock`` when it is not a process of this job's user (a
-    message naming its pid and uid); None when it is."""
-    pid, uid, _ = peer_credentials(sock)
-    return None if uid == os.geteuid() else f"pid {pid} of uid {uid} (this job runs as uid {os.geteuid()})"
-
-
-class RemoteError(RuntimeError):
-    """The server refused the request. ``kind`` names the server-side exception class; ``busy``
-    says the refusal is temporary (asking again later may succeed)."""
-
-    def __init__(self, message: str, kind: str = "", busy: bool = False):
-        super().__init__(message)
-        self.kind = kind
-        self.busy = busy
-
-
-def describe(address: Address) -> str:
-    return address if isinstance(address, str) else f"{address[0]}:{address[1]}"
-
-
-# ---------------------------------------------------------------------------------------- framing
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(n - len(buf))
-        if not part:
-            raise ConnectionError("the other side closed the connection")
-        buf += part
-    return bytes(buf)
-
-
-def send_frame(sock: socket.socket, msg: dict, payload: Optional[memoryview] = None) -> None:
-    """Write one frame (and ``payload`` after it, announced as ``nbytes``)."""
-    if payload is not None:
-        msg = {**msg, "nbytes": len(payload)}
-    raw = json.dumps({"v": WIRE_VERSION, **msg}, separators=(",", ":")).encode()
-    if len(raw) > MAX_FRAME:
-        raise WireError(f"message of {len(raw)} bytes exceeds the {MAX_FRAME}-byte frame limit")
-    sock.sendall(_LEN.pack(len(raw)) + raw)
-    if payload is not None and len(payload):
-        sock.sendall(payload)
-
-
-def recv_frame(sock: socket.socket, max_bytes: int = MAX_FRAME) -> dict:
-    """Read one frame's object (not its payload: see :func:`recv_into` and :func:`discard`); a frame
-    longer than ``max_bytes`` is refused before it is read."""
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > max_bytes:
-        raise WireError(f"frame of {n} bytes exceeds the {max_bytes}-byte limit")
-    return _decode(_recv_exact(sock, n))
-
-
-def _decode(raw: bytes) -> dict:
-    try:
-        msg = json.loads(raw)
-    except ValueError as e:
-        raise WireError(f"a frame that is not JSON ({e}): {raw[:200]!r}") from None
-    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
-        raise WireError(f"unsupported message (wire version {WIRE_VERSION} expected): {str(msg)[:200]}")
-    return msg
-
-
-# ------------------------------------------------------------------- packets (the spares' sockets)
-#: the largest message on a packet socket (a trainer's request: its arguments and environment)
-PACKET_MAX = 1 << 20
-
-
-def send_packet(sock: socket.socket, msg: dict, fds: tuple[int, ...] = ()) -> None:
-    """One message as one packet of a ``SOCK_SEQPACKET`` Unix socket (the spares' control sockets, which
-    pass standard streams along): the frame's JSON object with the wire version, ``fds`` passed with it
-    (``SCM_RIGHTS``). No length prefix: the socket keeps message boundaries."""
-    raw = json.dumps({"v": WIRE_VERSION, **msg}, separators=(",", ":")).encode()
-    if len(raw) > PACKET_MAX:
-        raise WireError(f"message of {len(raw)} bytes exceeds the {PACKET_MAX}-byte packet limit")
-    if fds:
-        socket.send_fds(sock, [raw], list(fds))
-    else:
-        sock.send(raw)
-
-
-class FieldTable:
-    """A protocol's table checked with the standard library only (for a process that must start in
-    milliseconds, where pydantic's import would cost more than its start): ``ops`` maps each op to its
-    fields' types; :meth:`parse` returns the message, or raises ``ValueError`` naming what is wrong.
-
-    >>> FieldTable("worker", {"exited": {"code": int}}).parse({"v": 1, "op": "exited", "code": "1"})
-    Traceback (most recent call last):
-    ValueError: worker op 'exited': code='1' is invalid: an int is required
-    """
-
-    def __init__(self, name: str, ops: dict[str, dict[str, type]]):
-        self.name, self.ops = name, ops
-
-    def parse(self, msg: dict) -> dict:
-        op = msg.get("op")
-        fields = self.ops.get(op) if isinstance(op, str) else None
-        if fields is None:
-            raise ValueError(f"{self.name} op {op!r} is unknown; allowed: {sorted(self.ops)}")
-        for name, kind in fields.items():
-            value = msg.get(name)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"{self.name} op {op!r}: {name}={value!r} is invalid: an {kind.__name__} is required")
-        return msg
-
-
-def recv_packet(sock: socket.socket, table: Any, max_fds: int = 0) -> tuple[Any, list[int]]:
-    """The next packet's message, typed by ``table`` (a :class:`~.messages.Messages`), and the file
-    descriptors that came with it (at most ``max_fds``). A closed socket is a ``ConnectionError``; a
-    packet that is not this wire's, or a request its table refuses, a :class:`WireError` naming why
-    (its descriptors closed)."""
-    raw, fds, _, _ = socket.recv_fds(sock, PACKET_MAX + 1, max_fds) if max_fds else (sock.recv(PACKET_MAX + 1), [], 0, 0)
-    if not raw:
-        raise ConnectionError("the other side closed the connection")
-    try:
-        if len(raw) > PACKET_MAX:
-            raise WireError(f"a packet of more than {PACKET_MAX} bytes")
-        try:
-            return table.parse(_decode(raw)), list(fds)
-        except ValueError as e:
-            raise WireError(str(e)) from None
-    except WireError:
-        for fd in fds:
-            os.close(fd)
-        raise
-
-
-def recv_into(sock: socket.socket, dst: memoryview) -> None:
-    """Read exactly ``len(dst)`` payload bytes into ``dst``."""
-    done, n = 0, len(dst)
-    while done < n:
-        got = sock.recv_into(dst[done: min(n, done + IO_BLOCK)])
-        if not got:
-            raise ConnectionError(f"the other side closed the connection with {n - done} payload bytes missing")
-        done += got
-
-
-def discard(sock: socket.socket, n: int) -> None:
-    """Read and drop ``n`` payload bytes."""
-    buf = memoryview(bytearray(min(n, IO_BLOCK) or 1))
-    while n > 0:
-        got = sock.recv_into(buf[: min(n, len(buf))])
-        if not got:
-            raise ConnectionError("the other side closed the connection inside a payload")
-        n -= got
-
-
-def _peer(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "a client that left"
-
-
-def _tune_tcp(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
-
-
-def mark(sock: socket.socket, dscp: int) -> None:
-    """Give the packets ``sock`` sends the DiffServ code point ``dscp`` (0-63; the IPv4 TOS or IPv6
-    traffic class byte is ``dscp << 2``), so that a network with traffic classes can queue them apart
-    (:attr:`megatron_ft.config.NetworkConfig.replication_dscp`). Needs no privilege."""
-    if not 0 <= dscp <= 63:
-        raise ValueError(f"dscp {dscp!r}: must be an integer from 0 to 63")
-    if sock.family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, dscp << 2)
-    else:
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
-
-
-def open_socket(address: Address, timeout: float, dscp: int = 0) -> socket.socket:
-    """Connect to ``address`` (bounded by ``timeout``, which then bounds every read and write); a TCP
-    connection's packets carry ``dscp`` (:func:`mark`) when it is not 0."""
-    if isinstance(address, str):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout)
-        try:
-            s.connect(address)
-        except BaseException:
-            s.close()
-            raise
-        return s
-    s = socket.create_connection(tuple(address), timeout=timeout)
-    _tune_tcp(s)
-    if dscp:
-        mark(s, dscp)  # before the first byte: the handshake's SYN went unmarked, no data did
-    return s
 
 
 # ---------------------------------------------------------------------------------------- server
@@ -516,6 +234,16 @@ class Server:
 
 # ---------------------------------------------------------------------------------------- client
 CONNECT_POLL_S = 0.05  # how often Client.connect(wait_s=...) tries again
+
+
+class RemoteError(RuntimeError):
+    """The server refused the request. ``kind`` names the server-side exception class; ``busy``
+    says the refusal is temporary (asking again later may succeed)."""
+
+    def __init__(self, message: str, kind: str = "", busy: bool = False):
+        super().__init__(message)
+        self.kind = kind
+        self.busy = busy
 
 
 class Client:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ft.capture.state import TorchStateAdapter
-from megatron_ft.trainer import device_staging
+from megatron_ft.trainer import device_staging, page_locked
 from megatron_ft.trainer.recovery import Restorer
 from megatron_ft.trainer.snapshot import SnapshotEngine
 
@@ -278,8 +278,8 @@ def test_a_fresh_process_restores_bit_exact_either_way(agent, way, monkeypatch, 
     copies go (several ranges of 64 KiB, on three threads), or through pinned blocks. Bit-exact either
     way; page-locked, the slot stays page-locked for the process's next engine, which reuses it."""
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", way)
-    monkeypatch.setattr(device_staging, "LOCK_RANGE", 64 << 10)
-    monkeypatch.setattr(device_staging, "LOCK_ALIGN", 64 << 10)
+    monkeypatch.setattr(page_locked, "LOCK_RANGE", 64 << 10)
+    monkeypatch.setattr(page_locked, "LOCK_ALIGN", 64 << 10)
     monkeypatch.setattr("megatron_ft.trainer.restore_read.threads_here", lambda n: 3)
     c, m, opt, ad, eng = snapshot_of_step_1(agent)
     want = snapshot_bytes(m, opt)

@@ -11,7 +11,7 @@ import torch
 from megatron_ft.agent import shm
 from megatron_ft.capture import snapfile
 from megatron_ft.capture.state import TorchStateAdapter
-from megatron_ft.trainer import device_staging
+from megatron_ft.trainer import device_staging, page_locked
 from megatron_ft.trainer.recovery import Restorer
 from megatron_ft.trainer.snapshot import SnapshotEngine
 
@@ -485,8 +485,8 @@ def test_a_fresh_process_page_locks_its_slot_range_by_range_while_copying(agent,
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", "page-lock")
     span = 512  # ranges shorter than the 1 KiB chunks: copies from the slot would span two of them
-    monkeypatch.setattr(device_staging, "LOCK_RANGE", span)
-    monkeypatch.setattr(device_staging, "LOCK_ALIGN", span)
+    monkeypatch.setattr(page_locked, "LOCK_RANGE", span)
+    monkeypatch.setattr(page_locked, "LOCK_ALIGN", span)
     monkeypatch.setattr("megatron_ft.trainer.restore_read.threads_here", lambda n: 3 if refuse == "none" else 1)
     c, m, ident, want = snapshot_of_step_1_then_zeroed(agent)
     device_staging.release_page_locked()  # a fresh process
