@@ -259,9 +259,36 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
         log.warning("megatron-ft's DeepSpeed tier was verified with DeepSpeed %sx, this is %s: run "
                     "tests/integration/test_deepspeed.py before relying on it", VERIFIED_DEEPSPEED, deepspeed.__version__)
     if cfg is None:
-        cfg = ftconfig.load(os.environ.get("MFT_CONFIG"))
-        if os.environ.get("MFT_RUN_ID"):
-            cfg = ftconfig.replace(cfg, run_id=os.environ["MFT_RUN_ID"])
+        cfg = _config_from_env()
+    topology = _supported_topology(engine)
+    adapter = DeepSpeedStateAdapter()
+    ckpt = InMemoryCheckpointer(cfg, adapter, dist.get_rank(), dist.get_world_size(), topology)
+    ce = InMemoryCheckpointEngine(engine, ckpt, adapter)
+    disk_engine = engine.checkpoint_engine if engine.checkpoint_engine is not None else TorchCheckpointEngine()
+    engine.checkpoint_engine = ce
+    engine.save_non_zero_checkpoint = True  # every rank keeps its own model-states file
+
+    _patch_take_model_step(engine, ce)
+    _patch_ckpt_names(engine, ce)
+    if topology["pipeline_engine"]:
+        _patch_pipeline_module(engine.module, ce)
+    _patch_load_checkpoint(engine, ce, disk_engine, fallback_to_files)
+    return ce
+
+
+def _config_from_env() -> ftconfig.FTConfig:
+    """The megatron-ft config when none is given: ``$MFT_CONFIG`` or the embedded default, with
+    ``$MFT_RUN_ID`` as its run id if set."""
+    cfg = ftconfig.load(os.environ.get("MFT_CONFIG"))
+    if os.environ.get("MFT_RUN_ID"):
+        cfg = ftconfig.replace(cfg, run_id=os.environ["MFT_RUN_ID"])
+    return cfg
+
+
+def _supported_topology(engine: Any) -> dict:
+    """:func:`deepspeed_topology` of ``engine``, after refusing (``ConfigError``) the layouts whose
+    restore reads other ranks' files: elastic ZeRO checkpoints, universal checkpoints, MoE layers,
+    and the pipeline engine with tensor (slice) parallelism."""
     if engine.zero_optimization_stage() in (1, 2) and engine.zero_elastic_checkpoint():
         raise ftconfig.ConfigError("zero_optimization.elastic_checkpoint=true is invalid with megatron-ft: every rank "
                                    "would read every other rank's optimizer file; set it to false")
@@ -275,14 +302,11 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
     if topology["pipeline_engine"] and engine.grid.get_slice_parallel_world_size() > 1:
         raise ftconfig.ConfigError("the pipeline engine with tensor (slice) parallelism > 1 is not supported by "
                                    "megatron-ft's in-memory tier yet (layer files are merged across slice ranks)")
-    adapter = DeepSpeedStateAdapter()
-    ckpt = InMemoryCheckpointer(cfg, adapter, dist.get_rank(), dist.get_world_size(), topology)
-    ce = InMemoryCheckpointEngine(engine, ckpt, adapter)
-    disk_engine = engine.checkpoint_engine if engine.checkpoint_engine is not None else TorchCheckpointEngine()
-    engine.checkpoint_engine = ce
-    engine.save_non_zero_checkpoint = True  # every rank keeps its own model-states file
+    return topology
 
-    # 1. before each optimizer step: the background copy of the last snapshot must be finished
+
+def _patch_take_model_step(engine: Any, ce: InMemoryCheckpointEngine) -> None:
+    """Before each optimizer step: the background copy of the last snapshot must be finished."""
     take_step = engine._take_model_step
 
     def _take_model_step(*args, **kwargs):
@@ -291,7 +315,10 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
 
     engine._take_model_step = _take_model_step
 
-    # 2. file lists: DeepSpeed globs the checkpoint directory; answer from the restored snapshot
+
+def _patch_ckpt_names(engine: Any, ce: InMemoryCheckpointEngine) -> None:
+    """File lists: DeepSpeed globs the checkpoint directory; while a snapshot is being loaded, answer
+    from the restored snapshot instead (each listed file gets a placeholder on disk)."""
     all_names = engine._get_all_ckpt_names
 
     def _get_all_ckpt_names(checkpoints_path, tag):
@@ -305,11 +332,15 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
 
     engine._get_all_ckpt_names = _get_all_ckpt_names
 
-    if topology["pipeline_engine"]:
-        _patch_pipeline_module(engine.module, ce)
 
-    # 3. load_checkpoint: restore the newest verified snapshot, then let DeepSpeed read it
+def _patch_load_checkpoint(engine: Any, ce: InMemoryCheckpointEngine, disk_engine: Any,
+                           fallback_to_files: bool) -> None:
+    """``load_checkpoint``: restore the newest verified snapshot, then let DeepSpeed read it (with the
+    snapshot's tag) and restore the RNG last. When no snapshot is restored, or it holds another tag
+    than the one asked for: DeepSpeed's own files through ``disk_engine`` if ``fallback_to_files``,
+    else ``(None, None)``."""
     ds_load = engine.load_checkpoint
+    adapter = ce.adapter
 
     def load_checkpoint(load_dir, tag=None, **kwargs):
         ce.ckpt.before_optimizer_step()
@@ -338,7 +369,6 @@ def enable_inmem_ckpt(engine: Any, cfg: Optional[ftconfig.FTConfig] = None,
         return result
 
     engine.load_checkpoint = load_checkpoint
-    return ce
 
 
 def _load_files(engine: Any, disk_engine: Any, ds_load: Any, load_dir: str, tag: Optional[str], **kwargs):

@@ -130,127 +130,187 @@ class RunResult:
 
 def simulate_run(s: Strategy, nodes: int, fm: FailureModel, duration_s: float, seed: int = 0) -> RunResult:
     """One simulated run of ``duration_s`` wall seconds (see the module docstring)."""
-    rng = np.random.default_rng(seed)
-    scale, shape = fm.weibull.scale, fm.shape
-    res = RunResult(duration_s)
-    tau = s.cell_s
-    ss = s.snapshot_stall_s if s.memory else 0.0
-    P = s.persist_every
-    ps = s.persist_stall_s
-    unit = tau + ss
+    return _Simulation(s, nodes, fm, duration_s, seed).run()
 
-    heap = [(float(rng.weibull(shape)) * scale, n) for n in range(nodes)]
-    heapq.heapify(heap)
-    spares = [0.0] * fm.standby  # when each standby node is (again) available
-    hw_times: list[float] = []
-    hw_nodes: list[int] = []
 
-    running = True
-    t0, J0, base_c = 0.0, 0, 0.0  # phase start, cell index restored, when the restored state was protected
-    durable = 0
-    target_J, target_c, target_mem = 0, 0.0, True
-    resume_at = down_mark = 0.0
-    pending_ready = -math.inf
+@dataclass
+class _Schedule:
+    """The arithmetic schedule of one phase (a failure-free stretch of training) that began from cell
+    ``J0``: blocks of ``tau`` computation followed by a ``unit - tau`` snapshot stall, and a ``ps``
+    persist stall after every cell whose index is a multiple of ``P`` (``P`` = 0: never). Offsets
+    ``x`` are seconds since the phase began."""
 
-    def W(j: int) -> float:  # offset of the end of the j-th block of the current phase
-        return j * unit + (ps * ((J0 + j) // P - J0 // P) if P else 0.0)
+    tau: float
+    unit: float
+    ps: float
+    P: int
+    J0: int = 0
 
-    def blocks_done(x: float) -> int:
-        lo, hi = 0, int(x // unit) + 1
+    def block_end(self, j: int) -> float:
+        """Offset of the end of the j-th block of the current phase."""
+        return j * self.unit + (self.ps * ((self.J0 + j) // self.P - self.J0 // self.P) if self.P else 0.0)
+
+    def blocks_done(self, x: float) -> int:
+        """How many blocks (stalls included) have ended by offset ``x``."""
+        lo, hi = 0, int(x // self.unit) + 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if W(mid) <= x:
+            if self.block_end(mid) <= x:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
-    def computed(x: float) -> float:
-        j = blocks_done(x)
-        return j * tau + min(x - W(j), tau)
+    def computed(self, x: float) -> float:
+        """Seconds of computation done by offset ``x`` (the rest of ``x`` went to save stalls)."""
+        j = self.blocks_done(x)
+        return j * self.tau + min(x - self.block_end(j), self.tau)
 
-    def newest_usable(x: float, latency: float, step: int) -> int:
+    def newest_usable(self, x: float, latency: float, step: int) -> int:
         """Largest j >= 1, J0 + j a multiple of ``step``, whose save is usable by offset x; 0 if none."""
-        lo_i = J0 // step + 1
-        hi_i = (J0 + int(x // unit) + 2) // step
+        lo_i = self.J0 // step + 1
+        hi_i = (self.J0 + int(x // self.unit) + 2) // step
         best = 0
         while lo_i <= hi_i:
             mid = (lo_i + hi_i) // 2
-            j = mid * step - J0
-            if W(j - 1) + tau + latency <= x:
+            j = mid * step - self.J0
+            if self.block_end(j - 1) + self.tau + latency <= x:
                 best, lo_i = j, mid + 1
             else:
                 hi_i = mid - 1
         return best
 
-    while True:
-        tf, node = heap[0]
-        if not running and resume_at <= min(tf, duration_s):
-            res.down_s += resume_at - down_mark
-            running, t0, J0, base_c, pending_ready = True, resume_at, target_J, resume_at, -math.inf
-        if tf >= duration_s:
-            break
-        heapq.heapreplace(heap, (tf + float(rng.weibull(shape)) * scale, node))
-        hardware = rng.random() >= fm.software_fraction
-        res.failures += 1
-        cand_J: Optional[int] = None
-        if running:
-            x = tf - t0
-            comp = computed(x)
-            res.compute_s += comp
-            res.stall_s += x - comp
-            progress = J0 * tau + comp
-            if s.memory:
-                j = newest_usable(x, s.snapshot_latency_s, 1)
-                if P and s.persist_pins:  # a persist in progress pins a slot: one newer snapshot at most
-                    jp = newest_usable(x, 0.0, P)
-                    if jp and W(jp - 1) + tau + s.persist_latency_s > x:
-                        j = min(j, jp + 1)
-                cand_J, cand_c = (J0 + j, t0 + W(j - 1) + tau + s.snapshot_latency_s) if j else (J0, base_c)
-            if P:
-                j = newest_usable(x, s.persist_latency_s, P)
-                if j:
-                    durable = max(durable, J0 + j)
-        else:
-            res.down_s += tf - down_mark
-            progress = target_J * tau
-            if target_mem:
-                cand_J, cand_c = target_J, target_c
-        if hardware:
-            res.hardware_failures += 1
-            hw_times.append(tf)
-            hw_nodes.append(node)
-            heapq.heappush(spares, tf + fm.replacement_s)  # the provider's replacement / new standby
-            pending_ready = max(pending_ready, tf, heapq.heappop(spares))
-        use_mem, peer = False, False
-        if cand_J is not None:
-            lost_nodes = set(hw_nodes[bisect.bisect_left(hw_times, cand_c):])
-            if not lost_nodes:
-                use_mem = True
-            elif s.placement is not None and s.placement.survives(lost_nodes):
-                use_mem, peer = True, True
-        if use_mem:
-            target_J, target_c, target_mem = cand_J, cand_c, True
-            read_back = s.peer_restore_s if peer else s.local_restore_s
-            res.memory_recoveries += 1
-        else:
-            target_J, target_mem = durable, False
-            read_back = s.retrieve_s
-            res.disk_recoveries += 1
-        res.lost_s += progress - target_J * tau
-        running, down_mark = False, tf
-        resume_at = max(tf, pending_ready) + fm.restart_s + read_back
 
-    if running:
-        x = duration_s - t0
-        comp = computed(x)
-        res.compute_s += comp
-        res.stall_s += x - comp
-        res.progress_s = J0 * tau + comp
-    else:
-        res.down_s += duration_s - down_mark
-        res.progress_s = target_J * tau
-    return res
+class _Simulation:
+    """The state of one :func:`simulate_run`, advanced failure by failure (the events of a heap of
+    each node's next failure time)."""
+
+    def __init__(self, s: Strategy, nodes: int, fm: FailureModel, duration_s: float, seed: int):
+        self.s, self.fm, self.duration_s = s, fm, duration_s
+        self.rng = np.random.default_rng(seed)
+        self.scale, self.shape = fm.weibull.scale, fm.shape
+        self.res = RunResult(duration_s)
+        self.tau = s.cell_s
+        ss = s.snapshot_stall_s if s.memory else 0.0
+        self.sched = _Schedule(self.tau, self.tau + ss, s.persist_stall_s, s.persist_every)
+
+        self.heap = [(float(self.rng.weibull(self.shape)) * self.scale, n) for n in range(nodes)]
+        heapq.heapify(self.heap)
+        self.spares = [0.0] * fm.standby  # when each standby node is (again) available
+        self.hw_times: list[float] = []
+        self.hw_nodes: list[int] = []
+
+        self.running = True
+        # phase start, when the restored state was protected (the cell index restored is sched.J0)
+        self.t0, self.base_c = 0.0, 0.0
+        self.durable = 0
+        self.target_J, self.target_c, self.target_mem = 0, 0.0, True
+        self.resume_at = self.down_mark = 0.0
+        self.pending_ready = -math.inf
+
+    def run(self) -> RunResult:
+        while True:
+            tf, node = self.heap[0]
+            if not self.running and self.resume_at <= min(tf, self.duration_s):
+                self._resume()
+            if tf >= self.duration_s:
+                break
+            self._fail(tf, node)
+        if self.running:
+            self.res.progress_s = self._account_phase(self.duration_s)
+        else:
+            self.res.down_s += self.duration_s - self.down_mark
+            self.res.progress_s = self.target_J * self.tau
+        return self.res
+
+    def _resume(self) -> None:
+        """The downtime ends at ``resume_at``: a new phase begins from the restore target."""
+        self.res.down_s += self.resume_at - self.down_mark
+        self.running, self.t0, self.sched.J0, self.base_c, self.pending_ready = (
+            True, self.resume_at, self.target_J, self.resume_at, -math.inf)
+
+    def _fail(self, tf: float, node: int) -> None:
+        """Node ``node`` fails at ``tf``: draw its next failure and whether this one is hardware, roll
+        the job back and start (or start over) the downtime."""
+        heapq.heapreplace(self.heap, (tf + float(self.rng.weibull(self.shape)) * self.scale, node))
+        hardware = self.rng.random() >= self.fm.software_fraction
+        self.res.failures += 1
+        cand: Optional[tuple[int, float]] = None  # in-memory snapshot: (cell index, when it became usable)
+        if self.running:
+            progress = self._account_phase(tf)
+            if self.s.memory:
+                cand = self._snapshot_candidate(tf - self.t0)
+            if self.sched.P:
+                j = self.sched.newest_usable(tf - self.t0, self.s.persist_latency_s, self.sched.P)
+                if j:
+                    self.durable = max(self.durable, self.sched.J0 + j)
+        else:
+            self.res.down_s += tf - self.down_mark
+            progress = self.target_J * self.tau
+            if self.target_mem:
+                cand = (self.target_J, self.target_c)
+        if hardware:
+            self._lose_node(tf, node)
+        self._roll_back(tf, progress, cand)
+
+    def _account_phase(self, t: float) -> float:
+        """Add the running phase's computation and save stalls up to wall time ``t``; return the job's
+        progress (computation since the start, nothing rolled back) at ``t``."""
+        x = t - self.t0
+        comp = self.sched.computed(x)
+        self.res.compute_s += comp
+        self.res.stall_s += x - comp
+        return self.sched.J0 * self.tau + comp
+
+    def _snapshot_candidate(self, x: float) -> tuple[int, float]:
+        """The newest in-memory snapshot usable at offset ``x`` of the running phase (a persist in
+        progress pins a slot: one newer snapshot at most), else the state this phase began from:
+        (cell index, wall time it became usable)."""
+        s, sched = self.s, self.sched
+        j = sched.newest_usable(x, s.snapshot_latency_s, 1)
+        if sched.P and s.persist_pins:
+            jp = sched.newest_usable(x, 0.0, sched.P)
+            if jp and sched.block_end(jp - 1) + sched.tau + s.persist_latency_s > x:
+                j = min(j, jp + 1)
+        if j:
+            return sched.J0 + j, self.t0 + sched.block_end(j - 1) + sched.tau + s.snapshot_latency_s
+        return sched.J0, self.base_c
+
+    def _lose_node(self, tf: float, node: int) -> None:
+        """A hardware failure: record it, and take a standby (or wait for a replacement)."""
+        self.res.hardware_failures += 1
+        self.hw_times.append(tf)
+        self.hw_nodes.append(node)
+        heapq.heappush(self.spares, tf + self.fm.replacement_s)  # the provider's replacement / new standby
+        self.pending_ready = max(self.pending_ready, tf, heapq.heappop(self.spares))
+
+    def _memory_read_back(self, cand: Optional[tuple[int, float]]) -> Optional[float]:
+        """Seconds to read the in-memory snapshot ``cand`` back (local or from peers), or None if it
+        is gone: every hardware failure since it became usable must be tolerated by the placement."""
+        if cand is None:
+            return None
+        lost_nodes = set(self.hw_nodes[bisect.bisect_left(self.hw_times, cand[1]):])
+        if not lost_nodes:
+            return self.s.local_restore_s
+        if self.s.placement is not None and self.s.placement.survives(lost_nodes):
+            return self.s.peer_restore_s
+        return None
+
+    def _roll_back(self, tf: float, progress: float, cand: Optional[tuple[int, float]]) -> None:
+        """Restore from ``cand`` if it survived, else from the newest durable checkpoint; the job is
+        down from ``tf`` until the restart and read-back (after any replacement wait) are done."""
+        read_back = self._memory_read_back(cand)
+        if read_back is not None:
+            assert cand is not None
+            (self.target_J, self.target_c), self.target_mem = cand, True
+            self.res.memory_recoveries += 1
+        else:
+            self.target_J, self.target_mem = self.durable, False
+            read_back = self.s.retrieve_s
+            self.res.disk_recoveries += 1
+        self.res.lost_s += progress - self.target_J * self.tau
+        self.running, self.down_mark = False, tf
+        self.resume_at = max(tf, self.pending_ready) + self.fm.restart_s + read_back
 
 
 # ------------------------------------------------------------------------------------ strategies

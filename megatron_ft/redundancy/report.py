@@ -186,8 +186,22 @@ def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_fai
     for gi, g in enumerate(plan.groups):
         shapes.setdefault(_shape(g), []).append(gi)
     lines.append(f"scheme: {plan.label}: {len(plan.groups)} group(s)")
+    lines.extend(_holdings_lines(plan, shapes, show_groups, max_nodes))
+    lines.append("")
+    lines.extend(_memory_lines(plan, state_bytes))
+    lines.append("")
+    lines.extend(_survived_lines(plan, shapes))
+    lines.append("")
+    lines.extend(_probability_lines(plan, max_failures, node_failure_prob))
+    return "\n".join(lines)
 
-    # ---- who holds what
+
+def _holdings_lines(plan: RedundancyPlan, shapes: dict[tuple, list[int]], show_groups: int,
+                    max_nodes: int) -> list[str]:
+    """The "who holds what" section: the first ``show_groups`` groups and one of every other shape
+    (``shapes``: group indices by :func:`_shape`) node by node, the rest summed up in one line;
+    a one-line note (without the section's leading blank line) when every group is local only."""
+    lines = []
     if not isinstance(plan.groups[0], LocalGroup):
         shown = list(range(min(show_groups, len(plan.groups))))
         for ids in shapes.values():  # at least one group of every shape
@@ -203,9 +217,13 @@ def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_fai
             lines.append(f"groups {fmt_ranges(rest)} ({len(rest)} more): the same layouts on their own nodes")
     else:
         lines.append("  every node holds only its own ranks: a lost node is recovered from disk")
+    return lines
 
-    # ---- memory
-    lines.append("")
+
+def _memory_lines(plan: RedundancyPlan, state_bytes: Optional[int]) -> list[str]:
+    """The memory section: per node for one snapshot version, in bytes if ``state_bytes`` (one rank's
+    state) is given, else in units of one rank's state ``S``."""
+    lines = []
     unit = state_bytes if state_bytes is not None else 1
     mem = plan.memory(unit)
     totals = [x.total for x in mem]
@@ -228,21 +246,30 @@ def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_fai
         lean = [x.redundancy if x.node in parity else x.total for x in mem]
         lines.append(f"  (a parity node's own ranks are also in the data chunks; ECHECK keeps only its chunk there: "
                      f"max {b(max(lean))}, mean {b(sum(lean) / len(lean))} per node without that local copy)")
+    return lines
 
-    # ---- failures survived
-    lines.append("")
-    lines.append("simultaneous node failures survived:")
+
+def _survived_lines(plan: RedundancyPlan, shapes: dict[tuple, list[int]]) -> list[str]:
+    """The section on simultaneous node failures survived: one line per group shape, one for the job."""
+    lines = ["simultaneous node failures survived:"]
     for shape, ids in shapes.items():
         g = plan.groups[ids[0]]
         lines.append(f"  {len(ids)} group(s) like group {ids[0]} ({len(g.members)} node{'s' if len(g.members) > 1 else ''}): "
                      f"{_survives_text(g)}")
     lines.append(f"  whole job: any {plan.tolerance()} failure(s) wherever they fall")
+    return lines
 
-    # ---- probabilities
+
+def _probability_lines(plan: RedundancyPlan, max_failures: Optional[int],
+                       node_failure_prob: Optional[float]) -> list[str]:
+    """The probabilities section: P(recover from memory | k nodes fail at once) for k = 1 ..
+    ``max_failures`` (default 8, at most the node count), and with ``node_failure_prob`` the
+    probability that every group recovers when each node fails independently."""
+    topo = plan.topology
+    lines = []
     kmax = min(topo.nodes, max_failures if max_failures is not None else 8)
     counts = plan.survivable_counts(kmax)
     corollary = plan.scheme == "replica" and topo.nodes % plan.replicas == 0
-    lines.append("")
     lines.append(f"P(recover from memory | k of {topo.nodes} nodes fail at once), exact count of survivable "
                  f"k-sets (megatron_ft.policy.recoverability)" + ("; GEMINI Corollary 1 bound beside it" if corollary else ""))
     for k in range(1, kmax + 1):
@@ -258,7 +285,7 @@ def format_plan(plan: RedundancyPlan, state_bytes: Optional[int] = None, max_fai
         q = node_failure_prob
         lines.append(f"P(every group recovers) with each node failed independently with probability {q:g} "
                      f"(ECHECK eq. 1-2 over all groups): {survival_probability(plan.policy_placement(), q):.6f}")
-    return "\n".join(lines)
+    return lines
 
 
 def add_parser(sub) -> None:

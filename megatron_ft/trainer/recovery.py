@@ -379,87 +379,121 @@ class Restorer:
                        upto: Optional[int] = None) -> Optional[RestoreResult]:
         """Collective: the first candidate (at most step ``upto``) every rank restores, tier by tier, or
         ``None``. ``attempt`` carries what was rejected, refused and touched across calls."""
-        rejected, refused = attempt.rejected, attempt.refused
         # local memory first (every rank agrees from its own agent's versions, no peer traffic); when
         # no step is common, local and peer holdings together; then disk
         tiers = (("local", self.local_candidates), ("memory", self.memory_candidates), ("disk", self.disk_candidates))
         for tier, cands in tiers:
             if tier == "disk":
                 self._check_memory_known()
-            by_step = {c.step: c for c in cands() if c.step not in refused and (upto is None or c.step <= upto)}
+            by_step = {c.step: c for c in cands()
+                       if c.step not in attempt.refused and (upto is None or c.step <= upto)}
             listed = time.perf_counter()
             if tier == "disk" and by_step:
                 log.warning("rank %d: no version every rank can restore from memory (local, or rebuilt from the "
                             "redundancy group: more nodes lost than it tolerates?); falling back to the newest "
                             "persisted checkpoint on disk", self.rank)
             for step in self._common_steps(list(by_step)):
-                faultpoints.reached("restore", step, self.rank)
-                cont: Optional[Container] = None
-                targets: dict = {}
-                ok = True
-                try:
-                    by_step[step] = self._materialize(by_step[step])
-                    cont = Container(by_step[step].path)
-                    cont.check_identity(self.identity, step)
-                    targets = resolve_targets(cont, adapter)
-                except (snapfile.SnapshotFormatError, OSError, ValueError, KeyError, AgentError) as e:
-                    ok = False
-                    rejected.append(f"{tier} step {step}: {e}")
-                    log.warning("rank %d: rejecting %s step %d: %s", self.rank, tier, step, e)
-                if not self._all_ok(ok):
-                    if ok:
-                        rejected.append(f"{tier} step {step}: rejected by another rank")
-                    if cont is not None:
-                        cont.close()
-                    continue
-                assert cont is not None
-                attempt.touched = True
-                bad_values: list[str] = []
-                marks = {"listed": listed, "opened": time.perf_counter()}
-                screens: list[guard.ValueScreen] = []  # the guard's reads, queued as the copies land
-
-                def screen_values() -> None:
-                    screens.append(guard.ValueScreen({n: t.saved_view() for n, t in targets.items()
-                                                      if t.values_checked}))
-                try:
-                    cont.load_verified(targets, after_copies=screen_values if self.check_values else None)
-                    ok = True
-                except (snapfile.SnapshotFormatError, OSError) as e:
-                    ok = False
-                    rejected.append(f"{tier} step {step}: {e}")
-                    log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
-                    self._invalidate(by_step[step])
-                marks.update(cont.marks, loaded=time.perf_counter())
-                if ok and self.check_values:
-                    if not screens:
-                        screen_values()
-                    bad_values = screens[0].result()
-                    if bad_values:
-                        ok = False
-                        rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "
-                                        f"({', '.join(bad_values[:3])})")
-                        log.error("rank %d: %s step %d passed its checksums but holds NaN or Inf in %s: refused",
-                                  self.rank, tier, step, ", ".join(bad_values[:5]))
-                marks["guarded"] = time.perf_counter()
-                all_ok, any_refused = self._agree(ok, bool(bad_values))
-                if all_ok:
-                    finish_load(cont, adapter, targets)
-                    marks["finished"] = time.perf_counter()
-                    extra = cont.version.get("extra", {})
-                    cont.close()
-                    self._rewind(step)
-                    marks["rewound"] = end = time.perf_counter()
-                    return RestoreResult(by_step[step].source, step, end - t0, extra, rejected, len(refused),
-                                         phases={k: v - t0 for k, v in marks.items()})
-                cont.close()
-                if any_refused:  # a bad version, not a bad copy: every rank drops its copy and rolls back
-                    refused.add(step)
-                    if not bad_values:
-                        rejected.append(f"{tier} step {step}: refused by the guard on another rank")
-                    self._check_rollbacks(step, self._refuse(by_step[step]), refused, rejected)
-                elif ok:
-                    rejected.append(f"{tier} step {step}: corrupt on another rank")
+                res = self._try_candidate(adapter, t0, attempt, tier, by_step[step], listed)
+                if res is not None:
+                    return res
         return None
+
+    def _try_candidate(self, adapter: StateAdapter, t0: float, attempt: "_Attempt", tier: str, cand: Candidate,
+                       listed: float) -> Optional[RestoreResult]:
+        """Collective: restore ``cand``, a step every rank listed in ``tier`` (``listed``: when). Every rank
+        opens and checks it, and all agree (nothing touched yet); then each loads, verifies and screens
+        it, and all agree again. Returns the result when every rank restored it. Else ``None``, with why
+        in ``attempt.rejected``; a version a guard refused is added to ``attempt.refused`` and every rank
+        rolls back past it (:meth:`_check_rollbacks` raises when too many were)."""
+        rejected, refused, step = attempt.rejected, attempt.refused, cand.step
+        faultpoints.reached("restore", step, self.rank)
+        cand, cont, targets, ok = self._open_candidate(tier, cand, adapter, rejected)
+        if not self._all_ok(ok):
+            if ok:
+                rejected.append(f"{tier} step {step}: rejected by another rank")
+            if cont is not None:
+                cont.close()
+            return None
+        assert cont is not None
+        attempt.touched = True
+        marks = {"listed": listed, "opened": time.perf_counter()}
+        ok, bad_values = self._load_checked(tier, cand, cont, targets, rejected, marks)
+        marks["guarded"] = time.perf_counter()
+        all_ok, any_refused = self._agree(ok, bool(bad_values))
+        if all_ok:
+            finish_load(cont, adapter, targets)
+            marks["finished"] = time.perf_counter()
+            extra = cont.version.get("extra", {})
+            cont.close()
+            self._rewind(step)
+            marks["rewound"] = end = time.perf_counter()
+            return RestoreResult(cand.source, step, end - t0, extra, rejected, len(refused),
+                                 phases={k: v - t0 for k, v in marks.items()})
+        cont.close()
+        if any_refused:  # a bad version, not a bad copy: every rank drops its copy and rolls back
+            refused.add(step)
+            if not bad_values:
+                rejected.append(f"{tier} step {step}: refused by the guard on another rank")
+            self._check_rollbacks(step, self._refuse(cand), refused, rejected)
+        elif ok:
+            rejected.append(f"{tier} step {step}: corrupt on another rank")
+        return None
+
+    def _open_candidate(self, tier: str, cand: Candidate, adapter: StateAdapter,
+                        rejected: list[str]) -> tuple[Candidate, Optional[Container], dict, bool]:
+        """This rank's checks of ``cand`` before any byte of the training state moves: a peer candidate is
+        rebuilt into a local slot first, then its container is opened, its header and identity checked
+        and every saved tensor's destination resolved. Returns (the candidate, with its local path once
+        rebuilt; the container, if it opened; the destinations; whether every check passed); a failure
+        is logged and added to ``rejected``. The caller closes the container."""
+        step = cand.step
+        cont: Optional[Container] = None
+        targets: dict = {}
+        try:
+            cand = self._materialize(cand)
+            cont = Container(cand.path)
+            cont.check_identity(self.identity, step)
+            targets = resolve_targets(cont, adapter)
+        except (snapfile.SnapshotFormatError, OSError, ValueError, KeyError, AgentError) as e:
+            rejected.append(f"{tier} step {step}: {e}")
+            log.warning("rank %d: rejecting %s step %d: %s", self.rank, tier, step, e)
+            return cand, cont, targets, False
+        return cand, cont, targets, True
+
+    def _load_checked(self, tier: str, cand: Candidate, cont: Container, targets: dict, rejected: list[str],
+                      marks: dict) -> tuple[bool, list[str]]:
+        """This rank's load of ``cand``: read ``cont`` into ``targets`` verifying every chunk (a corrupt copy
+        is invalidated), then, with ``check_values``, the guard's screen of the restored values (on the
+        GPU path queued as the copies land). Adds the container's marks and ``loaded`` to ``marks``; a
+        failure is logged and added to ``rejected``. Returns (whether this rank's copy passed both, the
+        tensors holding NaN or Inf: non-empty only when the guard refused the values)."""
+        step = cand.step
+        bad_values: list[str] = []
+        screens: list[guard.ValueScreen] = []  # the guard's reads, queued as the copies land
+
+        def screen_values() -> None:
+            screens.append(guard.ValueScreen({n: t.saved_view() for n, t in targets.items()
+                                              if t.values_checked}))
+        try:
+            cont.load_verified(targets, after_copies=screen_values if self.check_values else None)
+            ok = True
+        except (snapfile.SnapshotFormatError, OSError) as e:
+            ok = False
+            rejected.append(f"{tier} step {step}: {e}")
+            log.warning("rank %d: %s step %d is corrupt: %s", self.rank, tier, step, e)
+            self._invalidate(cand)
+        marks.update(cont.marks, loaded=time.perf_counter())
+        if ok and self.check_values:
+            if not screens:
+                screen_values()
+            bad_values = screens[0].result()
+            if bad_values:
+                ok = False
+                rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "
+                                f"({', '.join(bad_values[:3])})")
+                log.error("rank %d: %s step %d passed its checksums but holds NaN or Inf in %s: refused",
+                          self.rank, tier, step, ", ".join(bad_values[:5]))
+        return ok, bad_values
 
     def _refuse(self, cand: Candidate) -> int:
         """Every rank, for the version the guard refused on some rank: :func:`refuse_version`."""
