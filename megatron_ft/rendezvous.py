@@ -7,8 +7,8 @@ every node's keys.
 * :class:`FatalWatch`: a launcher's thread that waits on the record for another node's fatal record.
 
 Messages per launcher (N nodes): at its start, the record's owners once (ceil(N / 512) parts) and the
-``rdzv`` key; per generation, ``job/owners`` read every 0.2 s until every node has an agent and a
-launcher (usually at once), then the owners parts that changed; after a failed torchrun, one long poll
+``rdzv`` key; per generation, a long poll on ``job/owners`` until every node has an agent and a
+launcher (usually at once; woken by its change), then the owners parts that changed; after a failed torchrun, one long poll
 and two index reads per 0.5 s while it waits for the evidence and the next host; while torchrun runs,
 the ``rdzv`` key every 2 s and :class:`FatalWatch`'s long poll (one per 10 s or per change of the
 events). A standby: one long poll per 10 s or per change of the events, and a compare-and-set per new
@@ -226,8 +226,8 @@ class Rendezvous:
 
     def begin(self, cur: RdzvGeneration) -> None:
         """Before torchrun runs generation ``cur``: remember every node's agent and launcher; the
-        host publishes the generation (so a replacement of this node knows it hosted it). Reads
-        ``job/owners`` every 0.2 s (at most 15 s) until every node has both, then its changed parts."""
+        host publishes the generation (so a replacement of this node knows it hosted it). Long-polls
+        ``job/owners`` (at most 15 s) until every node has both, then reads its changed parts."""
         if self.store is None:
             return
         from .health.store import StoreUnavailable
@@ -236,9 +236,7 @@ class Rendezvous:
         try:
             # every node's agent heartbeats within moments of its start, naming its launcher within a
             # heartbeat of an adoption
-            deadline = Deadline(15.0, "every node's agent and launcher")
-            while self.view.complete() < nodes and deadline.pause(0.2):
-                pass
+            self.view.wait_complete(nodes, 15.0)
             rec = self.view.refresh(owners=True)
             self.owners = {n: owners_in(rec, n) for n in range(nodes)}
             if cur.node == self.node:

@@ -131,7 +131,11 @@ class LaunchConfig(_Section):
     max_restarts: _int(0) = 3
     #: a node whose agent does not start within this many seconds ends the job, naming the node
     start_timeout_s: _num(1.0) = 120.0
-    #: torchrun's rendezvous drops a node whose torchrun sent no keep-alive for
+    #: torchrun's rendezvous backend: ``megatron-ft`` (nodes joined by their node id; a lost node's place
+    #: is open to its replacement at once, nothing polls: megatron_ft/torchrun/node_rendezvous.py) or
+    #: ``c10d`` (torch's own, which waits out a lost node's keep-alives: the two settings below)
+    rendezvous: Literal["megatron-ft", "c10d"] = "megatron-ft"
+    #: ``c10d`` only: torchrun's rendezvous drops a node whose torchrun sent no keep-alive for
     #: ``rdzv_keep_alive_s x rdzv_keep_alive_attempts`` seconds (its wall clock against the others':
     #: keep the hosts' clocks in sync); a lost node's place opens for its replacement only then
     #: (torch's defaults, 5 s x 3, made every node loss wait 10-15 s)

@@ -63,6 +63,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ..clock import Deadline
 from .kv import StoreUnavailable
 
 log = logging.getLogger("megatron_ft.health")
@@ -363,6 +364,18 @@ class JobView:
         raw = self.store.get(OWNERS_KEY)
         idx = _json(raw) if raw is not None else None
         return int(idx.get("complete", 0)) if idx is not None and idx.get("format") == OWNERS_FORMAT else 0
+
+    def wait_complete(self, nodes: int, within_s: float) -> int:
+        """:meth:`complete` once it reaches ``nodes``, or after ``within_s``: a long poll on ``job/owners``,
+        woken by its change (a new node's agent or launcher), not a read per period."""
+        deadline = Deadline(within_s, "every node's agent and launcher")
+        raw = self.store.get(OWNERS_KEY)
+        while True:
+            idx = _json(raw) if raw is not None else None
+            n = int(idx.get("complete", 0)) if idx is not None and idx.get("format") == OWNERS_FORMAT else 0
+            if n >= nodes or deadline.expired():
+                return n
+            raw = self.store.watch(OWNERS_KEY, raw, min(1.0, deadline.left()))
 
     def close(self) -> None:
         """Nothing to end (no thread: every read is the caller's)."""

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Optional
 
+from ..clock import Deadline
 from .etcd import EtcdKV
 from .job_record import RANGE, JobRecord, apply
 from .kv import StoreUnavailable
@@ -93,6 +94,14 @@ class EtcdJobView:
         self._start()
         with self._cond:
             return self._rec.complete()
+
+    def wait_complete(self, nodes: int, within_s: float) -> int:
+        """:meth:`complete` once it reaches ``nodes``, or after ``within_s`` (folded by the watch thread:
+        no request here)."""
+        deadline = Deadline(within_s, "every node's agent and launcher")
+        while (n := self.complete()) < nodes and not deadline.expired():
+            self.wait(self.version, min(0.1, deadline.left()))
+        return n
 
     def wait(self, after: int, wait_s: float) -> JobRecord:
         """The record once :attr:`version` is past ``after``, or after ``wait_s``."""

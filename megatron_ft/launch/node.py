@@ -30,6 +30,9 @@ from ..spares import prestart
 from ..spares.lifetime import die_with_parent
 from ..trainer.in_process import nccl_env_defaults
 
+#: how a launcher runs torchrun (a standby pre-starts it): torch's, with megatron-ft's rendezvous backend
+TORCHRUN_MODULE = "megatron_ft.torchrun"
+
 #: set in the trainers' environment unless it already sets them: none by default. ``TORCH_GLOO_LAZY_INIT=1``
 #: (a gloo group connects a pair of its ranks on their first operation together instead of a full mesh
 #: when the group is made) is the operator's choice, not set here: measured with torch 2.13, a collective
@@ -209,16 +212,19 @@ class NodeLauncher:
 
     # ------------------------------------------------------------------ torchrun
     def torchrun_cmd(self) -> list[str]:
+        """torchrun for the current generation (``python -m megatron_ft.torchrun``: torch's, with the
+        ``megatron-ft`` rendezvous backend registered), with ``launch.rendezvous``'s backend."""
         lc = self.cfg.launch
+        # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
+        conf = (f"is_host={'true' if self.node == self.rdzv.node else 'false'},"
+                f"join_timeout={max(1, int(lc.start_timeout_s))},")
+        conf += (f"node={self.node}" if lc.rendezvous == "megatron-ft" else
+                 f"keep_alive_interval={lc.rdzv_keep_alive_s},keep_alive_max_attempt={lc.rdzv_keep_alive_attempts}")
         return [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-m", TORCHRUN_MODULE,
             f"--nnodes={self.nodes}", f"--nproc-per-node={self.nproc}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.rdzv.addr}:{self.rdzv.port}",
-            f"--rdzv-id={self.cfg.run_id}-g{self.rdzv.gen}",
-            # a node that never arrives ends the rendezvous after launch.start_timeout_s, not 15 minutes
-            f"--rdzv-conf=is_host={'true' if self.node == self.rdzv.node else 'false'},"
-            f"join_timeout={max(1, int(lc.start_timeout_s))},"
-            f"keep_alive_interval={lc.rdzv_keep_alive_s},keep_alive_max_attempt={lc.rdzv_keep_alive_attempts}",
+            f"--rdzv-backend={lc.rendezvous}", f"--rdzv-endpoint={self.rdzv.addr}:{self.rdzv.port}",
+            f"--rdzv-id={self.cfg.run_id}-g{self.rdzv.gen}", f"--rdzv-conf={conf}",
             f"--max-restarts={lc.max_restarts}", "--monitor-interval=0.1",
             # with warm spares torchrun's workers are stand-ins for trainers forked from the pool
             *(["-m", "megatron_ft.spares.worker"] if self.pool is not None else []),

@@ -19,14 +19,14 @@ from .. import network
 from ..rendezvous import JobEnded, claim_failed_node
 from ..spares import prestart
 from ..spares.lifetime import die_with_parent
-from .node import NodeLauncher, write_config
+from .node import TORCHRUN_MODULE, NodeLauncher, write_config
 
 STARTED = time.time()  # this launcher's start (a standby heeds only job ends recorded after it, less a timeout)
 
 
 #: what a standby pre-starts (``spares.prestart``): its node's agent and torchrun, imports done
 AGENT_MODULE, AGENT_PRELOAD = "megatron_ft.agent", ("megatron_ft.agent.server",)
-TORCHRUN_MODULE = "torch.distributed.run"
+TORCHRUN_PRELOAD = ("torch.distributed.run", "megatron_ft.torchrun.node_rendezvous")
 
 
 def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[str]) -> int:
@@ -38,7 +38,7 @@ def run_standby(args: argparse.Namespace, cfg: ftconfig.FTConfig, script: list[s
     with open(os.path.join(args.run_dir, f"standby{os.getpid()}.agent.log"), "ab") as logf:
         agent = prestart.start(AGENT_MODULE, AGENT_PRELOAD, stdout=logf, stderr=subprocess.STDOUT,
                                start_new_session=True)
-    torchrun = prestart.start(TORCHRUN_MODULE, (TORCHRUN_MODULE,), preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    torchrun = prestart.start(TORCHRUN_MODULE, TORCHRUN_PRELOAD, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     if cfg.launch.warm_spares:  # warm while waiting: the node it takes over starts no trainer cold
         from ..spares import pool as spares
 

@@ -530,7 +530,7 @@ def node_workers(run_dir: str, node: int) -> list[int]:
     try:
         launcher = psutil.Process(node_pid(run_dir, node, "launcher") or -1)
         for child in launcher.children():
-            if "torch.distributed.run" in " ".join(child.cmdline()):
+            if "megatron_ft.torchrun" in " ".join(child.cmdline()):  # the launcher's torchrun
                 out = [w.pid for w in child.children() if "megatron_ft.spares.worker" not in " ".join(w.cmdline())]
         pool = node_pid(run_dir, node, "spares")
         if pool is not None:

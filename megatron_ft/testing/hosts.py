@@ -122,7 +122,7 @@ class Listener(NamedTuple):
             return "store host"
         if "megatron_ft.agent" in self.process:
             return "agent"
-        if "torch.distributed.run" in self.process:
+        if "megatron_ft.torchrun" in self.process or "torch.distributed.run" in self.process:
             return "torchrun"
         if " launch" in self.process and "megatron" in self.process and "spares" not in self.process:
             return "launcher"

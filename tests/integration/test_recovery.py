@@ -204,7 +204,7 @@ def test_node_lost_standby_takes_its_place(tmp_path, reference_dir):
     # its agent and torchrun were started before the failure, their imports done while it waited
     agent_log = (tmp_path / "demo" / "run" / "node1" / "agent.log").read_text()
     assert "megatron_ft.agent: pre-started" in agent_log, agent_log[-2000:]
-    assert "torch.distributed.run: pre-started" in log, log[-2000:]
+    assert "megatron_ft.torchrun: pre-started" in log, log[-2000:]
 
 
 # both with the slow set (default-suite time, CI < 15 min); the default suite decodes through the agents in

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the node's agent", {"agent"}),
     ("warm spares", {"spares"}),
     ("the trainer", {"trainer"}),
-    ("integrations and the launcher", {"megatron", "deepspeed", "launch", "rendezvous", "deploy"}),
+    ("integrations and the launcher", {"megatron", "deepspeed", "launch", "rendezvous", "deploy", "torchrun"}),
     ("the harness", {"testing"}),  # never imported by the runtime (test_the_runtime_imports_nothing_...)
     ("the command line", {"cli"}),  # the one entry point that dispatches to the harness (ENTRY_POINTS)
 ]
