@@ -54,6 +54,8 @@ SCENARIOS = {
     # a trainer SIGSTOPped, never resumed: the hang rule's verdict (SIGKILL), then a crash's recovery
     "hang": ["--fail=hang"],
     "node-standby": ["--fail=node", "--redundancy=replica", "--standby"],
+    # the same takeover through torch's c10d rendezvous (launch.rendezvous: c10d), side by side
+    "node-standby, c10d": ["--fail=node", "--redundancy=replica", "--standby", "--config={c10d_config}"],
     # upstream Megatron-LM's pretrain_gpt.py with the patch set (--megatron-lm, or the shared archive)
     "upstream trainer": ["--fail=trainer", "--megatron-lm={upstream}"],
     "upstream all-trainers": ["--fail=all-trainers", "--megatron-lm={upstream}"],
@@ -64,12 +66,12 @@ DEFAULT = ("trainer", "trainer, re-forked", "trainer, torchrun restart", "traine
            "node-standby")
 #: the targets of the recovery-in-seconds work: (ratio to the cold start, seconds on 2 cores)
 TARGETS = {"trainer": (0.15, 1.5), "trainer, torchrun restart": None, "trainer, no spares": None,
-           "trainer, re-forked": None, "upstream trainer, re-forked": None,
+           "trainer, re-forked": None, "upstream trainer, re-forked": None, "node-standby, c10d": None,
            "all-trainers": (0.25, 3.0), "node-standby": (0.4, 6.0), "upstream trainer": (0.15, 1.5),
            "upstream all-trainers": (0.25, 3.0), "upstream node-standby": (0.4, 6.0),
            "hang": (None, 10.0)}  # no ratio: the detection is hang.floor_s (5 s) whatever the job's start
 BASELINES = {"trainer, torchrun restart": "(torchrun's restart)", "trainer, no spares": "(before warm spares)",
-             "trainer, re-forked": "(before in-process restart)",
+             "trainer, re-forked": "(before in-process restart)", "node-standby, c10d": "(torch's rendezvous)",
              "upstream trainer, re-forked": "(before in-process restart)"}
 PHASES = ("detect_respawn", "imports", "rendezvous", "build", "restore", "first_iteration")
 PHASE_NAMES = {"detect_respawn": "detect + respawn", "imports": "imports", "rendezvous": "rendezvous",
@@ -84,7 +86,7 @@ def run_demo(scenario: str, index: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", f"--workdir={wd}", f"--reference-dir={ref}",
            f"--iters={args.iters}", f"--kill-at={args.kill_at}",
            *(a.format(cold_config=args.cold_config, torchrun_config=args.torchrun_config,
-                      refork_config=args.refork_config, upstream=args.upstream)
+                      refork_config=args.refork_config, c10d_config=args.c10d_config, upstream=args.upstream)
              for a in SCENARIOS[scenario])]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -173,6 +175,9 @@ def main() -> int:
     args.refork_config = os.path.join(args.workdir, "re-forked.yaml")
     with open(args.refork_config, "w") as f:  # fast restart rounds, every trainer re-forked in them
         yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"in_process_restart": False}).to_dict(), f)
+    args.c10d_config = os.path.join(args.workdir, "c10d.yaml")
+    with open(args.c10d_config, "w") as f:  # torch's c10d rendezvous instead of the node rendezvous
+        yaml.safe_dump(ftconfig.replace(ftconfig.load(), launch={"rendezvous": "c10d"}).to_dict(), f)
     if any(s.startswith("upstream") for s in scenarios) and not args.upstream:
         from megatron_ft.testing import megatron_lm
 
@@ -204,6 +209,9 @@ def main() -> int:
         f"no spares* the same with `launch.warm_spares: false`; *re-forked* the same with "
         f"`launch.in_process_restart: false` (every rank's trainer re-forked in the fast round): the recoveries "
         f"before fast restart rounds, before warm spares and before in-process restart, measured beside it."
+        + (" *node-standby, c10d* is the same takeover with `launch.rendezvous: c10d` (torch's rendezvous, "
+           "which keeps the lost node's torchrun until its keep-alives lapse) instead of the node rendezvous."
+           if "node-standby, c10d" in scenarios else "")
         + (" *hang* is a trainer SIGSTOPped after the iteration and never resumed: its *recovery* is the stop -> "
            "the first completed iteration after it, *hang found* the stop -> the agents' hang verdict (then "
            "SIGKILL and a crash's recovery; the verdict is part of *detect + respawn*)." if "hang" in scenarios
