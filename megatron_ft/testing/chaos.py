@@ -7,7 +7,7 @@ SIGKILL) with a failure kind, a kill iteration and a wall-clock delay after it, 
 
 * **right** when the job ends bit-exact with every iteration's loss, at the promised tier or
   better, with exactly one hang verdict per victim in the hang kinds and none in any other, and
-  leaves no ``/dev/shm`` segment and no process of its run behind; for ``max-restarts-0`` when the
+  leaves no ``/dev/shm`` segment, Unix socket or process of its run behind; for ``max-restarts-0`` when the
   job ends with a non-zero exit, cleanly; for the kinds without a failure (``slow-trainer``,
   ``agent-pause``) when the job trains through bit-exact with no restart and no verdict;
 * **wrong** otherwise: ``hang`` (past ``--trial-timeout``), ``mismatch``, ``crash`` (no summary),
@@ -281,14 +281,19 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
     return "right", ""
 
 
-def _leftovers(run_tag: str, workdir: str, shm_dir: str) -> list[str]:
-    """Segments, processes and test-bed hosts of a finished trial's run (polled briefly: agents shut
-    down async)."""
+#: where the demo's agents and spare pools put their sockets (``agent.socket_dir``'s default)
+SOCKET_DIR = ftconfig.AgentConfig().socket_dir
+
+
+def _leftovers(run_tag: str, workdir: str, shm_dir: str, socket_dir: str = SOCKET_DIR) -> list[str]:
+    """Segments, Unix sockets, processes and test-bed hosts of a finished trial's run (polled briefly:
+    agents shut down async)."""
     from .hosts import bed_namespaces
 
     deadline = time.time() + 15
     while True:
-        segs = [n for n in os.listdir(shm_dir) if n.startswith(f"mft.{run_tag}")] + bed_namespaces()
+        socks = [n for n in os.listdir(socket_dir) if n.startswith(f"{run_tag}.")] if os.path.isdir(socket_dir) else []
+        segs = [n for n in os.listdir(shm_dir) if n.startswith(f"mft.{run_tag}")] + socks + bed_namespaces()
         procs = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             try:

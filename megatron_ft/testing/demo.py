@@ -33,6 +33,8 @@ import yaml
 from . import faults
 from .. import config as ftconfig
 from .. import rank_files, tiers
+from ..agent.protocol import socket_path
+from ..spares.pool import socket_path as spares_socket_path
 from .helpers import read_jsonl, with_free_ports
 from .hosts import HostBed, off_plan
 
@@ -159,10 +161,13 @@ def persisted_steps(cfg: ftconfig.FTConfig) -> list[int]:
 def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: list[int],
               bed: Optional[HostBed] = None) -> list[int]:
     """Lose simulated node ``node``: SIGKILL its trainers, its launcher's process group (launcher,
-    torchrun) and its agent, and remove its shared memory, as if the machine had died. On the
-    multi-host bed (``bed``) the host dies: every process on it at once, its /dev/shm with it."""
+    torchrun) and its agent, and remove its shared memory and its Unix sockets (its agent's, its spare
+    pool's), as if the machine had died. On the multi-host bed (``bed``) the host dies: every process on
+    it at once, its /dev/shm with it (its sockets are in the machine's shared /tmp: removed here too)."""
     if bed is not None:
-        return bed.lose(node)
+        pids = bed.lose(node)
+        forget_sockets(cfg, node)
+        return pids
     pids = []
     for pid in trainer_pids:
         try:
@@ -182,7 +187,18 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
     for name in os.listdir(cfg.agent.shm_dir):
         if name.startswith(f"mft.{cfg.run_id}.n{node}."):
             os.unlink(os.path.join(cfg.agent.shm_dir, name))
+    forget_sockets(cfg, node)
     return pids
+
+
+def forget_sockets(cfg: ftconfig.FTConfig, node: int) -> None:
+    """A lost node's Unix sockets (its agent's, its spare pool's) gone with its machine."""
+    for path in (socket_path(cfg.agent.socket_dir, cfg.run_id, node),
+                 spares_socket_path(cfg.agent.socket_dir, cfg.run_id, node)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def start_replacement(cfg: ftconfig.FTConfig, run_dir: str, node: Optional[int], targs: list[str],
