@@ -28,6 +28,11 @@ goes with it, every join fails at once and the launcher moves the job to its nex
 (:mod:`megatron_ft.rendezvous`), as with ``c10d``. Bounded: a join waits at most ``join_timeout`` seconds
 (``launch.start_timeout_s``), then :class:`RendezvousTimeoutError`.
 
+A join is a key, not a heartbeat: a node that joins a round and dies before the round completes still
+counts as joined, so the round completes without it; its trainers then cannot form their group, fail
+when their own join bound ends (``launch.start_timeout_s``), and the next round waits for the node's
+replacement - as with ``c10d``, whose keep-alive outlives so short a window too.
+
 Messages at the host's store, per node and round: a read of ``round``, a look at the round's
 ``done``, at most a few compare-and-sets, its join, one wait for the N joins (answered once), ``done``,
 its watcher's one wait; the node that opens a round one more (every node's wake key, one request of N
