@@ -104,6 +104,7 @@ class NodeRendezvous(RendezvousHandler):
         self._watch_store = PrefixStore(f"mft-rdzv/{run_id}/", watch_store) if watch_store is not None else None
         self.round = -1  # the last round this node completed
         self._waiting = threading.Event()  # another node opened the round after ours
+        self._gone: Optional[str] = None  # the watcher found the host's store gone (why)
         self._watcher: Optional[threading.Thread] = None
         HANDLERS.append(self)
 
@@ -134,6 +135,7 @@ class NodeRendezvous(RendezvousHandler):
                                             f"does not answer: {e}") from e
         self.round = k
         self._waiting.clear()
+        self._gone = None
         self._watch(k)
         store = PrefixStore(f"{k}/", self.store)
         log.info("node %d: rendezvous %s round %d complete (%d nodes)", self.node, self.run_id, k, self.nodes)
@@ -188,7 +190,9 @@ class NodeRendezvous(RendezvousHandler):
                 except Exception as e:
                     if "timeout" in str(e).lower():
                         continue
-                    return  # the store is gone: the next join says so
+                    if self.round == k:  # the host's store gone (its node lost): num_nodes_waiting says so
+                        self._gone = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    return
                 if self.round == k and watch.get(key) == OPENED.encode():
                     self._waiting.set()
                 return
@@ -210,7 +214,13 @@ class NodeRendezvous(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """1 once another node opened the round after this node's (torchrun then restarts its workers and
-        joins it), else 0: a flag, no store request."""
+        joins it), else 0: a flag, no store request. Once the watcher found the generation host's store
+        gone, :class:`RendezvousConnectionError`: torchrun ends at once and its launcher moves the job to
+        its next generation (torch's ``c10d`` fails the same way, on its next look at the store) - rather
+        than its workers first waiting out their own bounds on the lost host's stores."""
+        if self._gone is not None:
+            raise RendezvousConnectionError(f"rendezvous {self.run_id}: the store at the generation's host is "
+                                            f"gone ({self._gone})")
         return 1 if self._waiting.is_set() else 0
 
     def is_closed(self) -> bool:

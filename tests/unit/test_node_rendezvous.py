@@ -156,3 +156,24 @@ def test_a_node_stops_its_own_watcher_without_waking_the_others(host):
     assert nodes[0].num_nodes_waiting() == 0 and nodes[1].num_nodes_waiting() == 0 and watchers[1].is_alive()
     nr.stop_all()
     assert not watchers[1].is_alive()
+
+
+def test_a_running_node_learns_at_once_that_the_host_s_store_is_gone():
+    """The generation's host lost while the job trains: the watcher's wait fails, and torchrun's next
+    look (num_nodes_waiting, every monitor interval) raises - as torch's c10d does on its next look at
+    the store - so the launcher moves to its next generation instead of waiting for the workers to fail."""
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
+    nodes = [node(port, i, 2) for i in range(2)]
+    join_all(nodes)
+    assert nodes[1].num_nodes_waiting() == 0
+    del store  # the host's torchrun gone
+
+    def raised() -> bool:
+        try:
+            nodes[1].num_nodes_waiting()
+            return False
+        except RendezvousConnectionError:
+            return True
+
+    assert wait_for(raised, 10.0)
