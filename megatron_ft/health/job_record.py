@@ -155,6 +155,12 @@ def _node(key: str, prefix: str, nodes: int) -> Optional[int]:
     return n if 0 <= n < nodes else None
 
 
+def _complete_in(raw: Optional[str]) -> int:
+    """The ``complete`` count of a ``job/owners`` index (0: none, or not an index of this format)."""
+    idx = _json(raw) if raw is not None else None
+    return int(idx.get("complete", 0)) if idx is not None and idx.get("format") == OWNERS_FORMAT else 0
+
+
 def _json(value: str) -> Optional[dict]:
     try:
         rec = json.loads(value)
@@ -361,9 +367,7 @@ class JobView:
 
     def complete(self) -> int:
         """How many nodes have an agent and a launcher now: one read of ``job/owners`` (no part)."""
-        raw = self.store.get(OWNERS_KEY)
-        idx = _json(raw) if raw is not None else None
-        return int(idx.get("complete", 0)) if idx is not None and idx.get("format") == OWNERS_FORMAT else 0
+        return _complete_in(self.store.get(OWNERS_KEY))
 
     def wait_complete(self, nodes: int, within_s: float) -> int:
         """:meth:`complete` once it reaches ``nodes``, or after ``within_s``: a long poll on ``job/owners``,
@@ -371,8 +375,7 @@ class JobView:
         deadline = Deadline(within_s, "every node's agent and launcher")
         raw = self.store.get(OWNERS_KEY)
         while True:
-            idx = _json(raw) if raw is not None else None
-            n = int(idx.get("complete", 0)) if idx is not None and idx.get("format") == OWNERS_FORMAT else 0
+            n = _complete_in(raw)
             if n >= nodes or deadline.expired():
                 return n
             raw = self.store.watch(OWNERS_KEY, raw, min(1.0, deadline.left()))

@@ -147,8 +147,7 @@ class NodeRendezvous(RendezvousHandler):
             if self.is_closed():
                 raise RendezvousClosedError(f"rendezvous {self.run_id} is closed")
             newest = int(self.store.add("round", 0))
-            k = round_to_join(newest, self.store.check([f"{newest}/done"]), self.round)
-            k = self._open(k)
+            k = self._open(round_to_join(newest, self.store.check([f"{newest}/done"]), self.round), newest)
             self.store.set(f"{k}/n{self.node}", str(os.getpid()))
             joins = [f"{k}/n{n}" for n in range(self.nodes)]
             while True:
@@ -165,10 +164,9 @@ class NodeRendezvous(RendezvousHandler):
                 if int(self.store.add("round", 0)) > k:
                     break  # a node opened a newer round while this one waited: join that one
 
-    def _open(self, k: int) -> int:
-        """Raise ``round`` to at least ``k`` (compare-and-set); the round to join. Whoever raises it wakes
-        every node's watcher (``wake/<n>/<k>``, one request)."""
-        cur = int(self.store.add("round", 0))
+    def _open(self, k: int, cur: int) -> int:
+        """Raise ``round`` (``cur`` as last read) to at least ``k`` (compare-and-set); the round to join.
+        Whoever raises it wakes every node's watcher (``wake/<n>/<k>``: N keys in one request, per round)."""
         while cur < k:
             got = int(self.store.compare_set("round", str(cur), str(k)).decode())
             if got == k:

@@ -57,6 +57,7 @@ each piece with its offset in the container (its data area starting at byte 8192
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import mmap
@@ -169,12 +170,13 @@ def plan_reads(path: str, layout: Layout, sums: list[str], algorithm: str, data_
 
 
 # ------------------------------------------------------------------------------------------- the readers
-class Reader:
+class Reader(abc.ABC):
     """One medium's way of reading a plan's chunks into their destinations and summing them.
 
-    :meth:`read_chunk` runs on the pool's threads (``workers`` of them) and returns the chunk's error,
-    or None (verified, or left to :meth:`settle`); :meth:`settle` runs once on the caller's thread after
-    every chunk was read or queued and returns the verdicts it held back; :meth:`close` always, last."""
+    :meth:`read_chunk` runs on the pool's threads (:meth:`threads` of them) and returns the chunk's
+    error, or None (verified, or left to :meth:`settle`); :meth:`settle` runs once on the caller's thread
+    after every chunk was read or queued and returns the verdicts it held back; :meth:`close` always,
+    last."""
 
     workers_cap = MAX_RESTORE_THREADS
 
@@ -192,9 +194,14 @@ class Reader:
             self.read_piece(chunk, p)
         return self.plan.verdict(c, chunk.finish())
 
+    def threads(self) -> int:
+        """How many threads read the plan's chunks: this process's share of the cores
+        (:func:`threads_here`, at most :attr:`workers_cap`), no more than there are chunks."""
+        return max(1, min(threads_here(self.workers_cap), len(self.plan.chunks)))
+
+    @abc.abstractmethod
     def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
         """One CPU piece into its destination, added to ``chunk``'s sum."""
-        raise NotImplementedError
 
     def settle(self, after_copies: Optional[Callable[[], None]]) -> list[Optional[str]]:
         """After every chunk: ``after_copies()`` (if given), and the held-back verdicts (none here)."""
@@ -298,8 +305,15 @@ class DeviceReader(Reader):
                 chunk.add(p.chunk_offset, part)
                 p.dst.copy_(part)
             else:
-                self.cpu.read_piece(chunk, p)
+                self.read_piece(chunk, p)
         return self.plan.verdict(c, chunk.finish())
+
+    def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
+        self.cpu.read_piece(chunk, p)
+
+    def threads(self) -> int:
+        """Straight from a page-locked slot a thread only queues copies: one is enough (and no pool)."""
+        return 1 if self.page_locked is not None else super().threads()
 
     def _upload(self, p: PieceRead):
         """A device piece's copies queued; its lanes (summed as it lands), or a :class:`_Landed` to sum
@@ -422,10 +436,7 @@ def read_verified(plan: ReadPlan, reader: Reader, after_copies: Optional[Callabl
     """Run ``plan`` with ``reader`` (closed here, whatever happens): every chunk on the pool's threads,
     then :meth:`Reader.settle` with ``after_copies`` - skipped when a chunk already failed on the host.
     Raises :class:`~megatron_ft.capture.snapfile.SnapshotFormatError` naming the first bad chunk."""
-    chunks = plan.chunks
-    # straight from a page-locked slot a thread only queues copies: one is enough, and no pool to start
-    workers = 1 if getattr(reader, "page_locked", None) is not None else max(
-        1, min(threads_here(reader.workers_cap), len(chunks)))
+    chunks, workers = plan.chunks, reader.threads()
     try:
         if workers == 1:
             errors = [reader.read_chunk(c) for c in chunks]

@@ -99,11 +99,9 @@ def test_a_replacement_of_a_running_node_opens_the_next_round_with_the_same_rank
 
 def test_a_node_that_never_joins_ends_the_wait_in_time_naming_it(host):
     port, _ = host
-    lonely = node(port, 0, 2, join_s=1.0)
-    t0 = time.monotonic()
-    with pytest.raises(RendezvousTimeoutError, match=r"round 0: nodes \[1\] never joined"):
+    lonely = node(port, 0, 2, join_s=1.0)  # its own bound, named in the error, not the default 20 s
+    with pytest.raises(RendezvousTimeoutError, match=r"not within 1 s \(round 0: nodes \[1\] never joined\)"):
         lonely.next_rendezvous()
-    assert time.monotonic() - t0 < 5
 
 
 def test_a_closed_rendezvous_refuses_a_join(host):
@@ -121,10 +119,8 @@ def test_a_join_whose_host_store_is_gone_fails_at_once():
     store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, timeout=timedelta(seconds=10))
     h = node(port, 0, 2, join_s=30.0)
     del store  # the host's torchrun (and its store) gone with its node
-    t0 = time.monotonic()
-    with pytest.raises(RendezvousConnectionError):
+    with pytest.raises(RendezvousConnectionError):  # at once: waiting out join_s would be a timeout error
         h.next_rendezvous()
-    assert time.monotonic() - t0 < 15
 
 
 def test_torchrun_finds_the_backend_by_name_and_its_parameters_are_checked():
@@ -149,9 +145,8 @@ def test_a_node_stops_its_own_watcher_without_waking_the_others(host):
     join_all(nodes)
     watchers = [h._watcher for h in nodes]
     assert all(w is not None and w.is_alive() for w in watchers)
-    t0 = time.monotonic()
-    nodes[0].stop_watching()
-    assert not watchers[0].is_alive() and time.monotonic() - t0 < 2
+    nodes[0].stop_watching()  # waits at most 5 s for it; unwoken, it would wait out its 300 s slice
+    assert not watchers[0].is_alive()
     time.sleep(0.2)
     assert nodes[0].num_nodes_waiting() == 0 and nodes[1].num_nodes_waiting() == 0 and watchers[1].is_alive()
     nr.stop_all()
