@@ -977,10 +977,11 @@ def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> d
             if lost_nodes:  # the rest of the machine goes with them
                 lose_nodes([])
         elif victims:
-            if lost_nodes and cfg.redundancy.scheme != "none" and cfg.redundancy.transport == "scheduled":
-                # the trainers' first copy goes after their profiled iterations and the plan's interval,
-                # which a loaded machine lengthens: the loss waits for it (until then the group holds no
-                # copy and the promise of peer memory does not apply yet)
+            if lost_nodes and cfg.redundancy.scheme != "none":
+                # the group's first complete copy comes after the peers connected (and, scheduled, after
+                # the trainers' profiled iterations and the plan's interval), which a loaded machine
+                # lengthens: the loss waits for it (until then the group holds no copy and the promise of
+                # peer memory does not apply yet)
                 done = wait_group_complete(run_dir, cfg.cluster.nodes, p, deadline, log_path)
                 reached = max(r["iteration"] for r in _progress(run_dir, victims[0]))
                 if reached > args.kill_at:

@@ -12,6 +12,7 @@ from megatron_ft.agent.protocol import AgentError
 from megatron_ft.trainer.recovery import Restorer
 from megatron_ft.trainer.snapshot import SnapshotEngine
 from megatron_ft.capture.state import TorchStateAdapter
+from megatron_ft.clock import wait_until
 
 
 def make_model(seed=0):
@@ -198,6 +199,9 @@ def test_periodic_persist_and_retention(job_config, tmp_path):
         model = make_model()
         for step in range(1, 8):  # one step at a time, each persist finished before the next snapshot
             model = train_and_snapshot(c, cfg, 1, start=step, model=model)[:2]
+            # the job's agreement on the step is the agent's (asynchronous to the commit): the persist it
+            # makes due is queued only once the agent agreed, so the wait is for both
+            wait_until(lambda: c.request("agreed", rank=0)["agreed"] >= step or None, 30, f"step {step} agreed")
             c.request("wait_persisted", wait_s=30)
         assert sorted(a_status(c)["persisted"]) == [2, 4, 6]
         assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
