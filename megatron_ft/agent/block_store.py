@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -127,25 +127,29 @@ class BlockStore:
                 v.lock.release()
         return v
 
-    def write(self, v: BlockVersion, step: int, kind: str, n: int, fill: Callable[[memoryview], None],
-              src: int) -> bool:
-        """One contribution of ``n`` bytes to ``step`` into ``v`` from node ``src``: ``fill`` writes them
-        into the memoryview it is given (a peer's connection reads them off the socket, a local one
-        copies them). A copy lands in the block itself (one contributor, who sends its steps in order);
-        XOR/RS partials land in a buffer and are XOR-ed in under the version's lock, unless ``v`` was
-        reset for a newer step meanwhile (they belong to no live version) or ``src``'s contribution to
-        this version is in already (XOR-ed twice it would cancel out): then they are dropped. Whether
-        they went in."""
+    @staticmethod
+    def destination(v: BlockVersion, kind: str, n: int) -> memoryview:
+        """Where ``n`` bytes of one contribution to ``v`` land: a copy in the block itself (one
+        contributor, who sends its steps in order); XOR/RS partials in a buffer of their own, XOR-ed in
+        by :meth:`apply`."""
         if kind == xch.COPY:
-            fill(memoryview(v.segment.mm)[:n])
+            return memoryview(v.segment.mm)[:n]
+        return memoryview(np.empty(n, np.uint8))
+
+    @staticmethod
+    def apply(v: BlockVersion, step: int, kind: str, landed: memoryview, src: int) -> bool:
+        """Node ``src``'s contribution to ``step``, landed in :meth:`destination`'s view: a copy is in
+        already; an XOR/RS partial is XOR-ed in under the version's lock, unless ``v`` was reset for a
+        newer step meanwhile (it belongs to no live version) or ``src``'s contribution to this version
+        is in already (XOR-ed twice it would cancel out): then it is dropped. Whether it went in."""
+        if kind == xch.COPY:
             return True
-        tmp = np.empty(n, np.uint8)
-        fill(memoryview(tmp))
+        n = len(landed)
         dst = v.segment.array
         with v.lock:
             if v.step != step or src in v.applied:
                 return False
-            np.bitwise_xor(dst[:n], tmp, out=dst[:n])
+            np.bitwise_xor(dst[:n], np.frombuffer(landed, np.uint8), out=dst[:n])
             v.applied.add(src)
             return True
 

@@ -10,9 +10,11 @@ Only the newest requested version is sent: a request arriving while one is sent 
 waiting one. A failed exchange is logged and never stops the agent or training.
 
 Threads and locks: :meth:`ExchangeSender.request` is called by the agent (any thread) and takes
-``ExchangeSender.lock`` only; the exchange thread sends with no lock held, over its own kept-open
-connections (one per peer, bounded by ``agent.request_timeout_s``); ECHECK's encoder thread encodes
-row r+1 while row r is sent (the codecs release the GIL).
+``ExchangeSender.lock`` only; the exchange thread sends with no lock held, through the peer byte
+transport on the agents' wire (:class:`~megatron_ft.transport.wire_bytes.WireBytes`: its own kept-open
+connection per peer, every socket operation bounded by ``agent.request_timeout_s`` and each put by
+:func:`send_bound`); ECHECK's encoder thread encodes row r+1 while row r is sent (the codecs release
+the GIL).
 """
 from __future__ import annotations
 
@@ -20,14 +22,15 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, Optional, Protocol
 
 import numpy as np
 
 from .. import faultpoints
 from ..redundancy import exchange as xch
-from ..transport import wire
-from .peer_protocol import Put
+from ..transport.peer_bytes import Buffer, Landing, PeerRefused
+from ..transport.wire_bytes import WireBytes
 
 log = logging.getLogger("megatron_ft.agent")
 
@@ -39,9 +42,11 @@ class SenderOwner(Protocol):
     slots: Any  # the node's SlotStore: pin_step(step) -> {rank: SlotRef}, unpin(refs)
     codec: Any  # the group's RS codec, None for copies and XOR
     peers: Any  # the PeerDirectory: wait_sizes() -> {rank: size}, client(node) -> wire.Client
+    cfg: Any  # agent.request_timeout_s bounds each socket operation of a send
 
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange: ...
-    def receive(self, put: Put, payload: memoryview) -> dict: ...
+    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]: ...  # a Landing
+    def landed(self, src: int, buffer: Buffer) -> None: ...
     def exchange_started(self, step: int, t0: float) -> None: ...
     def contributions_sent(self, step: int, ex: xch.GroupExchange, nbytes: int, seconds: float) -> None: ...
     def sent(self, step: int, ok: bool) -> None: ...
@@ -83,6 +88,32 @@ class _RowPipeline:
         return self.futures[self.rows[i]].result()
 
 
+#: the slowest a send may move and still count as moving: a put of N bytes is bounded by the peer
+#: connection's timeout plus N at this rate (8 Mbit/s, below any link a job runs on; every socket
+#: operation is bounded by that timeout too, so a stalled peer is noticed within it)
+SEND_FLOOR_BYTES_PER_S = 1 << 20
+
+
+def send_bound(request_timeout_s: float, nbytes: int) -> timedelta:
+    """The bound on one put of ``nbytes``.
+
+    >>> send_bound(30.0, 64 << 20)
+    datetime.timedelta(seconds=94)
+    """
+    return timedelta(seconds=request_timeout_s + nbytes / SEND_FLOOR_BYTES_PER_S)
+
+
+def land_here(landing: Landing, node: int, buffer: Buffer, payload: memoryview) -> bool:
+    """A contribution this node holds itself: into its own landing without the network. Whether the
+    landing took it."""
+    view = landing.open(node, buffer, len(payload))
+    if view is None:
+        return False
+    view[:] = payload
+    landing.landed(node, buffer)
+    return True
+
+
 class ExchangeSender:
     """Sends ``owner``'s node's contributions; ``owner`` supplies the sizes, the exchange plan, the
     slots (through its agent), connections to peers, the local block store and what follows a send."""
@@ -94,7 +125,8 @@ class ExchangeSender:
         self._cv = threading.Condition(self.lock)
         self._pending: Optional[int] = None
         self._stop = threading.Event()
-        self._conns: dict[int, wire.Client] = {}  # the exchange thread's open connections to peers
+        #: the exchange thread's peer byte transport (its own kept-open connection per peer)
+        self.bytes = WireBytes(self.node, lambda n: owner.peers.client(n))
         self.encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._thread = threading.Thread(target=self._loop, name="exchange", daemon=True)
         self._thread.start()
@@ -144,23 +176,27 @@ class ExchangeSender:
             for c in mine:
                 spec = ex.block(c.key, c.dst)
                 payload = memoryview(self._payload(c, spec, slots, rs)).cast("B")
-                put = Put(op="put", key=c.key, kind=c.kind, step=step, length=spec.length, src=self.node,
-                          expect=len(spec.contributors), meta=meta)
+                buffer = Buffer(step, c.key, {"kind": c.kind, "length": spec.length,
+                                              "expect": len(spec.contributors), **meta})
                 if c.dst == self.node:
-                    owner.receive(put, payload)
+                    land_here(owner, self.node, buffer, payload)
                 else:
-                    self._send(c.dst, put, payload)
+                    self._send(c.dst, buffer, payload)
                     faultpoints.reached("mid-exchange", step)
                 sent += len(payload)
         finally:
             owner.slots.unpin(slots)
         owner.contributions_sent(step, ex, sent, time.perf_counter() - t0)
 
-    def _send(self, node: int, put: Put, payload: memoryview) -> dict:
-        cl = self._conns.get(node)
-        if cl is None:
-            cl = self._conns[node] = self.owner.peers.client(node)
-        return cl.request(**put.fields(), payload=payload)
+    def _send(self, node: int, buffer: Buffer, payload: memoryview) -> None:
+        """``payload`` to ``node``'s block store, within :func:`send_bound`; a contribution the peer declined
+        (it keeps every version of the block, or the step moved on there) is not an error."""
+        try:
+            self.bytes.send(node, buffer, payload, send_bound(self.owner.cfg.agent.request_timeout_s, len(payload)))
+        except PeerRefused as e:
+            if not e.declined:
+                raise
+            log.info("agent node %d: %s", self.node, e)
 
     def _payload(self, c: xch.Contribution, spec: xch.BlockSpec, slots: dict, rs: _RowPipeline) -> Any:
         """The bytes of contribution ``c``: a view of the slot (copy, xor), or this node's partial
@@ -188,5 +224,4 @@ class ExchangeSender:
         self.encoder.shutdown(wait=False)
         with self.lock:
             self._cv.notify_all()
-        for cl in list(self._conns.values()):
-            cl.close()
+        self.bytes.close()

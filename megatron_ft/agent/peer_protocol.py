@@ -1,11 +1,13 @@
 """The agents' peer protocol: requests one agent sends another on the peer transport
 (:mod:`megatron_ft.transport.wire`, TCP), typed and validated on receipt
-(:mod:`megatron_ft.transport.messages`).
+(:mod:`megatron_ft.transport.messages`). Contributions travel as the peer byte transport's ``put``
+(:mod:`megatron_ft.transport.wire_bytes`); what the agents say about them rides in its ``meta``
+(:class:`PutMeta`, validated where it lands).
 
 ==========  =====================================================  ==============================
 op          request                                                reply
 ==========  =====================================================  ==============================
-put         key, kind, step, length, src, expect, meta + payload   - | ignored (stale or refused)
+put         step, key, src, meta (:class:`PutMeta`) + payload      landed | declined (stale)
 announce    node, step (the sender holds its blocks of step)       -
 holds       -                                                      primary, blocks, codecs, sizes,
                                                                    complete, pid
@@ -16,20 +18,21 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from ..transport.messages import Bytes, Messages, Node, Rank, Request, Step
+from ..transport.wire_bytes import PutBytes
 
 
-class Put(Request):
-    """A contribution to block ``key`` of ``step`` (``nbytes`` of payload follow the frame)."""
-    key: StrictStr
+class PutMeta(BaseModel):
+    """A contribution's ``meta`` on the peer byte transport: the block's ``kind`` and ``length``, how many
+    nodes contribute to it (``expect``), and the exchange's ``sizes`` (rank -> bytes) and RS ``codec``."""
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     kind: Literal["copy", "xor", "rs"]
-    step: Step
     length: Bytes  # the block's length
-    src: Node
     expect: Annotated[StrictInt, Field(ge=1)]  # contributors to the block
-    meta: dict  # {"sizes": {rank: bytes}, "codec": descriptor or None}
+    sizes: dict[str, Bytes] = {}
+    codec: Optional[dict] = None
 
 
 class Announce(Request):
@@ -49,4 +52,4 @@ class Get(Request):
 
 
 #: the agents' peer protocol (requests from the group's agents on the peer transport)
-PEER_MESSAGES = Messages("peer", {"put": Put, "announce": Announce, "holds": Request, "get": Get})
+PEER_MESSAGES = Messages("peer", {"put": PutBytes, "announce": Announce, "holds": Request, "get": Get})

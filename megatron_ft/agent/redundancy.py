@@ -17,14 +17,17 @@ trainers agreed on it):
    :mod:`megatron_ft.redundancy.rebuild` for a replacement node's ranks.
 
 This module wires them together and serves the group's requests (``put``, ``announce``, ``holds``,
-``get``) on the peer transport (:mod:`megatron_ft.transport.wire`).
+``get``) on the peer transport (:mod:`megatron_ft.transport.wire`); for ``put`` it is the peer byte
+transport's :class:`~megatron_ft.transport.peer_bytes.Landing` (:meth:`Redundancy.open`,
+:meth:`Redundancy.landed`).
 
 What it knows of the other members (addresses, sizes, their holdings) is
 :class:`.peer_directory.PeerDirectory`'s.
 
 Lock order: ``PeerDirectory._asking`` (one question to the group at a time, held across its network
 I/O and nothing else's), then ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
-version's lock. ``SlotStore.lock`` is never held with any of them (docs/architecture.md). No lock is
+version's lock; ``Redundancy._landing_lock`` (the contributions landing) is a leaf, held around a dict's
+operations only. ``SlotStore.lock`` is never held with any of them (docs/architecture.md). No lock is
 held across network I/O, a store call or a shared-memory allocation.
 """
 from __future__ import annotations
@@ -39,14 +42,17 @@ from typing import Any, Optional
 from .block_store import MAX_VERSIONS, BlockStore
 from .exchange_sender import ExchangeSender
 from .group_completion import GroupCompletion
-from .peer_protocol import PEER_MESSAGES, Announce, Get, Put
+from .peer_protocol import PEER_MESSAGES, Announce, Get, PutMeta
 from .peer_directory import PeerDirectory
 from .peer_rebuild import PeerError, PeerRebuild
 from ..redundancy import exchange as xch
 from ..redundancy.codecs import get_codec
 from ..redundancy.plan import RedundancyPlan, plan_from_config
 from .. import network
-from ..transport import wire
+from ..transport import wire, wire_bytes
+from ..transport.messages import validated
+from ..transport.peer_bytes import Buffer
+from ..transport.wire_bytes import PutBytes
 
 log = logging.getLogger("megatron_ft.agent")
 
@@ -76,6 +82,8 @@ class Redundancy:
         self._ex_cache: Optional[tuple] = None
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._aconns: dict[int, wire.Client] = {}  # the announcer's open connections
+        self._landing: dict[tuple[int, str], tuple] = {}  # (src, key) -> (step, version, meta, view) landing
+        self._landing_lock = threading.Lock()
         self._stop = threading.Event()
         #: the other members' addresses, sizes and answers to "what do you hold"; connections to them
         self.peers = PeerDirectory(self.cfg, self.node, self.members, self.group_ranks, store, secret, self.holds,
@@ -178,37 +186,38 @@ class Redundancy:
             if not ok:
                 self.completion.failed(step)
 
-    # ------------------------------------------------------------------ receiving
-    def receive(self, req: Put, payload: Optional[memoryview], conn: Optional[wire.Connection] = None) -> dict:
-        """One contribution to a block version: ``payload`` in memory (this node's own), or still on
-        ``conn`` (a peer's put), read straight into the block's shared memory."""
-        key, step, length, src = req.key, req.step, req.length, req.src
-        n = req.nbytes if payload is None else len(payload)
-        if n > length:
-            raise ValueError(f"contribution of {n} bytes to block {key} of {length} bytes")
-        sizes = {int(r): int(b) for r, b in (req.meta.get("sizes") or {}).items()}
+    # ------------------------------------------------------------------ receiving (a Landing of the peer bytes)
+    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]:
+        """Where node ``src``'s contribution of ``length`` bytes to block ``buffer.key`` of ``buffer.step``
+        lands (:meth:`.block_store.BlockStore.destination`), or None when no version of the block takes it
+        (every version kept). Raises - the put is refused - on a malformed ``meta``, a contribution longer
+        than its block, or sizes whose blocks do not fit this node's budget."""
+        m = validated(PutMeta, buffer.meta, "peer op 'put' meta")
+        if length > m.length:
+            raise ValueError(f"contribution of {length} bytes to block {buffer.key} of {m.length} bytes")
+        sizes = {int(r): int(b) for r, b in m.sizes.items()}
         if sizes:  # the sender's sizes: this node's blocks for them fit its budget, or the put is refused
             self.exchange_for(sizes)
-        v = self.blocks.version_for(key, step, length, req.expect, req.meta)
+        v = self.blocks.version_for(buffer.key, buffer.step, m.length, m.expect, {"sizes": m.sizes, "codec": m.codec})
         if v is None:
-            if conn is not None:
-                conn.skip()
-            return {"ignored": True}
+            return None
+        view = self.blocks.destination(v, m.kind, length)
+        with self._landing_lock:  # one contribution per sender and block lands at a time: a newer replaces it
+            self._landing[(src, buffer.key)] = (buffer.step, v, m, view)
+        return view
 
-        def fill(dst: memoryview) -> None:
-            if conn is not None:
-                conn.read_into(dst)
-            else:
-                dst[:] = payload[:n]
-
-        if not self.blocks.write(v, step, req.kind, n, fill, src):
+    def landed(self, src: int, buffer: Buffer) -> None:
+        """Node ``src``'s contribution is in :meth:`open`'s view: applied to its block version, which then
+        counts ``src`` as in (dropped if the version moved on, or ``src``'s partial is in already)."""
+        with self._landing_lock:
+            step, v, m, view = self._landing.pop((src, buffer.key))
+        if not self.blocks.apply(v, step, m.kind, view, src):
             log.info("agent node %d: dropped node %d's contribution to block %s step %d (in already, or the block "
-                     "moved on)", self.node, src, key, step)
-            return {"ignored": True}
+                     "moved on)", self.node, src, buffer.key, step)
+            return
         self.blocks.received(v, step, src)
         # announcing may talk to every member: not on the sender's critical path (reply first)
-        self._announcer.submit(self._maybe_announce, step, None, req.meta.get("sizes"))
-        return {}
+        self._announcer.submit(self._maybe_announce, step, None, m.sizes)
 
     # ------------------------------------------------------------------ group completion
     def _maybe_announce(self, step: int, ex: Optional[xch.GroupExchange] = None,
@@ -292,8 +301,8 @@ class Redundancy:
         req = PEER_MESSAGES.parse(msg)  # a malformed request is refused here, naming the field
         if req.run_id is not None and req.run_id != self.cfg.run_id:
             raise ValueError(f"run_id {req.run_id!r} is not this agent's {self.cfg.run_id!r}")
-        if isinstance(req, Put):
-            return self.receive(req, None, conn)
+        if isinstance(req, PutBytes):
+            return wire_bytes.land(conn, req, self)
         if isinstance(req, Announce):
             self._on_announce(req.node, req.step)
             return {}

@@ -19,7 +19,7 @@ takes a JSON integer, not a string or a float; unknown fields are refused. The w
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
@@ -57,16 +57,28 @@ class Messages:
         model = self.ops.get(op) if isinstance(op, str) else None
         if model is None:
             raise ValueError(f"{self.name} op {op!r} is unknown; allowed: {sorted(self.ops)}")
-        try:
-            return model.model_validate(msg)
-        except ValidationError as e:
-            err = e.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "request"
-            value = msg.get(str(err["loc"][0])) if err["loc"] else msg
-            if err["type"] == "missing":
-                raise ValueError(f"{self.name} op {op!r}: field {field!r} is missing") from None
-            if err["type"] == "extra_forbidden":
-                raise ValueError(f"{self.name} op {op!r}: field {field!r} is not one of "
-                                 f"{sorted(model.model_fields)}") from None
-            raise ValueError(f"{self.name} op {op!r}: {field}={value!r} is invalid: {err['msg']}") from None
+        return validated(model, msg, f"{self.name} op {op!r}")
+
+
+def validated(model: type[BaseModel], data: dict, what: str) -> Any:
+    """``data`` as ``model``, or ValueError naming ``what``, the field, its value and what is allowed.
+
+    >>> class Meta(BaseModel):
+    ...     kind: Literal["copy", "xor"]
+    >>> validated(Meta, {"kind": "rs"}, "put meta")
+    Traceback (most recent call last):
+    ...
+    ValueError: put meta: kind='rs' is invalid: Input should be 'copy' or 'xor'
+    """
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "request"
+        value = data.get(str(err["loc"][0])) if err["loc"] and isinstance(data, dict) else data
+        if err["type"] == "missing":
+            raise ValueError(f"{what}: field {field!r} is missing") from None
+        if err["type"] == "extra_forbidden":
+            raise ValueError(f"{what}: field {field!r} is not one of {sorted(model.model_fields)}") from None
+        raise ValueError(f"{what}: {field}={value!r} is invalid: {err['msg']}") from None
 

@@ -3,7 +3,9 @@ project's senders build them validate; malformed ones are refused naming the ope
 the value and what is allowed."""
 import pytest
 
-from megatron_ft.agent.peer_protocol import PEER_MESSAGES, Get, Put
+from megatron_ft.agent.peer_protocol import PEER_MESSAGES, Get, PutMeta
+from megatron_ft.transport.messages import validated
+from megatron_ft.transport.wire_bytes import PutBytes
 from megatron_ft.agent.protocol import MESSAGES
 
 SENT = [  # every agent operation, with the fields its senders use (trainer, launcher, CLI, transport)
@@ -53,13 +55,16 @@ def test_malformed_agent_requests_are_refused_with_the_field(msg, error):
 
 
 def test_peer_requests_round_trip_and_refuse_what_they_do_not_allow():
-    put = Put(op="put", key="copy.r1", kind="copy", step=3, length=64, src=1, expect=1, meta={"sizes": {"1": 64}})
+    put = PutBytes(op="put", key="copy.r1", step=3, src=1, meta={"kind": "copy", "length": 64, "expect": 1})
     assert PEER_MESSAGES.parse({"v": 1, **put.fields(), "nbytes": 64}) == put.model_copy(update={"nbytes": 64})
+    assert validated(PutMeta, put.meta, "put meta").length == 64
     get = Get(op="get", what="block", step=3, lo=0, hi=64, key="copy.r1")
     assert PEER_MESSAGES.parse({"v": 1, **get.fields()}) == get
     assert PEER_MESSAGES.parse({"v": 1, "op": "holds"}).op == "holds"
-    with pytest.raises(ValueError, match=r"peer op 'put': kind='parity' is invalid: Input should be 'copy', 'xor' or 'rs'"):
-        PEER_MESSAGES.parse({"v": 1, **put.fields(), "kind": "parity"})
+    with pytest.raises(ValueError, match=r"put meta: kind='parity' is invalid: Input should be 'copy', 'xor' or 'rs'"):
+        validated(PutMeta, {**put.meta, "kind": "parity"}, "put meta")
+    with pytest.raises(ValueError, match=r"peer op 'put': field 'kind' is not one of"):
+        PEER_MESSAGES.parse({"v": 1, **put.fields(), "kind": "copy"})
     with pytest.raises(ValueError, match=r"peer op 'get': lo=-1 is invalid"):
         PEER_MESSAGES.parse({"v": 1, **get.fields(), "lo": -1})
     with pytest.raises(ValueError, match=r"peer op 'announce': field 'node' is missing"):
