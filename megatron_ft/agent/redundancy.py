@@ -307,7 +307,7 @@ class Redundancy:
             self._on_announce(req.node, req.step)
             return {}
         if isinstance(req, Get):
-            return wire.Reply(payload=self._serve_get(req))
+            return wire.Reply(payload=served_bytes(self.slots, self.blocks, req))
         return self.holds()
 
     def holds(self) -> dict:
@@ -315,22 +315,6 @@ class Redundancy:
         sizes = {**held["sizes"], **{str(r): n for r, n in self.slots.slot_sizes().items()}}
         return {"primary": {str(r): s for r, s in self.slots.clean_steps().items()}, "blocks": held["blocks"],
                 "codecs": held["codecs"], "sizes": sizes, "complete": self.complete_step, "pid": os.getpid()}
-
-    def _serve_get(self, req: Get) -> memoryview:
-        step, lo, hi = req.step, req.lo, req.hi
-        if req.what == "primary":
-            if req.rank is None:
-                raise ValueError("peer op 'get' of a primary names its rank")
-            mm = self.slots.clean_segment(req.rank, step).mm  # KeyError if gone
-        else:
-            v = self.blocks.version(req.key or "", step)
-            if v is None:
-                raise KeyError(f"block {req.key} step {step} is not held here")
-            mm = v.segment.mm
-        if not 0 <= lo <= hi <= len(mm):
-            raise ValueError(f"range [{lo}, {hi}) outside the {len(mm)}-byte buffer")
-        return memoryview(mm)[lo:hi]
-
 
     # ------------------------------------------------------------------ recovery (self.rebuild: candidates, recover)
     def rebuilt(self, step: int) -> None:
@@ -368,3 +352,21 @@ class Redundancy:
         self.server.close()
         if remove_segments:
             self.blocks.remove_segments()
+
+
+def served_bytes(slots: Any, blocks: BlockStore, req: Get) -> memoryview:
+    """What a peer's ``get`` asks for: bytes [lo, hi) of a clean primary slot of ``slots`` or of a complete
+    block version of ``blocks`` (KeyError if neither holds it any more; ValueError for a range outside it)."""
+    step, lo, hi = req.step, req.lo, req.hi
+    if req.what == "primary":
+        if req.rank is None:
+            raise ValueError("peer op 'get' of a primary names its rank")
+        mm = slots.clean_segment(req.rank, step).mm  # KeyError if gone
+    else:
+        v = blocks.version(req.key or "", step)
+        if v is None:
+            raise KeyError(f"block {req.key} step {step} is not held here")
+        mm = v.segment.mm
+    if not 0 <= lo <= hi <= len(mm):
+        raise ValueError(f"range [{lo}, {hi}) outside the {len(mm)}-byte buffer")
+    return memoryview(mm)[lo:hi]
