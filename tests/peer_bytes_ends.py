@@ -9,7 +9,9 @@ line per landed buffer (``src``, ``step``, ``key``, ``sha256``) and ends at the 
 
 ``python tests/peer_bytes_ends.py send --transport ... --rendezvous R --to ADDR --buffers SPEC --timeout S``:
 sends each buffer of ``SPEC`` (``step:key:size,...``; the bytes are a function of step, key and size)
-and prints one JSON line per send: ``landed``, or the error's class, ``declined`` and message.
+and prints one JSON line per send: ``landed``, or the error's class, ``declined`` and message;
+``--die-after-s T`` SIGKILLs the sending process T seconds into its first send. The receiving end prints a line for each
+buffer it abandoned (cut short after it opened).
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ class TestLanding(MemoryLanding):
         if self.mode == "die":
             threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
         return super().open(src, buffer, length)
+
+    def abandoned(self, src, buffer):
+        super().abandoned(src, buffer)
+        print(json.dumps({"abandoned": [src, buffer.step, buffer.key]}), flush=True)
 
     def landed(self, src, buffer):
         if self.mode == "die":
@@ -92,6 +98,8 @@ def send(args) -> None:
         buffer = Buffer(int(step), key, {"spec": spec})
         data = memoryview(payload(int(step), key, int(size)))
         t0 = time.monotonic()
+        if args.die_after_s:  # this end dies mid-transfer (a SIGKILL: nothing of it says goodbye)
+            threading.Timer(args.die_after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
         try:
             end.send(1, buffer, data, timedelta(seconds=args.timeout))
             out = {"result": "landed"}
@@ -113,6 +121,7 @@ if __name__ == "__main__":
     p.add_argument("--to", default="")
     p.add_argument("--buffers", default="")
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--die-after-s", type=float, default=0.0)
     a = p.parse_args()
     (send if a.role == "send" else receive)(a)
     if a.role == "recv" and a.transport == "group":

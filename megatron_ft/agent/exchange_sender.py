@@ -45,8 +45,7 @@ class SenderOwner(Protocol):
     cfg: Any  # agent.request_timeout_s bounds each socket operation of a send
 
     def exchange_for(self, sizes: dict[int, int]) -> xch.GroupExchange: ...
-    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]: ...  # a Landing
-    def landed(self, src: int, buffer: Buffer) -> None: ...
+    landing: Landing  # where this node's own contributions land (without the network)
     def exchange_started(self, step: int, t0: float) -> None: ...
     def contributions_sent(self, step: int, ex: xch.GroupExchange, nbytes: int, seconds: float) -> None: ...
     def sent(self, step: int, ok: bool) -> None: ...
@@ -179,7 +178,7 @@ class ExchangeSender:
                 buffer = Buffer(step, c.key, {"kind": c.kind, "length": spec.length,
                                               "expect": len(spec.contributors), **meta})
                 if c.dst == self.node:
-                    land_here(owner, self.node, buffer, payload)
+                    land_here(owner.landing, self.node, buffer, payload)
                 else:
                     self._send(c.dst, buffer, payload)
                     faultpoints.reached("mid-exchange", step)

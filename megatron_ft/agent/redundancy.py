@@ -18,15 +18,14 @@ trainers agreed on it):
 
 This module wires them together and serves the group's requests (``put``, ``announce``, ``holds``,
 ``get``) on the peer transport (:mod:`megatron_ft.transport.wire`); for ``put`` it is the peer byte
-transport's :class:`~megatron_ft.transport.peer_bytes.Landing` (:meth:`Redundancy.open`,
-:meth:`Redundancy.landed`).
+transport's :class:`~megatron_ft.transport.peer_bytes.Landing` (:class:`ContributionLanding`).
 
 What it knows of the other members (addresses, sizes, their holdings) is
 :class:`.peer_directory.PeerDirectory`'s.
 
 Lock order: ``PeerDirectory._asking`` (one question to the group at a time, held across its network
 I/O and nothing else's), then ``Redundancy.lock`` (the completion state), then ``BlockStore.lock``, then a block
-version's lock; ``Redundancy._landing_lock`` (the contributions landing) is a leaf, held around a dict's
+version's lock; ``ContributionLanding._lock`` (the contributions landing) is a leaf, held around a dict's
 operations only. ``SlotStore.lock`` is never held with any of them (docs/architecture.md). No lock is
 held across network I/O, a store call or a shared-memory allocation.
 """
@@ -37,7 +36,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .block_store import MAX_VERSIONS, BlockStore
 from .exchange_sender import ExchangeSender
@@ -82,8 +81,11 @@ class Redundancy:
         self._ex_cache: Optional[tuple] = None
         self._announcer = ThreadPoolExecutor(1, thread_name_prefix="announce")  # in order, off the put path
         self._aconns: dict[int, wire.Client] = {}  # the announcer's open connections
-        self._landing: dict[tuple[int, str], tuple] = {}  # (src, key) -> (step, version, meta, view) landing
-        self._landing_lock = threading.Lock()
+        #: where the members' contributions land (the peer byte transport's landing)
+        self.landing = ContributionLanding(
+            self.node, self.blocks, self.exchange_for,
+            # announcing may talk to every member: not on the sender's critical path (reply first)
+            lambda step, sizes: self._announcer.submit(self._maybe_announce, step, None, sizes))
         self._stop = threading.Event()
         #: the other members' addresses, sizes and answers to "what do you hold"; connections to them
         self.peers = PeerDirectory(self.cfg, self.node, self.members, self.group_ranks, store, secret, self.holds,
@@ -186,39 +188,6 @@ class Redundancy:
             if not ok:
                 self.completion.failed(step)
 
-    # ------------------------------------------------------------------ receiving (a Landing of the peer bytes)
-    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]:
-        """Where node ``src``'s contribution of ``length`` bytes to block ``buffer.key`` of ``buffer.step``
-        lands (:meth:`.block_store.BlockStore.destination`), or None when no version of the block takes it
-        (every version kept). Raises - the put is refused - on a malformed ``meta``, a contribution longer
-        than its block, or sizes whose blocks do not fit this node's budget."""
-        m = validated(PutMeta, buffer.meta, "peer op 'put' meta")
-        if length > m.length:
-            raise ValueError(f"contribution of {length} bytes to block {buffer.key} of {m.length} bytes")
-        sizes = {int(r): int(b) for r, b in m.sizes.items()}
-        if sizes:  # the sender's sizes: this node's blocks for them fit its budget, or the put is refused
-            self.exchange_for(sizes)
-        v = self.blocks.version_for(buffer.key, buffer.step, m.length, m.expect, {"sizes": m.sizes, "codec": m.codec})
-        if v is None:
-            return None
-        view = self.blocks.destination(v, m.kind, length)
-        with self._landing_lock:  # one contribution per sender and block lands at a time: a newer replaces it
-            self._landing[(src, buffer.key)] = (buffer.step, v, m, view)
-        return view
-
-    def landed(self, src: int, buffer: Buffer) -> None:
-        """Node ``src``'s contribution is in :meth:`open`'s view: applied to its block version, which then
-        counts ``src`` as in (dropped if the version moved on, or ``src``'s partial is in already)."""
-        with self._landing_lock:
-            step, v, m, view = self._landing.pop((src, buffer.key))
-        if not self.blocks.apply(v, step, m.kind, view, src):
-            log.info("agent node %d: dropped node %d's contribution to block %s step %d (in already, or the block "
-                     "moved on)", self.node, src, buffer.key, step)
-            return
-        self.blocks.received(v, step, src)
-        # announcing may talk to every member: not on the sender's critical path (reply first)
-        self._announcer.submit(self._maybe_announce, step, None, m.sizes)
-
     # ------------------------------------------------------------------ group completion
     def _maybe_announce(self, step: int, ex: Optional[xch.GroupExchange] = None,
                         sizes: Optional[dict] = None) -> None:
@@ -302,7 +271,7 @@ class Redundancy:
         if req.run_id is not None and req.run_id != self.cfg.run_id:
             raise ValueError(f"run_id {req.run_id!r} is not this agent's {self.cfg.run_id!r}")
         if isinstance(req, PutBytes):
-            return wire_bytes.land(conn, req, self)
+            return wire_bytes.land(conn, req, self.landing)
         if isinstance(req, Announce):
             self._on_announce(req.node, req.step)
             return {}
@@ -370,3 +339,54 @@ def served_bytes(slots: Any, blocks: BlockStore, req: Get) -> memoryview:
     if not 0 <= lo <= hi <= len(mm):
         raise ValueError(f"range [{lo}, {hi}) outside the {len(mm)}-byte buffer")
     return memoryview(mm)[lo:hi]
+
+
+class ContributionLanding:
+    """The receiving side of the exchange: the peer byte transport's
+    :class:`~megatron_ft.transport.peer_bytes.Landing` of node ``node``: contributions land in ``blocks``;
+    ``exchange_for(sizes)`` checks the sender's sizes against this node's budget (raises to refuse);
+    ``announce(step, sizes)`` queues the check whether this node now holds ``step`` whole (off the
+    sender's critical path). ``_lock`` is a leaf: held around its table's operations only."""
+
+    def __init__(self, node: int, blocks: BlockStore, exchange_for: Callable[[dict], Any],
+                 announce: Callable[[int, dict], None]):
+        self.node, self.blocks, self.exchange_for, self.announce = node, blocks, exchange_for, announce
+        self._landing: dict[tuple[int, str], tuple] = {}  # (src, key) -> (step, version, meta, view) landing
+        self._lock = threading.Lock()
+
+    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]:
+        """Where node ``src``'s contribution of ``length`` bytes to block ``buffer.key`` of ``buffer.step``
+        lands (:meth:`.block_store.BlockStore.destination`), or None when no version of the block takes it
+        (every version kept). Raises - the put is refused - on a malformed ``meta``, a contribution longer
+        than its block, or sizes whose blocks do not fit this node's budget."""
+        m = validated(PutMeta, buffer.meta, "peer op 'put' meta")
+        if length > m.length:
+            raise ValueError(f"contribution of {length} bytes to block {buffer.key} of {m.length} bytes")
+        sizes = {int(r): int(b) for r, b in m.sizes.items()}
+        if sizes:  # the sender's sizes: this node's blocks for them fit its budget, or the put is refused
+            self.exchange_for(sizes)
+        v = self.blocks.version_for(buffer.key, buffer.step, m.length, m.expect, {"sizes": m.sizes, "codec": m.codec})
+        if v is None:
+            return None
+        view = self.blocks.destination(v, m.kind, length)
+        with self._lock:  # one contribution per sender and block lands at a time
+            self._landing[(src, buffer.key)] = (buffer.step, v, m, view)
+        return view
+
+    def landed(self, src: int, buffer: Buffer) -> None:
+        """Node ``src``'s contribution is in :meth:`open`'s view: applied to its block version, which then
+        counts ``src`` as in (dropped if the version moved on, or ``src``'s partial is in already)."""
+        with self._lock:
+            step, v, m, view = self._landing.pop((src, buffer.key))
+        if not self.blocks.apply(v, step, m.kind, view, src):
+            log.info("agent node %d: dropped node %d's contribution to block %s step %d (in already, or the block "
+                     "moved on)", self.node, src, buffer.key, step)
+            return
+        self.blocks.received(v, step, src)
+        self.announce(step, m.sizes)
+
+    def abandoned(self, src: int, buffer: Buffer) -> None:
+        """Node ``src``'s contribution was cut short: nothing of it counts (the block stays incomplete)."""
+        with self._lock:
+            self._landing.pop((src, buffer.key), None)
+

@@ -185,9 +185,13 @@ class GroupBytes(PeerBytes):
         if view is None:
             self._answer(src, DECLINE)
             return
-        self._answer(src, ACCEPT)
-        if length:
-            self.group.recv([_bytes_tensor(view)], src, TAG_TO).wait()
+        try:
+            self._answer(src, ACCEPT)
+            if length:
+                self.group.recv([_bytes_tensor(view)], src, TAG_TO).wait()
+        except BaseException:
+            self.landing.abandoned(src, buffer)
+            raise
         self.landing.landed(src, buffer)
         self._answer(src, LANDED)
 

@@ -24,9 +24,10 @@ The contract
   a buffer on its own after the bound; a caller that retries sends the whole buffer again.
 * The receiving end owns a :class:`Landing`: the transport calls ``open(src, buffer, length)`` from its
   receiving thread before any byte moves, writes the bytes into the writable view it returns (exactly
-  ``length`` bytes), then calls ``landed(src, buffer)``. A buffer cut short (the sender died) is never
-  ``landed``: the view may hold part of it, which the landing must treat as garbage. Calls for one source
-  come in the order it sent; calls for different sources may run at once on different threads.
+  ``length`` bytes), then calls ``landed(src, buffer)``. A buffer cut short (the sender died, the link
+  broke) is never ``landed``: the transport calls ``abandoned(src, buffer)`` instead, once it no longer
+  writes the view, which may hold part of the buffer (garbage to the landing). Calls for one source come in
+  the order it sent; calls for different sources may run at once on different threads.
 * :meth:`PeerBytes.close` stops the endpoint within its own bound; a ``send`` after it raises
   :class:`PeerLost`.
 
@@ -40,6 +41,9 @@ Worked example: an in-memory landing, as the tests use (the agents' is their blo
 >>> view[:] = b"abcd"; land.landed(3, Buffer(step=5, key="copy.r2"))
 >>> land.got[(3, 5, "copy.r2")]
 b'abcd'
+>>> _ = land.open(3, Buffer(step=6, key="copy.r2"), 4); land.abandoned(3, Buffer(step=6, key="copy.r2"))
+>>> land.cut
+[(3, 6, 'copy.r2')]
 >>> MemoryLanding(refuse=True).open(3, Buffer(step=5, key="copy.r2"), 4) is None
 True
 """
@@ -100,6 +104,9 @@ class Landing(Protocol):
     def landed(self, src: int, buffer: Buffer) -> None:
         """Every byte of ``buffer`` from ``src`` is in the view ``open`` gave."""
 
+    def abandoned(self, src: int, buffer: Buffer) -> None:
+        """``buffer`` from ``src`` was cut short after ``open``: its view is no longer written."""
+
 
 class PeerBytes(abc.ABC):
     """One endpoint of a peer byte transport (see the module's contract)."""
@@ -123,12 +130,13 @@ def seconds(timeout: timedelta) -> float:
 
 
 class MemoryLanding:
-    """A landing that keeps what lands in memory (``got``: ``(src, step, key)`` -> bytes), or declines
-    everything (``refuse``). For examples and tests; thread-safe."""
+    """A landing that keeps what lands in memory (``got``: ``(src, step, key)`` -> bytes; ``cut``: the
+    buffers abandoned), or declines everything (``refuse``). For examples and tests; thread-safe."""
 
     def __init__(self, refuse: bool = False):
         self.refuse = refuse
         self.got: dict[tuple[int, int, str], bytes] = {}
+        self.cut: list[tuple[int, int, str]] = []
         self._open: dict[tuple[int, int, str], bytearray] = {}
         self._lock = threading.Lock()
 
@@ -144,3 +152,9 @@ class MemoryLanding:
         with self._lock:
             k = (src, buffer.step, buffer.key)
             self.got[k] = bytes(self._open.pop(k))
+
+    def abandoned(self, src: int, buffer: Buffer) -> None:
+        with self._lock:
+            k = (src, buffer.step, buffer.key)
+            self._open.pop(k, None)
+            self.cut.append(k)

@@ -54,7 +54,11 @@ def land(conn: wire.Connection, req: PutBytes, landing: Landing) -> dict:
         return {"declined": True}
     if len(view) != req.nbytes:
         raise ValueError(f"the landing of {buffer} gave {len(view)} bytes for a {req.nbytes}-byte buffer")
-    conn.read_into(view)
+    try:
+        conn.read_into(view)
+    except BaseException:
+        landing.abandoned(req.src, buffer)
+        raise
     landing.landed(req.src, buffer)
     return {"landed": True}
 

@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(transport: str, mode: str, buffers: str, timeout: float = 30.0):
+def run_pair(transport: str, mode: str, buffers: str, timeout: float = 30.0, die_after_s: float = 0.0):
     """Both ends; the sender's result lines, the receiver's landed lines and its exit status."""
     rendezvous = f"127.0.0.1:{free_port()}"
     recv = subprocess.Popen([sys.executable, ENDS, "recv", "--transport", transport, "--mode", mode,
@@ -37,9 +37,10 @@ def run_pair(transport: str, mode: str, buffers: str, timeout: float = 30.0):
         if transport == "wire":
             to = json.dumps(json.loads(recv.stdout.readline())["address"])
         sent = subprocess.run([sys.executable, ENDS, "send", "--transport", transport, "--rendezvous", rendezvous,
-                               "--to", to, "--buffers", buffers, "--timeout", str(timeout)],
+                               "--to", to, "--buffers", buffers, "--timeout", str(timeout),
+                               "--die-after-s", str(die_after_s)],
                               capture_output=True, text=True, timeout=BOUND_S)
-        assert sent.returncode == 0, sent.stderr[-3000:]
+        assert sent.returncode == (-9 if die_after_s else 0), sent.stderr[-3000:]
         if mode in ("slow",):
             recv.kill()
         out, _ = recv.communicate("", timeout=BOUND_S)  # its stdin closed: the receiving end stops
@@ -79,6 +80,13 @@ def test_a_peer_that_dies_mid_transfer_is_lost_not_timed_out(transport):
     assert r["result"] == "PeerLost", r
     assert "copy.r0 of step 9" in r["message"] and not landed
     assert rc == -9  # the receiving end killed itself mid-transfer
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_sender_that_dies_mid_transfer_leaves_the_buffer_abandoned_not_landed(transport):
+    results, landed, rc = run_pair(transport, "keep", f"9:copy.r0:{1 << 30}", die_after_s=0.05)
+    assert results == [] and rc == 0  # the sender never finished; the receiving end ended by itself
+    assert landed == [{"abandoned": [0, 9, "copy.r0"]}], landed
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

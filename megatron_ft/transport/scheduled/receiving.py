@@ -1,7 +1,8 @@
 """The scheduled transport's receiving side: one thread per source rank (``mft-sched-recv-r{R}-from{S}``)
-that takes each header (and chunk table) the source sends on ``ctrl``, opens the agent's block for the
-transfer, hands it to the p2p driver (through :attr:`Receiving.inbox`) and, once the driver has every
-chunk, closes the block and tells the agent it is complete. Each thread has its own agent connection: a
+that takes each header (and chunk table) the source sends on ``ctrl``, opens the source's landing for the
+transfer (:class:`AgentBlockLanding`, the peer byte transport's landing interface: the agent's block),
+hands it to the p2p driver (through :attr:`Receiving.inbox`) and, once the driver has every chunk, tells
+the landing it landed (the agent then counts the block complete). Each thread has its own agent connection: a
 receiver waiting on its agent never holds up the training thread's requests."""
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..peer_bytes import Buffer
 from .transfers import (HEADER_LEN, KIND_BYE, KIND_SKIP, KIND_TRANSFER, MAGIC, TABLE_COLUMNS, TAG_HEADER,
                         TAG_TABLE, WIRE_VERSION, _Incoming)
 
@@ -29,9 +31,11 @@ class Receiving:
 
     def __init__(self, rank: int, srcs: list, ctrl: Any, connect: Callable[[], Any],
                  open_segment: Callable[..., Any], stopped: Callable[[], bool]):
-        self.rank, self.ctrl, self._open_segment, self.stopped = rank, ctrl, open_segment, stopped
+        self.rank, self.ctrl, self.stopped = rank, ctrl, stopped
         self.inbox: dict[int, "queue.Queue[_Incoming]"] = {src: queue.Queue() for src in srcs}
         self.clients = {src: connect() for src in srcs}
+        #: where each source's copies land (the agent's blocks)
+        self.landings = {src: AgentBlockLanding(rank, self.clients[src], open_segment) for src in srcs}
         self.cpu: dict[int, float] = {}  # source -> its receiver thread's CPU time, once it ended
         self.threads = [threading.Thread(target=self._loop, args=(src,), daemon=True,
                                          name=f"mft-sched-recv-r{rank}-from{src}") for src in srcs]
@@ -81,35 +85,66 @@ class Receiving:
             self.cpu[src] = time.thread_time()
 
     def _receive(self, inc: _Incoming) -> None:
-        """Open the agent's block for ``inc``, hand it to the driver, wait until every chunk landed
-        (received even when there is nowhere to put it: the sender's sends must complete)."""
-        src, step, length = inc.src, inc.step, inc.length
-        try:
-            info = self.clients[src].request("sched_recv_begin", src_rank=src, step=step, length=length)
-        except Exception as e:
-            log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, step, src, e)
-            info = {"ignored": True}
-        seg = None
-        if not info.get("ignored"):
-            try:
-                seg = self._open_segment(info["path"], writable=True)  # mapped at once, not a fault per page while chunks land
-            except Exception as e:  # received anyway, then dropped
-                log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, step, src, e)
-        inc.dst = torch.from_numpy(seg.array) if seg is not None else None
+        """Open the landing for ``inc``, hand it to the driver, wait until every chunk landed (received
+        even when there is nowhere to put it: the sender's sends must complete), then tell the landing."""
+        src, landing = inc.src, self.landings[inc.src]
+        buffer = Buffer(inc.step, f"copy.r{src}")
+        view = landing.open(src, buffer, inc.length)
+        inc.dst = torch.frombuffer(view, dtype=torch.uint8) if view is not None and len(view) else None
         self.inbox[src].put(inc)
         while not inc.done.wait(1.0):
             if self.stopped():
                 return  # a failed batch may still write into the block: it stays mapped, incomplete
         complete = inc.complete
         inc.dst = inc.stage = None
-        if seg is None:
+        if view is None:
             return
-        seg.close()
         if complete:
-            try:
-                self.clients[src].request("sched_recv_done", src_rank=src, step=step)
-            except Exception as e:  # the agent restarted: this copy is lost, the next one counts
-                log.warning("rank %d: agent did not take step %d of rank %d: %s", self.rank, step, src, e)
+            landing.landed(src, buffer)
         else:
             log.warning("rank %d: transfer of step %d from rank %d covered %d of %d bytes: not complete",
-                        self.rank, step, src, sum(size for _, _, size in inc.rows), length)
+                        self.rank, inc.step, src, sum(size for _, _, size in inc.rows), inc.length)
+            landing.abandoned(src, buffer)
+
+
+class AgentBlockLanding:
+    """Where one source's copies land: the node agent's block for them (a
+    :class:`~megatron_ft.transport.peer_bytes.Landing`). ``open`` asks the agent (``sched_recv_begin``)
+    and maps the block it names; ``landed`` unmaps it and tells the agent it is complete
+    (``sched_recv_done``); ``abandoned`` unmaps it (the block stays incomplete). An agent that refuses, or a
+    block that cannot be mapped, declines the copy (the chunks are received and dropped). ``client``:
+    this source's own agent connection; every call comes from that source's receiver thread."""
+
+    def __init__(self, rank: int, client: Any, open_segment: Callable[..., Any]):
+        self.rank, self.client, self._open_segment = rank, client, open_segment
+        self._seg: Any = None
+
+    def open(self, src: int, buffer: Buffer, length: int) -> Optional[memoryview]:
+        try:
+            info = self.client.request("sched_recv_begin", src_rank=src, step=buffer.step, length=length)
+        except Exception as e:
+            log.warning("rank %d: agent refused step %d of rank %d: %s", self.rank, buffer.step, src, e)
+            return None
+        if info.get("ignored"):
+            return None
+        try:  # mapped at once, not a fault per page while chunks land
+            self._seg = self._open_segment(info["path"], writable=True)
+        except Exception as e:  # received anyway, then dropped
+            log.warning("rank %d: block for step %d of rank %d not writable: %s", self.rank, buffer.step, src, e)
+            return None
+        return memoryview(self._seg.array)[:length]
+
+    def landed(self, src: int, buffer: Buffer) -> None:
+        self._unmap()
+        try:
+            self.client.request("sched_recv_done", src_rank=src, step=buffer.step)
+        except Exception as e:  # the agent restarted: this copy is lost, the next one counts
+            log.warning("rank %d: agent did not take step %d of rank %d: %s", self.rank, buffer.step, src, e)
+
+    def abandoned(self, src: int, buffer: Buffer) -> None:
+        self._unmap()
+
+    def _unmap(self) -> None:
+        seg, self._seg = self._seg, None
+        if seg is not None:
+            seg.close()
