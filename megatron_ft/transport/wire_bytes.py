@@ -17,6 +17,24 @@ its ``timeout``: when that passes, the connection is shut down under the send (:
 which raises :class:`~.peer_bytes.PeerTimeout`. A connection that broke (the peer restarted) is opened
 again once within the bound, and the buffer sent again. Threads: one send at a time per peer (the
 connection's lock); sends to different peers may run at once.
+
+Worked example: node 0 sends a buffer to a receiving end on this machine, then one its landing declines:
+
+>>> from datetime import timedelta
+>>> from megatron_ft.transport.peer_bytes import Buffer, MemoryLanding
+>>> secret = b"the job's secret, 32 bytes long."
+>>> landing = MemoryLanding()
+>>> end = WireEndpoint(landing, secret)
+>>> sender = WireBytes(0, connector(lambda peer: end.address, 5.0, secret))
+>>> sender.send(1, Buffer(7, "copy.r3"), memoryview(b"snapshot bytes"), timedelta(seconds=5))
+>>> landing.got
+{(0, 7, 'copy.r3'): b'snapshot bytes'}
+>>> landing.refuse = True
+>>> sender.send(1, Buffer(8, "copy.r3"), memoryview(b"newer bytes"), timedelta(seconds=5))
+Traceback (most recent call last):
+...
+megatron_ft.transport.peer_bytes.PeerRefused: node 1 declined copy.r3 of step 8
+>>> sender.close(); end.close()
 """
 from __future__ import annotations
 
