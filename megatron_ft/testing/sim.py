@@ -75,9 +75,11 @@ class AgentProc:
         return c
 
     def kill(self) -> None:
+        """SIGKILL the agent and wait for it; its socket file (which it cannot unlink) is removed."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+            self.forget_socket()
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

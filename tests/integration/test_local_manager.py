@@ -40,6 +40,7 @@ def two_rank_job(tmp_path, shm_cleanup):
     agent = AgentProc(cfg, path).start()
     yield cfg, path, agent
     agent.kill()
+    agent.forget_socket()  # a killed agent leaves its socket file behind
 
 
 def run_phase(tmp_path, cfg_path, agent, phase, fault=None, expect_ok=True):
