@@ -24,7 +24,9 @@ Per rank, following REFT's sharding:
   ``data-parallel-rng``, ``expert-parallel-rng``: the last differs per expert-parallel and
   expert-tensor rank), small owned clones taken at capture; each rank restores its own.
 * JSON: Python and numpy RNG, the LR scheduler's state, the inner optimizer's param-group
-  hyper-parameters, and the job's progress (iteration, consumed samples).
+  hyper-parameters, the job's progress (iteration, consumed samples), and ``extents``: what each
+  data-parallel shard above holds of the parameters (:func:`shard_extents`), so that the shards can be
+  re-sliced for another data-parallel size (:mod:`megatron_ft.redundancy.reslice`).
 
 Parameters and optimizer state change only in ``optimizer.step()`` (the slices saved here; the
 rest of a bucket also in the deferred all-gather), so the views stay valid while the background
@@ -135,6 +137,90 @@ class StepOnlyStorages:
         return self._ptrs
 
 
+def _param_names(model_chunks: list) -> dict[int, str]:
+    """Every model parameter's name, ``c{chunk}.{qualified name}`` (the same at every data-parallel size)."""
+    return {id(p): f"c{c}.{name}" for c, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()}
+
+
+def _bucket_params(model_chunks: list) -> dict[str, list]:
+    """Per saved bucket entry (:func:`_param_buckets`' names), its parameters and their element ranges
+    ``(param, start, end)`` in the bucket's storage: the buffer's ``param_index_map`` (where each parameter
+    really is - the distributed optimizer pads parameter starts) less the bucket's offset in the buffer."""
+    out = {}
+    for c, chunk in enumerate(model_chunks):
+        for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
+            for b, buf in enumerate(bufs):
+                if buf.param_data is None:
+                    continue
+                for k, bucket in enumerate(buf.buckets):
+                    out[f"model.c{c}.{kind}{b}.k{k}.param_data"] = [
+                        (p, buf.param_index_map[p][0] - bucket.offset, buf.param_index_map[p][1] - bucket.offset)
+                        for p in bucket.params_list]
+    return out
+
+
+def _main_params(optimizer: Any) -> list[dict[int, tuple[Any, int, int]]]:
+    """Per inner optimizer of the chain: id(its parameter) -> (model parameter, start, end), the elements of
+    the model parameter it holds. The distributed optimizer's main parameters are shards (its range map
+    says which); another optimizer's parameters are the model's own, whole."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        found: dict[int, tuple[Any, int, int]] = {}
+        if hasattr(opt, "model_param_gbuf_map"):  # the distributed optimizer
+            pairs = [(getattr(opt, m, []), getattr(opt, s, [])) for m, s in
+                     (("model_float16_groups", "shard_fp32_from_float16_groups"), ("model_fp32_groups", "shard_fp32_groups"))]
+            for models, shards in pairs:
+                for mg, sg in zip(models, shards):
+                    for model_param, shard in zip(mg, sg):
+                        if shard is not None:
+                            r = opt._get_model_param_range_map(model_param)["param"]
+                            found[id(shard)] = (model_param, r.start, r.end)
+        else:
+            inner = getattr(opt, "optimizer", opt)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    found[id(p)] = (p, 0, p.numel())
+        out.append(found)
+    return out
+
+
+def shard_extents(model_chunks: list, optimizer: Any, saved: set[str]) -> dict[str, list[list]]:
+    """What each saved data-parallel shard holds of the parameters (the re-slicing's input,
+    :mod:`megatron_ft.redundancy.reslice`): saved entry -> ``[offset, param, lo, length]`` extents
+    (``Extent(entry, *record)``), where
+    ``param`` names a parameter's value (``c0.module.decoder...weight``) or an optimizer state of it
+    (``...weight:exp_avg``; ``:param`` the distributed optimizer's fp32 main copy). A bucket's slice is
+    this rank's slice of its storage (padding holds no parameter); an optimizer entry the range of its
+    parameter it holds. Entries that are not data-parallel shards (step counters, RNG, module buffers)
+    have none, and so do entries not in ``saved`` (the names the snapshot holds). Computed from
+    megatron-core's own maps; pure bookkeeping, no collective."""
+    from ..redundancy.reslice import extents_of_slice
+
+    names = _param_names(model_chunks)
+    in_bucket = _bucket_params(model_chunks)
+    out: dict[str, list[list]] = {}
+    for entry, t, group in _param_buckets(model_chunks):
+        lo, hi = bucket_shard(t, group).bounds()
+        params = [(names[id(p)], s, e) for p, s, e in in_bucket[entry]]
+        out[entry] = [[x.offset, x.param, x.lo, x.length] for x in extents_of_slice(entry, lo, hi, params)]
+    mains = _main_params(optimizer)
+    for k, inner in enumerate(_inner_optimizers(optimizer)):
+        for g, group in enumerate(inner.param_groups):
+            for j, p in enumerate(group["params"]):
+                held = mains[k].get(id(p)) if k < len(mains) else None
+                if held is None or held[2] <= held[1]:
+                    continue
+                model_param, start, end = held
+                prefix, name = f"optim.o{k}.g{g}.p{j}", names.get(id(model_param))
+                if name is None:
+                    continue
+                for key, val in [*inner.state.get(p, {}).items(), ("param", p)]:
+                    if (f"{prefix}.{key}" in saved and isinstance(val, torch.Tensor)
+                            and val.numel() == end - start):
+                        out[f"{prefix}.{key}"] = [[0, f"{name}:{key}", start, end - start]]
+    return out
+
+
 class MegatronStateAdapter:
     """StateAdapter for megatron-core model chunks + (distributed) optimizer + LR scheduler."""
 
@@ -145,6 +231,7 @@ class MegatronStateAdapter:
         self.progress: dict = {"iteration": 0, "consumed_samples": 0}
         self.restored_progress: Optional[dict] = None
         self._rng_targets: dict[str, torch.Tensor] = {}
+        self._extents: Optional[dict] = None  # shard_extents, once: the buckets and shards never move
 
     # ------------------------------------------------------------------ capture
     def _buffer_storages(self) -> set[int]:
@@ -206,6 +293,9 @@ class MegatronStateAdapter:
             "optimizer_nontensor": json_safe(nontensor_state, "optimizer state"),
             "progress": json_safe(self.progress, "progress"),
         }
+        if self._extents is None:
+            self._extents = shard_extents(self.model, self.optimizer, {t.name for t in tensors})
+        extra["extents"] = self._extents
         return tensors, extra
 
     # ------------------------------------------------------------------ restore
