@@ -56,6 +56,13 @@ def test_rewind_lowers_complete_announced_and_kept_steps():
     assert g.newest_announced() == {0: 4, 1: 4} and g.claim(5)  # the next versions are completed again
 
 
+def land(b, v, step, kind, data: bytes, src) -> bool:
+    """A contribution as the exchange's landing puts it in: into the block store's destination, applied."""
+    view = b.destination(v, kind, len(data))
+    view[:] = data
+    return b.apply(v, step, kind, view, src)
+
+
 def store(tmp_path, node=0):
     return BlockStore(str(tmp_path), "run", node)
 
@@ -91,7 +98,7 @@ def test_xor_contributions_accumulate_and_one_for_a_reset_version_is_dropped(tmp
     x, y = np.arange(16, dtype=np.uint8), np.full(16, 7, np.uint8)
 
     def put(v, step, data, src):
-        b.write(v, step, xch.XOR, len(data), lambda dst: dst.__setitem__(slice(None), data.tobytes()), src)
+        land(b, v, step, xch.XOR, data.tobytes(), src)
         b.received(v, step, src)
 
     v = b.version_for("xor.g0.p0", 1, 16, 2, {})
@@ -147,7 +154,7 @@ def test_random_orders_never_lose_the_groups_recovery_point(tmp_path, seed):
             nd = nodes[dst]
             v = nd.b.version_for(nd.key(), s, 16, 1, {})
             if v is not None:
-                nd.b.write(v, s, xch.COPY, 16, lambda m: m.__setitem__(slice(None), bytes([s]) * 16), pick)
+                land(nd.b, v, s, xch.COPY, bytes([s]) * 16, pick)
                 nd.b.received(v, s, pick)
                 if nd.held_complete(s) and nd.c.claim(s):
                     nd.b.keep(nd.c.kept_blocks())
@@ -192,7 +199,7 @@ def test_a_parity_contribution_sent_again_is_dropped_not_xored_twice(tmp_path):
     a, c = np.arange(8, dtype=np.uint8), np.full(8, 7, np.uint8)
 
     def put(src, data):
-        ok = b.write(v, 2, "xor", 8, lambda dst: dst.__setitem__(slice(None), data.tobytes()), src)
+        ok = land(b, v, 2, "xor", data.tobytes(), src)
         if ok:
             b.received(v, 2, src)
         return ok
