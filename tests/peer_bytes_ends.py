@@ -10,7 +10,8 @@ line per landed buffer (``src``, ``step``, ``key``, ``sha256``) and ends at the 
 ``python tests/peer_bytes_ends.py send --transport ... --rendezvous R --to ADDR --buffers SPEC --timeout S``:
 sends each buffer of ``SPEC`` (``step:key:size,...``; the bytes are a function of step, key and size)
 and prints one JSON line per send: ``landed``, or the error's class, ``declined`` and message;
-``--die-after-s T`` SIGKILLs the sending process T seconds into its first send. The receiving end prints a line for each
+``--die-after-s T`` SIGKILLs the sending process T seconds into its last send (the ones before it
+set the link up). The receiving end prints a line for each
 buffer it abandoned (cut short after it opened).
 """
 from __future__ import annotations
@@ -78,6 +79,7 @@ def receive(args) -> None:
         end = WireEndpoint(landing, SECRET)
         print(json.dumps({"address": list(end.address)}), flush=True)
         sys.stdin.read()  # the test closes our stdin when it is done
+        end.wait_idle(60)  # a dead sender's buffer: abandoned once its connection is seen to end
         end.close()
     else:
         from megatron_ft.transport.group_bytes import GroupBytes
@@ -93,12 +95,13 @@ def send(args) -> None:
     else:
         from megatron_ft.transport.group_bytes import GroupBytes
         end = GroupBytes(group(0, args.rendezvous), MemoryLanding(refuse=True), srcs=[])
-    for spec in args.buffers.split(","):
+    specs = args.buffers.split(",")
+    for i, spec in enumerate(specs):
         step, key, size = spec.split(":")
         buffer = Buffer(int(step), key, {"spec": spec})
         data = memoryview(payload(int(step), key, int(size)))
         t0 = time.monotonic()
-        if args.die_after_s:  # this end dies mid-transfer (a SIGKILL: nothing of it says goodbye)
+        if args.die_after_s and i == len(specs) - 1:  # dies mid-transfer (a SIGKILL: no goodbye)
             threading.Timer(args.die_after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
         try:
             end.send(1, buffer, data, timedelta(seconds=args.timeout))

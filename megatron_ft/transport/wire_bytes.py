@@ -142,20 +142,33 @@ class WireBytes(PeerBytes):
 
 class WireEndpoint:
     """A receiving end of its own: a TCP server on ``host`` (a free port: :attr:`address`) that lands every
-    ``put`` in ``landing``, proving ``secret`` on each connection. ``close()`` stops it."""
+    ``put`` in ``landing``, proving ``secret`` on each connection. :meth:`wait_idle` waits until every
+    sender that sent it a buffer has gone; ``close()`` stops it."""
 
     def __init__(self, landing: Landing, secret: bytes, host: str = "127.0.0.1", name: str = "peer-bytes"):
         self.landing = landing
+        self._senders: set[int] = set()  # connections that sent a buffer and are still open
+        self._cond = threading.Condition()
         self.server = wire.Server((host, 0), self, name, secret=secret).start()
         self.address = self.server.address
 
     def handle(self, conn: wire.Connection, msg: dict) -> dict:
+        with self._cond:
+            self._senders.add(id(conn))
         req = PUT_MESSAGES.parse(msg)
         assert isinstance(req, PutBytes)
         return land(conn, req, self.landing)
 
     def closed(self, conn: wire.Connection) -> None:
-        pass
+        with self._cond:
+            self._senders.discard(id(conn))
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until no sender's connection is open (each one's last buffer landed or
+        abandoned); whether none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._senders, timeout)
 
     def close(self) -> None:
         self.server.close()
