@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import run_demo
-from megatron_ft import config as ftconfig
+from megatron_ft import config as ftconfig, tiers
 from megatron_ft.agent import persist
 from megatron_ft.schedule.modes import free_share_of_waits
 from megatron_ft.testing.helpers import read_jsonl, wait_for, with_free_ports
@@ -231,10 +231,15 @@ def test_agent_killed_alone_its_restart_protects_the_next_steps(tmp_path, refere
 @pytest.mark.slow
 @pytest.mark.parametrize("first", [["--fail=trainer"], ["--fail=node", "--redundancy=replica"]])
 def test_a_second_failure_during_the_recovery_ends_at_the_same_tier(tmp_path, first, reference_dir):
-    """A restarted trainer is SIGKILLed while it imports, joins the rendezvous or restores."""
+    """A restarted trainer is SIGKILLed while it imports, joins the rendezvous or restores (0.3 s after it
+    appeared: a warm spare's restore takes ~0.4 s, and the 5 iterations left about a second). Its next life
+    may restore what the first one had already brought back to its node (local memory): every restore after
+    the failure is at the promised tier or better."""
     s = demo(tmp_path, reference_dir, *first, f"--kill-at={KILL_AT}", "--second-failure",
-             "--second-delay=1.5")
-    assert s["second_failure"] and s["recovered_from"] == s["promised_tier"], s
+             "--second-delay=0.3")
+    assert s["second_failure"] and s["tier_ok"], s
+    assert s["promised_tier"] in s["recovered_from"].split("+"), s  # the first life's restore
+    assert tiers.meets(s["recovered_from"], s["promised_tier"]), s
     assert 1 <= s["resumed_step"] <= KILL_AT
 
 
