@@ -189,6 +189,12 @@ def agent_status(cfg, node: int) -> dict:
 MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path on Linux, minus the terminating NUL
 
 
+def spares_socket_path(socket_dir: str, run_id: str, node: int) -> str:
+    """Where node ``node``'s spare pool listens (``megatron_ft/spares/pool.py``): its agent removes it when
+    the job ends and nothing listens there (the pool died with a SIGKILLed launcher)."""
+    return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
+
+
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:
     path = f"{socket_dir.rstrip('/')}/{run_id}.node{node}.sock"
     if len(path.encode()) > MAX_SOCKET_PATH:

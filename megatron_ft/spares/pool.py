@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:  # annotations only: subprocess is imported where a process is started
     import subprocess
 
+from ..agent.protocol import spares_socket_path
 from ..clock import Deadline
 from ..transport import wire
 from ..transport.wire import bind_private, stranger
@@ -137,8 +138,7 @@ def _script_paths(script: list[str]) -> list[str]:
     return paths
 
 
-def socket_path(socket_dir: str, run_id: str, node: int) -> str:
-    return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
+socket_path = spares_socket_path  # where node N's pool listens
 
 
 def warm_up(modules: tuple[str, ...]) -> list[str]:
@@ -198,6 +198,9 @@ def serve(path: str, imports: tuple[str, ...] = DEFAULT_IMPORTS, trees: tuple[st
             continue
         try:
             req, fds = recv_request(conn)
+        except ConnectionError:  # closed before its request: a probe whether the pool still listens
+            conn.close()
+            continue
         except (OSError, wire.WireError) as e:
             log.error("spares: bad request: %s", e)
             conn.close()

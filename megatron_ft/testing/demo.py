@@ -307,6 +307,15 @@ def stop_leftovers(run: Run) -> None:
         for name in os.listdir(run.cfg.agent.shm_dir):
             if name.startswith(f"mft.{run.cfg.run_id}."):
                 os.unlink(os.path.join(run.cfg.agent.shm_dir, name))
+    # nothing of the run is alive now: the sockets a SIGKILLed process could not unlink (a lost node's
+    # replacement's, a standby's spare pool's) are this demo's to remove
+    socket_dir = run.cfg.agent.socket_dir
+    for name in os.listdir(socket_dir) if os.path.isdir(socket_dir) else []:
+        if name.startswith(f"{run.cfg.run_id}."):
+            try:
+                os.unlink(os.path.join(socket_dir, name))
+            except FileNotFoundError:
+                pass
 
 
 def add_parser(sub) -> None:

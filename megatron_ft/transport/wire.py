@@ -67,7 +67,7 @@ from .wire_auth import AUTH_FRAME_MAX, AUTH_TIMEOUT_S, AuthError, answer_challen
 from .wire_frames import (_LEN, IO_BLOCK, MAX_FRAME, PACKET_MAX, SOCKET_BUFFER, WIRE_VERSION, Address, FieldTable,
                           WireError, discard, recv_frame, recv_into, recv_packet, send_frame, send_packet)
 from .wire_sockets import (_peer, _tune_tcp, bind_private, describe, mark, open_socket, peer_credentials,
-                           private_directory, stranger)
+                           private_directory, stranger, unlink_if_unheard)
 
 __all__ = [
     # the frame and the packets (wire_frames)
@@ -77,6 +77,7 @@ __all__ = [
     "AUTH_FRAME_MAX", "AUTH_TIMEOUT_S", "AuthError", "check_client", "answer_challenge",
     # the sockets (wire_sockets)
     "private_directory", "bind_private", "peer_credentials", "stranger", "describe", "mark", "open_socket",
+    "unlink_if_unheard",
     # the server and the client (here)
     "Reply", "Connection", "Handler", "LISTEN_BACKLOG", "Server", "RemoteError", "CONNECT_POLL_S", "Client",
 ]

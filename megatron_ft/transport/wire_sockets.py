@@ -46,6 +46,27 @@ def bind_private(sock: socket.socket, path: str, backlog: Optional[int] = None) 
     os.replace(tmp, path)
 
 
+def unlink_if_unheard(path: str, kind: int = socket.SOCK_STREAM) -> bool:
+    """Remove the Unix socket file ``path`` if nothing listens on it any more (its server was SIGKILLed and
+    could not unlink it): a connection is refused there. A live server only sees a connection closed
+    before its first request. Whether it was removed."""
+    probe = socket.socket(socket.AF_UNIX, kind)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+        return False
+    except ConnectionRefusedError:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+    except OSError:  # no file, not a socket, a server too busy to queue us: not ours to judge
+        return False
+    finally:
+        probe.close()
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of Unix socket ``sock`` (``SO_PEERCRED``)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

@@ -2,6 +2,7 @@
 TCP): frames and versions, refusals, payloads, the retry and timeout policy, in one process."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -275,3 +276,16 @@ def _pipes() -> set[int]:
         except FileNotFoundError:  # the listing's own descriptor
             pass
     return out
+
+
+@pytest.mark.parametrize("kind", [socket.SOCK_STREAM, socket.SOCK_SEQPACKET])
+def test_a_socket_nobody_listens_on_is_removed_and_a_live_one_kept(tmp_path, kind):
+    d = tmp_path / "socks"
+    path = str(d / "pool.sock")
+    srv = socket.socket(socket.AF_UNIX, kind)
+    wire.bind_private(srv, path, backlog=4)
+    assert not wire.unlink_if_unheard(path, kind) and os.path.exists(path)  # a live server keeps its file
+    srv.close()  # as a SIGKILLed server: the file stays, nothing listens
+    assert os.path.exists(path)
+    assert wire.unlink_if_unheard(path, kind) and not os.path.exists(path)
+    assert not wire.unlink_if_unheard(path, kind)  # nothing there any more
