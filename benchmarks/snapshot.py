@@ -17,8 +17,8 @@ after the other, each leaving the memory as it found it (the agent is shut down 
     ``clean`` = ``SnapshotStats.clean_at`` - start of the snapshot. ``restore`` = wall time of
     ``Restorer(...).restore(adapter)`` from the agent's memory (includes checksum verification)
     into the (zeroed) state tensors. For the paired targets the same phase also times a raw copy
-    just before each snapshot and, memory permitting, a ``torch.load`` + copy (as in (c), from a
-    file written once) just after each restore;
+    just before each snapshot, a raw copy just before each restore and, memory permitting, a
+    ``torch.load`` + copy (as in (c), from a file written once) just after each restore;
 (c) ``torch.save`` of the same state dict to /dev/shm (stall = clean = save time), restore =
     ``torch.load(weights_only=True)`` alone (new tensors) and ``torch.load`` + copy into the
     existing state tensors (what ``model.load_state_dict`` / ``optimizer.load_state_dict`` do in a
@@ -104,6 +104,9 @@ RANK_TIMEOUT_S = 1800.0
 STALL_MAX = 0.1  # megatron-ft stall <= 0.1 x raw copy
 CLEAN_MAX = 1.5  # snapshot clean within 1.5 x raw copy
 RESTORE_MIN = 5.0  # (torch.load + copy into the existing state) / megatron-ft restore >= 5
+RESTORE_RAW_MAX = 1.5  # megatron-ft restore from agent memory <= 1.5 x the raw copy of the same bytes
+#: the phases of a timed restore (RestoreResult.phases: seconds from its start at which each ended)
+RESTORE_PHASES = ("listed", "opened", "loaded", "guarded", "finished", "rewound")
 
 
 # ====================================================================================== results
@@ -159,6 +162,14 @@ class MegatronFTResult:
     restore_unmap: Stat  # finish_load (shard all-gathers, JSON record) + close
     paired_raw: Stat  # the faster raw copy, timed just before each measured snapshot (same phase)
     paired_load_copy: Optional[Stat] = None  # torch.load + copy just after each restore (memory permitting)
+    paired_restore_raw: Optional[Stat] = None  # the faster raw copy, timed just before each restore (same phase)
+    # the timed restores' phases (RestoreResult.phases): when each ended, seconds from the restore's start
+    restore_listed: Optional[Stat] = None
+    restore_opened: Optional[Stat] = None
+    restore_loaded: Optional[Stat] = None
+    restore_guarded: Optional[Stat] = None
+    restore_finished: Optional[Stat] = None
+    restore_rewound: Optional[Stat] = None
 
 
 @dataclass
@@ -423,7 +434,8 @@ def rank_megatron_ft(rc: RankContext) -> dict:
     adapter = BenchStateAdapter(rc.state)
     engine = SnapshotEngine(client, rc.rank, identity, cfg.snapshot.chunk_bytes, coord)
     out: dict[str, list[float]] = {k: [] for k in ("stall", "snapshot_call", "wait", "copy", "clean", "restore",
-                                                   "paired_raw", "paired_load_copy")}
+                                                   "paired_raw", "paired_load_copy", "paired_restore_raw",
+                                                   *(f"restore_{p}" for p in RESTORE_PHASES))}
     raw: Optional[RawBuffer] = None
     torch_file = rc.path(f"torch.paired.r{rc.rank}.pt", rc.torch_dir)
     try:
@@ -445,13 +457,13 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                 out[k].append(t[k])
             out["copy"].append(st.copy_s)
         raw.verify(rc.rank)
-        raw.close()
-        raw = None
         want = fingerprint(rc.state)
         if rc.paired_restore:  # the same state as a torch.save file, for torch.load + copy after each restore
             torch.save(rc.state, torch_file)
         try:
             for _ in range(rc.reps):
+                # paired with this restore: the raw copy of the same bytes just before it (the faster one)
+                out["paired_restore_raw"].append(min(raw.timed(rc).values()))
                 zero_state(rc.state)  # the state is lost; the tensors exist (a rebuilt model)
                 rc.barrier()
                 t0 = time.perf_counter()
@@ -460,13 +472,18 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                 if (res.source, res.step) != ("local_memory", step):
                     raise RuntimeError(f"rank {rc.rank}: restored {res.source} step {res.step}, not step {step}: "
                                        f"{res.rejected}")
+                for p in RESTORE_PHASES:
+                    out[f"restore_{p}"].append(res.phases.get(p, float("nan")))
                 if fingerprint(rc.state) != want or adapter.restored_extra != {"iteration": step}:
                     raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
                 if rc.paired_restore:
                     out["paired_load_copy"].append(torch_load_copy(rc, torch_file, want))
+            raw.verify(rc.rank)
         finally:  # also frees its memory before the breakdown's restores
             if os.path.exists(torch_file):
                 os.unlink(torch_file)
+            raw.close()
+            raw = None
         restore_breakdown(rc, client, identity, adapter, step, out)
     finally:
         if raw is not None:
@@ -812,7 +829,8 @@ def mem_available() -> int:
 def fits(b: Bench, size_mib: int, ranks: int, copies: int = 4) -> str:
     """Why a combination would not fit, or "". Peak per rank: the state plus three more copies
     (megatron-ft: two agent slots and the paired raw copy's buffer; torch.save: file + loaded copy;
-    DCP: staging copy + files); five for the paired restore (two slots, torch file, loaded copy)."""
+    DCP: staging copy + files); six for the restore paired with torch.load + copy (two slots, the raw
+    copy's buffer, torch file, loaded copy)."""
     need = ranks * (copies * size_mib * MiB + PROCESS_OVERHEAD)
     shm_need = ranks * 2 * size_mib * MiB + 64 * MiB
     if need > b.mem_budget:
@@ -833,7 +851,7 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
     if c.skipped:
         print(f"[bench] {size_mib} MiB x {ranks} ranks: SKIPPED ({c.skipped})", flush=True)
         return c
-    c.unpaired_restore = fits(b, size_mib, ranks, copies=5)
+    c.unpaired_restore = fits(b, size_mib, ranks, copies=6)
     print(f"[bench] {size_mib} MiB x {ranks} ranks: raw copy, megatron-ft, torch.save, dcp ...", end="", flush=True)
     t0 = time.time()
     out_dir = os.path.join(b.workdir, "results", f"{c.size_mib}m{c.ranks}r")
@@ -917,6 +935,8 @@ def targets(c: ComboResult) -> list[Target]:
                f"<= {STALL_MAX}", lambda v: v <= STALL_MAX),
               ("clean / raw copy", paired_ratio(m and m.clean, m and m.paired_raw), ratio(m and m.clean, raw),
                f"<= {CLEAN_MAX}", lambda v: v <= CLEAN_MAX),
+              ("restore / raw copy", paired_ratio(m and m.restore, m and m.paired_restore_raw),
+               ratio(m and m.restore, raw), f"<= {RESTORE_RAW_MAX}", lambda v: v <= RESTORE_RAW_MAX),
               ("(torch.load + copy) / restore", paired_ratio(m and m.paired_load_copy, m and m.restore), ratio(t and t.load_copy, m and m.restore),
                f">= {RESTORE_MIN}", lambda v: v >= RESTORE_MIN),
               ("dcp stall / mft stall", None, ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0),
@@ -958,8 +978,8 @@ def results_table(combos: list[ComboResult]) -> str:
 
 def restore_table(combos: list[ComboResult]) -> str:
     """Where a megatron-ft restore spends its time, next to the raw copy of the same bytes."""
-    rows = ["| state/rank | ranks | restore | = open (records) | + check identity/layout | + read into tensors "
-            "and verify | + finish | raw copy | torch.load | torch.load + copy |", "|" + "---|" * 10]
+    rows = ["| state/rank | ranks | restore | = open (records) | + check identity/layout | + read into tensors, "
+            "verify and screen | + finish | raw copy | torch.load | torch.load + copy |", "|" + "---|" * 10]
     for c in combos:
         m = c.mft
         if c.skipped or m is None:
@@ -969,6 +989,23 @@ def restore_table(combos: list[ComboResult]) -> str:
             f" | {fmt_s(c.raw.reference.median) if c.raw else 'n/a'} | "
             f"{fmt_s(c.torch_save.load.median) if c.torch_save else 'n/a'} | "
             f"{fmt_s(c.torch_save.load_copy.median) if c.torch_save else 'n/a'} |")
+    return "\n".join(rows)
+
+
+def phases_table(combos: list[ComboResult]) -> str:
+    """The timed restores' own phases (``RestoreResult.phases``): when each ended, from the restore's start."""
+    names = {"listed": "candidates listed", "opened": "opened + agreed", "loaded": "read + verified",
+             "guarded": "values screened", "finished": "agreed + finished", "rewound": "agent told (end)"}
+    rows = ["| state/rank | ranks | restore | " + " | ".join(names[p] for p in RESTORE_PHASES)
+            + " | raw copy (paired) |", "|" + "---|" * (4 + len(RESTORE_PHASES))]
+    for c in combos:
+        m = c.mft
+        if c.skipped or m is None:
+            continue
+        ends = [getattr(m, f"restore_{p}") for p in RESTORE_PHASES]
+        rows.append(f"| {c.size_mib} MiB | {c.ranks} | {fmt_s(m.restore.median)} | "
+                    + " | ".join(fmt_s(e.median) if e is not None else "n/a" for e in ends)
+                    + f" | {fmt_s(m.paired_restore_raw.median) if m.paired_restore_raw else 'n/a'} |")
     return "\n".join(rows)
 
 
@@ -991,9 +1028,10 @@ def pass_fail_lines(combos: list[ComboResult]) -> list[str]:
     labels = [
         ("megatron-ft stall per snapshot <= 0.1x the raw copy time of the same bytes", 0),
         ("snapshot clean within 1.5x the raw copy time", 1),
+        (f"restore from agent memory <= {RESTORE_RAW_MAX}x the raw copy of the same bytes", 2),
         ("restore from the agent >= 5x faster than torch.load (from --torch-dir) + copy into the existing "
-         "state (load_state_dict)", 2),
-        ("megatron-ft stall below dcp.async_save's stall", 3),
+         "state (load_state_dict)", 3),
+        ("megatron-ft stall below dcp.async_save's stall", 4),
     ]
     lines = []
     for text, i in labels:
@@ -1093,9 +1131,18 @@ def main_report(combos: list[ComboResult], command: str, args: argparse.Namespac
         "",
         restore_table(combos),
         "",
+        "The timed restores themselves (`Restorer.restore()`, with the agreement among the ranks): when "
+        "each phase ended, from the restore's start (medians; the slowest rank per repetition) - the "
+        "agent's list of versions, the container opened and checked on every rank (an agreement), its "
+        "bytes read and verified (and, where the read screened them in its pass, its values checked), the "
+        "value guard's read of what the pass did not screen, the second agreement + shards + JSON record, "
+        "the agent told which step the job resumed from - and the raw copy timed just before each:",
+        "",
+        phases_table(combos),
+        "",
         "Targets, PASS/FAIL. *paired*: the median over the repetitions of the ratio of two figures "
         "measured one right after the other (megatron-ft's phase times a raw copy just before each "
-        "snapshot, and a torch.load + copy of the same state from a torch.save file in "
+        "snapshot and just before each restore, and a torch.load + copy of the same state from a torch.save file in "
         f"`{torch_dir}` just after each restore), so the machine's drift between phases cancels; in "
         "brackets the ratio of the medians of the separate phases (the tables above). Unmarked: the "
         "ratio of the medians of separate phases. The last column is the best any restore that copies "

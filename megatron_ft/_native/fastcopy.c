@@ -19,6 +19,9 @@
  *                  unnoticed (benchmarks/checksum.py). v2 notices every single-bit flip.
  * The numpy reference in megatron_ft/capture/checksum.py computes the same values.
  *
+ * A restore's chunk (mft_f8_restore_chunk) is copied, summed and, per floating-point piece,
+ * screened for NaN and infinities in the same pass: the value guard need not read it again.
+ *
  * Loaded with ctypes (no Python API), so calls release the GIL.
  */
 #include <stdint.h>
@@ -145,9 +148,18 @@ void mft_fl_zeros(mft_fl_state *st, uint64_t groups) {
 typedef struct { uint64_t a[8], b[8]; } mft_f8_state;
 typedef uint32_t half_t __attribute__((vector_size(16)));
 
+/* `screen` (a constant in each caller): also OR (w & mask) + low into *bad for every 64-bit word w of
+ * src, where mask holds the exponent bits of each floating-point element of the word and low the
+ * lowest of them (see mft_f8_restore_chunk): an element with every exponent bit set (NaN or an
+ * infinity) carries into its sign bit, which mask and low leave clear otherwise. */
 static inline __attribute__((always_inline))
-void f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes, int stream) {
+void f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes, int stream,
+               int screen, uint64_t mask, uint64_t *bad) {
     lanes_t a0, a1, b0, b1;
+    lanes_t em = {mask, mask, mask, mask};
+    uint64_t low1 = mask & ~(mask << 1);
+    lanes_t el = {low1, low1, low1, low1};
+    lanes_t ex = {0, 0, 0, 0};
     memcpy(&a0, st->a, 32); memcpy(&a1, st->a + 4, 32);
     memcpy(&b0, st->b, 32); memcpy(&b1, st->b + 4, 32);
     const unsigned char *s = (const unsigned char *)src;
@@ -168,6 +180,11 @@ void f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes, in
 #endif
             { memcpy(d + 32 * g, &lo, 16); memcpy(d + 32 * g + 16, &hi, 16); }
         }
+        if (screen) {
+            lanes_t w;
+            memcpy(&w, s + 32 * g, 32);
+            ex |= (w & em) + el;
+        }
         a0 += __builtin_convertvector(lo, lanes_t); a1 += __builtin_convertvector(hi, lanes_t);
         b0 += a0; b1 += a1;
     }
@@ -181,22 +198,28 @@ void f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes, in
         if (d) memcpy(d + 32 * full, s + 32 * full, rest);
         half_t lo, hi;
         memcpy(&lo, tail, 16); memcpy(&hi, tail + 4, 16);
+        if (screen) {  /* the zero padding is finite */
+            lanes_t w;
+            memcpy(&w, tail, 32);
+            ex |= (w & em) + el;
+        }
         a0 += __builtin_convertvector(lo, lanes_t); a1 += __builtin_convertvector(hi, lanes_t);
         b0 += a0; b1 += a1;
     }
+    if (screen) *bad |= (ex[0] | ex[1] | ex[2] | ex[3]) & (mask + low1);
     memcpy(st->a, &a0, 32); memcpy(st->a + 4, &a1, 32);
     memcpy(st->b, &b0, 32); memcpy(st->b + 4, &b1, 32);
 }
 
 MFT_CLONES
 void mft_f8_update(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes) {
-    f8_update(st, dst, src, nbytes, 0);
+    f8_update(st, dst, src, nbytes, 0, 0, 0, 0);
 }
 
 /* non-temporal stores for the copy (a 16-byte aligned dst; else normal stores), as mft_fl_update_nt */
 MFT_CLONES
 void mft_f8_update_nt(mft_f8_state *st, void *dst, const void *src, uint64_t nbytes) {
-    f8_update(st, dst, src, nbytes, MFT_HAVE_STREAM && dst && ((uintptr_t)dst & 15) == 0);
+    f8_update(st, dst, src, nbytes, MFT_HAVE_STREAM && dst && ((uintptr_t)dst & 15) == 0, 0, 0, 0);
 }
 
 void mft_f8_zeros(mft_f8_state *st, uint64_t groups) {
@@ -208,6 +231,43 @@ uint64_t mft_f8_final(const mft_f8_state *st, uint64_t nbytes) {
     for (int l = 0; l < 8; l++) h = fmix64(h ^ st->a[l]);
     for (int l = 0; l < 8; l++) h = fmix64(h ^ st->b[l]);
     return fmix64(h ^ nbytes);
+}
+
+/* One chunk of a restore, in one call: piece i (n_pieces, in chunk order) is copied from
+ * src_base + src_off[i] to dst[i] (len[i] bytes; non-temporal stores where dst[i] is 16-byte
+ * aligned: the training state is not read again soon) and summed in place at chunk_off[i] of the
+ * chunk (32-byte aligned, increasing, non-overlapping, within chunk_nbytes: the caller checks);
+ * the bytes no piece covers (alignment padding) are zero. Returns the chunk's fl32x8-v1 digest.
+ * Where mask[i] is not 0 the piece is also screened for NaN and infinities in the same pass:
+ * mask[i] holds, in every floating-point element of a 64-bit word, that element's exponent bits
+ * (float32 0x7f8000007f800000, float64 0x7ff0000000000000, float16 0x7c007c007c007c00,
+ * bfloat16 0x7f807f807f807f80); bad[i] is non-zero when an element of the piece has every
+ * exponent bit set (NaN or +-Inf), else 0. */
+MFT_CLONES
+uint64_t mft_f8_restore_chunk(uint64_t chunk_nbytes, uint64_t n_pieces, const uint64_t *chunk_off,
+                              const uint64_t *len, const uint64_t *dst, uint64_t src_base,
+                              const uint64_t *src_off, const uint64_t *mask, uint64_t *bad) {
+    mft_f8_state st;
+    memset(&st, 0, sizeof st);
+    uint64_t pos = 0; /* bytes accounted for, a multiple of 32 */
+    for (uint64_t i = 0; i < n_pieces; i++) {
+        mft_f8_zeros(&st, (chunk_off[i] - pos) / 32);
+        void *d = (void *)(uintptr_t)dst[i];
+        const void *s = (const void *)(uintptr_t)(src_base + src_off[i]);
+        int stream = MFT_HAVE_STREAM && ((uintptr_t)d & 15) == 0;
+        bad[i] = 0;
+        if (mask[i]) {
+            if (stream) f8_update(&st, d, s, len[i], 1, 1, mask[i], &bad[i]);
+            else f8_update(&st, d, s, len[i], 0, 1, mask[i], &bad[i]);
+        } else {
+            if (stream) f8_update(&st, d, s, len[i], 1, 0, 0, 0);
+            else f8_update(&st, d, s, len[i], 0, 0, 0, 0);
+        }
+        pos = chunk_off[i] + (len[i] + 31) / 32 * 32;
+    }
+    uint64_t rows = (chunk_nbytes + 31) / 32;
+    if (rows > pos / 32) mft_f8_zeros(&st, rows - pos / 32);
+    return mft_f8_final(&st, chunk_nbytes);
 }
 
 uint64_t mft_copy_checksum8(void *dst, const void *src, uint64_t nbytes) {

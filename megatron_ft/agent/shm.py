@@ -121,6 +121,26 @@ def _mount_of(path: str, mounts: str) -> Optional[tuple[str, str, list[str]]]:
     return best
 
 
+_TMPFS: dict[tuple[str, int], bool] = {}
+
+
+def is_tmpfs(directory: str) -> bool:
+    """Whether ``directory`` is on a tmpfs (``/proc/mounts``), read once per process, directory and device."""
+    try:
+        key = (directory, os.stat(directory).st_dev)
+    except OSError:
+        return False
+    found = _TMPFS.get(key)
+    if found is None:
+        try:
+            with open("/proc/mounts", encoding="utf-8") as f:
+                mount = _mount_of(os.path.realpath(directory), f.read())
+        except OSError:
+            mount = None
+        found = _TMPFS[key] = mount is not None and mount[1] == "tmpfs"
+    return found
+
+
 def page_backing(directory: str, mounts: Optional[str] = None, thp_shmem: Optional[str] = None) -> str:
     """How a tmpfs directory backs its files: ``huge`` (2 MiB pages for every file), ``advise``
     (only mappings that ask, madvise) or ``small`` (4 KiB pages; also: not a tmpfs, or unknown).

@@ -76,16 +76,24 @@ class RestoreResult:
 class Container:
     """A snapshot container (shared-memory slot or persisted file).
 
-    Read with ``pread`` from 4 KiB-page memory and from disk: mapping such a file would build
-    (and tear down) a page-table entry for every 4 KiB of a multi-GiB slot. Mapped when the slot
-    is on a huge-page tmpfs (:func:`megatron_ft.agent.shm.page_backing`): one entry per 2 MiB, so the
-    bytes go from the slot into the tensors in one pass, without the kernel's copy."""
+    Its ``medium`` picks the reader (:func:`restore_read.cpu_reader`): a slot on a huge-page tmpfs
+    (:func:`megatron_ft.agent.shm.page_backing`) is mapped whole - one page-table entry per 2 MiB -
+    and the bytes go from the slot into the tensors in one pass, without the kernel's copy; a slot on a
+    4 KiB-page tmpfs read on one thread is mapped one chunk at a time (a ``pread`` costs more kernel
+    time per 4 KiB page there than mapping, populating and unmapping it); else it is read with ``pread``."""
 
     def __init__(self, path: str):
         self.path = path
         #: GPU path, set by :meth:`load_verified`: when every copy was queued / had landed (``perf_counter``)
         self.marks: dict[str, float] = {}
-        self.mapped = restore_read.STREAMING_RESTORE and shm.backing_of(os.path.dirname(path) or ".") == shm.HUGE
+        #: set by :meth:`load_verified`: the tensors screened for NaN and infinities in the read's own pass,
+        #: each with whether it holds only finite values (the value guard need not read them again)
+        self.screened: dict[str, bool] = {}
+        directory = os.path.dirname(path) or "."
+        backing = shm.backing_of(directory)
+        self.medium = (restore_read.HUGE_TMPFS if backing == shm.HUGE else
+                       restore_read.TMPFS if shm.is_tmpfs(directory) else restore_read.FILE)
+        self.mapped = restore_read.STREAMING_RESTORE and self.medium == restore_read.HUGE_TMPFS
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -122,12 +130,19 @@ class Container:
         given, is called on this thread once every byte is read or (GPU path) its copy queued, with each
         device's current stream ordered after the copies (:meth:`device_staging.RestoreStagings.after_copies`):
         what it queues there (the value guard's reads) runs as the bytes land and is complete when this
-        returns. Not called when a chunk already failed on the host."""
+        returns. Not called when a chunk already failed on the host. By then :attr:`screened` names the
+        tensors the read screened for NaN and infinities in its own pass (:meth:`restore_read.Reader.screened`)."""
         views = {e.spec.name: targets[e.spec.name].saved_view().reshape(-1) for e in self.layout.entries}
         plan = restore_read.plan_reads(self.path, self.layout, self.version["chunks"], self.version["checksum"],
                                        self.header.geometry.data_off, views)
-        reader = restore_read.choose_reader(plan, self.fd, self.mapped, self._page_locked, self.marks)
-        restore_read.read_verified(plan, reader, after_copies)
+        reader = restore_read.choose_reader(plan, self.fd, self.medium, self._page_locked, self.marks)
+        self.screened = {}
+
+        def settled() -> None:  # every chunk read and verified: what the pass screened, then the caller's
+            self.screened = reader.screened()
+            if after_copies is not None:
+                after_copies()
+        restore_read.read_verified(plan, reader, settled)
 
     def _page_locked(self, device: torch.device) -> Optional[device_staging.PageLockedFile]:
         """GPU path: this container page-locked in this process, for the copy engine to read without a
@@ -471,9 +486,9 @@ class Restorer:
         bad_values: list[str] = []
         screens: list[guard.ValueScreen] = []  # the guard's reads, queued as the copies land
 
-        def screen_values() -> None:
+        def screen_values() -> None:  # what the read did not screen in its own pass (cont.screened)
             screens.append(guard.ValueScreen({n: t.saved_view() for n, t in targets.items()
-                                              if t.values_checked}))
+                                              if t.values_checked and n not in cont.screened}))
         try:
             cont.load_verified(targets, after_copies=screen_values if self.check_values else None)
             ok = True
@@ -486,7 +501,9 @@ class Restorer:
         if ok and self.check_values:
             if not screens:
                 screen_values()
-            bad_values = screens[0].result()
+            later = set(screens[0].result())
+            bad_values = [n for n, t in targets.items()
+                          if t.values_checked and (n in later or cont.screened.get(n) is False)]
             if bad_values:
                 ok = False
                 rejected.append(f"{tier} step {step}: non-finite values in {len(bad_values)} tensor(s) "

@@ -6,8 +6,8 @@ way ``torch.distributed.checkpoint`` splits a load - plan the reads, then read t
 
 * :func:`plan_reads` (pure, no byte moves): for every chunk of the layout, the byte ranges of the
   container it holds, the destination bytes each goes to, and the sum the chunk must have;
-* :func:`choose_reader`: once per restore, the :class:`Reader` for the medium the bytes come from and
-  go to;
+* :func:`choose_reader`: once per restore, the :class:`Reader` for the medium the bytes come from
+  (:data:`HUGE_TMPFS`, :data:`TMPFS`, :data:`FILE`) and go to;
 * :func:`read_verified`: the plan run with that reader over the idle cores (:func:`threads_here`; the
   reads and sums release the GIL). After every chunk was read it raises
   :class:`~megatron_ft.capture.snapfile.SnapshotFormatError` naming the first bad chunk (and how many
@@ -16,23 +16,37 @@ way ``torch.distributed.checkpoint`` splits a load - plan the reads, then read t
 The readers. On the same containers - whole, truncated, corrupted - every one gives the same verdicts
 and bytes (``tests/unit/test_restore_read.py`` runs each over them):
 
-=================  ==========================================================================================
-reader             reads
-=================  ==========================================================================================
-``MappedReader``   CPU tensors from a slot on a huge-page tmpfs: copied from a read-only mapping and summed in
-                   one pass (native library). A mapping costs one page-table entry per 2 MiB there; of a
-                   4 KiB-page slot it would build and tear down one per 4 KiB, so those are read with pread.
-``BlockReader``    CPU tensors from 4 KiB-page memory or disk (native library): ``pread`` in blocks of
-                   :data:`READ_BLOCK` into a per-thread buffer that stays in cache, then copied into the
-                   tensor and summed in one pass (streaming stores: the tensor's lines are not read first).
-                   Reading straight into the tensor and summing it afterwards cost ~10 % more CPU.
-``InPlaceReader``  CPU tensors without the native library: ``pread`` straight into the tensor, then summed
-                   (numpy).
-``DeviceReader``   GPU tensors (CUDA only; its bookkeeping tested on CPU with stubs,
-                   ``tests/integration/test_gpu_path_logic.py``): copies queued from a page-locked slot, or
-                   through pinned blocks, summed on the device once they have landed; the restore's CPU
-                   tensors through the CPU reader it wraps.
-=================  ==========================================================================================
+=====================  ======================================================================================
+reader                 reads
+=====================  ======================================================================================
+``ChunkMappedReader``  CPU tensors from a slot on a 4 KiB-page tmpfs (native library), read on one thread:
+                       each chunk's bytes mapped read-only and populated in one call (``MADV_POPULATE_READ``),
+                       copied, summed and screened in one native call, and unmapped (a ``pread`` costs ~0.7 us
+                       of kernel time per 4 KiB page on the 2-core test machine, mapping + populating +
+                       unmapping ~0.35 us). On several threads as ``BlockReader`` (the threads of one process
+                       serialize on its mapping lock).
+``MappedReader``       CPU tensors from a slot on a huge-page tmpfs (native library): the whole container
+                       mapped read-only once (one page-table entry per 2 MiB), each chunk copied, summed and
+                       screened in one native call.
+``BlockReader``        CPU tensors from disk (native library), and a chunk a mapping failed for: a chunk
+                       ``pread`` whole into a per-thread buffer of :data:`READ_BLOCK`, then copied into the
+                       tensors, summed and screened in one native call (streaming stores: the tensors' lines
+                       are not read first); a chunk larger than the buffer in blocks, piece by piece.
+``InPlaceReader``      CPU tensors without the native library: ``pread`` straight into the tensor, then summed
+                       (numpy).
+``DeviceReader``       GPU tensors (CUDA only; its bookkeeping tested on CPU with stubs,
+                       ``tests/integration/test_gpu_path_logic.py``): copies queued from a page-locked slot, or
+                       through pinned blocks, summed on the device once they have landed; the restore's CPU
+                       tensors through the CPU reader it wraps.
+=====================  ======================================================================================
+
+*Screened in the pass* (:meth:`Reader.screened`): where the native library copies and sums a whole
+chunk in one call (``mft_f8_restore_chunk``: the three native CPU readers, a plan whose destinations
+are all in host memory, the current checksum), it also checks every floating-point piece (float32/64/16,
+bfloat16) for NaN and infinities while the bytes are in registers - what the value guard
+(:class:`~megatron_ft.trainer.guard.ValueScreen`) would otherwise read again after the restore
+(17-19 ms for 256 MiB x 2 ranks on the test machine, a third of the read). The restore has the guard
+read only what was not screened in the pass (other dtypes, device tensors, a chunk read piece by piece).
 
 Ownership: the plan holds views of the caller's tensors (it owns no memory); a reader owns what it
 opened (a mapping, pinned blocks, device streams) until :meth:`Reader.close`, which
@@ -57,160 +71,57 @@ each piece with its offset in the container (its data area starting at byte 8192
 """
 from __future__ import annotations
 
-import abc
-import contextlib
+import ctypes
+import errno
 import logging
 import mmap
-import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
 
 from ..capture import checksum, snapfile
-from ..capture.layout import Layout
 from . import device_staging
+from .restore_device import DeviceReader
+from .restore_plan import (EXPONENT_MASKS, GPU_READ_BLOCK, MAX_GPU_HOST_THREADS, MAX_RESTORE_THREADS, READ_BLOCK,
+                           ChunkRead, PieceRead, ReadPlan, Reader, byte_view, plan_reads, pread_into,
+                           restore_threads, threads_here)
+
+__all__ = [  # the plan's names are this module's too: callers import a restore's reading from here
+    "MAX_RESTORE_THREADS", "MAX_GPU_HOST_THREADS", "READ_BLOCK", "GPU_READ_BLOCK", "EXPONENT_MASKS",
+    "restore_threads", "threads_here", "PieceRead", "ChunkRead", "ReadPlan", "byte_view", "plan_reads",
+    "Reader", "pread_into", "DeviceReader", "STREAMING_RESTORE", "HUGE_TMPFS", "TMPFS", "FILE",
+    "InPlaceReader", "BlockReader", "MappedReader", "ChunkMappedReader", "cpu_reader", "choose_reader",
+    "read_verified",
+]
 
 log = logging.getLogger("megatron_ft.trainer.restore_read")
 
-MAX_RESTORE_THREADS = 4
-#: GPU path: host threads that read or sum blocks while the copy engine moves others (a GPU node's
-#: host cores are otherwise idle then; on the H200 machine 8 reached 38-47 GB/s reading a slot)
-MAX_GPU_HOST_THREADS = 8
-#: :class:`BlockReader`'s block: a per-thread buffer that stays in cache (a multiple of 32, the checksum
-#: groups; smaller blocks, 256 KiB, cost more in per-call overhead than they save)
-READ_BLOCK = 4 << 20
-#: GPU path: pinned blocks of this size go to the device (fewer, larger copies and fewer Python calls)
-GPU_READ_BLOCK = 16 << 20
-#: the native library is there: the CPU readers copy and sum in one pass
 STREAMING_RESTORE = checksum.HAVE_NATIVE
-_PREAD_BLOCK = 1 << 30
+#: where a container lives (:func:`cpu_reader` picks the reader by it): a tmpfs with 2 MiB pages, a tmpfs
+#: with 4 KiB pages, anything else (a file on disk)
+HUGE_TMPFS, TMPFS, FILE = "huge-tmpfs", "tmpfs", "file"
+#: ``madvise`` advice: populate the page tables of a mapping for reading (Linux 5.14+; EINVAL before)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_POPULATE = {"usable": hasattr(mmap.mmap, "madvise")}
 
-
-def restore_threads(cores: int, local_ranks: int, cap: int = MAX_RESTORE_THREADS) -> int:
-    """Threads one rank reads its snapshot back with (read + checksum release the GIL; restore runs
-    before training): its share of the cores, since every rank on the node restores at once, at
-    least 1 and at most ``cap``. One rank on 2 cores: 2; four ranks on 2 cores:
-    1 (with 2 each, 8 threads contended for 2 cores: the 256 MiB x 4 restore took 100-102 ms
-    against 74-91 ms with 1, in alternating runs of ``benchmarks/snapshot.py --huge-shm``)."""
-    return max(1, min(cap, cores // max(1, local_ranks)))
-
-
-def threads_here(cap: int = MAX_RESTORE_THREADS) -> int:
-    """:func:`restore_threads` for this process: its CPU affinity and torchrun's ``LOCAL_WORLD_SIZE``.
-    Also the GPU snapshot's checksum threads (``cap`` :data:`MAX_GPU_HOST_THREADS`)."""
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return restore_threads(len(os.sched_getaffinity(0)), local, cap)
-
-
-# ---------------------------------------------------------------------------------------------- the plan
-@dataclass(frozen=True)
-class PieceRead:
-    """Bytes of tensor ``name`` at ``file_offset`` of the container, ``chunk_offset`` into their chunk,
-    to land in ``dst`` (a uint8 view of the destination: as many bytes)."""
-    name: str
-    file_offset: int
-    chunk_offset: int
-    dst: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.dst.numel()
-
-
-@dataclass(frozen=True)
-class ChunkRead:
-    """Chunk ``index`` (``nbytes`` long): its pieces, and the sum they must have (hex, as stored)."""
-    index: int
-    nbytes: int
-    expected: str
-    pieces: tuple[PieceRead, ...]
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    """Every chunk of container ``path`` (checksum ``algorithm``), and the bytes it must hold (``end``)."""
-    path: str
-    algorithm: str
-    chunks: tuple[ChunkRead, ...]
-    end: int
-
-    def verdict(self, chunk: ChunkRead, got: int) -> Optional[str]:
-        """None when ``got`` is the chunk's stored sum, else the error naming it."""
-        if f"{got:016x}" != chunk.expected:
-            return f"{self.path}: chunk {chunk.index} checksum mismatch (stored {chunk.expected}, computed {got:016x})"
+def _native_restore_chunk() -> Optional[Callable[..., int]]:
+    """``mft_f8_restore_chunk`` of the native library (``_native/fastcopy.c``), or None (not built, or a
+    build older than that function: the mapped readers then go piece by piece, and nothing is screened)."""
+    lib = getattr(checksum, "_LIB", None)
+    fn = getattr(lib, "mft_f8_restore_chunk", None) if lib is not None else None
+    if fn is None:
         return None
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_uint64
+    return fn
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of the contiguous tensor ``t`` (uint8, same device)."""
-    return t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+_RESTORE_CHUNK = _native_restore_chunk()
 
-
-def plan_reads(path: str, layout: Layout, sums: list[str], algorithm: str, data_off: int,
-               views: dict[str, torch.Tensor]) -> ReadPlan:
-    """The reads of a container at ``path`` whose data area starts at ``data_off``: ``sums`` its stored
-    chunk sums, ``views`` every saved tensor's destination (flat, contiguous). Pure."""
-    names = [e.spec.name for e in layout.entries]
-    flat = {n: byte_view(views[n]) for n in names}
-    chunks = []
-    for i, pieces in enumerate(layout.all_pieces()):
-        lo, hi = layout.chunk_bounds(i)
-        chunks.append(ChunkRead(i, hi - lo, sums[i], tuple(
-            PieceRead(names[p.entry_index], data_off + p.dst_offset, p.dst_offset - lo,
-                      flat[names[p.entry_index]][p.src_start:p.src_end]) for p in pieces)))
-    return ReadPlan(path, algorithm, tuple(chunks), data_off + layout.data_nbytes)
-
-
-# ------------------------------------------------------------------------------------------- the readers
-class Reader(abc.ABC):
-    """One medium's way of reading a plan's chunks into their destinations and summing them.
-
-    :meth:`read_chunk` runs on the pool's threads (:meth:`threads` of them) and returns the chunk's
-    error, or None (verified, or left to :meth:`settle`); :meth:`settle` runs once on the caller's thread
-    after every chunk was read or queued and returns the verdicts it held back; :meth:`close` always,
-    last."""
-
-    workers_cap = MAX_RESTORE_THREADS
-
-    def __init__(self, plan: ReadPlan, fd: int):
-        """A container shorter than ``plan.end`` is refused here, before any byte is read, in the same words
-        by every reader (:class:`~megatron_ft.capture.snapfile.SnapshotFormatError`)."""
-        self.plan, self.fd = plan, fd
-        self.size = os.fstat(fd).st_size
-        if self.size < plan.end:
-            raise snapfile.SnapshotFormatError(f"{plan.path}: snapshot ends early ({self.size} bytes, needs {plan.end})")
-
-    def read_chunk(self, c: ChunkRead) -> Optional[str]:
-        chunk = checksum.ChunkSum(c.nbytes, algorithm=self.plan.algorithm)
-        for p in c.pieces:
-            self.read_piece(chunk, p)
-        return self.plan.verdict(c, chunk.finish())
-
-    def threads(self) -> int:
-        """How many threads read the plan's chunks: this process's share of the cores
-        (:func:`threads_here`, at most :attr:`workers_cap`), no more than there are chunks."""
-        return max(1, min(threads_here(self.workers_cap), len(self.plan.chunks)))
-
-    @abc.abstractmethod
-    def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
-        """One CPU piece into its destination, added to ``chunk``'s sum."""
-
-    def settle(self, after_copies: Optional[Callable[[], None]]) -> list[Optional[str]]:
-        """After every chunk: ``after_copies()`` (if given), and the held-back verdicts (none here)."""
-        if after_copies is not None:
-            after_copies()
-        return []
-
-    def close(self) -> None:
-        pass
 
 
 class InPlaceReader(Reader):
@@ -222,205 +133,221 @@ class InPlaceReader(Reader):
 
 
 class BlockReader(Reader):
-    """CPU destinations, 4 KiB-page memory or disk (native library): ``pread`` in blocks of ``block``
-    bytes into a per-thread buffer, copied into the tensor and summed in one pass."""
+    """CPU destinations, disk (native library), and a chunk a mapping failed for: ``pread`` in blocks of
+    ``block`` bytes into a per-thread buffer, copied into the tensor and summed in one pass. A chunk whose
+    bytes fit in one block (the default chunk, 4 MiB, is one) is read with one ``pread`` and copied,
+    summed and screened in one native call (:class:`_FusedPieces`); a larger one piece by piece."""
 
     def __init__(self, plan: ReadPlan, fd: int, block: int = READ_BLOCK):
         super().__init__(plan, fd)
         self.block = block
         self._buffers = threading.local()  # one read buffer per pool thread
+        self._fused = _fused_pieces(plan)
+
+    def _buffer(self) -> np.ndarray:
+        if not hasattr(self._buffers, "block"):
+            self._buffers.block = np.empty(self.block, np.uint8)
+        return self._buffers.block
+
+    def read_chunk(self, c: ChunkRead) -> Optional[str]:
+        if self._fused is None:
+            return super().read_chunk(c)
+        lo, hi = self._fused.range[c.index]
+        if hi - lo > self.block:
+            return super().read_chunk(c)
+        buf = self._buffer()
+        pread_into(self.fd, buf[: hi - lo], lo)
+        return self.plan.verdict(c, self._fused.run(c, buf.ctypes.data - lo))
 
     def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
         part = p.dst.numpy()  # numpy: cheap slices
-        if not hasattr(self._buffers, "block"):
-            self._buffers.block = np.empty(self.block, np.uint8)
+        buffer = self._buffer()
         for off in range(0, part.size, self.block):
-            block = self._buffers.block[: min(self.block, part.size - off)]
+            block = buffer[: min(self.block, part.size - off)]
             pread_into(self.fd, block, p.file_offset + off)
             chunk.copy_to(p.chunk_offset + off, part[off: off + block.size], block)
 
+    def screened(self) -> dict[str, bool]:
+        return self._fused.screened() if self._fused is not None else {}
+
+
+class _FusedPieces:
+    """A plan's pieces as the arrays ``mft_f8_restore_chunk`` reads, one slice per chunk, and what it
+    said of each: whether a piece went through it (``done``) and whether it held a NaN or an infinity
+    (``bad``). Made on the caller's thread; each chunk's slice is then written by one pool thread only.
+    The pieces are checked here as ``ChunkSum`` checks them (in order, 32-byte aligned, inside their
+    chunk; a ``ValueError`` otherwise), and each chunk's source bytes to lie inside its container range
+    ``[lo, hi)``, the range a reader maps."""
+
+    def __init__(self, plan: ReadPlan):
+        pieces = [p for c in plan.chunks for p in c.pieces]
+        self.names = [p.name for p in pieces]
+        self.chunk_off = np.array([p.chunk_offset for p in pieces], np.uint64)
+        self.nbytes = np.array([p.nbytes for p in pieces], np.uint64)
+        self.dst = np.array([p.dst.data_ptr() if p.nbytes else 0 for p in pieces], np.uint64)
+        self.src = np.array([p.file_offset for p in pieces], np.uint64)
+        self.mask = np.array([p.screen for p in pieces], np.uint64)
+        self.bad = np.zeros(len(pieces), np.uint64)
+        self.done = np.zeros(len(pieces), np.bool_)
+        self.start: dict[int, tuple[int, int]] = {}  # chunk index -> its pieces' slice
+        self.range: dict[int, tuple[int, int]] = {}  # chunk index -> [lo, hi) of the container it reads
+        at = 0
+        for c in plan.chunks:
+            pos, lo, hi = 0, None, None
+            for p in c.pieces:
+                if p.chunk_offset < pos or p.chunk_offset % 32 or p.chunk_offset + p.nbytes > c.nbytes:
+                    raise ValueError(f"piece [{p.chunk_offset}, {p.chunk_offset + p.nbytes}) of a {c.nbytes}-byte "
+                                     f"chunk is out of order, out of range or not 32-byte aligned")
+                if p.dst.device.type != "cpu" or not p.dst.is_contiguous():
+                    raise ValueError(f"{p.name}: the fused read takes contiguous CPU destinations")
+                pos = p.chunk_offset + -(-p.nbytes // 32) * 32
+                lo = p.file_offset if lo is None else min(lo, p.file_offset)
+                hi = p.file_offset + p.nbytes if hi is None else max(hi, p.file_offset + p.nbytes)
+            self.start[c.index] = (at, at + len(c.pieces))
+            self.range[c.index] = (lo or 0, hi or 0)
+            at += len(c.pieces)
+
+    def run(self, c: ChunkRead, base: int) -> int:
+        """Chunk ``c``'s pieces copied from ``base + file_offset`` (the caller's mapping), summed and
+        screened in one native call (releases the GIL); its digest."""
+        a, b = self.start[c.index]
+        word = 8  # bytes of a uint64: the arrays' element
+        got = _RESTORE_CHUNK(c.nbytes, b - a, self.chunk_off.ctypes.data + a * word, self.nbytes.ctypes.data + a * word,
+                             self.dst.ctypes.data + a * word, base % (1 << 64), self.src.ctypes.data + a * word,
+                             self.mask.ctypes.data + a * word, self.bad.ctypes.data + a * word)
+        self.done[a:b] = True
+        return int(got)
+
+    def screened(self) -> dict[str, bool]:
+        finite: dict[str, bool] = {}
+        whole: dict[str, bool] = {}
+        for i, name in enumerate(self.names):
+            whole[name] = whole.get(name, True) and bool(self.done[i]) and bool(self.mask[i])
+            finite[name] = finite.get(name, True) and not self.bad[i]
+        return {n: finite[n] for n, ok in whole.items() if ok}
+
 
 class MappedReader(Reader):
-    """CPU destinations, a slot on a huge-page tmpfs (native library): copied from a read-only mapping of
-    the whole container and summed in one pass (the size checked first, as by every reader: here reading
-    past the mapping's end would be SIGBUS, not an error); an ``OSError`` from the mapping itself is the
-    caller's to fall back on."""
+    """CPU destinations, a slot on a huge-page tmpfs (native library): each chunk copied from a read-only
+    mapping of the whole container, summed and screened in one native pass (the size checked first, as by
+    every reader: here reading past the mapping's end would be SIGBUS, not an error); an ``OSError`` from
+    the mapping itself is the caller's to fall back on."""
 
     def __init__(self, plan: ReadPlan, fd: int):
         super().__init__(plan, fd)
         self._mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         self.src: Optional[np.ndarray] = np.frombuffer(self._mapping, np.uint8)
+        self._fused = _fused_pieces(plan)
+
+    def read_chunk(self, c: ChunkRead) -> Optional[str]:
+        if self._fused is None or self.src is None:
+            return super().read_chunk(c)
+        return self.plan.verdict(c, self._fused.run(c, self.src.ctypes.data))
 
     def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
         part = p.dst.numpy()
         chunk.copy_to(p.chunk_offset, part, self.src[p.file_offset: p.file_offset + part.size])
+
+    def screened(self) -> dict[str, bool]:
+        return self._fused.screened() if self._fused is not None else {}
 
     def close(self) -> None:
         self.src = None  # (no view of the mapping may outlive it)
         self._mapping.close()
 
 
-class DeviceReader(Reader):
-    """GPU destinations (CUDA only). A chunk with a piece on a device, under the lanes checksum: its
-    device pieces' copies queued - straight from the container page-locked in this process
-    (``locked``), else through the stagings' pinned blocks, filled from ``cpu``'s mapping or by
-    ``pread`` - and summed on the device, its host pieces read and summed on the host; the lanes combined
-    in :meth:`settle`, after every copy has landed. A chunk of an older checksum: every piece read and
-    summed on the host, device pieces copied after. A chunk with no device piece: ``cpu``'s.
-    ``marks`` (the container's) get ``queued`` / ``landed``: when every copy was queued / had landed."""
+class ChunkMappedReader(BlockReader):
+    """CPU destinations, a slot on a 4 KiB-page tmpfs (native library): per chunk, the container range it
+    reads mapped read-only, its page tables populated in one call (``MADV_POPULATE_READ``), the chunk
+    copied, summed and screened in one native pass, and the range unmapped. The size was checked first
+    (as by every reader); a range that cannot be mapped or populated (address space, memory; a kernel
+    without ``MADV_POPULATE_READ`` faults it in as it is read) is read with ``pread`` instead
+    (:class:`BlockReader`, which also reads the pieces a :class:`DeviceReader` hands it).
 
-    workers_cap = MAX_GPU_HOST_THREADS
+    Only where the read runs on one thread (``map_chunks`` None: :meth:`threads` is 1, e.g. two ranks
+    on two cores): the threads of one process serialize on its mapping lock when they map and unmap,
+    and there the ``pread`` blocks were faster (one rank, two threads, 256 MiB: 30-33 ms against 38-48 ms
+    mapped). On one thread per rank, two ranks, 256 MiB each: 46-54 ms mapped against 48-57 ms with
+    ``pread`` - of which populating 16-18 ms, copying + summing + screening 21-23 ms, unmapping 5 ms."""
 
-    def __init__(self, plan: ReadPlan, fd: int, cpu: Reader, devices: list,
-                 locked: Optional["device_staging.PageLockedFile"], marks: dict):
-        super().__init__(plan, fd)
-        self.cpu, self.marks, self.locked = cpu, marks, locked
-        self.src = getattr(cpu, "src", None)
-        # made on the caller's thread: see RestoreStagings' ordering rule
-        self.stagings = device_staging.RestoreStagings(GPU_READ_BLOCK, devices)
-        self.page_locked = torch.from_numpy(locked.array) if locked is not None else None
-        self.on_device_sums = plan.algorithm == checksum.ALGORITHM
-        self.later: dict[int, list] = {}  # chunk -> [(offset in the chunk, lanes or a _Landed)], for settle()
-        self._finished = False
+    def __init__(self, plan: ReadPlan, fd: int, block: int = READ_BLOCK, map_chunks: Optional[bool] = None):
+        super().__init__(plan, fd, block)
+        self.map_chunks = self.threads() == 1 if map_chunks is None else map_chunks
+        self._said = False  # (a chunk read with pread instead: said once)
+
+    def _with_pread(self, c: ChunkRead, what: str, e: OSError) -> Optional[str]:
+        if not self._said:
+            self._said = True
+            log.warning("%s: %s chunk %d failed (%s); reading it, and any other such chunk, with pread",
+                        self.plan.path, what, c.index, e)
+        return super().read_chunk(c)
 
     def read_chunk(self, c: ChunkRead) -> Optional[str]:
-        on_device = [device_staging.on_device(p.dst) for p in c.pieces]
-        if not any(on_device):
-            return self.cpu.read_chunk(c)
-        if self.on_device_sums:
-            parts = []
-            for p, dev in zip(c.pieces, on_device):
-                if dev:
-                    parts.append((p.chunk_offset, self._upload(p)))
-                else:
-                    pread_into(self.fd, p.dst, p.file_offset)
-                    parts.append((p.chunk_offset, checksum.host_lanes(p.dst)))
-            self.later[c.index] = parts
-            return None
-        chunk = checksum.ChunkSum(c.nbytes, algorithm=self.plan.algorithm)
-        for p, dev in zip(c.pieces, on_device):
-            if dev:  # an older checksum: read and summed on the host, then copied
-                part = torch.empty(p.nbytes, dtype=torch.uint8)
-                pread_into(self.fd, part, p.file_offset)
-                chunk.add(p.chunk_offset, part)
-                p.dst.copy_(part)
-            else:
-                self.read_piece(chunk, p)
-        return self.plan.verdict(c, chunk.finish())
-
-    def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
-        self.cpu.read_piece(chunk, p)
-
-    def threads(self) -> int:
-        """Straight from a page-locked slot a thread only queues copies: one is enough (and no pool)."""
-        return 1 if self.page_locked is not None else super().threads()
-
-    def _upload(self, p: PieceRead):
-        """A device piece's copies queued; its lanes (summed as it lands), or a :class:`_Landed` to sum
-        with the other pieces copied straight from the page-locked slot, after every copy."""
-        stage = self.stagings.here(p.dst.device)
-        part, at = p.dst, p.file_offset
-        if self.locked is not None and self.locked.wait_range(at, at + part.numel()):
-            for lo, hi in self.locked.pieces(at, at + part.numel()):  # each copy inside one page-locked range
-                stage.upload_page_locked(self.page_locked[lo:hi], part[lo - at: hi - at])
-            return _Landed(part)
-        for off in range(0, part.numel(), GPU_READ_BLOCK):
-            k, block = stage.block()
-            n = min(GPU_READ_BLOCK, part.numel() - off)
-            if self.src is not None:
-                np.copyto(block[:n].numpy(), self.src[at + off: at + off + n])
-            else:
-                pread_into(self.fd, block[:n], at + off)
-            stage.upload(k, part[off: off + n])
-        return stage.lanes(part)
-
-    def settle(self, after_copies: Optional[Callable[[], None]]) -> list[Optional[str]]:
-        self.marks["queued"] = time.perf_counter()
-        landed = [x for parts in self.later.values() for _, x in parts if isinstance(x, _Landed)]
-        with self.stagings.after_copies():  # launched while the copies are in flight
-            sum_landed(landed)
-            if after_copies is not None:
-                after_copies()
-        self._finish()
-        later = sorted(self.later.items())  # the device lanes to the host in one copy, then combined
-        device_parts = [lanes for _, parts in later for _, lanes in parts if not isinstance(lanes, list)]
-        lanes = [x.lanes if isinstance(x, _Landed) else x for x in device_parts]
-        on_host = iter(torch.stack(lanes).cpu().tolist() if lanes else [])
-        out: list[Optional[str]] = []
-        for i, parts in later:
-            c = self.plan.chunks[i]
-            host = [(off, lanes if isinstance(lanes, list) else next(on_host)) for off, lanes in parts]
-            out.append(self.plan.verdict(c, checksum.combine_lanes(c.nbytes, host)))
-        return out
-
-    def _finish(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self.stagings.finish()  # every device copy done before the blocks or the mapping go
-            self.marks["landed"] = time.perf_counter()
-
-    def close(self) -> None:
+        if self._fused is None or not self.map_chunks:
+            return super().read_chunk(c)
+        lo, hi = self._fused.range[c.index]
+        if hi <= lo:  # no bytes to read
+            return self.plan.verdict(c, self._fused.run(c, 0))
+        start = lo - lo % mmap.ALLOCATIONGRANULARITY
         try:
-            self._finish()
+            mapping = mmap.mmap(self.fd, hi - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
+        except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
+            return self._with_pread(c, "mapping", e)
+        try:
+            if _POPULATE["usable"]:
+                try:
+                    mapping.madvise(MADV_POPULATE_READ)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:  # (EINVAL: a kernel before 5.14, faulted in as read)
+                        return self._with_pread(c, "populating", e)
+                    _POPULATE["usable"] = False
+            view = np.frombuffer(mapping, np.uint8)
+            try:
+                got = self._fused.run(c, view.ctypes.data - start)
+            finally:
+                del view  # (no view of the mapping may outlive it)
         finally:
-            self.cpu.close()
+            mapping.close()
+        return self.plan.verdict(c, got)
 
 
-class _Landed:
-    """GPU path: a piece copied straight from a page-locked slot into ``part`` (device bytes); its
-    ``lanes`` are summed after every copy has landed, with the restore's other such pieces in one launch."""
-    __slots__ = ("part", "lanes")
-
-    def __init__(self, part: torch.Tensor):
-        self.part, self.lanes = part, None
-
-
-def sum_landed(landed: list[_Landed]) -> None:
-    """Fill in the lanes of ``landed`` pieces (their copies complete), one batched call per device."""
-    by_device: dict[torch.device, list[_Landed]] = {}
-    for x in landed:
-        by_device.setdefault(x.part.device, []).append(x)
-    for device, xs in by_device.items():
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            out = torch.empty(len(xs), 16, dtype=torch.int64, device=device)
-            checksum.pieces_lanes([x.part for x in xs], out)
-        for x, row in zip(xs, out):
-            x.lanes = row
+def _fused_pieces(plan: ReadPlan) -> Optional[_FusedPieces]:
+    """The plan's :class:`_FusedPieces` where the native fused call can read it: the library has it, the
+    container's checksum is the one it sums, and every destination is in host memory (a plan with device
+    destinations reads its CPU tensors' chunks through :class:`DeviceReader`, piece by piece)."""
+    if _RESTORE_CHUNK is None or plan.algorithm != checksum.ALGORITHM or not _cpu_only(plan):
+        return None
+    return _FusedPieces(plan)
 
 
-def pread_into(fd: int, dst: torch.Tensor | np.ndarray, offset: int) -> None:
-    """Fill the contiguous CPU uint8 tensor or array ``dst`` from ``fd`` at ``offset`` (releases the GIL);
-    a file that ends first is a :class:`~megatron_ft.capture.snapfile.SnapshotFormatError`."""
-    arr = dst.numpy() if isinstance(dst, torch.Tensor) else dst
-    n = arr.size
-    if not n:
-        return
-    mv = memoryview(arr).cast("B")
-    done = 0
-    while done < n:
-        got = os.preadv(fd, [mv[done: min(n, done + _PREAD_BLOCK)]], offset + done)
-        if got <= 0:
-            raise snapfile.SnapshotFormatError(f"snapshot ends early: {n - done} bytes missing at offset {offset + done}")
-        done += got
+def _cpu_only(plan: ReadPlan) -> bool:
+    """Whether every destination of ``plan`` is in host memory."""
+    return all(p.dst.device.type == "cpu" for c in plan.chunks for p in c.pieces)
 
 
 # ------------------------------------------------------------------------------------ choosing, running
-def cpu_reader(plan: ReadPlan, fd: int, mapped: bool) -> Reader:
-    """The reader for the plan's CPU destinations: the mapping where ``mapped`` (a huge-page slot; a
-    mapping that fails is said and read with ``pread``), else blocks (native library) or in place."""
-    if mapped:
+def cpu_reader(plan: ReadPlan, fd: int, medium: str | bool) -> Reader:
+    """The reader for the plan's CPU destinations by the container's ``medium``: a huge-page tmpfs
+    (:data:`HUGE_TMPFS`; ``True`` too) mapped whole (a mapping that fails is said and read with ``pread``),
+    a 4 KiB-page tmpfs (:data:`TMPFS`) mapped chunk by chunk, else (:data:`FILE`; ``False`` too) blocks -
+    each with the native library; without it in place."""
+    if medium is True:
+        medium = HUGE_TMPFS
+    if medium == HUGE_TMPFS and STREAMING_RESTORE:
         try:
             return MappedReader(plan, fd)
         except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
             log.warning("%s: mapping failed (%s); reading with pread", plan.path, e)
+    if medium == TMPFS and STREAMING_RESTORE and _RESTORE_CHUNK is not None:
+        return ChunkMappedReader(plan, fd, READ_BLOCK)
     return BlockReader(plan, fd, READ_BLOCK) if STREAMING_RESTORE else InPlaceReader(plan, fd)
 
 
-def choose_reader(plan: ReadPlan, fd: int, mapped: bool, page_locked: Callable[[torch.device], object],
+def choose_reader(plan: ReadPlan, fd: int, medium: str | bool, page_locked: Callable[[torch.device], object],
                   marks: dict) -> Reader:
     """Once per restore, on the caller's thread: the :class:`DeviceReader` where a destination is on a
     device (``page_locked(device)``: the container page-locked for it, or None), else :func:`cpu_reader`."""
-    cpu = cpu_reader(plan, fd, mapped)
+    cpu = cpu_reader(plan, fd, medium)
     devices = device_staging.devices_of(_destinations(plan))
     if not devices:
         return cpu

@@ -280,7 +280,7 @@ def test_a_fresh_process_restores_bit_exact_either_way(agent, way, monkeypatch, 
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", way)
     monkeypatch.setattr(page_locked, "LOCK_RANGE", 64 << 10)
     monkeypatch.setattr(page_locked, "LOCK_ALIGN", 64 << 10)
-    monkeypatch.setattr("megatron_ft.trainer.restore_read.threads_here", lambda n: 3)
+    monkeypatch.setattr("megatron_ft.trainer.restore_plan.threads_here", lambda n: 3)
     c, m, opt, ad, eng = snapshot_of_step_1(agent)
     want = snapshot_bytes(m, opt)
     eng.close()

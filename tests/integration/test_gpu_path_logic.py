@@ -312,7 +312,7 @@ def test_every_restore_stream_waits_for_what_the_caller_queued_before_its_first_
         return upload(self, k, dst)
 
     monkeypatch.setattr(device_staging.RestoreStaging, "upload", recorded_upload)
-    monkeypatch.setattr("megatron_ft.trainer.restore_read.threads_here", lambda n: 4)  # several restore threads
+    monkeypatch.setattr("megatron_ft.trainer.restore_plan.threads_here", lambda n: 4)  # several restore threads
     monkeypatch.setattr(device_staging, "FRESH_RESTORE", "bounce")
     state = snapshot_of_step_1_then_zeroed(agent)
     device_staging.release_page_locked()  # as a fresh process: through pinned blocks, from several threads
@@ -332,11 +332,11 @@ def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, m
     recorded on every staging stream after its copies (and for the caller's point), before the host
     waits for anything: launched while the copies are in flight, run once the bytes have landed.
     Recorded with stubs (the bookkeeping); the bytes' order on a real device: ``tests/gpu``."""
-    from megatron_ft.trainer import guard, restore_read
+    from megatron_ft.trainer import guard, restore_device
 
     rec = Recorded(monkeypatch)
     ops, callers = rec.ops, rec.callers
-    real_upload, real_sum, real_screen = device_staging.RestoreStaging.upload_page_locked, restore_read.sum_landed, \
+    real_upload, real_sum, real_screen = device_staging.RestoreStaging.upload_page_locked, restore_device.sum_landed, \
         guard.ValueScreen.__init__
 
     def upload(self, src, dst):
@@ -352,7 +352,7 @@ def test_the_restores_sums_and_value_guard_are_queued_behind_every_copy(agent, m
         return real_screen(self, tensors)
 
     monkeypatch.setattr(device_staging.RestoreStaging, "upload_page_locked", upload)
-    monkeypatch.setattr(restore_read, "sum_landed", sum_landed)
+    monkeypatch.setattr(restore_device, "sum_landed", sum_landed)
     monkeypatch.setattr(guard.ValueScreen, "__init__", screen)
     state = snapshot_of_step_1_then_zeroed(agent)  # the restore copies straight from the page-locked slots
     ops.clear()
@@ -487,7 +487,7 @@ def test_a_fresh_process_page_locks_its_slot_range_by_range_while_copying(agent,
     span = 512  # ranges shorter than the 1 KiB chunks: copies from the slot would span two of them
     monkeypatch.setattr(page_locked, "LOCK_RANGE", span)
     monkeypatch.setattr(page_locked, "LOCK_ALIGN", span)
-    monkeypatch.setattr("megatron_ft.trainer.restore_read.threads_here", lambda n: 3 if refuse == "none" else 1)
+    monkeypatch.setattr("megatron_ft.trainer.restore_plan.threads_here", lambda n: 3 if refuse == "none" else 1)
     c, m, ident, want = snapshot_of_step_1_then_zeroed(agent)
     device_staging.release_page_locked()  # a fresh process
     [v] = c.request("list", rank=0)["versions"]

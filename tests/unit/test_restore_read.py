@@ -1,9 +1,12 @@
 """The read + verify pass of a restore (megatron_ft/trainer/restore_read.py): the readers' contract - the
-block reader (native library, 4 KiB-page memory or disk), the mapped reader (native library, huge-page
+block reader (native library, disk; a chunk whole into its buffer, or piece by piece), the chunk-mapped
+reader (native library, 4 KiB-page tmpfs, one thread), the mapped reader (native library, huge-page
 tmpfs) and the in-place reader (no native library) each run over the same containers (whole,
-truncated, corrupted, of the previous format) and give the same verdicts and bytes - the choice of
-reader, and Container.load_verified end to end on each path. The device reader's bookkeeping:
+truncated, corrupted, of the previous format) and give the same verdicts and bytes - the screen for
+NaN and infinities in the native readers' pass (the same verdicts as the value guard's), the choice
+of reader, and Container.load_verified end to end on each path. The device reader's bookkeeping:
 tests/integration/test_gpu_path_logic.py (CPU, stubs) and tests/gpu (a GPU)."""
+import errno
 import mmap
 import os
 
@@ -12,13 +15,13 @@ import pytest
 import torch
 
 from megatron_ft.capture import checksum, snapfile
-from megatron_ft.trainer import recovery, restore_read
+from megatron_ft.trainer import guard, recovery, restore_plan, restore_read
 from megatron_ft.agent import shm
 from megatron_ft.capture.layout import plan_layout
 from megatron_ft.capture.state import StateTensor
 
 IDENTITY = {"run_id": "t", "rank": 0, "world_size": 1}
-PATHS = ["block-buffer", "mapped", "in-place"]
+PATHS = ["block-buffer", "chunk-mapped", "mapped", "in-place"]
 
 
 def make_tensors(seed=0):
@@ -74,16 +77,21 @@ def load(path, dst, expect_mapped=None):
 #: every CPU reader, made directly (the contract below holds each to the same verdicts and bytes)
 READERS = {
     "block-buffer": lambda plan, fd: restore_read.BlockReader(plan, fd, 4096),  # pieces span several blocks
+    "block-chunks": lambda plan, fd: restore_read.BlockReader(plan, fd, 1 << 20),  # a chunk per pread
+    "chunk-mapped": lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 4096, map_chunks=True),
+    "chunk-mapped, threads": lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 4096, map_chunks=False),
     "mapped": lambda plan, fd: restore_read.MappedReader(plan, fd),
     "in-place": lambda plan, fd: restore_read.InPlaceReader(plan, fd),
 }
-NATIVE = {"block-buffer", "mapped"}
+NATIVE = {"block-buffer", "block-chunks", "chunk-mapped", "chunk-mapped, threads", "mapped"}
+#: the readers that copy, sum and screen a whole chunk in one native call
+FUSED = {"block-chunks", "chunk-mapped", "mapped"}
 
 
-def read_with(kind, path, dst):
+def read_with(kind, path, dst, screened=None):
     """The read plan of the container at ``path`` into ``dst``, run with reader ``kind``: None, or the
-    error it raised (the verdict)."""
-    if kind in NATIVE and not checksum.HAVE_NATIVE:
+    error it raised (the verdict). ``screened`` (a dict) gets what the reader screened in its pass."""
+    if (kind in NATIVE or not isinstance(kind, str)) and not checksum.HAVE_NATIVE:
         pytest.skip("native library not built")
     cont = recovery.Container(str(path))
     try:
@@ -91,7 +99,10 @@ def read_with(kind, path, dst):
         views = {n: StateTensor(n, t).saved_view().reshape(-1) for n, t in dst.items()}
         plan = restore_read.plan_reads(cont.path, cont.layout, cont.version["chunks"], cont.version["checksum"],
                                        cont.header.geometry.data_off, views)
-        restore_read.read_verified(plan, READERS[kind](plan, cont.fd))
+        reader = (READERS[kind] if isinstance(kind, str) else kind)(plan, cont.fd)
+        restore_read.read_verified(plan, reader)
+        if screened is not None:
+            screened.update(reader.screened())
         return None
     except snapfile.SnapshotFormatError as e:
         return str(e)
@@ -161,26 +172,48 @@ def test_the_readers_give_the_same_verdicts(tmp_path):
         assert len(set(said.values())) == 1, (name, said)
 
 
-@pytest.mark.parametrize("backing, native, chosen", [("huge", True, "MappedReader"), ("small", True, "BlockReader"),
-                                                     ("huge", False, "InPlaceReader"), ("small", False, "InPlaceReader")])
+@pytest.mark.parametrize("backing, native, chosen", [
+    ("huge", True, "MappedReader"), ("small", True, "ChunkMappedReader"), ("disk", True, "BlockReader"),
+    ("huge", False, "InPlaceReader"), ("small", False, "InPlaceReader"), ("disk", False, "InPlaceReader")])
 def test_the_reader_is_chosen_by_the_medium(tmp_path, monkeypatch, backing, native, chosen):
-    """Once per restore: the mapping for a huge-page slot, blocks for 4 KiB pages or disk, in place
-    without the native library (CPU destinations: no device reader)."""
+    """Once per restore: the mapping for a huge-page slot, chunk by chunk for a 4 KiB-page tmpfs, blocks
+    for disk, in place without the native library (CPU destinations: no device reader)."""
     if native and not checksum.HAVE_NATIVE:
         pytest.skip("native library not built")
     monkeypatch.setattr(restore_read, "STREAMING_RESTORE", native)
     monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: shm.HUGE if backing == "huge" else shm.SMALL)
+    monkeypatch.setattr(shm, "is_tmpfs", lambda directory: backing != "disk")
+    src = make_tensors()
+    lay, g = write_container(tmp_path / "s.mft", src)
+    cont = recovery.Container(str(tmp_path / "s.mft"))
+    try:
+        assert cont.medium == {"huge": restore_read.HUGE_TMPFS, "small": restore_read.TMPFS,
+                               "disk": restore_read.FILE}[backing]
+        views = {n: torch.zeros_like(t).reshape(-1) for n, t in src.items()}
+        plan = restore_read.plan_reads(cont.path, lay, cont.version["chunks"], cont.version["checksum"], g.data_off, views)
+        reader = restore_read.choose_reader(plan, cont.fd, cont.medium, lambda d: None, cont.marks)
+        try:
+            assert type(reader).__name__ == chosen
+        finally:
+            reader.close()
+    finally:
+        cont.close()
+
+
+@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
+@pytest.mark.parametrize("threads, maps", [(1, True), (2, False), (4, False)])
+def test_a_4k_slot_is_mapped_chunk_by_chunk_only_on_one_thread(tmp_path, monkeypatch, threads, maps):
+    """The threads of one process serialize on its mapping lock: on several, the chunks are read with pread."""
+    monkeypatch.setattr(restore_plan, "threads_here", lambda cap=restore_read.MAX_RESTORE_THREADS: threads)
     src = make_tensors()
     lay, g = write_container(tmp_path / "s.mft", src)
     cont = recovery.Container(str(tmp_path / "s.mft"))
     try:
         views = {n: torch.zeros_like(t).reshape(-1) for n, t in src.items()}
         plan = restore_read.plan_reads(cont.path, lay, cont.version["chunks"], cont.version["checksum"], g.data_off, views)
-        reader = restore_read.choose_reader(plan, cont.fd, cont.mapped, lambda d: None, cont.marks)
-        try:
-            assert type(reader).__name__ == chosen
-        finally:
-            reader.close()
+        reader = restore_read.cpu_reader(plan, cont.fd, restore_read.TMPFS)
+        assert isinstance(reader, restore_read.ChunkMappedReader) and reader.map_chunks == maps
+        reader.close()
     finally:
         cont.close()
 
@@ -197,6 +230,9 @@ def read_path(request, monkeypatch):
     monkeypatch.setattr(restore_read, "READ_BLOCK", 4096)  # pieces span several read blocks
     backing = shm.HUGE if path == "mapped" else shm.SMALL
     monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: backing)
+    monkeypatch.setattr(shm, "is_tmpfs", lambda directory: path == "chunk-mapped")
+    if path == "chunk-mapped":  # read on one thread: mapped chunk by chunk
+        monkeypatch.setattr(restore_plan, "threads_here", lambda cap=restore_read.MAX_RESTORE_THREADS: 1)
     return path
 
 
@@ -243,6 +279,37 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
         assert torch.equal(src[n], dst[n]), n
 
 
+@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
+@pytest.mark.parametrize("fails", ["mmap", "populate"])
+def test_a_chunk_that_cannot_be_mapped_or_populated_is_read_with_pread(tmp_path, monkeypatch, fails):
+    """Chunk by chunk on a 4 KiB-page tmpfs: a mapping or a populate that fails (address space, memory)
+    is not the snapshot's fault - that chunk is read with pread, and still screened in its pass."""
+    src = make_tensors()
+    path = tmp_path / "s.mft"
+    write_container(path, src)
+    calls = []
+
+    class Unpopulated(mmap.mmap):  # a mapping whose populate fails
+        def madvise(self, *args):
+            calls.append("populate")
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    def no_map(*args, **kwargs):
+        calls.append("mmap")
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(restore_read.mmap, "mmap", no_map if fails == "mmap" else Unpopulated)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
+    screened: dict = {}
+    whole_chunks = lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 1 << 20, map_chunks=True)  # noqa: E731
+    assert read_with(whole_chunks, path, dst, screened) is None
+    assert calls and set(calls) == {fails}
+    for n in src:
+        assert torch.equal(src[n], dst[n]), n
+    assert screened == {"big": True, "tiny": True}
+
+
 @pytest.mark.parametrize("cores, local_ranks, threads", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 8, 2), (64, 1, 4),
                                                          (1, 1, 1), (8, 0, 4)])
 def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ranks, threads):
@@ -254,3 +321,124 @@ def test_restore_threads_share_the_cores_among_the_node_s_ranks(cores, local_ran
 def test_a_gpu_rank_uses_up_to_eight_host_threads(cores, local_ranks, threads):
     """GPU path: the host threads that read or sum blocks beside the copy engine (its share, at most 8)."""
     assert restore_read.restore_threads(cores, local_ranks, restore_read.MAX_GPU_HOST_THREADS) == threads
+
+
+# ------------------------------------------------------------------------ the screen in the read's pass
+def poisoned_tensors():
+    """Floating-point tensors of every dtype a snapshot holds, some holding a NaN or an infinity (at the
+    start, the end, in a later chunk, in an odd-sized tail), some only extreme finite values; integers whose
+    bits read as a float NaN (not screened: not floating point). Returns (tensors, which must be refused)."""
+    g = torch.Generator().manual_seed(7)
+    t = {}
+    t["f32_nan_first"] = torch.randn(5000, generator=g)
+    t["f32_nan_first"][0] = float("nan")
+    t["f32_inf_last"] = torch.randn(4099, generator=g)
+    t["f32_inf_last"][-1] = float("inf")
+    t["f64_ninf_later_chunk"] = torch.randn(3000, dtype=torch.float64, generator=g)
+    t["f64_ninf_later_chunk"][2500] = float("-inf")
+    t["f16_nan"] = torch.randn(7001, generator=g).half()
+    t["f16_nan"][3333] = float("nan")
+    t["bf16_inf"] = torch.randn(513, generator=g).bfloat16()
+    t["bf16_inf"][511] = float("inf")
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        fi = torch.finfo(dtype)  # the largest, the smallest normal, a subnormal, -0: all finite
+        t[f"{dtype}_extremes".replace("torch.", "")] = torch.tensor([fi.max, -fi.max, fi.tiny, fi.tiny / 4, -0.0] * 41,
+                                                                     dtype=dtype)
+    t["i32_nan_bits"] = torch.full((999,), 0x7FC00000, dtype=torch.int32)
+    t["u8_all_ones"] = torch.full((77,), 0xFF, dtype=torch.uint8)
+    refused = {n for n in t if t[n].is_floating_point() and "extremes" not in n}
+    return t, refused
+
+
+def raw(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("kind", sorted(FUSED))
+def test_the_fused_pass_screens_for_nan_and_infinities_as_the_guard_does(tmp_path, kind):
+    """A native reader that copies a whole chunk in one call checks every floating-point piece for NaN and
+    infinities in the same pass: its verdict per tensor is the value guard's, integers are not screened,
+    and the bytes arrive bit-exact (the checksum says nothing of values: the container verifies)."""
+    src, refused = poisoned_tensors()
+    write_container(tmp_path / "p.mft", src)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    screened: dict = {}
+    assert read_with(kind, tmp_path / "p.mft", dst, screened) is None
+    for n in src:
+        assert torch.equal(raw(src[n]), raw(dst[n])), n
+    floats = {n for n, t in src.items() if t.is_floating_point()}
+    assert set(screened) == floats
+    assert {n for n, ok in screened.items() if not ok} == refused == set(guard.non_finite(dst))
+
+
+@pytest.mark.parametrize("kind", sorted(set(READERS) - FUSED))
+def test_the_other_readers_leave_the_screen_to_the_guard(tmp_path, kind):
+    src, _ = poisoned_tensors()
+    write_container(tmp_path / "p.mft", src)
+    screened: dict = {}
+    assert read_with(kind, tmp_path / "p.mft", {n: torch.zeros_like(t) for n, t in src.items()}, screened) is None
+    assert screened == {}
+
+
+@pytest.mark.parametrize("read_path", PATHS, indirect=True)
+def test_the_guard_reads_again_only_what_the_pass_did_not_screen(tmp_path, read_path, monkeypatch):
+    """Restorer's value check after the read: the guard (ValueScreen) gets only the checked tensors the read
+    did not screen in its pass, and the verdict names every refused tensor either way - but not one whose
+    values are not checked (``values_checked=False``)."""
+    src, refused = poisoned_tensors()
+    write_container(tmp_path / "p.mft", src)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    unchecked = "f32_inf_last"
+    targets = {n: StateTensor(n, t, values_checked=n != unchecked) for n, t in dst.items()}
+    given = []
+    real_init = guard.ValueScreen.__init__
+
+    def screen(self, tensors):
+        given.append(set(tensors))
+        real_init(self, tensors)
+
+    monkeypatch.setattr(guard.ValueScreen, "__init__", screen)
+    restorer = recovery.Restorer(0, 1, IDENTITY, "t", str(tmp_path / "persist"), None)
+    cont = recovery.Container(str(tmp_path / "p.mft"))
+    try:
+        cont.check_identity(IDENTITY, 1)
+        rejected: list = []
+        ok, bad = restorer._load_checked("local", recovery.Candidate(1, cont.path, "local_memory"), cont, targets,
+                                         rejected, {})
+    finally:
+        cont.close()
+    assert not ok and set(bad) == refused - {unchecked}
+    assert bad == [n for n in src if n in set(bad)]  # in the state's order
+    fused = read_path in ("chunk-mapped", "mapped")  # (the fixture's 4 KiB block: piece by piece, unscreened)
+    ints = {"i32_nan_bits", "u8_all_ones"}  # (the guard skips them itself)
+    assert given == [ints if fused else set(src) - {unchecked}]
+    for n in src:  # the bytes are in place either way
+        assert torch.equal(raw(src[n]), raw(dst[n])), n
+
+
+@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
+def test_a_kernel_without_populate_read_faults_the_chunks_in(tmp_path, monkeypatch):
+    """MADV_POPULATE_READ is Linux 5.14+: where it is EINVAL the chunks are still mapped (their pages faulted
+    in as the copy reads them), and it is not asked again."""
+    src = make_tensors()
+    path = tmp_path / "s.mft"
+    write_container(path, src)
+    monkeypatch.setitem(restore_read._POPULATE, "usable", True)
+    calls = []
+
+    class OldKernel(mmap.mmap):
+        def __new__(cls, *args, **kwargs):
+            calls.append("mmap")
+            return super().__new__(cls, *args, **kwargs)
+
+        def madvise(self, *args):
+            calls.append("populate")
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(restore_read.mmap, "mmap", OldKernel)
+    dst = {n: torch.zeros_like(t) for n, t in src.items()}
+    dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
+    assert read_with("chunk-mapped", path, dst) is None
+    assert calls.count("populate") == 1 and calls.count("mmap") > 3 and not restore_read._POPULATE["usable"]
+    for n in src:
+        assert torch.equal(src[n], dst[n]), n
