@@ -1,4 +1,4 @@
-"""torchrun worker for tests/integration/test_reslice.py: what a real megatron-core rank's data-parallel
+"""torchrun worker for tests/integration/test_reslice_megatron.py: what a real megatron-core rank's data-parallel
 shards hold of the parameters, as its snapshot records it.
 
 A dense GPT (scripts/pretrain_gpt.py's build: DDP buckets, the distributed optimizer) trains ``--iters``
