@@ -53,13 +53,14 @@ shutdown        -                                           - (agent removes its
 from __future__ import annotations
 
 import os
+import socket
 
 from typing import Annotated, Literal, Optional
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..transport.messages import Bytes, Messages, Rank, Request, Step
-from ..transport.wire import Client, RemoteError
+from ..transport.wire import Client, RemoteError, unlink_if_unheard
 
 AnyRank = Annotated[StrictInt, Field(ge=-1)]  # -1: a launcher or the command line, no trainer
 
@@ -193,6 +194,16 @@ def spares_socket_path(socket_dir: str, run_id: str, node: int) -> str:
     """Where node ``node``'s spare pool listens (``megatron_ft/spares/pool.py``): its agent removes it when
     the job ends and nothing listens there (the pool died with a SIGKILLed launcher)."""
     return f"{socket_dir.rstrip('/')}/{run_id}.node{node}.spares.sock"
+
+
+def remove_node_sockets(socket_dir: str, run_id: str, node: int) -> None:
+    """At the agent's shutdown (the node's last process): its own socket, and the node's spare pool's if
+    nothing listens there (the pool dies with a SIGKILLed launcher and cannot unlink it)."""
+    try:
+        os.unlink(socket_path(socket_dir, run_id, node))
+    except FileNotFoundError:
+        pass
+    unlink_if_unheard(spares_socket_path(socket_dir, run_id, node), socket.SOCK_SEQPACKET)
 
 
 def socket_path(socket_dir: str, run_id: str, node: int) -> str:

@@ -26,7 +26,6 @@ import faulthandler
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -43,7 +42,7 @@ from .job_agreement import JobAgreement
 from .launcher_watch import JobEndWatch, LauncherWatch
 from .operations import HANDLERS
 from .persister import Persister
-from .protocol import MESSAGES, Hello, socket_path, spares_socket_path
+from .protocol import MESSAGES, Hello, remove_node_sockets, socket_path
 from .slot_store import SlotRef, SlotStore
 
 __all__ = ["Agent", "JobEndWatch", "SlotRef", "main", "serve"]
@@ -326,14 +325,7 @@ class Agent:
             except Exception as e:
                 log.warning("agent node %d: closing the store: %s", self.node, e)
         self.slots.close(remove_segments)
-        try:
-            os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        # the node's spare pool dies with a SIGKILLed launcher and cannot unlink its socket: the node's
-        # last process removes it, if nothing listens there
-        wire.unlink_if_unheard(spares_socket_path(self.cfg.agent.socket_dir, self.cfg.run_id, self.node),
-                               socket.SOCK_SEQPACKET)
+        remove_node_sockets(self.cfg.agent.socket_dir, self.run_id, self.node)
         log.info("agent node %d: shut down%s", self.node, " (segments removed)" if remove_segments else "")
         self._done.set()
 
