@@ -43,22 +43,27 @@ from ..capture.layout import Layout, ShardSpec, dtype_from_name
 from ..capture.state import StateTensor, json_safe, restore_like
 
 
-def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor, Any]]:
-    """Every DDP bucket's parameter storage (a view into its buffer), named by chunk, buffer
-    (``b``, or ``e`` for expert-parallel ones) and bucket, with the process group its buffer is sharded
-    over: megatron-core's DDP gives each buffer its group - the data-parallel group (with context
-    parallelism) for dense parameters, the expert-data-parallel group for experts' - and pads each
-    bucket to a multiple of that group's size; the distributed optimizer's step on rank ``r`` of it
-    writes slice ``r``. (An expert's parameters live only on its expert-data-parallel ranks: sharded
-    over the whole data-parallel group, a slice would hold another expert's bytes.)"""
-    out = []
+def _buckets(model_chunks: list):
+    """Every DDP bucket with a parameter storage, as ``(entry name, buffer, bucket)``: named by chunk,
+    buffer (``b``, or ``e`` for expert-parallel ones) and bucket - the names a snapshot's entries carry."""
     for c, chunk in enumerate(model_chunks):
         for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
             for b, buf in enumerate(bufs):
                 if buf.param_data is None:
                     continue
                 for k, bucket in enumerate(buf.buckets):
-                    out.append((f"model.c{c}.{kind}{b}.k{k}.param_data", bucket.param_data, buf.data_parallel_group))
+                    yield f"model.c{c}.{kind}{b}.k{k}.param_data", buf, bucket
+
+
+def _param_buckets(model_chunks: list) -> list[tuple[str, torch.Tensor, Any]]:
+    """Every DDP bucket's parameter storage (a view into its buffer, :func:`_buckets`' names), with the
+    process group its buffer is sharded over: megatron-core's DDP gives each buffer its group - the
+    data-parallel group (with context parallelism) for dense parameters, the expert-data-parallel group
+    for experts' - and pads each bucket to a multiple of that group's size; the distributed optimizer's
+    step on rank ``r`` of it writes slice ``r``. (An expert's parameters live only on its
+    expert-data-parallel ranks: sharded over the whole data-parallel group, a slice would hold another
+    expert's bytes.)"""
+    out = [(name, bucket.param_data, buf.data_parallel_group) for name, buf, bucket in _buckets(model_chunks)]
     if not out:
         raise ValueError("no megatron DDP parameter buffers found: wrap the model chunks in "
                          "megatron.core.distributed.DistributedDataParallel")
@@ -142,23 +147,6 @@ def _param_names(model_chunks: list) -> dict[int, str]:
     return {id(p): f"c{c}.{name}" for c, chunk in enumerate(model_chunks) for name, p in chunk.named_parameters()}
 
 
-def _bucket_params(model_chunks: list) -> dict[str, list]:
-    """Per saved bucket entry (:func:`_param_buckets`' names), its parameters and their element ranges
-    ``(param, start, end)`` in the bucket's storage: the buffer's ``param_index_map`` (where each parameter
-    really is - the distributed optimizer pads parameter starts) less the bucket's offset in the buffer."""
-    out = {}
-    for c, chunk in enumerate(model_chunks):
-        for kind, bufs in (("b", getattr(chunk, "buffers", [])), ("e", getattr(chunk, "expert_parallel_buffers", []))):
-            for b, buf in enumerate(bufs):
-                if buf.param_data is None:
-                    continue
-                for k, bucket in enumerate(buf.buckets):
-                    out[f"model.c{c}.{kind}{b}.k{k}.param_data"] = [
-                        (p, buf.param_index_map[p][0] - bucket.offset, buf.param_index_map[p][1] - bucket.offset)
-                        for p in bucket.params_list]
-    return out
-
-
 def _main_params(optimizer: Any) -> list[dict[int, tuple[Any, int, int]]]:
     """Per inner optimizer of the chain: id(its parameter) -> (model parameter, start, end), the elements of
     the model parameter it holds. The distributed optimizer's main parameters are shards (its range map
@@ -197,11 +185,13 @@ def shard_extents(model_chunks: list, optimizer: Any, saved: set[str]) -> dict[s
     from ..redundancy.reslice import extents_of_slice
 
     names = _param_names(model_chunks)
-    in_bucket = _bucket_params(model_chunks)
     out: dict[str, list[list]] = {}
-    for entry, t, group in _param_buckets(model_chunks):
-        lo, hi = bucket_shard(t, group).bounds()
-        params = [(names[id(p)], s, e) for p, s, e in in_bucket[entry]]
+    for entry, buf, bucket in _buckets(model_chunks):
+        lo, hi = bucket_shard(bucket.param_data, buf.data_parallel_group).bounds()
+        # where each parameter really is: the buffer's param_index_map (the distributed optimizer pads
+        # parameter starts), less the bucket's offset in the buffer
+        params = [(names[id(p)], buf.param_index_map[p][0] - bucket.offset, buf.param_index_map[p][1] - bucket.offset)
+                  for p in bucket.params_list]
         out[entry] = [[x.offset, x.param, x.lo, x.length] for x in extents_of_slice(entry, lo, hi, params)]
     mains = _main_params(optimizer)
     for k, inner in enumerate(_inner_optimizers(optimizer)):

@@ -76,11 +76,8 @@ class RestoreResult:
 class Container:
     """A snapshot container (shared-memory slot or persisted file).
 
-    Its ``medium`` picks the reader (:func:`restore_read.cpu_reader`): a slot on a huge-page tmpfs
-    (:func:`megatron_ft.agent.shm.page_backing`) is mapped whole - one page-table entry per 2 MiB -
-    and the bytes go from the slot into the tensors in one pass, without the kernel's copy; a slot on a
-    4 KiB-page tmpfs read on one thread is mapped one chunk at a time (a ``pread`` costs more kernel
-    time per 4 KiB page there than mapping, populating and unmapping it); else it is read with ``pread``."""
+    Its ``medium`` (a huge-page tmpfs, a 4 KiB-page tmpfs, a file) picks the reader: mapped whole, mapped
+    chunk by chunk, or ``pread`` (:func:`restore_read.cpu_reader` says why each)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -93,7 +90,6 @@ class Container:
         backing = shm.backing_of(directory)
         self.medium = (restore_read.HUGE_TMPFS if backing == shm.HUGE else
                        restore_read.TMPFS if shm.is_tmpfs(directory) else restore_read.FILE)
-        self.mapped = restore_read.STREAMING_RESTORE and self.medium == restore_read.HUGE_TMPFS
         self.fd = os.open(path, os.O_RDONLY)
         try:
             self.header = snapfile.read_header(os.pread(self.fd, snapfile.HEADER_SIZE, 0))
@@ -104,6 +100,11 @@ class Container:
         except BaseException:
             os.close(self.fd)
             raise
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the read maps the whole slot (a huge-page tmpfs, the native library there)."""
+        return restore_read.STREAMING_RESTORE and self.medium == restore_read.HUGE_TMPFS
 
     def check_identity(self, identity: dict, step: Optional[int] = None) -> None:
         if self.header.state != snapfile.CLEAN:

@@ -326,13 +326,12 @@ def _cpu_only(plan: ReadPlan) -> bool:
 
 
 # ------------------------------------------------------------------------------------ choosing, running
-def cpu_reader(plan: ReadPlan, fd: int, medium: str | bool) -> Reader:
+def cpu_reader(plan: ReadPlan, fd: int, medium: str) -> Reader:
     """The reader for the plan's CPU destinations by the container's ``medium``: a huge-page tmpfs
-    (:data:`HUGE_TMPFS`; ``True`` too) mapped whole (a mapping that fails is said and read with ``pread``),
-    a 4 KiB-page tmpfs (:data:`TMPFS`) mapped chunk by chunk, else (:data:`FILE`; ``False`` too) blocks -
-    each with the native library; without it in place."""
-    if medium is True:
-        medium = HUGE_TMPFS
+    (:data:`HUGE_TMPFS`) mapped whole - one page-table entry per 2 MiB, the bytes straight from the slot (a
+    mapping that fails is said and read with ``pread``); a 4 KiB-page tmpfs (:data:`TMPFS`) mapped chunk by
+    chunk (``pread`` costs more kernel time per 4 KiB page there than mapping, populating and unmapping it);
+    else (:data:`FILE`) blocks - each with the native library; without it in place."""
     if medium == HUGE_TMPFS and STREAMING_RESTORE:
         try:
             return MappedReader(plan, fd)
@@ -343,7 +342,7 @@ def cpu_reader(plan: ReadPlan, fd: int, medium: str | bool) -> Reader:
     return BlockReader(plan, fd, READ_BLOCK) if STREAMING_RESTORE else InPlaceReader(plan, fd)
 
 
-def choose_reader(plan: ReadPlan, fd: int, medium: str | bool, page_locked: Callable[[torch.device], object],
+def choose_reader(plan: ReadPlan, fd: int, medium: str, page_locked: Callable[[torch.device], object],
                   marks: dict) -> Reader:
     """Once per restore, on the caller's thread: the :class:`DeviceReader` where a destination is on a
     device (``page_locked(device)``: the container page-locked for it, or None), else :func:`cpu_reader`."""
