@@ -13,9 +13,9 @@ node), ``meta`` (the buffer's JSON object) and ``nbytes`` of payload; the reply 
 landing raised: the reason in the reply's ``error``).
 
 Bounds: every socket operation is bounded by the connection's ``request_timeout_s``, and the whole send by
-its ``timeout``: when that passes, the connection is shut down under the send (:meth:`.wire.Client.interrupt`),
-which raises :class:`~.peer_bytes.PeerTimeout`. A connection that broke (the peer restarted) is opened
-again once within the bound, and the buffer sent again. Threads: one send at a time per peer (the
+its ``timeout``: when that passes, the endpoint's one watchdog thread shuts the connection down under the
+send (:meth:`.wire.Client.interrupt`), which raises :class:`~.peer_bytes.PeerTimeout`. A connection that
+broke (the peer restarted) is opened again once within the bound, and the buffer sent again. Threads: one send at a time per peer (the
 connection's lock); sends to different peers may run at once.
 
 Worked example: node 0 sends a buffer to a receiving end on this machine, then one its landing declines:
@@ -39,6 +39,7 @@ megatron_ft.transport.peer_bytes.PeerRefused: node 1 declined copy.r3 of step 8
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -81,6 +82,51 @@ def land(conn: wire.Connection, req: PutBytes, landing: Landing) -> dict:
     return {"landed": True}
 
 
+class _Watchdog:
+    """Bounds whole sends without a thread per send: :meth:`arm` registers a client with a deadline
+    (``time.monotonic()``), :meth:`disarm` takes it back; one daemon thread, started at the first
+    :meth:`arm`, shuts a client's connection down under its send once its deadline passed
+    (:meth:`.wire.Client.interrupt`). ``_cond``'s lock is held only around the table."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._armed: dict[int, tuple[float, wire.Client]] = {}
+        self._next = 0
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+
+    def arm(self, client: wire.Client, seconds: float) -> int:
+        with self._cond:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + seconds, client)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                for token, (at, client) in list(self._armed.items()):
+                    if at <= now:
+                        del self._armed[token]
+                        client.interrupt()
+                soonest = min((at for at, _ in self._armed.values()), default=None)
+                self._cond.wait(None if soonest is None else max(0.0, soonest - now))
+
+
 class WireBytes(PeerBytes):
     """The sending end on node ``node``: ``connect(peer)`` opens a :class:`.wire.Client` to ``peer``'s
     server (its address, the job's secret, ``request_timeout_s``; made once per peer and kept)."""
@@ -91,6 +137,7 @@ class WireBytes(PeerBytes):
         self._clients: dict[int, wire.Client] = {}
         self._lock = threading.Lock()  # the client table only
         self._closed = False
+        self._watchdog = _Watchdog(f"peer-bytes-n{node}-bounds")
 
     def _client(self, peer: int, buffer: Buffer) -> wire.Client:
         with self._lock:
@@ -107,9 +154,7 @@ class WireBytes(PeerBytes):
         deadline = Deadline(bound, f"send of {buffer} to node {peer}")
         cl = self._client(peer, buffer)
         req = PutBytes(op="put", step=buffer.step, key=buffer.key, src=self.node, meta=buffer.meta)
-        timer = threading.Timer(bound, cl.interrupt)
-        timer.daemon = True
-        timer.start()
+        token = self._watchdog.arm(cl, bound)
         try:
             for attempt in (0, 1):
                 try:
@@ -128,11 +173,12 @@ class WireBytes(PeerBytes):
                         raise PeerLost(f"send of {buffer} to node {peer}: the connection broke ({e})",
                                        peer, buffer) from e
         finally:
-            timer.cancel()
+            self._watchdog.disarm(token)
         if reply.get("declined"):
             raise PeerRefused(f"node {peer} declined {buffer}", peer, buffer, declined=True)
 
     def close(self) -> None:
+        self._watchdog.stop()
         with self._lock:
             self._closed = True
             clients, self._clients = list(self._clients.values()), {}
