@@ -85,7 +85,7 @@ from megatron_ft.agent import shm  # noqa: E402
 from megatron_ft import config as ftconfig  # noqa: E402
 from megatron_ft.capture.layout import ALIGNMENT, Layout  # noqa: E402
 from megatron_ft.agent.protocol import AgentClient, socket_path  # noqa: E402
-from megatron_ft.trainer import recovery  # noqa: E402
+from megatron_ft.trainer import mapped_slots, recovery  # noqa: E402
 from megatron_ft.trainer.recovery import Restorer  # noqa: E402
 from megatron_ft.trainer.snapshot import SnapshotEngine  # noqa: E402
 from megatron_ft.capture.state import StateTensor  # noqa: E402
@@ -163,6 +163,8 @@ class MegatronFTResult:
     paired_raw: Stat  # the faster raw copy, timed just before each measured snapshot (same phase)
     paired_load_copy: Optional[Stat] = None  # torch.load + copy just after each restore (memory permitting)
     paired_restore_raw: Optional[Stat] = None  # the faster raw copy, timed just before each restore (same phase)
+    restore_fresh: Optional[Stat] = None  # the restore in a process that has not mapped the slot (a fresh trainer)
+    paired_fresh_raw: Optional[Stat] = None  # the faster raw copy, timed just before each of those
     # the timed restores' phases (RestoreResult.phases): when each ended, seconds from the restore's start
     restore_listed: Optional[Stat] = None
     restore_opened: Optional[Stat] = None
@@ -435,6 +437,7 @@ def rank_megatron_ft(rc: RankContext) -> dict:
     engine = SnapshotEngine(client, rc.rank, identity, cfg.snapshot.chunk_bytes, coord)
     out: dict[str, list[float]] = {k: [] for k in ("stall", "snapshot_call", "wait", "copy", "clean", "restore",
                                                    "paired_raw", "paired_load_copy", "paired_restore_raw",
+                                                   "restore_fresh", "paired_fresh_raw",
                                                    *(f"restore_{p}" for p in RESTORE_PHASES))}
     raw: Optional[RawBuffer] = None
     torch_file = rc.path(f"torch.paired.r{rc.rank}.pt", rc.torch_dir)
@@ -478,6 +481,18 @@ def rank_megatron_ft(rc: RankContext) -> dict:
                     raise RuntimeError(f"rank {rc.rank}: restored state differs from the snapshot")
                 if rc.paired_restore:
                     out["paired_load_copy"].append(torch_load_copy(rc, torch_file, want))
+                # the same restore in a process that has not mapped its slot yet (a fresh trainer's): paired
+                # with its own raw copy; the engine writes no snapshot after this phase
+                out["paired_fresh_raw"].append(min(raw.timed(rc).values()))
+                zero_state(rc.state)
+                mapped_slots.release_slot_mappings()
+                rc.barrier()
+                t0 = time.perf_counter()
+                res = Restorer(rc.rank, rc.world, identity, cfg.run_id, cfg.persist.dir, client, coord).restore(adapter)
+                out["restore_fresh"].append(time.perf_counter() - t0)
+                if (res.source, res.step) != ("local_memory", step) or fingerprint(rc.state) != want:
+                    raise RuntimeError(f"rank {rc.rank}: the fresh-process restore gave {res.source} step {res.step}"
+                                       f" or other bytes: {res.rejected}")
             raw.verify(rc.rank)
         finally:  # also frees its memory before the breakdown's restores
             if os.path.exists(torch_file):
@@ -490,6 +505,7 @@ def rank_megatron_ft(rc: RankContext) -> dict:
             raw.close()
         engine.close()
         client.close(orderly=True)
+    mapped_slots.release_slot_mappings()  # (kept for the process across engines; as a process's end)
     out["_mapped_after_close"] = mapped_bytes(f"mft.{cfg.run_id}.")
     stop_agent(rc, cfg)
     return out
@@ -887,7 +903,7 @@ def run_combo(b: Bench, size_mib: int, ranks: int) -> ComboResult:
             leaked = max(r.get("_mapped_after_close", 0) for r in per_rank)
             if leaked:
                 c.errors["mft mappings"] = (f"{leaked / MiB:.0f} MiB of agent segments still mapped in a rank "
-                                            f"after SnapshotEngine.close()")
+                                            f"after SnapshotEngine.close() and release_slot_mappings()")
     if c.raw is not None:
         c.compute_s = b.compute_factor * c.raw.reference.median
     return c
@@ -940,6 +956,9 @@ def targets(c: ComboResult) -> list[Target]:
               ("(torch.load + copy) / restore", paired_ratio(m and m.paired_load_copy, m and m.restore), ratio(t and t.load_copy, m and m.restore),
                f">= {RESTORE_MIN}", lambda v: v >= RESTORE_MIN),
               ("dcp stall / mft stall", None, ratio(d and d.stall, m and m.stall), "> 1", lambda v: v > 1.0),
+              # a fresh trainer's restore maps (and populates) the slot it reads once, for its snapshots too
+              ("fresh-process restore / raw copy", paired_ratio(m and m.restore_fresh, m and m.paired_fresh_raw),
+               ratio(m and m.restore_fresh, raw), "info", None),
               ("bare torch.load / restore", None, ratio(t and t.load, m and m.restore), "info", None),
               # what a restore that copies the bytes once could reach at best: the raw copy's time
               ("ceiling: (torch.load + copy) / raw copy", paired_ratio(m and m.paired_load_copy, m and m.paired_raw),

@@ -76,8 +76,8 @@ class RestoreResult:
 class Container:
     """A snapshot container (shared-memory slot or persisted file).
 
-    Its ``medium`` (a huge-page tmpfs, a 4 KiB-page tmpfs, a file) picks the reader: mapped whole, mapped
-    chunk by chunk, or ``pread`` (:func:`restore_read.cpu_reader` says why each)."""
+    Its ``medium`` (a huge-page tmpfs, a 4 KiB-page tmpfs, a file) picks the reader: through the
+    process's mapping of the slot, or ``pread`` (:func:`restore_read.cpu_reader` says why each)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -103,8 +103,8 @@ class Container:
 
     @property
     def mapped(self) -> bool:
-        """Whether the read maps the whole slot (a huge-page tmpfs, the native library there)."""
-        return restore_read.STREAMING_RESTORE and self.medium == restore_read.HUGE_TMPFS
+        """Whether the read goes through the process's mapping of the slot (a tmpfs, the native library there)."""
+        return restore_read.maps(self.medium)
 
     def check_identity(self, identity: dict, step: Optional[int] = None) -> None:
         if self.header.state != snapfile.CLEAN:

@@ -19,16 +19,14 @@ and bytes (``tests/unit/test_restore_read.py`` runs each over them):
 =====================  ======================================================================================
 reader                 reads
 =====================  ======================================================================================
-``ChunkMappedReader``  CPU tensors from a slot on a 4 KiB-page tmpfs (native library), read on one thread:
-                       each chunk's bytes mapped read-only and populated in one call (``MADV_POPULATE_READ``),
-                       copied, summed and screened in one native call, and unmapped (a ``pread`` costs ~0.7 us
-                       of kernel time per 4 KiB page on the 2-core test machine, mapping + populating +
-                       unmapping ~0.35 us). On several threads as ``BlockReader`` (the threads of one process
-                       serialize on its mapping lock).
-``MappedReader``       CPU tensors from a slot on a huge-page tmpfs (native library): the whole container
-                       mapped read-only once (one page-table entry per 2 MiB), each chunk copied, summed and
-                       screened in one native call.
-``BlockReader``        CPU tensors from disk (native library), and a chunk a mapping failed for: a chunk
+``MappedReader``       CPU tensors from a slot on a tmpfs (native library), through the process's mapping of
+                       the slot (:mod:`.mapped_slots`): the one its snapshot engine writes through (an
+                       in-process restart, a rollback: no page-table work), else mapped, populated and left to
+                       the engine (a fresh process; before, the restore mapped and unmapped it and the engine
+                       mapped it again: on a 4 KiB-page tmpfs populating 256 MiB took 16-24 ms, unmapping
+                       8-13 ms, copying 19 ms). Each chunk copied, summed and screened in one native call,
+                       on the idle cores (a populated mapping takes no faults to serialize on).
+``BlockReader``        CPU tensors from disk (native library), and a slot the mapping failed for: a chunk
                        ``pread`` whole into a per-thread buffer of :data:`READ_BLOCK`, then copied into the
                        tensors, summed and screened in one native call (streaming stores: the tensors' lines
                        are not read first); a chunk larger than the buffer in blocks, piece by piece.
@@ -41,7 +39,7 @@ reader                 reads
 =====================  ======================================================================================
 
 *Screened in the pass* (:meth:`Reader.screened`): where the native library copies and sums a whole
-chunk in one call (``mft_f8_restore_chunk``: the three native CPU readers, a plan whose destinations
+chunk in one call (``mft_f8_restore_chunk``: the two native CPU readers, a plan whose destinations
 are all in host memory, the current checksum), it also checks every floating-point piece (float32/64/16,
 bfloat16) for NaN and infinities while the bytes are in registers - what the value guard
 (:class:`~megatron_ft.trainer.guard.ValueScreen`) would otherwise read again after the restore
@@ -49,7 +47,8 @@ bfloat16) for NaN and infinities while the bytes are in registers - what the val
 read only what was not screened in the pass (other dtypes, device tensors, a chunk read piece by piece).
 
 Ownership: the plan holds views of the caller's tensors (it owns no memory); a reader owns what it
-opened (a mapping, pinned blocks, device streams) until :meth:`Reader.close`, which
+opened (pinned blocks, device streams) until :meth:`Reader.close` - a slot's mapping is the process's
+(:mod:`.mapped_slots`), not the reader's - which
 :func:`read_verified` always calls; the container's file descriptor stays the caller's.
 
 Worked example: two tensors in 4 KiB chunks - ``w`` spans chunks 0 and 1, ``b`` sits in chunk 1 -
@@ -72,9 +71,7 @@ each piece with its offset in the container (its data area starting at byte 8192
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
-import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
@@ -83,7 +80,8 @@ import numpy as np
 import torch
 
 from ..capture import checksum, snapfile
-from . import device_staging
+from ..agent import shm
+from . import device_staging, mapped_slots
 from .restore_device import DeviceReader
 from .restore_plan import (EXPONENT_MASKS, GPU_READ_BLOCK, MAX_GPU_HOST_THREADS, MAX_RESTORE_THREADS, READ_BLOCK,
                            ChunkRead, PieceRead, ReadPlan, Reader, byte_view, plan_reads, pread_into,
@@ -93,7 +91,7 @@ __all__ = [  # the plan's names are this module's too: callers import a restore'
     "MAX_RESTORE_THREADS", "MAX_GPU_HOST_THREADS", "READ_BLOCK", "GPU_READ_BLOCK", "EXPONENT_MASKS",
     "restore_threads", "threads_here", "PieceRead", "ChunkRead", "ReadPlan", "byte_view", "plan_reads",
     "Reader", "pread_into", "DeviceReader", "STREAMING_RESTORE", "HUGE_TMPFS", "TMPFS", "FILE",
-    "InPlaceReader", "BlockReader", "MappedReader", "ChunkMappedReader", "cpu_reader", "choose_reader",
+    "InPlaceReader", "BlockReader", "MappedReader", "maps", "cpu_reader", "choose_reader",
     "read_verified",
 ]
 
@@ -103,9 +101,6 @@ STREAMING_RESTORE = checksum.HAVE_NATIVE
 #: where a container lives (:func:`cpu_reader` picks the reader by it): a tmpfs with 2 MiB pages, a tmpfs
 #: with 4 KiB pages, anything else (a file on disk)
 HUGE_TMPFS, TMPFS, FILE = "huge-tmpfs", "tmpfs", "file"
-#: ``madvise`` advice: populate the page tables of a mapping for reading (Linux 5.14+; EINVAL before)
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_POPULATE = {"usable": hasattr(mmap.mmap, "madvise")}
 
 def _native_restore_chunk() -> Optional[Callable[..., int]]:
     """``mft_f8_restore_chunk`` of the native library (``_native/fastcopy.c``), or None (not built, or a
@@ -133,7 +128,7 @@ class InPlaceReader(Reader):
 
 
 class BlockReader(Reader):
-    """CPU destinations, disk (native library), and a chunk a mapping failed for: ``pread`` in blocks of
+    """CPU destinations, disk (native library), and a slot the mapping failed for: ``pread`` in blocks of
     ``block`` bytes into a per-thread buffer, copied into the tensor and summed in one pass. A chunk whose
     bytes fit in one block (the default chunk, 4 MiB, is one) is read with one ``pread`` and copied,
     summed and screened in one native call (:class:`_FusedPieces`); a larger one piece by piece."""
@@ -227,88 +222,51 @@ class _FusedPieces:
         return {n: finite[n] for n, ok in whole.items() if ok}
 
 
-class MappedReader(Reader):
-    """CPU destinations, a slot on a huge-page tmpfs (native library): each chunk copied from a read-only
-    mapping of the whole container, summed and screened in one native pass (the size checked first, as by
-    every reader: here reading past the mapping's end would be SIGBUS, not an error); an ``OSError`` from
-    the mapping itself is the caller's to fall back on."""
+class MappedReader(BlockReader):
+    """CPU destinations, a slot on a tmpfs (native library), read through the process's mapping of it
+    (:mod:`.mapped_slots`: the one the snapshot engine writes through, or mapped and populated here once
+    and left to the engine): each chunk copied, summed and screened in one native pass, with no page-table
+    work when the mapping was there already. The mapping is taken at the first chunk read (a plan whose
+    pieces all go to a device never maps the slot); one that fails (address space, memory, a re-created
+    file: not the snapshot's fault) is said once and the slot read with ``pread`` (:class:`BlockReader`).
+    The size was checked first, as by every reader (reading past the mapping's end would be SIGBUS, not an
+    error). The mapping is not this reader's to close."""
 
-    def __init__(self, plan: ReadPlan, fd: int):
-        super().__init__(plan, fd)
-        self._mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        self.src: Optional[np.ndarray] = np.frombuffer(self._mapping, np.uint8)
-        self._fused = _fused_pieces(plan)
+    def __init__(self, plan: ReadPlan, fd: int, block: int = READ_BLOCK):
+        super().__init__(plan, fd, block)
+        self._src: Optional[np.ndarray] = None
+        self._mapping_failed = False
+        self._lock = threading.Lock()
+
+    def _mapped(self) -> Optional[np.ndarray]:
+        """The slot's bytes as the process maps them, or None (read with ``pread``)."""
+        with self._lock:
+            if self._src is None and not self._mapping_failed:
+                try:
+                    mapping = mapped_slots.slot_mapping(self.plan.path, self.fd)
+                    if mapping.size != self.size:
+                        raise OSError(f"a mapping of {mapping.size} bytes for a {self.size}-byte container")
+                    self._src = mapping.array
+                except (OSError, shm.SharedMemoryError) as e:
+                    self._mapping_failed = True
+                    log.warning("%s: mapping failed (%s); reading with pread", self.plan.path, e)
+            return self._src
 
     def read_chunk(self, c: ChunkRead) -> Optional[str]:
-        if self._fused is None or self.src is None:
+        src = self._mapped() if self._fused is not None else None
+        if src is None:
             return super().read_chunk(c)
-        return self.plan.verdict(c, self._fused.run(c, self.src.ctypes.data))
+        return self.plan.verdict(c, self._fused.run(c, src.ctypes.data))
 
     def read_piece(self, chunk: checksum.ChunkSum, p: PieceRead) -> None:
+        src = self._mapped()
+        if src is None:
+            return super().read_piece(chunk, p)
         part = p.dst.numpy()
-        chunk.copy_to(p.chunk_offset, part, self.src[p.file_offset: p.file_offset + part.size])
-
-    def screened(self) -> dict[str, bool]:
-        return self._fused.screened() if self._fused is not None else {}
+        chunk.copy_to(p.chunk_offset, part, src[p.file_offset: p.file_offset + part.size])
 
     def close(self) -> None:
-        self.src = None  # (no view of the mapping may outlive it)
-        self._mapping.close()
-
-
-class ChunkMappedReader(BlockReader):
-    """CPU destinations, a slot on a 4 KiB-page tmpfs (native library): per chunk, the container range it
-    reads mapped read-only, its page tables populated in one call (``MADV_POPULATE_READ``), the chunk
-    copied, summed and screened in one native pass, and the range unmapped. The size was checked first
-    (as by every reader); a range that cannot be mapped or populated (address space, memory; a kernel
-    without ``MADV_POPULATE_READ`` faults it in as it is read) is read with ``pread`` instead
-    (:class:`BlockReader`, which also reads the pieces a :class:`DeviceReader` hands it).
-
-    Only where the read runs on one thread (``map_chunks`` None: :meth:`threads` is 1, e.g. two ranks
-    on two cores): the threads of one process serialize on its mapping lock when they map and unmap,
-    and there the ``pread`` blocks were faster (one rank, two threads, 256 MiB: 30-33 ms against 38-48 ms
-    mapped). On one thread per rank, two ranks, 256 MiB each: 46-54 ms mapped against 48-57 ms with
-    ``pread`` - of which populating 16-18 ms, copying + summing + screening 21-23 ms, unmapping 5 ms."""
-
-    def __init__(self, plan: ReadPlan, fd: int, block: int = READ_BLOCK, map_chunks: Optional[bool] = None):
-        super().__init__(plan, fd, block)
-        self.map_chunks = self.threads() == 1 if map_chunks is None else map_chunks
-        self._said = False  # (a chunk read with pread instead: said once)
-
-    def _with_pread(self, c: ChunkRead, what: str, e: OSError) -> Optional[str]:
-        if not self._said:
-            self._said = True
-            log.warning("%s: %s chunk %d failed (%s); reading it, and any other such chunk, with pread",
-                        self.plan.path, what, c.index, e)
-        return super().read_chunk(c)
-
-    def read_chunk(self, c: ChunkRead) -> Optional[str]:
-        if self._fused is None or not self.map_chunks:
-            return super().read_chunk(c)
-        lo, hi = self._fused.range[c.index]
-        if hi <= lo:  # no bytes to read
-            return self.plan.verdict(c, self._fused.run(c, 0))
-        start = lo - lo % mmap.ALLOCATIONGRANULARITY
-        try:
-            mapping = mmap.mmap(self.fd, hi - start, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=start)
-        except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
-            return self._with_pread(c, "mapping", e)
-        try:
-            if _POPULATE["usable"]:
-                try:
-                    mapping.madvise(MADV_POPULATE_READ)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:  # (EINVAL: a kernel before 5.14, faulted in as read)
-                        return self._with_pread(c, "populating", e)
-                    _POPULATE["usable"] = False
-            view = np.frombuffer(mapping, np.uint8)
-            try:
-                got = self._fused.run(c, view.ctypes.data - start)
-            finally:
-                del view  # (no view of the mapping may outlive it)
-        finally:
-            mapping.close()
-        return self.plan.verdict(c, got)
+        self._src = None  # (the process keeps the mapping; this reader's view of it goes)
 
 
 def _fused_pieces(plan: ReadPlan) -> Optional[_FusedPieces]:
@@ -326,19 +284,18 @@ def _cpu_only(plan: ReadPlan) -> bool:
 
 
 # ------------------------------------------------------------------------------------ choosing, running
+def maps(medium: str) -> bool:
+    """Whether a container on ``medium`` is read through the process's mapping of it (:class:`MappedReader`)."""
+    return medium in (HUGE_TMPFS, TMPFS) and STREAMING_RESTORE and _RESTORE_CHUNK is not None
+
+
 def cpu_reader(plan: ReadPlan, fd: int, medium: str) -> Reader:
-    """The reader for the plan's CPU destinations by the container's ``medium``: a huge-page tmpfs
-    (:data:`HUGE_TMPFS`) mapped whole - one page-table entry per 2 MiB, the bytes straight from the slot (a
-    mapping that fails is said and read with ``pread``); a 4 KiB-page tmpfs (:data:`TMPFS`) mapped chunk by
-    chunk (``pread`` costs more kernel time per 4 KiB page there than mapping, populating and unmapping it);
-    else (:data:`FILE`) blocks - each with the native library; without it in place."""
-    if medium == HUGE_TMPFS and STREAMING_RESTORE:
-        try:
-            return MappedReader(plan, fd)
-        except OSError as e:  # not the snapshot's fault (e.g. address space): read it with pread
-            log.warning("%s: mapping failed (%s); reading with pread", plan.path, e)
-    if medium == TMPFS and STREAMING_RESTORE and _RESTORE_CHUNK is not None:
-        return ChunkMappedReader(plan, fd, READ_BLOCK)
+    """The reader for the plan's CPU destinations by the container's ``medium``: a slot on a tmpfs
+    (:data:`HUGE_TMPFS`, :data:`TMPFS`) read through the process's mapping of it (:class:`MappedReader`),
+    else (:data:`FILE`) blocks - each with the
+    native library; without it in place."""
+    if maps(medium):
+        return MappedReader(plan, fd, READ_BLOCK)
     return BlockReader(plan, fd, READ_BLOCK) if STREAMING_RESTORE else InPlaceReader(plan, fd)
 
 

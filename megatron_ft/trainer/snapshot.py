@@ -46,7 +46,7 @@ from ..agent.protocol import AgentClient, AgentError
 from ..capture import checksum, snapfile
 from ..capture.layout import Layout, plan_layout
 from ..capture.state import LaterCapture, StateTensor
-from . import device_staging
+from . import device_staging, mapped_slots
 from .restore_read import MAX_GPU_HOST_THREADS, threads_here
 
 log = logging.getLogger("megatron_ft.trainer.snapshot")
@@ -240,9 +240,7 @@ class SnapshotEngine:
         if self._staging is not None:
             self._staging.close()
             self._staging = None
-        for seg in self._slots:
-            seg.close()
-        self._slots = []
+        self._slots = []  # (their mappings stay kept for the process: mapped_slots)
 
     # ------------------------------------------------------------------ registration
     def _ensure_registered(self, tensors: list[StateTensor]) -> None:
@@ -253,9 +251,7 @@ class SnapshotEngine:
         reply = self.client.request("register", rank=self.rank, layout=layout.to_json().decode())
         if self._staging is not None:
             self._staging.unregister()
-        for seg in self._slots:
-            seg.close()
-        self._slots = [shm.open_segment(p) for p in reply["slots"]]
+        self._slots = mapped_slots.slot_mappings(reply["slots"])  # (a restore may have mapped one already)
         device = device_staging.cuda_device_of([t.tensor for t in tensors])  # GPU path
         if device is not None:
             if self._staging is None:

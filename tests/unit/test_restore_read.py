@@ -1,10 +1,10 @@
 """The read + verify pass of a restore (megatron_ft/trainer/restore_read.py): the readers' contract - the
-block reader (native library, disk; a chunk whole into its buffer, or piece by piece), the chunk-mapped
-reader (native library, 4 KiB-page tmpfs, one thread), the mapped reader (native library, huge-page
-tmpfs) and the in-place reader (no native library) each run over the same containers (whole,
+block reader (native library, disk; a chunk whole into its buffer, or piece by piece), the mapped
+reader (native library, a tmpfs slot read through the process's kept mapping of it) and the in-place reader (no native library) each run over the same containers (whole,
 truncated, corrupted, of the previous format) and give the same verdicts and bytes - the screen for
 NaN and infinities in the native readers' pass (the same verdicts as the value guard's), the choice
-of reader, and Container.load_verified end to end on each path. The device reader's bookkeeping:
+of reader, the process's mappings of its slots reused rather than made again, and
+Container.load_verified end to end on each path. The device reader's bookkeeping:
 tests/integration/test_gpu_path_logic.py (CPU, stubs) and tests/gpu (a GPU)."""
 import errno
 import mmap
@@ -15,13 +15,21 @@ import pytest
 import torch
 
 from megatron_ft.capture import checksum, snapfile
-from megatron_ft.trainer import guard, recovery, restore_plan, restore_read
+from megatron_ft.trainer import guard, mapped_slots, recovery, restore_plan, restore_read
 from megatron_ft.agent import shm
 from megatron_ft.capture.layout import plan_layout
 from megatron_ft.capture.state import StateTensor
 
 IDENTITY = {"run_id": "t", "rank": 0, "world_size": 1}
-PATHS = ["block-buffer", "chunk-mapped", "mapped", "in-place"]
+PATHS = ["block-buffer", "mapped", "mapped-4k", "in-place"]
+
+
+@pytest.fixture(autouse=True)
+def no_kept_mappings():
+    """Every test starts and ends with no slot mapped by this process (as a fresh one)."""
+    mapped_slots.release_slot_mappings()
+    yield
+    mapped_slots.release_slot_mappings()
 
 
 def make_tensors(seed=0):
@@ -78,14 +86,12 @@ def load(path, dst, expect_mapped=None):
 READERS = {
     "block-buffer": lambda plan, fd: restore_read.BlockReader(plan, fd, 4096),  # pieces span several blocks
     "block-chunks": lambda plan, fd: restore_read.BlockReader(plan, fd, 1 << 20),  # a chunk per pread
-    "chunk-mapped": lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 4096, map_chunks=True),
-    "chunk-mapped, threads": lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 4096, map_chunks=False),
-    "mapped": lambda plan, fd: restore_read.MappedReader(plan, fd),
+    "mapped": lambda plan, fd: restore_read.MappedReader(plan, fd, 4096),
     "in-place": lambda plan, fd: restore_read.InPlaceReader(plan, fd),
 }
-NATIVE = {"block-buffer", "block-chunks", "chunk-mapped", "chunk-mapped, threads", "mapped"}
+NATIVE = {"block-buffer", "block-chunks", "mapped"}
 #: the readers that copy, sum and screen a whole chunk in one native call
-FUSED = {"block-chunks", "chunk-mapped", "mapped"}
+FUSED = {"block-chunks", "mapped"}
 
 
 def read_with(kind, path, dst, screened=None):
@@ -173,11 +179,11 @@ def test_the_readers_give_the_same_verdicts(tmp_path):
 
 
 @pytest.mark.parametrize("backing, native, chosen", [
-    ("huge", True, "MappedReader"), ("small", True, "ChunkMappedReader"), ("disk", True, "BlockReader"),
+    ("huge", True, "MappedReader"), ("small", True, "MappedReader"), ("disk", True, "BlockReader"),
     ("huge", False, "InPlaceReader"), ("small", False, "InPlaceReader"), ("disk", False, "InPlaceReader")])
 def test_the_reader_is_chosen_by_the_medium(tmp_path, monkeypatch, backing, native, chosen):
-    """Once per restore: the mapping for a huge-page slot, chunk by chunk for a 4 KiB-page tmpfs, blocks
-    for disk, in place without the native library (CPU destinations: no device reader)."""
+    """Once per restore: the process's mapping for a slot on a tmpfs (huge or 4 KiB pages), blocks for
+    disk, in place without the native library (CPU destinations: no device reader)."""
     if native and not checksum.HAVE_NATIVE:
         pytest.skip("native library not built")
     monkeypatch.setattr(restore_read, "STREAMING_RESTORE", native)
@@ -201,21 +207,44 @@ def test_the_reader_is_chosen_by_the_medium(tmp_path, monkeypatch, backing, nati
 
 
 @pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
-@pytest.mark.parametrize("threads, maps", [(1, True), (2, False), (4, False)])
-def test_a_4k_slot_is_mapped_chunk_by_chunk_only_on_one_thread(tmp_path, monkeypatch, threads, maps):
-    """The threads of one process serialize on its mapping lock: on several, the chunks are read with pread."""
-    monkeypatch.setattr(restore_plan, "threads_here", lambda cap=restore_read.MAX_RESTORE_THREADS: threads)
+def test_a_slot_is_mapped_once_per_process(tmp_path, monkeypatch):
+    """The restore reads through the mapping the engine keeps (no page-table work again), and a fresh
+    process's restore leaves its mapping to the engine; a re-created slot file is mapped anew and the
+    old mapping dropped."""
+    maps = []
+    real = mapped_slots.shm.open_segment
+    monkeypatch.setattr(mapped_slots.shm, "open_segment", lambda path: maps.append(path) or real(path))
     src = make_tensors()
-    lay, g = write_container(tmp_path / "s.mft", src)
-    cont = recovery.Container(str(tmp_path / "s.mft"))
-    try:
-        views = {n: torch.zeros_like(t).reshape(-1) for n, t in src.items()}
-        plan = restore_read.plan_reads(cont.path, lay, cont.version["chunks"], cont.version["checksum"], g.data_off, views)
-        reader = restore_read.cpu_reader(plan, cont.fd, restore_read.TMPFS)
-        assert isinstance(reader, restore_read.ChunkMappedReader) and reader.map_chunks == maps
-        reader.close()
+    path = str(tmp_path / "s.mft")
+    write_container(path, src)
+    cont = recovery.Container(path)
+    try:  # a reader that reads no chunk through it (a plan whose pieces go to a device) maps nothing
+        plan = restore_read.plan_reads(cont.path, cont.layout, cont.version["chunks"], cont.version["checksum"],
+                                       cont.header.geometry.data_off, {n: torch.zeros_like(t).reshape(-1)
+                                                                       for n, t in src.items()})
+        restore_read.cpu_reader(plan, cont.fd, restore_read.TMPFS).close()
     finally:
         cont.close()
+    assert maps == [] and mapped_slots.kept_paths() == []
+    engine_slots = mapped_slots.slot_mappings([path])  # the engine's registration
+    for _ in range(2):  # two restores: no mapping made by either
+        dst = {n: torch.zeros_like(t) for n, t in src.items()}
+        cont = recovery.Container(path)
+        try:
+            views = {n: t.reshape(-1) for n, t in dst.items()}
+            plan = restore_read.plan_reads(cont.path, cont.layout, cont.version["chunks"], cont.version["checksum"],
+                                           cont.header.geometry.data_off, views)
+            reader = restore_read.cpu_reader(plan, cont.fd, restore_read.TMPFS)
+            assert isinstance(reader, restore_read.MappedReader)
+            restore_read.read_verified(plan, reader)
+        finally:
+            cont.close()
+        assert all(torch.equal(src[n], dst[n]) for n in src)
+    assert maps == [path] and mapped_slots.kept_paths() == [path]
+    os.unlink(path)
+    write_container(path, src)  # the agent re-created the slot: a new file under the same path
+    assert mapped_slots.slot_mapping(path) is not engine_slots[0]
+    assert maps == [path, path] and mapped_slots.kept_paths() == [path]
 
 
 @pytest.fixture
@@ -230,9 +259,7 @@ def read_path(request, monkeypatch):
     monkeypatch.setattr(restore_read, "READ_BLOCK", 4096)  # pieces span several read blocks
     backing = shm.HUGE if path == "mapped" else shm.SMALL
     monkeypatch.setattr(recovery.shm, "backing_of", lambda directory: backing)
-    monkeypatch.setattr(shm, "is_tmpfs", lambda directory: path == "chunk-mapped")
-    if path == "chunk-mapped":  # read on one thread: mapped chunk by chunk
-        monkeypatch.setattr(restore_plan, "threads_here", lambda cap=restore_read.MAX_RESTORE_THREADS: 1)
+    monkeypatch.setattr(shm, "is_tmpfs", lambda directory: path == "mapped-4k")
     return path
 
 
@@ -242,7 +269,7 @@ def test_restore_is_bit_exact(tmp_path, read_path):
     write_container(tmp_path / "s.mft", src)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
-    load(tmp_path / "s.mft", dst, expect_mapped=read_path == "mapped")
+    load(tmp_path / "s.mft", dst, expect_mapped=read_path.startswith("mapped"))
     for n in src:
         assert torch.equal(src[n], dst[n]), n
 
@@ -272,42 +299,11 @@ def test_a_slot_that_cannot_be_mapped_is_read_with_pread(tmp_path, read_path, mo
     def no_map(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(restore_read.mmap, "mmap", no_map)
+    monkeypatch.setattr(mapped_slots.shm, "open_segment", no_map)
     dst = {n: torch.zeros_like(t) for n, t in src.items()}
     load(tmp_path / "s.mft", dst, expect_mapped=True)
     for n in src:
         assert torch.equal(src[n], dst[n]), n
-
-
-@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
-@pytest.mark.parametrize("fails", ["mmap", "populate"])
-def test_a_chunk_that_cannot_be_mapped_or_populated_is_read_with_pread(tmp_path, monkeypatch, fails):
-    """Chunk by chunk on a 4 KiB-page tmpfs: a mapping or a populate that fails (address space, memory)
-    is not the snapshot's fault - that chunk is read with pread, and still screened in its pass."""
-    src = make_tensors()
-    path = tmp_path / "s.mft"
-    write_container(path, src)
-    calls = []
-
-    class Unpopulated(mmap.mmap):  # a mapping whose populate fails
-        def madvise(self, *args):
-            calls.append("populate")
-            raise OSError(errno.ENOMEM, "Cannot allocate memory")
-
-    def no_map(*args, **kwargs):
-        calls.append("mmap")
-        raise OSError(errno.ENOMEM, "Cannot allocate memory")
-
-    monkeypatch.setattr(restore_read.mmap, "mmap", no_map if fails == "mmap" else Unpopulated)
-    dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
-    screened: dict = {}
-    whole_chunks = lambda plan, fd: restore_read.ChunkMappedReader(plan, fd, 1 << 20, map_chunks=True)  # noqa: E731
-    assert read_with(whole_chunks, path, dst, screened) is None
-    assert calls and set(calls) == {fails}
-    for n in src:
-        assert torch.equal(src[n], dst[n]), n
-    assert screened == {"big": True, "tiny": True}
 
 
 @pytest.mark.parametrize("cores, local_ranks, threads", [(2, 1, 2), (2, 2, 1), (2, 4, 1), (16, 8, 2), (64, 1, 4),
@@ -409,36 +405,8 @@ def test_the_guard_reads_again_only_what_the_pass_did_not_screen(tmp_path, read_
         cont.close()
     assert not ok and set(bad) == refused - {unchecked}
     assert bad == [n for n in src if n in set(bad)]  # in the state's order
-    fused = read_path in ("chunk-mapped", "mapped")  # (the fixture's 4 KiB block: piece by piece, unscreened)
+    fused = read_path.startswith("mapped")  # (the fixture's 4 KiB block: piece by piece, unscreened)
     ints = {"i32_nan_bits", "u8_all_ones"}  # (the guard skips them itself)
     assert given == [ints if fused else set(src) - {unchecked}]
     for n in src:  # the bytes are in place either way
         assert torch.equal(raw(src[n]), raw(dst[n])), n
-
-
-@pytest.mark.skipif(not checksum.HAVE_NATIVE, reason="native library not built")
-def test_a_kernel_without_populate_read_faults_the_chunks_in(tmp_path, monkeypatch):
-    """MADV_POPULATE_READ is Linux 5.14+: where it is EINVAL the chunks are still mapped (their pages faulted
-    in as the copy reads them), and it is not asked again."""
-    src = make_tensors()
-    path = tmp_path / "s.mft"
-    write_container(path, src)
-    monkeypatch.setitem(restore_read._POPULATE, "usable", True)
-    calls = []
-
-    class OldKernel(mmap.mmap):
-        def __new__(cls, *args, **kwargs):
-            calls.append("mmap")
-            return super().__new__(cls, *args, **kwargs)
-
-        def madvise(self, *args):
-            calls.append("populate")
-            raise OSError(errno.EINVAL, "Invalid argument")
-
-    monkeypatch.setattr(restore_read.mmap, "mmap", OldKernel)
-    dst = {n: torch.zeros_like(t) for n, t in src.items()}
-    dst["misaligned"] = torch.zeros(src["misaligned"].numel() + 1, dtype=torch.uint8)[1:]
-    assert read_with("chunk-mapped", path, dst) is None
-    assert calls.count("populate") == 1 and calls.count("mmap") > 3 and not restore_read._POPULATE["usable"]
-    for n in src:
-        assert torch.equal(src[n], dst[n]), n
