@@ -338,14 +338,7 @@ def main() -> int:
     ap.add_argument("--kinds", default=None, help=f"jobs of {KINDS}, in turn (default: all; agent-dscp only "
                                                    f"with --classes)")
     ap.add_argument("--measured", type=int, default=30, help="iterations measured after the profile")
-    ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers-per-stage", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--p", type=int, default=4, help="sub-buffers")
-    ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
-    ap.add_argument("--mu", type=float, default=0.9)
+    scheduling.add_job_args(ap, hidden=128, seq=256)
     ap.add_argument("--min-interval", type=int, default=1,
                     help="schedule.min_interval of the scheduled jobs: a peer copy at most every N iterations")
     ap.add_argument("--snapshot-interval", type=int, default=1, help="snapshot.interval (iterations)")

@@ -52,6 +52,19 @@ DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "b
 IMG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img", "scheduling-timeline.png")
 
 
+def add_job_args(ap: argparse.ArgumentParser, hidden: int, seq: int) -> None:
+    """The flags :func:`job_config` and :func:`train_args` read besides the caller's own: the model
+    (``hidden`` and ``seq`` its defaults), its micro-batches, and the schedule's settings."""
+    ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
+    ap.add_argument("--hidden", type=int, default=hidden)
+    ap.add_argument("--layers-per-stage", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=seq)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--p", type=int, default=4, help="sub-buffers")
+    ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
+    ap.add_argument("--mu", type=float, default=0.9)
+
+
 def job_config(pp: int, kind: str, workdir: str, args: argparse.Namespace, modes: list[str],
                min_interval: int = 1) -> ftconfig.FTConfig:
     cfg = ftconfig.replace(
@@ -283,16 +296,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--segment", type=int, default=4, help="iterations per mode before the next (compare_iterations)")
     ap.add_argument("--cycles", type=int, default=2, help="times each mode comes round in a job")
-    ap.add_argument("--profile", type=int, default=6, help="profiled iterations (schedule.profile_iterations)")
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--layers-per-stage", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--micro-batches", type=int, default=8)
+    add_job_args(ap, hidden=384, seq=64)
     ap.add_argument("--amortize", type=int, default=4,
                     help="also a job with schedule.min_interval N: local, blocking, pipelined (0/1: none)")
-    ap.add_argument("--p", type=int, default=4, help="sub-buffers")
-    ap.add_argument("--reserved-mib", type=float, default=16.0, help="R")
-    ap.add_argument("--mu", type=float, default=0.9)
     ap.add_argument("--idle", default="network", choices=["network", "device", "auto"],
                     help="schedule.idle: the spans the pipelined modes fill (device: the pipeline bubbles)")
     ap.add_argument("--timeout", type=float, default=900)

@@ -296,23 +296,30 @@ def param_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
+#: the arguments megatron-core's configs take under the flags' own names: TransformerConfig's, its
+#: mixture-of-experts ones (with ``--num-experts``), OptimizerConfig's
+TRANSFORMER_SETTINGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "hidden_dropout",
+                        "attention_dropout", "init_method_std", "tensor_model_parallel_size",
+                        "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "bf16")
+MOE_SETTINGS = ("moe_router_topk", "moe_ffn_hidden_size", "expert_model_parallel_size",
+                "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_router_load_balancing_type",
+                "moe_aux_loss_coeff", "moe_router_score_function", "moe_router_enable_expert_bias",
+                "moe_router_bias_update_rate")
+OPTIMIZER_SETTINGS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "bf16")
+
+
+def settings_of(args: argparse.Namespace, names: Sequence[str]) -> Dict[str, Any]:
+    """``{name: args.name}`` for each of ``names``."""
+    return {name: getattr(args, name) for name in names}
+
+
 def build_transformer_config(args: argparse.Namespace, initialise: bool = True) -> TransformerConfig:
     """``initialise``: False builds the weights uninitialised (megatron-core's
     ``perform_initialization``), for a model a restore overwrites whole."""
     kwargs: Dict[str, Any] = dict(
+        settings_of(args, TRANSFORMER_SETTINGS),
         perform_initialization=initialise,
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         use_cpu_initialization=True,
-        bf16=args.bf16,
         params_dtype=param_dtype(args),
         pipeline_dtype=param_dtype(args),
         # As Megatron-LM sets it; also makes the schedules call the autograd engine directly.
@@ -320,17 +327,8 @@ def build_transformer_config(args: argparse.Namespace, initialise: bool = True) 
     )
     if args.num_experts is not None:
         kwargs.update(
+            settings_of(args, MOE_SETTINGS),
             num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-            expert_model_parallel_size=args.expert_model_parallel_size,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_router_score_function=args.moe_router_score_function,
-            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
             moe_grouped_gemm=False,  # one GEMM per local expert (grouped GEMM needs its CUDA kernels)
         )
     if not torch.cuda.is_available():
@@ -382,16 +380,9 @@ def build_training_objects(args: argparse.Namespace, initialise: bool = True) ->
     config = build_transformer_config(args, initialise)
     model = build_model(args, config)
     opt_config = OptimizerConfig(
+        **settings_of(args, OPTIMIZER_SETTINGS),
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
         use_distributed_optimizer=True,
-        bf16=args.bf16,
         params_dtype=param_dtype(args),
     )
     optimizer = get_megatron_optimizer(opt_config, model)

@@ -45,7 +45,7 @@ import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from fractions import Fraction
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -435,17 +435,23 @@ def group_survival(g: Group, q: float) -> float:
     return sum(c * q ** j * (1 - q) ** (n - j) for j, c in enumerate(ok) if c)
 
 
-def survival_probability(p: Placement, q: float) -> float:
-    """P(no group is lost) with independent per-node failure probability q (REFT eq. 2 without the
-    SMP factor; ECHECK eq. 1 for replica groups of 4 = two pairs, eq. 2 for rs 2+2)."""
-    out = 1.0
+def _per_group(p: Placement, of_group: Callable[[Group, float], float], q: float) -> list[tuple[Group, float]]:
+    """Each group of ``p`` with ``of_group(group, q)``, computed once per group shape (size,
+    tolerance, window): groups of one shape answer alike."""
     cache: dict[tuple, float] = {}
+    out = []
     for g in p.groups:
         key = (g.size, g.tolerance, g.window)
         if key not in cache:
-            cache[key] = group_survival(g, q)
-        out *= cache[key]
+            cache[key] = of_group(g, q)
+        out.append((g, cache[key]))
     return out
+
+
+def survival_probability(p: Placement, q: float) -> float:
+    """P(no group is lost) with independent per-node failure probability q (REFT eq. 2 without the
+    SMP factor; ECHECK eq. 1 for replica groups of 4 = two pairs, eq. 2 for rs 2+2)."""
+    return math.prod((survives for _, survives in _per_group(p, group_survival, q)), start=1.0)
 
 
 def unrecoverable_given_failure(g: Group, q: float) -> float:
@@ -462,11 +468,4 @@ def unrecoverable_fraction(p: Placement, q: float) -> float:
     """Mean over nodes of :func:`unrecoverable_given_failure`: the share of hardware failures that
     the in-memory tier cannot absorb when each node is independently "down" (failed and not yet
     rebuilt) with probability q. ``none`` -> 1 (every hardware failure needs the disk)."""
-    tot = 0.0
-    cache: dict[tuple, float] = {}
-    for g in p.groups:
-        key = (g.size, g.tolerance, g.window)
-        if key not in cache:
-            cache[key] = unrecoverable_given_failure(g, q)
-        tot += cache[key] * g.size
-    return tot / p.nodes
+    return sum((lost * g.size for g, lost in _per_group(p, unrecoverable_given_failure, q)), 0.0) / p.nodes

@@ -26,7 +26,7 @@ from .. import rank_files
 from ..agent.protocol import socket_path
 from ..spares.pool import socket_path as spares_socket_path
 from .demo_results import _all_records
-from .helpers import read_jsonl
+from .helpers import read_jsonl, sigkill_each
 from .hosts import HostBed, off_plan
 
 REPO_SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
@@ -84,13 +84,7 @@ def kill_node(cfg: ftconfig.FTConfig, run_dir: str, node: int, trainer_pids: lis
         pids = bed.lose(node)
         forget_sockets(cfg, node)
         return pids
-    pids = []
-    for pid in trainer_pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            pids.append(pid)
-        except ProcessLookupError:
-            pass
+    pids = sigkill_each(trainer_pids)
     for name in ("launcher", "agent"):
         pid = node_pid(run_dir, node, name)
         if pid is None:

@@ -1,10 +1,14 @@
-"""Small helpers of the harness, in one place: free ports, bounded polling, event files, and
-removing a run's shared-memory segments. Imported by the demo, the chaos harness, the simulation,
+"""Small helpers of the harness, in one place: free ports, bounded polling, event files, removing a
+run's shared-memory segments, killing processes, a store server keeping the job record, and the
+trainer's ``--inmem-ckpt`` flags over a job file. Imported by the demo, the chaos harness, the simulation,
 tests and benchmarks; never by the runtime."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import signal
 import socket
 import time
 from typing import Any, Callable
@@ -12,6 +16,8 @@ from typing import Any, Callable
 from .. import config as ftconfig
 from ..agent import shm
 from ..config import port_plan
+from ..health.job_record import RecordKeeper
+from ..health.wire_store import KVServer, WireKV
 
 
 class WaitTimeout(RuntimeError):
@@ -115,3 +121,59 @@ def remove_run_segments(shm_dir: str, run_id: str) -> list[str]:
     """Remove every shared-memory segment of ``run_id`` in ``shm_dir`` (slots and peer blocks of all
     nodes); returns their names."""
     return shm.remove_segments(shm_dir, lambda name: name.startswith(f"mft.{run_id}."))
+
+
+def sigkill_each(pids: list[int]) -> list[int]:
+    """SIGKILL every process of ``pids``; returns those that were there to kill (one already gone is
+    passed over)."""
+    killed = []
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+class RecordStore:
+    """A real store server keeping the job record of ``nodes`` nodes under ``prefix`` (what a root
+    agent's does), with the store interface the agents and launchers use: ``get``, ``set``, ``delete``
+    and ``compare_set`` through :attr:`kv`, ``watch`` through :attr:`watch_kv`. ``wire``: both clients
+    on the wire (:class:`WireKV`, the watch on a connection of its own, as a launcher's blocking watch
+    has); otherwise one client in process (the server's own, as a root agent reads its store)."""
+
+    def __init__(self, nodes: int, prefix: str = "", wire: bool = False):
+        self.server = KVServer(("127.0.0.1", 0), None).start()
+        RecordKeeper(nodes, "test").install(self.server, prefix)
+        if wire:
+            self.kv = WireKV(*self.server.address, prefix, 5.0)
+            self.watch_kv = WireKV(*self.server.address, prefix, 5.0)
+        else:
+            self.kv = self.watch_kv = self.server.local(prefix)
+
+    def get(self, key):
+        return self.kv.get(key)
+
+    def set(self, key, value):
+        self.kv.set(key, value)
+
+    def delete(self, key):
+        self.kv.delete(key)
+
+    def compare_set(self, key, expected, desired):
+        return self.kv.compare_set(key, expected, desired)
+
+    def watch(self, key, value, wait_s):
+        return self.watch_kv.watch(key, value, wait_s)
+
+
+def inmem_ckpt_flags(monkeypatch: Any, job_file: Any, text: str) -> argparse.ArgumentParser:
+    """The trainer's ``--inmem-ckpt`` flags (:func:`megatron_ft.config.add_inmem_ckpt_args`), with
+    ``job_file`` written to hold ``text`` (a job file for ``--inmem-ckpt-config``) and no job file or
+    run id from the environment (``MFT_CONFIG``, ``MFT_RUN_ID`` unset through ``monkeypatch``)."""
+    monkeypatch.delenv("MFT_CONFIG", raising=False)
+    monkeypatch.delenv("MFT_RUN_ID", raising=False)
+    with open(job_file, "w") as f:
+        f.write(text)
+    return ftconfig.add_inmem_ckpt_args(argparse.ArgumentParser())

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
 from .. import config as ftconfig
+from .helpers import sigkill_each
 
 NETNS_DIR = "/var/run/netns"
 STATE_DIR = "/run/megatron-ft/hosts"
@@ -237,12 +238,7 @@ def kill_all_in(ns: str, wait_s: float = 10.0) -> list[int]:
         pids = processes_in(ns)
         if not pids:
             return sorted(set(killed))
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
+        killed += sigkill_each(pids)
         if time.monotonic() > deadline:  # (a zombie has no namespaces left: it is not listed)
             raise BedUnavailable(f"processes {pids} of {ns} survived SIGKILL for {wait_s:g} s")
         time.sleep(0.02)

@@ -1,10 +1,10 @@
 """Config validation: every bad value names the field, the value and what is allowed."""
-import argparse
 import os
 
 import pytest
 
 from megatron_ft import config
+from megatron_ft.testing.helpers import inmem_ckpt_flags
 
 
 def test_default_config_is_local_cpu():
@@ -70,11 +70,9 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_flags_override_file(tmp_path, monkeypatch):
-    monkeypatch.delenv("MFT_CONFIG", raising=False)
-    monkeypatch.delenv("MFT_RUN_ID", raising=False)
     f = tmp_path / "job.yaml"
-    f.write_text("run_id: job1\nsnapshot: {interval: 5}\npersist: {interval: 20, dir: /tmp/x}\n")
-    p = config.add_inmem_ckpt_args(argparse.ArgumentParser())
+    p = inmem_ckpt_flags(monkeypatch, f,
+                         "run_id: job1\nsnapshot: {interval: 5}\npersist: {interval: 20, dir: /tmp/x}\n")
     args = p.parse_args(["--inmem-ckpt", "--inmem-ckpt-config", str(f), "--inmem-ckpt-interval", "2",
                          "--inmem-ckpt-persist-dir", "/tmp/y"])
     cfg = config.from_args(args)

@@ -1,6 +1,5 @@
 """`interval: auto`, the `failure:` / `simulate:` config sections, and the decision logic the
 checkpointer consults (no processes, except one end-to-end check with a real agent)."""
-import argparse
 import json
 import os
 import uuid
@@ -13,6 +12,7 @@ from megatron_ft import config
 from megatron_ft.policy import recoverability as rc
 from megatron_ft.policy.runtime import AutoIntervals, Measurement, decide, placement_from_config
 from megatron_ft.rank_files import find_rank_file
+from megatron_ft.testing.helpers import inmem_ckpt_flags
 
 
 def auto_cfg(**sections):
@@ -63,11 +63,8 @@ def test_bad_policy_values_are_named(data, match):
 
 
 def test_flags_accept_auto(tmp_path, monkeypatch):
-    monkeypatch.delenv("MFT_CONFIG", raising=False)
-    monkeypatch.delenv("MFT_RUN_ID", raising=False)
     f = tmp_path / "job.yaml"
-    f.write_text("snapshot: {interval: auto}\npersist: {interval: auto}\n")
-    p = config.add_inmem_ckpt_args(argparse.ArgumentParser())
+    p = inmem_ckpt_flags(monkeypatch, f, "snapshot: {interval: auto}\npersist: {interval: auto}\n")
     cfg = config.from_args(p.parse_args(["--inmem-ckpt-config", str(f), "--inmem-ckpt-interval", "4"]))
     assert cfg.snapshot.interval == 4 and not cfg.snapshot.auto and cfg.persist.auto  # the flag wins
     cfg = config.from_args(p.parse_args(["--inmem-ckpt-config", str(f), "--inmem-ckpt-persist-interval", "auto"]))

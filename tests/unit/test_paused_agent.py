@@ -6,20 +6,17 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_ft.health.job_record import RecordKeeper
 from megatron_ft.health.monitor import WITHDRAWN, Monitor, claim_key
-from megatron_ft.health.wire_store import KVServer
+from megatron_ft.testing.helpers import RecordStore
 
 
-class Store:
+class Store(RecordStore):
     """The root's store: a real store server (keeping the job record, as a root agent's does) read and
     written in process, as the root agent does its own."""
 
     def __init__(self, root=0):
+        super().__init__(2)
         self.root = root
-        self.server = KVServer(("127.0.0.1", 0), None).start()
-        RecordKeeper(2, "test").install(self.server, "")
-        self.kv = self.server.local("")
 
     @property
     def is_root(self):
@@ -28,21 +25,6 @@ class Store:
     @property
     def data(self):
         return {k: v for k, v in self.server._map.data.items() if not k.startswith("job/")}
-
-    def get(self, key):
-        return self.kv.get(key)
-
-    def set(self, key, value):
-        self.kv.set(key, value)
-
-    def delete(self, key):
-        self.kv.delete(key)
-
-    def compare_set(self, key, expected, desired):
-        return self.kv.compare_set(key, expected, desired)
-
-    def watch(self, key, value, wait_s):
-        return self.kv.watch(key, value, wait_s)
 
 
 def judged(store):

@@ -9,38 +9,19 @@ import threading
 import time
 
 from megatron_ft import config as ftconfig
-from megatron_ft.health.job_record import RecordKeeper
-from megatron_ft.health.wire_store import KVServer, WireKV
 from megatron_ft.launch import RdzvGeneration, Rendezvous
+from megatron_ft.testing.helpers import RecordStore
 
 
-class Store:
+class Store(RecordStore):
     """What the launcher asks of the agents' store: a real store server deriving the job record, and a
     client of it on the wire (a StoreClient's interface: connect, get, set, compare_set, watch, kv)."""
 
     def __init__(self, nodes=4):
-        self.server = KVServer(("127.0.0.1", 0), None).start()
-        RecordKeeper(nodes, "test").install(self.server, "mft/rdzv/")
-        self.kv = WireKV(*self.server.address, "mft/rdzv/", 5.0)
-        self._watch = WireKV(*self.server.address, "mft/rdzv/", 5.0)
+        super().__init__(nodes, "mft/rdzv/", wire=True)
 
     def connect(self, deadline_s=0.0):
         return self
-
-    def get(self, key):
-        return self.kv.get(key)
-
-    def set(self, key, value):
-        self.kv.set(key, value)
-
-    def delete(self, key):
-        self.kv.delete(key)
-
-    def compare_set(self, key, expected, desired):
-        return self.kv.compare_set(key, expected, desired)
-
-    def watch(self, key, value, wait_s):
-        return self._watch.watch(key, value, wait_s)
 
     def requests(self):
         return sum(v for k, v in self.server.op_counts().items() if " " not in k)

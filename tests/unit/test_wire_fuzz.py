@@ -27,6 +27,18 @@ json_values = st.recursive(
 
 
 
+def _typed_or_refused(table, op: str, fields: dict):
+    """``table``'s request for ``{"v": 1, "op": op, **fields}``, asserted to be of the type ``op``
+    names; None when refused, asserting that the refusal names the operation (and the field)."""
+    try:
+        req = table.parse({"v": 1, "op": op, **fields})
+    except ValueError as e:
+        assert str(e).startswith(f"{table.name} op"), e
+        return None
+    assert type(req) is table.ops[op]
+    return req
+
+
 def _feed(data: bytes) -> socket.socket:
     """A socket whose peer sent ``data`` and closed."""
     a, b = socket.socketpair()
@@ -84,24 +96,14 @@ def test_random_bytes_before_authentication_are_refused(data):
        st.dictionaries(st.sampled_from(["key", "kind", "step", "length", "src", "expect", "meta", "node", "what",
                                         "lo", "hi", "rank", "run_id", "nbytes", "x"]), json_values, max_size=8))
 def test_random_peer_requests_are_typed_or_refused_naming_the_problem(op, fields):
-    try:
-        req = PEER_MESSAGES.parse({"v": 1, "op": op, **fields})
-    except ValueError as e:
-        assert str(e).startswith("peer op"), e  # names the operation (and the field)
-        return
-    assert type(req) is PEER_MESSAGES.ops[op]
+    _typed_or_refused(PEER_MESSAGES, op, fields)
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(AGENT_MESSAGES.ops) + ["nope"]),
        st.dictionaries(st.text(max_size=10), json_values, max_size=6))
 def test_random_agent_requests_are_typed_or_refused_naming_the_problem(op, fields):
-    try:
-        req = AGENT_MESSAGES.parse({"v": 1, "op": op, **fields})
-    except ValueError as e:
-        assert str(e).startswith("agent op"), e
-        return
-    assert type(req) is AGENT_MESSAGES.ops[op]
+    _typed_or_refused(AGENT_MESSAGES, op, fields)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -109,12 +111,8 @@ def test_random_agent_requests_are_typed_or_refused_naming_the_problem(op, field
        st.dictionaries(st.sampled_from(["key", "value", "expected", "desired", "x"]),
                        json_values | st.text(min_size=500, max_size=600), max_size=4))
 def test_random_store_requests_are_typed_or_refused_naming_the_problem(op, fields):
-    try:
-        req = STORE_MESSAGES.parse({"v": 1, "op": op, **fields})
-    except ValueError as e:
-        assert str(e).startswith("store op"), e
-        return
-    assert type(req) is STORE_MESSAGES.ops[op] and 0 < len(req.key) <= 512
+    req = _typed_or_refused(STORE_MESSAGES, op, fields)
+    assert req is None or 0 < len(req.key) <= 512
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -123,9 +121,4 @@ def test_random_store_requests_are_typed_or_refused_naming_the_problem(op, field
        st.dictionaries(st.sampled_from(["argv", "env", "cwd", "signal", "pid", "round", "port", "reason", "x"]),
                        json_values, max_size=5))
 def test_random_spares_messages_are_typed_or_refused_naming_the_problem(table, op, fields):
-    try:
-        req = table.parse({"v": 1, "op": op, **fields})
-    except ValueError as e:
-        assert str(e).startswith(f"{table.name} op"), e
-        return
-    assert type(req) is table.ops[op]
+    _typed_or_refused(table, op, fields)

@@ -53,6 +53,14 @@ def popcount(x: int) -> int:
     return bin(x).count("1")
 
 
+def xor_ops(dst: int, srcs: List[int]) -> List[Op]:
+    """The ops making packet ``dst`` the XOR of packets ``srcs``, in their order: zeros for none, a
+    copy of one, else the first two XORed and each further one XORed in."""
+    if len(srcs) < 2:
+        return [(dst, srcs[0] if srcs else -1, -1)]
+    return [(dst, srcs[0], srcs[1])] + [(dst, dst, x) for x in srcs[2:]]
+
+
 def smart_schedule(bitrows: List[int], nsrc: int) -> List[Op]:
     """XOR schedule computing ``len(bitrows)`` output packets from ``nsrc`` input packets.
 
@@ -77,23 +85,10 @@ def smart_schedule(bitrows: List[int], nsrc: int) -> List[Op]:
         pending.discard(i)
         dst = nsrc + i
         if base[i] < 0:
-            bits = [b for b in range(nsrc) if (bitrows[i] >> b) & 1]
-            if not bits:
-                ops.append((dst, -1, -1))
-            elif len(bits) == 1:
-                ops.append((dst, bits[0], -1))
-            else:
-                ops.append((dst, bits[0], bits[1]))
-                ops.extend((dst, dst, b) for b in bits[2:])
-        else:
+            ops += xor_ops(dst, [b for b in range(nsrc) if (bitrows[i] >> b) & 1])
+        else:  # the emitted row, then the inputs where this row differs from it
             diff = bitrows[i] ^ bitrows[base[i]]
-            bits = [b for b in range(nsrc) if (diff >> b) & 1]
-            src = nsrc + base[i]
-            if not bits:
-                ops.append((dst, src, -1))
-            else:
-                ops.append((dst, src, bits[0]))
-                ops.extend((dst, dst, b) for b in bits[1:])
+            ops += xor_ops(dst, [nsrc + base[i]] + [b for b in range(nsrc) if (diff >> b) & 1])
         for j in pending:
             c = max(popcount(bitrows[j] ^ bitrows[i]), 1)
             if c < cost[j]:
@@ -155,15 +150,7 @@ def cse_schedule(bitrows: List[int], nsrc: int, max_temps: int) -> Tuple[List[Op
     for i, (a, b) in enumerate(temps):
         ops.append((base + i, a, b))
     for ri, r in enumerate(rows):
-        dst = nsrc + ri
-        srt = r  # inputs first, then temporaries (ascending symbol order)
-        if not srt:
-            ops.append((dst, -1, -1))
-        elif len(srt) == 1:
-            ops.append((dst, srt[0], -1))
-        else:
-            ops.append((dst, srt[0], srt[1]))
-            ops.extend((dst, dst, x) for x in srt[2:])
+        ops += xor_ops(nsrc + ri, r)  # inputs first, then temporaries (ascending symbol order)
     return ops, len(temps)
 
 
