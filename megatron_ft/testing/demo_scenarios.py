@@ -351,13 +351,7 @@ class AgentKill(NodeTrainersScenario):
         """The step the restarted agent protects for every rank of its node, once it is one taken
         after its restart: the job agreed on it. A step the killed agent never committed waits first
         for the node's trainers' next snapshot to abandon it, so this takes a few iterations, not one."""
-        while (held := agent_protected(run.cfg, node)) is None or held < self.protected_from:
-            recs = run.wait_iteration(run.victims, 0)
-            if min(r[-1]["iteration"] for r in recs.values()) >= last:
-                raise RuntimeError(f"node {node}'s restarted agent protected no step >= {self.protected_from} "
-                                   f"before the job's last iteration {last} (holds {held}); log {run.log_path}")
-            time.sleep(0.05)
-        return held
+        return await_protected(run, node, last, self.protected_from)
 
     def check_resumed_steps(self, run, restores, problems):
         """The restarted agent must have protected the steps after its restart."""
@@ -543,13 +537,30 @@ def scenario_for(fail: str) -> type[Scenario]:
 
 def kill_agent_beforehand(run: Run) -> None:
     """--kill-agent: SIGKILL the victims' node agent two iterations before the failure (its launcher
-    restarts it)."""
+    restarts it, and the new agent re-adopts the node's memory). Where the demo strikes the trainers itself
+    (``after-iteration``), not before the agent protects a step: killed before any step was agreed, the
+    job would hold nothing the promised tier could come from."""
     run.wait_iteration(run.victims[:1], max(1, run.args.kill_at - 2))
     node = run.victims[0] // run.rpn
+    if run.args.kill_point == "after-iteration":
+        held = await_protected(run, node, int(dict(zip(run.targs, run.targs[1:])).get("--train-iters", run.args.iters)))
+        run.say(f"[demo] the agent of node {node} protects step {held}")
     run.agent_killed = (node, node_pid(run.run_dir, node, "agent"))
     os.kill(run.agent_killed[1], signal.SIGKILL)
     run.say(f"[demo] SIGKILL -> agent of node {run.agent_killed[0]} (pid {run.agent_killed[1]}); the launcher "
             f"restarts it")
+
+
+def await_protected(run: Run, node: int, last: int, at_least: int = 0) -> int:
+    """The step node ``node``'s agent protects for every rank of the node, once one >= ``at_least`` (the
+    job agreed on it); RuntimeError if none before the victims trained the job's ``last`` iteration."""
+    while (held := agent_protected(run.cfg, node)) is None or held < at_least:
+        recs = run.wait_iteration(run.victims, 0)
+        if min(r[-1]["iteration"] for r in recs.values()) >= last:
+            raise RuntimeError(f"node {node}'s agent protected no step >= {at_least} before the job's last "
+                               f"iteration {last} (holds {held}); log {run.log_path}")
+        time.sleep(0.05)
+    return held
 
 
 def strike_during_recovery(run: Run) -> None:
