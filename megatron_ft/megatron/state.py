@@ -41,6 +41,7 @@ import torch
 from ..capture import rng
 from ..capture.layout import Layout, ShardSpec, dtype_from_name
 from ..capture.state import StateTensor, json_safe, restore_like
+from ..redundancy.reslice import Extent, extents_of_slice
 
 
 def _buckets(model_chunks: list):
@@ -182,8 +183,6 @@ def shard_extents(model_chunks: list, optimizer: Any, saved: set[str]) -> dict[s
     parameter it holds. Entries that are not data-parallel shards (step counters, RNG, module buffers)
     have none, and so do entries not in ``saved`` (the names the snapshot holds). Computed from
     megatron-core's own maps; pure bookkeeping, no collective."""
-    from ..redundancy.reslice import extents_of_slice
-
     names = _param_names(model_chunks)
     out: dict[str, list[list]] = {}
     for entry, buf, bucket in _buckets(model_chunks):
@@ -205,8 +204,8 @@ def shard_extents(model_chunks: list, optimizer: Any, saved: set[str]) -> dict[s
                 if name is None:
                     continue
                 for key, val in [*inner.state.get(p, {}).items(), ("param", p)]:
-                    if (f"{prefix}.{key}" in saved and isinstance(val, torch.Tensor)
-                            and val.numel() == end - start):
+                    if (f"{prefix}.{key}" in saved and isinstance(val, torch.Tensor) and val.dim() > 0
+                            and val.shape == p.shape and val.numel() == end - start):
                         out[f"{prefix}.{key}"] = [[0, f"{name}:{key}", start, end - start]]
     return out
 
@@ -289,7 +288,8 @@ class MegatronStateAdapter:
         return tensors, extra
 
     # ------------------------------------------------------------------ restore
-    def targets(self, layout: Layout, extra: dict) -> dict[str, StateTensor]:
+    def targets(self, layout: Layout, extra: dict, only: Optional[set[str]] = None) -> dict[str, StateTensor]:
+        """Destinations for the saved entries of ``layout`` (``only``: for those named there only)."""
         out: dict[str, StateTensor] = {}
         groups: dict[str, Any] = {}
         for name, t, group in _param_buckets(self.model):
@@ -306,6 +306,8 @@ class MegatronStateAdapter:
         self._rng_targets = {}
         for e in layout.entries:
             name, spec = e.spec.name, e.spec
+            if only is not None and name not in only:
+                continue
             if name in groups:
                 t, group = out[name].tensor, groups[name]
                 want = bucket_shard(t, group)
@@ -340,7 +342,45 @@ class MegatronStateAdapter:
                 out[name] = StateTensor(name, buf)
             else:
                 raise KeyError(f"snapshot tensor {name!r} has no destination in this model")
-        return out
+        return out if only is None else {n: t for n, t in out.items() if n in only}
+
+    # ------------------------------------------------------------------ restore at another data-parallel size
+    def resliced_targets(self, keys: set[str]) -> tuple[dict[str, StateTensor], list[Extent]]:
+        """This rank's data-parallel shards at its current data-parallel size as restore destinations - its
+        slice of every DDP bucket (``shard``/``group`` set, for the all-gather after the restore) and, for
+        every optimizer parameter, its state ``keys`` (``exp_avg``, ``exp_avg_sq``; ``param``: the
+        distributed optimizer's fp32 main copy where it is not a view of a bucket), created as zeros where
+        the optimizer has none yet - with what each holds of the parameters (:func:`shard_extents`)."""
+        out = {name: StateTensor(name, t, bucket_shard(t, group), group) for name, t, group in _param_buckets(self.model)}
+        aliased = self._buffer_storages()
+        for k, inner in enumerate(_inner_optimizers(self.optimizer)):
+            for g, group in enumerate(inner.param_groups):
+                for j, p in enumerate(group["params"]):
+                    state = inner.state.setdefault(p, {})
+                    for key in sorted(keys):
+                        name = f"optim.o{k}.g{g}.p{j}.{key}"
+                        if key == "param":
+                            if p.untyped_storage().data_ptr() not in aliased:
+                                out[name] = StateTensor(name, p.data)
+                            continue
+                        if not isinstance(state.get(key), torch.Tensor) or state[key].shape != p.shape:
+                            state[key] = torch.zeros_like(p.data)
+                        out[name] = StateTensor(name, state[key])
+        extents = shard_extents(self.model, self.optimizer, set(out))
+        return out, [Extent(entry, *rec) for entry, recs in extents.items() for rec in recs]
+
+    def set_step_counters(self, saved: list[torch.Tensor]) -> None:
+        """Every optimizer parameter's ``step`` counter from ``saved`` (an old rank's, one per parameter it
+        held): they must agree - every parameter steps with every optimizer step - else ``ValueError``."""
+        values = {float(t.reshape(-1)[0]) for t in saved if t.numel() == 1}
+        if len(values) > 1:
+            raise ValueError(f"the saved optimizer step counters differ ({sorted(values)}): not re-sliceable")
+        if not saved:
+            return
+        for inner in _inner_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state.setdefault(p, {})["step"] = saved[0].detach().clone().to(p.device)
 
     def finish_restore(self, extra: dict) -> None:
         from megatron.core import tensor_parallel

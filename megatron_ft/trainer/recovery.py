@@ -190,15 +190,15 @@ def resolve_targets(container: Container, adapter: StateAdapter) -> dict:
 
 
 def finish_load(container: Container, adapter: StateAdapter, targets: dict) -> None:
-    """After every rank verified its bytes: re-assemble data-parallel shards (all-gather over each
-    shard's group) and apply the JSON record."""
+    """After every rank verified its bytes: each data-parallel shard all-gathered, the JSON record applied."""
     for e in container.layout.entries:
         if e.spec.shard is not None:
-            _gather_shard(targets[e.spec.name])
+            gather_shard(targets[e.spec.name])
     adapter.finish_restore(container.version.get("extra", {}))
 
 
-def _gather_shard(t) -> None:
+def gather_shard(t) -> None:
+    """Collective over ``t.group``: every slice of the sharded ``t`` (a :class:`StateTensor`) all-gathered."""
     shard = t.shard
     flat = t.tensor.view(-1)
     per = -(-shard.full_numel // shard.count)

@@ -383,17 +383,8 @@ class SnapshotEngine:
     def _copy_and_sum(self, job: _Job, area) -> list[int]:
         """Host state: copy each chunk's pieces into the slot while summing them (one pass)."""
         assert self.layout is not None
-        sources = [_bytes_of(t.saved_view()).cpu() for t in job.tensors]  # .cpu(): no-op for host tensors
-        sums = []
-        for i, pieces in enumerate(self._pieces):
-            lo, hi = self.layout.chunk_bounds(i)
-            chunk = checksum.ChunkSum(hi - lo, area[lo:hi])
-            for k, p in enumerate(pieces):
-                chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
-                if i == 0 and k == 0:
-                    faultpoints.reached("mid-copy", job.step, self.rank)
-            sums.append(chunk.finish())
-        return sums
+        return copy_and_sum(self.layout, self._pieces, job.tensors, area,
+                            lambda: faultpoints.reached("mid-copy", job.step, self.rank))
 
     def _skip(self, job: _Job) -> None:
         """No snapshot of ``job``'s step on this rank: the agent learns it (the job's agreement then does
@@ -427,6 +418,24 @@ class SnapshotEngine:
                 self.client.request("global", rank=self.rank, step=agreed)
             except (AgentError, OSError, ConnectionError) as e:
                 log.warning("rank %d: could not tell the agent step %d is consistent: %s", self.rank, agreed, e)
+
+
+def copy_and_sum(layout: Layout, pieces: list, tensors: list[StateTensor], area,
+                 after_first_piece: Optional[Any] = None) -> list[int]:
+    """Host state: each chunk's pieces (``layout.all_pieces()``) copied from ``tensors`` into ``area`` (the
+    container's data area, as a uint8 array) while summed, in one pass; the chunks' sums, in order.
+    ``after_first_piece()`` (if given) runs once the first piece is in (the fault points' mid-copy)."""
+    sources = [_bytes_of(t.saved_view()).cpu() for t in tensors]  # .cpu(): no-op for host tensors
+    sums = []
+    for i, chunk_pieces in enumerate(pieces):
+        lo, hi = layout.chunk_bounds(i)
+        chunk = checksum.ChunkSum(hi - lo, area[lo:hi])
+        for k, p in enumerate(chunk_pieces):
+            chunk.write(p.dst_offset - lo, sources[p.entry_index][p.src_start:p.src_end])
+            if i == 0 and k == 0 and after_first_piece is not None:
+                after_first_piece()
+        sums.append(chunk.finish())
+    return sums
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ snapshot would hold them) and at the end dumps its final state (``ref.rank{R}.js
 Then every rank builds a fresh job with other seeds (other weights, other RNG streams), restores the
 captured state the way :mod:`megatron_ft.trainer.recovery` does it - the adapter's destinations, this
 rank's saved bytes copied into them, each shard re-gathered over its group by recovery's own
-``_gather_shard``, the record applied - and trains on to ``--iters``; it dumps ``res.rank{R}.json``.
+``gather_shard``, the record applied - and trains on to ``--iters``; it dumps ``res.rank{R}.json``.
 Right after the restore it also dumps its RNG tracker streams and module buffers (``restored.rank{R}.json``),
 next to those captured (the test compares every rank's streams and checks that expert-parallel ranks' differ, so a
 stream restored from another rank is seen). No agent: the restore's tiers are the demo's test.
@@ -85,7 +85,7 @@ class Restore(pg.TrainingHooks):
             t.saved_view().copy_(self.saved["bytes"][e.spec.name])
         for e in layout.entries:
             if e.spec.shard is not None:
-                recovery._gather_shard(targets[e.spec.name])
+                recovery.gather_shard(targets[e.spec.name])
         adapter.finish_restore(self.saved["extra"])
         with open(os.path.join(self.out, f"restored.rank{self.rank}.json"), "w") as f:
             json.dump({"rank": self.rank, "ep_rank": ps.get_expert_model_parallel_rank(),

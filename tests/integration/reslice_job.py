@@ -24,19 +24,26 @@ from megatron_ft.megatron.cpu_compat import install_cpu_compat  # noqa: E402
 from megatron_ft.megatron.state import MegatronStateAdapter  # noqa: E402
 
 
+def start_gpt(iters: int, *extra: str, initialise: bool = True):
+    """The tiny GPT of these tests (2 layers, hidden 32, global batch 12 - which DP 1, 2, 3, 4 and 6 divide -
+    TP1 PP1, DP = the world size), its process groups made: (args, training objects), not trained yet."""
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+            "--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", str(iters),
+            "--lr-warmup-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+            *extra]
+    install_cpu_compat()
+    torch.set_num_threads(1)
+    args = pg.parse_args(argv)
+    pg.init_distributed(args)
+    return args, pg.build_training_objects(args, initialise=initialise)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=2)
     a = p.parse_args()
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", str(a.iters),
-            "--lr-warmup-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    install_cpu_compat()
-    torch.set_num_threads(1)
-    args = pg.parse_args(argv)
-    pg.init_distributed(args)
-    objs = pg.build_training_objects(args)
+    args, objs = start_gpt(a.iters)
     pg.train(objs)
     tensors, extra = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler).capture()
     extra = json.loads(json.dumps(extra))  # as the snapshot's JSON record holds it
