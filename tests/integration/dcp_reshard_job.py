@@ -24,6 +24,7 @@ import argparse
 import glob
 import json
 import os
+import random
 import sys
 
 import numpy as np
@@ -33,14 +34,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
 
 import pretrain_gpt as pg  # noqa: E402
-from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import (  # noqa: E402
     get_default_load_sharded_strategy, get_default_save_sharded_strategy)
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
     FullyParallelLoadStrategyWrapper, FullyParallelSaveStrategyWrapper)
 from megatron.core.utils import unwrap_model  # noqa: E402
 
-from megatron_ft.megatron.cpu_compat import install_cpu_compat  # noqa: E402
+from reslice_job import ResumeAt, start_gpt  # noqa: E402
 
 
 def _no_dist_opt(cls):
@@ -81,12 +83,38 @@ def sharded_state_dict(objs, dist_opt: str, is_loading: bool):
     sd = {"model": unwrap_model(objs.model[0]).sharded_state_dict(metadata=meta)}  # keys as Megatron-LM's
     sd["optimizer"] = objs.optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=meta)
     sd["opt_param_scheduler"] = objs.scheduler.state_dict()
+    sd["rng_state"] = rng_state()
     sd["iteration"] = objs.args.iteration
     return sd, {k: v for k, v in meta.items() if k != "dp_cp_group"}
 
 
+def rng_state() -> ShardedObject:
+    """Megatron-LM's ``get_rng_state`` for torch_dist (without ``--data-parallel-random-init``): this rank's
+    generators as one object per (pp, tp) coordinate whose replica is the data-parallel rank - replica 0's
+    is saved, and every rank at any data-parallel size loads it."""
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.cuda.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    ps = parallel_state
+    return ShardedObject("rng_state", [state], (ps.get_pipeline_model_parallel_world_size(),
+                                                ps.get_tensor_model_parallel_world_size()),
+                         (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def set_rng_state(loaded: list) -> None:
+    """Megatron-LM's ``load_checkpoint`` for the loaded ``rng_state`` (replica 0's)."""
+    state = loaded[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
 def dump(objs, out: str, dist_opt: str) -> None:
     """Every parameter as this rank holds it and the optimizer's per-parameter state, gathered to full."""
+    os.makedirs(out, exist_ok=True)
     rank, module = torch.distributed.get_rank(), unwrap_model(objs.model[0])
     names = {p: n for n, p in module.named_parameters()}
     for n, p in module.named_parameters():
@@ -150,6 +178,9 @@ def main() -> int:
     p.add_argument("--dist-opt", nargs="?", const="dp_reshardable", default="",
                    help="distributed optimizer, saved in this sharding type (default dp_reshardable)")
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--more", type=int, default=0, help="the job trains for iters + more: save after iters; "
+                   "load, dump into --restored-out, then train the remaining ones")
+    p.add_argument("--restored-out", help="load with --more: where the state is dumped right after the load")
     p.add_argument("--fully-parallel", action="store_true", help="wrap the strategies in FullyParallel*")
     a = p.parse_args()
     if a.mode == "compare":
@@ -157,17 +188,11 @@ def main() -> int:
     if not a.dist_opt:
         pg.DistributedDataParallelConfig = _no_dist_opt(pg.DistributedDataParallelConfig)
         pg.OptimizerConfig = _no_dist_opt(pg.OptimizerConfig)
-    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-            "--micro-batch-size", "2", "--global-batch-size", "12", "--train-iters", str(a.iters),
-            "--lr-warmup-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-    install_cpu_compat()
-    torch.set_num_threads(1)
-    args = pg.parse_args(argv)
-    pg.init_distributed(args)
-    objs = pg.build_training_objects(args, initialise=a.mode == "save")
+    args, objs = start_gpt(a.iters + a.more, initialise=a.mode == "save")
     dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     os.makedirs(a.out, exist_ok=True)
     if a.mode == "save":
+        args.train_iters = a.iters  # (built for iters + more: the same scheduler as the loading job's)
         args.iteration, _ = pg.train(objs)
         sd, content_meta = sharded_state_dict(objs, a.dist_opt, is_loading=False)
         strategy = get_default_save_sharded_strategy("torch_dist")
@@ -191,8 +216,12 @@ def main() -> int:
             objs.optimizer.load_state_dict(state["optimizer"])
         objs.scheduler.load_state_dict(state["opt_param_scheduler"])
         args.iteration = state["iteration"]
+        set_rng_state(state["rng_state"])
         if a.dist_opt:
             restore_adam_step(objs, state["optimizer"])
+        if a.more:
+            dump(objs, a.restored_out, a.dist_opt)
+            args.iteration, _ = pg.train(objs, ResumeAt(args.iteration, args.iteration * args.global_batch_size))
     dump(objs, a.out, a.dist_opt)
     pg.shutdown_distributed()
     return 0

@@ -24,6 +24,16 @@ from megatron_ft.megatron.cpu_compat import install_cpu_compat  # noqa: E402
 from megatron_ft.megatron.state import MegatronStateAdapter  # noqa: E402
 
 
+class ResumeAt(pg.TrainingHooks):
+    """The training loop's restore point: the (iteration, consumed samples) a restored state holds."""
+
+    def __init__(self, iteration: int, consumed_samples: int):
+        self.at = (iteration, consumed_samples)
+
+    def restore(self, objs, iteration, consumed_samples):
+        return self.at
+
+
 def start_gpt(iters: int, *extra: str, initialise: bool = True):
     """The tiny GPT of these tests (2 layers, hidden 32, global batch 12 - which DP 1, 2, 3, 4 and 6 divide -
     TP1 PP1, DP = the world size), its process groups made: (args, training objects), not trained yet."""
