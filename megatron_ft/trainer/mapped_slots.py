@@ -17,7 +17,9 @@ An engine's ``close()`` leaves its mappings kept, so the next attempt's restore 
 restart finds them. Keyed by the file's (device, inode) and size: a file the agent re-created or
 resized under the same path is another key. A kept mapping whose path no longer names its file (the
 agent removed or re-created it) is unmapped by the next :func:`slot_mappings` or :func:`slot_mapping`
-call, so a process holds the memory of a removed slot no longer than that.
+call, so a process holds the memory of a removed slot no longer than that. (A persisted container whose
+directory is a tmpfs is read the same way; a file this process may not open for writing is read with
+``pread`` instead, said once by the reader.)
 
 Contract: both calls run on the training thread while no snapshot of this process is in flight (the
 engine's registration, a restore), since they may unmap a stale mapping. Thread-safe otherwise: one

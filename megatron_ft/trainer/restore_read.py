@@ -302,11 +302,13 @@ def cpu_reader(plan: ReadPlan, fd: int, medium: str) -> Reader:
 def choose_reader(plan: ReadPlan, fd: int, medium: str, page_locked: Callable[[torch.device], object],
                   marks: dict) -> Reader:
     """Once per restore, on the caller's thread: the :class:`DeviceReader` where a destination is on a
-    device (``page_locked(device)``: the container page-locked for it, or None), else :func:`cpu_reader`."""
-    cpu = cpu_reader(plan, fd, medium)
+    device (``page_locked(device)``: the container page-locked for it, or None), else :func:`cpu_reader`.
+    The device reader's few CPU pieces (RNG states, counters) are read with ``pread``: mapping a whole slot
+    for them would populate its page tables on the restore's path (a 16 GiB slot: about 4 M entries)."""
     devices = device_staging.devices_of(_destinations(plan))
     if not devices:
-        return cpu
+        return cpu_reader(plan, fd, medium)
+    cpu = BlockReader(plan, fd, READ_BLOCK) if STREAMING_RESTORE else InPlaceReader(plan, fd)
     locked = page_locked(devices[0]) if plan.algorithm == checksum.ALGORITHM else None
     return DeviceReader(plan, fd, cpu, devices, locked, marks)
 

@@ -7,7 +7,11 @@ Every parameter and every optimizer state (fp32 main copy, exp_avg, exp_avg_sq, 
 parameter), the Adam step, the scheduler and the iteration are bit-identical to the DP3 job's at its
 snapshot, on both new ranks; each new rank read only the old ranks whose slices it needed. (A container
 that fails its checksums, or a set without an old rank's slices, refuses the restore:
-tests/unit/test_reslice_read.py.)"""
+tests/unit/test_reslice_read.py.)
+
+Slow set: the same against Megatron's own reshard - megatron-core's torch_dist checkpoint saved at one size
+and loaded at the other - shrinking (DP3 -> DP2) and growing back (DP2 -> DP3), the restored states and
+two more iterations from each bit-identical."""
 import json
 import os
 import subprocess
@@ -67,23 +71,27 @@ def test_dp3_snapshots_restore_bit_identical_at_dp2(dp3_snapshots, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_resume_at_dp2_from_memory_equals_megatron_s_own_reshard(tmp_path):
+@pytest.mark.parametrize("old, new", [(3, 2), (2, 3)], ids=["shrink", "grow-back"])
+def test_the_resume_from_memory_equals_megatron_s_own_reshard(tmp_path, old, new):
     """The reference is megatron-core's distributed checkpoint (torch_dist; the distributed optimizer in its
-    dp_reshardable format; the RNG state as Megatron-LM saves it) saved at DP3 and loaded at DP2
-    (tests/integration/dcp_reshard_job.py): the restore from the DP3 snapshots and that load give the same
-    state, and two more iterations at DP2 from each end bit-identical. (The project's script always runs
-    the distributed optimizer; its snapshots' bucket slices need megatron-core's parameter buffers.)"""
-    flags = ["--iters", "2", "--more", "2"]
-    dcp_opt, mem_opt = ["--dist-opt"], []
-    ok(dcp_torchrun(3, "--mode", "save", *dcp_opt, "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dcp3"),
-                    *flags, port_offset=4))
-    ok(torchrun(3, "--mode", "save", *mem_opt, "--dir", str(tmp_path / "snap"), "--out", str(tmp_path / "mem3"),
-                *flags, port_offset=5))
-    ok(dcp_torchrun(2, "--mode", "load", *dcp_opt, "--dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dcp2"),
-                    "--restored-out", str(tmp_path / "dcp2-restored"), *flags, port_offset=6))
-    ok(torchrun(2, "--mode", "load", *mem_opt, "--dir", str(tmp_path / "snap"), "--out", str(tmp_path / "mem2"),
-                "--restored-out", str(tmp_path / "mem2-restored"), *flags, port_offset=7))
-    for ref, new in (("dcp3", "mem3"), ("dcp3", "dcp2-restored"), ("dcp2-restored", "mem2-restored"), ("dcp2", "mem2")):
-        said = compare(tmp_path / ref, tmp_path / new)
-        assert said["mismatches"] == [] and said["arrays_per_rank"] > 100, (ref, new, said)
-    assert json.load(open(tmp_path / "mem2" / "rank0.json"))["iteration"] == 4
+    dp_reshardable format; the RNG state as Megatron-LM saves it) saved at DP ``old`` and loaded at DP ``new``
+    (tests/integration/dcp_reshard_job.py): the restore from the DP ``old`` snapshots and that load give the
+    same state, and two more iterations from each end bit-identical - shrinking (DP3 -> DP2) and growing
+    back (DP2 -> DP3). (The project's script always runs the distributed optimizer; its snapshots' bucket
+    slices need megatron-core's parameter buffers.)"""
+    flags, port = ["--iters", "2", "--more", "2"], 4 + 4 * (old < new)
+    ok(dcp_torchrun(old, "--mode", "save", "--dist-opt", "--dir", str(tmp_path / "ckpt"), "--out",
+                    str(tmp_path / "dcp-old"), *flags, port_offset=port))
+    ok(torchrun(old, "--mode", "save", "--dir", str(tmp_path / "snap"), "--out", str(tmp_path / "mem-old"), *flags,
+                port_offset=port + 1))
+    ok(dcp_torchrun(new, "--mode", "load", "--dist-opt", "--dir", str(tmp_path / "ckpt"), "--out",
+                    str(tmp_path / "dcp-new"), "--restored-out", str(tmp_path / "dcp-restored"), *flags,
+                    port_offset=port + 2))
+    ok(torchrun(new, "--mode", "load", "--dir", str(tmp_path / "snap"), "--out", str(tmp_path / "mem-new"),
+                "--restored-out", str(tmp_path / "mem-restored"), *flags, port_offset=port + 3))
+    for ref, got in (("dcp-old", "mem-old"), ("dcp-old", "dcp-restored"), ("dcp-restored", "mem-restored"),
+                     ("dcp-new", "mem-new")):
+        said = compare(tmp_path / ref, tmp_path / got)
+        assert said["mismatches"] == [] and said["arrays_per_rank"] > 100, (ref, got, said)
+        assert len(said["ranks"]) == (old if got.endswith("old") else new)
+    assert json.load(open(tmp_path / "mem-new" / "rank0.json"))["iteration"] == 4
