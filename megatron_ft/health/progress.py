@@ -195,14 +195,30 @@ _process_writer: Optional[tuple[int, str, int, ProgressWriter]] = None
 
 def writer_for_process(path: str, index: int) -> Optional[ProgressWriter]:
     """This process's writer of record ``index`` of ``path`` (one per process: a forked trainer's first
-    call opens its own, in :data:`START`); None where the file is not there (no agent made it)."""
+    call opens its own, in :data:`START`); None where the file is not there (no agent made it). Its first
+    call in a process also has SIGUSR1 write every thread's stack to stderr (:func:`stacks_on_sigusr1`)."""
     global _process_writer
     w = _process_writer
     if w is not None and w[0] == os.getpid() and w[1:3] == (path, index):
         return w[3]
+    stacks_on_sigusr1()
     try:
         writer = ProgressWriter(path, index)
     except (OSError, ValueError):
         return None
     _process_writer = (os.getpid(), path, index, writer)
     return writer
+
+
+def stacks_on_sigusr1() -> None:
+    """SIGUSR1 first writes every thread's stack of this process to its stderr (a trainer's log), then does
+    what it did before (chained: by default the process ends, as SIGUSR1 ends it; a handler the script
+    installs later replaces this one): what a stuck trainer was doing, for whoever looks - the demo asks
+    every process of a job that outlived its bound before it kills them."""
+    import faulthandler
+    import signal
+
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+    except (ValueError, RuntimeError, OSError, AttributeError):  # no stderr to write to, not the main thread
+        pass

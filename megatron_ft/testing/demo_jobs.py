@@ -21,6 +21,7 @@ from typing import Optional
 import yaml
 
 from . import faults
+from .. import clock
 from .. import config as ftconfig
 from .. import rank_files
 from ..agent.protocol import socket_path
@@ -210,6 +211,27 @@ def watch_slurm_node(slurm, node: int, out: dict, deadline: float) -> None:
         time.sleep(0.5)
 
 
+def _ask_for_stacks(p: "subprocess.Popen | JobOnHosts", settle_s: float = 2.0) -> None:
+    """A job that outlived its bound, about to be killed: every process of it on this machine asked for
+    its threads' stacks (SIGUSR1: the trainers write them into the job's log and end, the agents write
+    them and go on; a process without the handler ends, as it was about to), then ``settle_s`` for them
+    to be written."""
+    import psutil
+
+    if not isinstance(p, subprocess.Popen):
+        return
+    try:
+        procs = psutil.Process(p.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for c in procs:
+        try:
+            c.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            pass
+    clock.pause(settle_s)
+
+
 def _kill_tree(p: "subprocess.Popen | JobOnHosts") -> None:
     if hasattr(p, "cancel"):  # a Slurm job: its processes are slurmd's children on the bed's hosts
         p.cancel()
@@ -239,8 +261,10 @@ def wait_job(p: subprocess.Popen, timeout: float, what: str, log_path: str) -> N
     try:
         rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _ask_for_stacks(p)
         _kill_tree(p)
-        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s; log: {log_path}")
+        raise RuntimeError(f"{what} did not finish within {timeout:.0f} s (every process's stacks asked "
+                           f"for with SIGUSR1 first); log: {log_path}")
     except BaseException:  # interrupted (SIGINT, SIGTERM): never leave the job running
         _kill_tree(p)
         raise
