@@ -51,7 +51,7 @@ def test_a_lost_host_under_slurm_is_replaced_by_the_allocations_standby(slurm_al
     work = tmp_path / "w"
     beds_before = set(hosts.bed_namespaces())
     s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--slurm", "--quiet",
-                  f"--workdir={work}", "--iters=8", "--kill-at=4", "--fail=node", "--redundancy=replica",
+                  f"--workdir={work}", "--iters=24", "--kill-at=4", "--fail=node", "--redundancy=replica",
                   "--standby", f"--timeout={BOUND_S}"], timeout=BOUND_S + 120)
     assert (s["lost_nodes"], s["recovered_from"]) == ([1], "peer_memory"), s
     assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
