@@ -121,26 +121,6 @@ def _mount_of(path: str, mounts: str) -> Optional[tuple[str, str, list[str]]]:
     return best
 
 
-_TMPFS: dict[tuple[str, int], bool] = {}
-
-
-def is_tmpfs(directory: str) -> bool:
-    """Whether ``directory`` is on a tmpfs (``/proc/mounts``), read once per process, directory and device."""
-    try:
-        key = (directory, os.stat(directory).st_dev)
-    except OSError:
-        return False
-    found = _TMPFS.get(key)
-    if found is None:
-        try:
-            with open("/proc/mounts", encoding="utf-8") as f:
-                mount = _mount_of(os.path.realpath(directory), f.read())
-        except OSError:
-            mount = None
-        found = _TMPFS[key] = mount is not None and mount[1] == "tmpfs"
-    return found
-
-
 def page_backing(directory: str, mounts: Optional[str] = None, thp_shmem: Optional[str] = None) -> str:
     """How a tmpfs directory backs its files: ``huge`` (2 MiB pages for every file), ``advise``
     (only mappings that ask, madvise) or ``small`` (4 KiB pages; also: not a tmpfs, or unknown).
@@ -170,23 +150,38 @@ def page_backing(directory: str, mounts: Optional[str] = None, thp_shmem: Option
     return {"always": HUGE, "within_size": HUGE, "advise": ADVISE}.get(huge, SMALL)
 
 
-_BACKING_OF: dict[tuple[str, int], str] = {}
+_CLASSIFIED: dict[tuple[str, int], tuple[str, bool]] = {}
 
 
-def backing_of(directory: str) -> str:
-    """:func:`page_backing` of ``directory``, read from the system once per process and mount: keyed by
-    the directory and its device (a tmpfs mounted there later is another device). A restore asks for
-    every container it opens, before its first copy; it read ``/proc/mounts`` every time. A change of
-    ``shmem_enabled`` while the process runs is not seen (it decides only whether a restore maps the
-    slot or reads it: speed, not what is read)."""
+def _classified(directory: str) -> tuple[str, bool]:
+    """(:func:`page_backing`, whether it is a tmpfs) of ``directory``, read from the system once per process
+    and mount: keyed by the directory and its device (a tmpfs mounted there later is another device). A
+    restore asks for every container it opens, before its first copy. A change of ``shmem_enabled`` while
+    the process runs is not seen (it decides only how a restore reads the slot: speed, not what is read)."""
     try:
         key = (directory, os.stat(directory).st_dev)
     except OSError:
-        return page_backing(directory)
-    found = _BACKING_OF.get(key)
+        return SMALL, False
+    found = _CLASSIFIED.get(key)
     if found is None:
-        found = _BACKING_OF[key] = page_backing(directory)
+        try:
+            with open("/proc/mounts", encoding="utf-8") as f:
+                mounts = f.read()
+        except OSError:
+            mounts = ""
+        mount = _mount_of(os.path.realpath(directory), mounts)
+        found = _CLASSIFIED[key] = (page_backing(directory, mounts), mount is not None and mount[1] == "tmpfs")
     return found
+
+
+def backing_of(directory: str) -> str:
+    """:func:`page_backing` of ``directory``, once per process and mount (:func:`_classified`)."""
+    return _classified(directory)[0]
+
+
+def is_tmpfs(directory: str) -> bool:
+    """Whether ``directory`` is on a tmpfs, once per process and mount (:func:`_classified`)."""
+    return _classified(directory)[1]
 
 
 _SIZE_RE = re.compile(r"^[1-9][0-9]*[kKmMgG%]?$")
@@ -197,7 +192,8 @@ def backing_note(directory: str) -> str:
     """What the agent's log says of ``directory``'s pages (and, with 4 KiB ones, how to get huge pages)."""
     if page_backing(directory) == HUGE:
         return f"shared memory in {directory} (2 MiB pages)"
-    return (f"shared memory in {directory} (4 KiB pages; a huge-page tmpfs restores ~2x faster: "
+    return (f"shared memory in {directory} (4 KiB pages; a huge-page tmpfs maps a slot ~100x faster, which a "
+            f"fresh trainer's restore pays once: "
             f"`megatron-ft shm-mount DIR --size S` (root), then agent.shm_dir: DIR)")
 
 

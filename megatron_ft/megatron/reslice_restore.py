@@ -58,7 +58,8 @@ def restore_resliced(adapter: MegatronStateAdapter, sources: Mapping[int, Contai
     Collective over the new data-parallel groups (see the module)."""
     for container in sources.values():
         container.check_identity(identity, step)
-    keys = {e.param.rsplit(":", 1)[1] for c in sources.values() for e in extents_of(c) if ":" in e.param}
+    holders = {rank: extents_of(c) for rank, c in sources.items()}
+    keys = {e.param.rsplit(":", 1)[1] for held in holders.values() for e in held if ":" in e.param}
     targets, wanted = adapter.resliced_targets(keys)
     first = sources[replica0]
     direct = adapter.targets(first.layout, first.version.get("extra", {}),
@@ -66,7 +67,8 @@ def restore_resliced(adapter: MegatronStateAdapter, sources: Mapping[int, Contai
     counters = {e.spec.name: torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
                 for e in first.layout.entries if e.spec.name.startswith("optim.") and e.spec.name.endswith(".step")}
     direct.update({n: StateTensor(n, t) for n, t in counters.items()})
-    done = read_resliced(sources, {n: t.saved_view() for n, t in targets.items()}, wanted, {replica0: direct})
+    done = read_resliced(sources, {n: t.saved_view() for n, t in targets.items()}, wanted, {replica0: direct},
+                         holders)
     adapter.set_step_counters(list(counters.values()))
     for t in targets.values():
         if t.shard is not None:

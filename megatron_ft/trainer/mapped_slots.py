@@ -67,8 +67,10 @@ def _key_of(path: str) -> Optional[_Key]:
 def _drop_stale() -> None:
     """Unmap every kept mapping whose path no longer names the file it maps (removed, re-created, resized)."""
     with _GUARD:
-        stale = [k for k, seg in _KEPT.items() if _key_of(seg.path) != k]
-        gone = [_KEPT.pop(k) for k in stale]
+        kept = list(_KEPT.items())
+    stale = [k for k, seg in kept if _key_of(seg.path) != k]  # (the stat calls outside the lock)
+    with _GUARD:
+        gone = [seg for seg in (_KEPT.pop(k, None) for k in stale) if seg is not None]
     for seg in gone:
         seg.close()
 

@@ -66,17 +66,20 @@ def extents_of(container: Container) -> list[Extent]:
 
 
 def read_resliced(sources: Mapping[int, Container], targets: Mapping[str, torch.Tensor], wanted: list[Extent],
-                  direct: Optional[Mapping[int, Mapping[str, StateTensor]]] = None) -> ReslicedRead:
+                  direct: Optional[Mapping[int, Mapping[str, StateTensor]]] = None,
+                  holders: Optional[Mapping[int, list[Extent]]] = None) -> ReslicedRead:
     """Fill ``targets`` (entry name -> the flat destination tensor the ``wanted`` extents index) from the
     old ranks' containers ``sources`` (old rank -> an open container, its identity already checked).
     ``direct[r]``: entries of old rank ``r``'s container read straight into the given destinations (state
     that is not re-sliced, e.g. the RNG streams of data-parallel replica 0); every other entry of a
-    container read is read into a buffer of its own (it must still pass its checksums).
+    container read is read into a buffer of its own (it must still pass its checksums). ``holders``: each
+    old rank's :func:`extents_of`, where the caller has them already.
     Raises ``ValueError`` before reading a byte where no old rank holds a wanted range or a dtype differs,
     and :class:`~megatron_ft.capture.snapfile.SnapshotFormatError` where a container fails its checksums
     (the destinations may then hold part of the state: the caller refuses the restore). Not collective."""
     direct = direct or {}
-    holders = {rank: extents_of(c) for rank, c in sources.items()}
+    if holders is None:
+        holders = {rank: extents_of(c) for rank, c in sources.items()}
     copies = plan_reslice(wanted, holders)
     by_rank: dict[int, list[Copy]] = {}
     for c in copies:

@@ -172,7 +172,7 @@ class _FusedPieces:
     (``bad``). Made on the caller's thread; each chunk's slice is then written by one pool thread only.
     The pieces are checked here as ``ChunkSum`` checks them (in order, 32-byte aligned, inside their
     chunk; a ``ValueError`` otherwise), and each chunk's source bytes to lie inside its container range
-    ``[lo, hi)``, the range a reader maps."""
+    ``[lo, hi)``, the range a reader reads for it (one ``pread`` of it whole, or the mapping's)."""
 
     def __init__(self, plan: ReadPlan):
         pieces = [p for c in plan.chunks for p in c.pieces]

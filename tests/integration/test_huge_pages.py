@@ -84,7 +84,7 @@ def test_a_directorys_backing_is_looked_up_once_per_mount(tmp_path, monkeypatch)
     os.makedirs(d)
     reads = []
     real = shm.page_backing
-    monkeypatch.setattr(shm, "page_backing", lambda directory: reads.append(directory) or real(directory))
+    monkeypatch.setattr(shm, "page_backing", lambda directory, *given: reads.append(directory) or real(directory, *given))
     before = shm.backing_of(d)
     assert shm.backing_of(d) == before and reads == [d]  # the second answer from the process's table
     out = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "shm-mount", d, "--size", "16m"],
