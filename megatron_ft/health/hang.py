@@ -3,13 +3,17 @@
 In synchronous training every rank stops within an iteration of a hung one, so "no progress" alone
 cannot name the culprit: the others are *waiting* - in a collective, or for their own agent - and the
 culprit is not. Many ranks quiet in their own work at once (a long write of every rank) is no verdict:
-the hung ranks must be few (at most one node's, and no more than the waiting ones). Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
+the hung ranks must be few (at most one node's, and no more than the waiting ones) - unless every one of
+them is past a fixed allowance (its start-up, a rendezvous, its restore, Megatron's own save:
+:func:`overdue`): a round whose ranks all stay that long in a phase that has a deadline of its own is
+stuck however many they are (a round that never forms: nothing else would notice it). Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
 the job's own iteration times (:func:`bound`) and reports the node's stall (:class:`NodeStall`, only
 when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
 ranks once every other rank of the job waits:
 
-* ``hung``: quiet in its own work (or its restore, Megatron's own disk save, its start-up) past that
-  phase's allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet as long;
+* ``hung``: quiet in its own work (or its restore, Megatron's own disk save, its start-up, a rendezvous)
+  past that phase's allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet
+  as long;
 * ``waiting``: in a collective, a rendezvous or waiting for its agent for at least half ``floor_s``
   (every routine wait is far shorter; a verdict needs the culprit past its own allowance besides);
 * anything else (progressing, starting, ending, gone) blocks a verdict.
@@ -35,6 +39,13 @@ True
 >>> v = decide({0: a, 1: b}, nodes=2, ranks_per_node=1, collective_s=0)
 >>> [c.rank for c in v.culprits], v.collective
 ([0], False)
+
+A round that never formed: every rank still in its rendezvous past ``start_s`` is hung, all of them.
+
+>>> never = NodeStall(node=0, ranks=1, hung=(Culprit(0, 41, 3, "rendezvous", 901.0),), waiting=())
+>>> [c.rank for c in decide({0: never, 1: NodeStall(1, 1, (Culprit(1, 42, 3, "rendezvous", 901.0),), ())},
+...                        nodes=2, ranks_per_node=1, collective_s=0).culprits]
+[0, 1]
 """
 from __future__ import annotations
 
@@ -43,7 +54,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from .progress import AGENT, COLLECTIVE, RESTORE, SAVE, START, WAITING, WORK, Progress
+from .progress import AGENT, COLLECTIVE, RENDEZVOUS, RESTORE, SAVE, START, WAITING, WORK, Progress
 
 VERSION = 1
 #: the store keys: each node's stall under ``STALL_KEY<node>``, the job's verdict at ``HANG_KEY``
@@ -100,9 +111,25 @@ def allowance(limits: Limits, phase: int, p99_s: Optional[float], steps: int) ->
         return limits.restore_s
     if phase == SAVE:
         return limits.save_s
-    if phase == START:
+    if phase in (START, RENDEZVOUS):  # a rendezvous is part of the start-up, and has its deadline
         return limits.start_s
     return None
+
+
+#: the phases whose allowance is a fixed deadline of their own, not the job's iteration times
+FIXED_ALLOWANCE = frozenset({"start", "rendezvous", "restore", "save"})
+
+
+def overdue(c: "Culprit") -> bool:
+    """Whether ``c`` was judged hung past a fixed deadline (:data:`FIXED_ALLOWANCE`): such ranks are a
+    verdict however many they are (:func:`blames`).
+
+    >>> overdue(Culprit(0, 7, 2, "restore", 301.0)), overdue(Culprit(0, 7, 2, "work", 6.0))
+    (True, False)
+    >>> overdue(Culprit(0, 7, 2, "start (stopped)", 6.0, stopped=True))   # stopped, not past its deadline
+    False
+    """
+    return not c.stopped and c.phase in FIXED_ALLOWANCE
 
 
 def judge(p: Progress, now: float, limits: Limits, p99_s: Optional[float], stopped_s: float) -> str:
@@ -202,9 +229,12 @@ def blames(hung: Sequence[Culprit], waiting: int, world: int, max_culprits: int)
     """Whether ``hung`` ranks, with ``waiting`` others waiting, make a verdict: the hung ones a few (at
     most ``max_culprits``, and no more than the waiting) - many ranks quiet in their own work at once is
     the job's own work (a long write everywhere; on NCCL, ranks blocked in a device sync behind one
-    stuck peer look so too), not a hang to end them for. A job of one rank: only a stopped process."""
+    stuck peer look so too), not a hang to end them for. A job of one rank: only a stopped process.
+    Ranks all :func:`overdue` are a verdict however many (their deadline is not the job's work)."""
     if not hung:
         return False
+    if all(overdue(c) for c in hung):
+        return True
     if world == 1:
         return all(c.stopped for c in hung)
     return len(hung) <= min(waiting, max_culprits)
@@ -240,13 +270,14 @@ class StallAggregator:
         self.nodes, self.ranks_per_node, self.collective_s = nodes, ranks_per_node, collective_s
         self.max_culprits = max_culprits or ranks_per_node
         self.reports: dict[int, NodeStall] = {}
-        self._accounted = self._waiting = self._long = 0
+        self._accounted = self._waiting = self._long = self._within = 0  # _within: hung, not overdue
         self._hung: dict[int, tuple[Culprit, ...]] = {}
 
     def _count(self, report: NodeStall, sign: int) -> None:
         self._accounted += sign * len({c.rank for c in report.hung} | set(report.waiting))
         self._waiting += sign * len(report.waiting)
         self._long += sign * int(report.long)
+        self._within += sign * sum(1 for c in report.hung if not overdue(c))
 
     def update(self, report: NodeStall) -> Optional[HangVerdict]:
         old = self.reports.pop(report.node, None)
@@ -261,7 +292,8 @@ class StallAggregator:
         if len(self.reports) < self.nodes or self._accounted < self.nodes * self.ranks_per_node:
             return None
         hung = [c for n in sorted(self._hung) for c in self._hung[n]] if self._hung else []
-        if len(self._hung) <= self.max_culprits and blames(hung, self._waiting, self.nodes * self.ranks_per_node,
+        if (len(self._hung) <= self.max_culprits or not self._within) and blames(
+                hung, self._waiting, self.nodes * self.ranks_per_node,
                                                            self.max_culprits):
             return HangVerdict(tuple(hung))
         if not self._hung and self.collective_s > 0 and self._long == self.nodes:
@@ -271,4 +303,4 @@ class StallAggregator:
 
 
 __all__ = ["AGENT", "COLLECTIVE", "Culprit", "HANG_KEY", "HangVerdict", "Limits", "NodeStall", "STALL_KEY",
-           "StallAggregator", "allowance", "bound", "decide", "judge", "p99"]
+           "StallAggregator", "allowance", "bound", "decide", "judge", "overdue", "p99"]

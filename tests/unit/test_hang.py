@@ -40,7 +40,8 @@ def test_the_bound_follows_the_iteration_times_within_floor_and_ceiling():
     (hp.RESTORE, 50.0, "other"), (hp.RESTORE, 101.0, "hung"),
     (hp.SAVE, 500.0, "other"), (hp.SAVE, 1001.0, "hung"),
     (hp.COLLECTIVE, 1.0, "other"), (hp.COLLECTIVE, 2.6, "waiting"), (hp.COLLECTIVE, 1e6, "waiting"),
-    (hp.AGENT, 3.0, "waiting"), (hp.RENDEZVOUS, 3.0, "waiting"), (hp.START, 800.0, "other"),
+    (hp.AGENT, 3.0, "waiting"), (hp.RENDEZVOUS, 3.0, "waiting"), (hp.RENDEZVOUS, 901.0, "hung"),
+    (hp.START, 800.0, "other"),
     (hp.START, 901.0, "hung"), (hp.DONE, 1e6, "other"),
 ])
 def test_each_phase_is_judged_against_its_own_allowance(phase, quiet, want):
@@ -127,7 +128,7 @@ from megatron_ft.health import progress as hp
 w = hp.ProgressWriter(sys.argv[1], int(sys.argv[2]))
 for _ in range(5):
     w.step(0.02, 0.01)
-w.enter({"work": hp.WORK, "collective": hp.COLLECTIVE, "save": hp.SAVE}[sys.argv[3]])
+w.enter({"work": hp.WORK, "collective": hp.COLLECTIVE, "save": hp.SAVE, "rendezvous": hp.RENDEZVOUS}[sys.argv[3]])
 print("ready", flush=True)
 if sys.argv[4] == "progress":
     while True:
@@ -141,7 +142,8 @@ def bed(tmp_path):
     cfg = ftconfig.from_dict({"run_id": "hangtest", "cluster": {"nodes": 1, "ranks_per_node": 3},
                               "parallel": {"tensor": 1, "pipeline": 1},
                               "agent": {"shm_dir": str(tmp_path)},
-                              "hang": {"tick_s": 0.05, "floor_s": 0.6, "k": 2.0, "first_s": 30.0}})
+                              "hang": {"tick_s": 0.05, "floor_s": 0.6, "k": 2.0, "first_s": 30.0,
+                                       "start_s": 1.5}})
     board = hp.ProgressBoard.create(hp.board_path(str(tmp_path), cfg.run_id, 0), 3)
     procs = []
 
@@ -199,6 +201,21 @@ def test_a_trainer_stuck_in_its_own_work_is_killed_and_a_progressing_one_blocks_
     run_ticks(watch, 5.0, until=stuck)
     assert stuck.wait(5) == -signal.SIGKILL
     assert [json.loads(line)["rank"] for line in open(events)] == [0]
+
+
+def test_a_round_that_never_forms_is_ended_once_its_ranks_pass_the_start_deadline(bed):
+    # every rank waits in its rendezvous (a store that never answers): waiting, then hung past start_s -
+    # those past it at the verdict are ended however many; the later ones, still within it, wait (in a job
+    # the first kill opens a fast round, which replaces them all)
+    cfg, watch, start, events = bed
+    procs = [start(r, "rendezvous") for r in range(3)]
+    run_ticks(watch, 6.0, until=procs[0])
+    time.sleep(0.2)
+    killed = [r for r, p in enumerate(procs) if p.poll() == -signal.SIGKILL]
+    assert killed[:1] == [0] and all(procs[r].poll() is None for r in range(3) if r not in killed)
+    evs = [json.loads(line) for line in open(events)]
+    assert sorted(e["rank"] for e in evs) == killed and {e["phase"] for e in evs} == {"rendezvous"}
+    assert all(e["quiet_s"] >= cfg.hang.start_s and e["bound_s"] == cfg.hang.start_s for e in evs)  # not before
 
 
 def test_no_verdict_when_every_rank_works_at_once_or_in_megatrons_own_save(bed):
@@ -313,7 +330,8 @@ def test_the_root_s_running_counts_decide_as_the_rule_does_on_every_sequence_of_
         for _ in range(12):
             n = rng.randrange(nodes)
             ranks = list(range(n * rpn, (n + 1) * rpn))
-            hung = tuple(culprit(r) for r in ranks if rng.random() < 0.2)
+            hung = tuple(culprit(r) if rng.random() < 0.5 else rule.Culprit(r, 100 + r, 4, "rendezvous", 901.0)
+                         for r in ranks if rng.random() < 0.2)
             waiting = tuple(r for r in ranks if r not in {c.rank for c in hung} and rng.random() < 0.8)
             rep = rule.NodeStall(n, rpn, hung, waiting, long=bool(waiting) and rng.random() < 0.5)
             got = agg.update(rep)
@@ -335,6 +353,23 @@ def test_many_ranks_quiet_in_their_own_work_is_the_jobs_work_not_a_hang_to_end_t
     assert rule.decide({**few, 0: rule.NodeStall(0, 2, (), (0, 1))}, 2, 2, 0.0) is not None
     assert rule.decide({0: rule.NodeStall(0, 2, (culprit(0),), (1,)),
                         1: rule.NodeStall(1, 2, (culprit(2), culprit(3)), ())}, 2, 2, 0.0) is None  # 3 > 1 waiting
+
+
+def test_ranks_all_past_a_deadline_of_their_phase_are_a_verdict_however_many():
+    # a round that never formed: every rank of the job still in its rendezvous (or start-up) past start_s
+    never = {n: rule.NodeStall(n, 2, tuple(rule.Culprit(r, 100 + r, 3, ph, 901.0)
+                                           for r, ph in ((2 * n, "rendezvous"), (2 * n + 1, "start"))), ())
+             for n in range(3)}
+    v = rule.decide(never, 3, 2, 0.0)
+    assert [c.rank for c in v.culprits] == [0, 1, 2, 3, 4, 5] and not v.collective
+    agg = rule.StallAggregator(3, 2, 0.0)
+    assert [agg.update(never[n]) is not None for n in range(3)] == [False, False, True]
+    # one rank quiet in its own work among them: the few-rule again (6 hung, none waiting)
+    mixed = {**never, 2: rule.NodeStall(2, 2, (culprit(4), never[2].hung[1]), ())}
+    assert rule.decide(mixed, 3, 2, 0.0) is None
+    assert agg.update(mixed[2]) is None
+    # a rank stopped in its start-up is judged as stopped, not as past its deadline
+    assert not rule.overdue(rule.Culprit(0, 9, 2, "start (stopped)", 6.0, stopped=True))
 
 
 def test_a_job_of_one_rank_is_judged_only_when_its_process_is_stopped():
