@@ -27,13 +27,22 @@ def _config(args: argparse.Namespace) -> int:
     if args.schema:
         print(json.dumps(ftconfig.schema(), indent=1))
         return 0
+    from .launch.command import describe_elastic, elastic_refusal_of
+
     cfg = ftconfig.load(args.file)  # a ConfigError names the field, the value and what is allowed
+    why = elastic_refusal_of(cfg)  # the launch's own check, without the training command's batch sizes
+    if why:
+        raise ftconfig.ConfigError(why)
     if args.ports:
         from .network import describe_ports
 
         print(describe_ports(cfg))
         return 0
-    print(json.dumps(cfg.to_dict(), indent=1) if args.print else f"{args.file or ftconfig.DEFAULT_CONFIG_PATH}: valid")
+    if args.print:
+        print(json.dumps(cfg.to_dict(), indent=1))
+        return 0
+    elastic = describe_elastic(cfg)
+    print(f"{args.file or ftconfig.DEFAULT_CONFIG_PATH}: valid" + (f"\n{elastic}" if elastic else ""))
     return 0
 
 

@@ -33,16 +33,16 @@ from .job import SECTIONS, FTConfig, PortRange, port_clash, port_plan
 from .loading import DEFAULT_CONFIG_PATH, from_dict, load, load_yaml, replace, schema
 from .recovery_sections import (FailureConfig, HangConfig, RecoveryConfig, RedundancyConfig, ScheduleConfig,
                                 SimulateConfig)
-from .runtime_sections import (AgentConfig, ClusterConfig, HealthConfig, LaunchConfig, NetworkConfig, ParallelConfig,
-                               PersistConfig, SecurityConfig, SnapshotConfig)
+from .runtime_sections import (AgentConfig, ClusterConfig, ElasticConfig, HealthConfig, LaunchConfig, NetworkConfig,
+                               ParallelConfig, PersistConfig, SecurityConfig, SnapshotConfig)
 
 __all__ = [
     # fields: the error, the checks the planners share, the choices and field types
     "ConfigError", "_fail", "_check_int", "_check_num", "AUTO", "Scheme", "SCHEMES", "Transport", "Prefer", "Mode",
     "Idle", "Baseline", "CompareMode", "Allowed", "Flag", "Text",
     # the sections
-    "ClusterConfig", "ParallelConfig", "SnapshotConfig", "PersistConfig", "AgentConfig", "LaunchConfig",
-    "HealthConfig", "NetworkConfig", "SecurityConfig", "RecoveryConfig", "HangConfig", "FailureConfig",
+    "ClusterConfig", "ElasticConfig", "ParallelConfig", "SnapshotConfig", "PersistConfig", "AgentConfig",
+    "LaunchConfig", "HealthConfig", "NetworkConfig", "SecurityConfig", "RecoveryConfig", "HangConfig", "FailureConfig",
     "SimulateConfig", "RedundancyConfig", "ScheduleConfig",
     # the job and its ports
     "FTConfig", "SECTIONS", "PortRange", "port_plan", "port_clash",

@@ -50,6 +50,12 @@ class FTConfig(_Section):
                 f"parallel.expert={self.parallel.expert} does not divide the data-parallel size "
                 f"{self.data_parallel} (world / (tensor*pipeline)): with expert tensor parallelism equal to "
                 f"parallel.tensor, megatron-core needs DP x TP to be a multiple of EP x TP")
+        least = self.cluster.elastic.min_data_parallel
+        if self.recovery.elastic and least > self.data_parallel:
+            _fail("cluster.elastic.min_data_parallel", least,
+                  f"must be at most the job's data-parallel size {self.data_parallel} (cluster.nodes*"
+                  f"cluster.ranks_per_node={self.cluster.world_size} / parallel.tensor*parallel.pipeline={mp}) "
+                  f"when recovery.elastic_after_s={self.recovery.elastic_after_s:g} turns shrinking on")
         self.redundancy.check_cluster(self.cluster.nodes)
         if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
             _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")

@@ -49,6 +49,28 @@ def _allowed(loc: tuple) -> Optional[str]:
     return None
 
 
+def _model_at(loc: tuple) -> Any:
+    """The section model at ``loc`` (``()``: the whole file; ``("cluster", "elastic")``: a sub-section),
+    or None where ``loc`` names a plain field or nothing."""
+    model: Any = FTConfig
+    for part in loc:
+        info = model.model_fields.get(part) if isinstance(part, str) else None
+        if info is None or not (isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)):
+            return None
+        model = info.annotation
+    return model
+
+
+def _field_names(model: Any) -> set:
+    """Every field name of ``model`` and of its sections and sub-sections, at any depth."""
+    out = set()
+    for name, info in model.model_fields.items():
+        out.add(name)
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            out |= _field_names(info.annotation)
+    return out
+
+
 def _path(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -62,13 +84,12 @@ def _config_error(e: ValidationError, source: str, data: Mapping[str, Any]) -> C
     loc = tuple(err["loc"])
     if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), ConfigError):
         return err["ctx"]["error"]
-    if err["type"] == "extra_forbidden":
+    if err["type"] == "extra_forbidden" and _model_at(loc[:-1]) is not None:
         section = loc[:-1]
-        model: Any = FTConfig if not section else FTConfig.model_fields[section[0]].annotation
-        allowed = sorted(_path(section + (n,)) for n in model.model_fields)
+        allowed = sorted(_path(section + (n,)) for n in _model_at(section).model_fields)
         return ConfigError(f"{source}: unknown key(s) {[_path(loc)]}; allowed: {allowed}")
-    if len(loc) == 1 and loc[0] in SECTIONS and err["type"] in ("model_type", "model_attributes_type", "dict_type"):
-        return ConfigError(f"{source}: {loc[0]}={err['input']!r} must be a mapping")
+    if loc and _model_at(loc) is not None and err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return ConfigError(f"{source}: {_path(loc)}={err['input']!r} must be a mapping")
     loc = tuple(p for p in loc if isinstance(p, int) or p in _FIELD_NAMES)  # drop union/validator branches
     value = err["input"]
     allowed = _allowed(loc)
@@ -80,7 +101,7 @@ def _config_error(e: ValidationError, source: str, data: Mapping[str, Any]) -> C
 
 #: megatron_ft/configs/local-cpu.yaml (the package's configs/, beside this subpackage)
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "local-cpu.yaml")
-_FIELD_NAMES = {n for m in (FTConfig, *(FTConfig.model_fields[s].annotation for s in SECTIONS)) for n in m.model_fields}
+_FIELD_NAMES = _field_names(FTConfig)
 
 
 def from_dict(data: Mapping[str, Any], source: str = "<dict>") -> FTConfig:

@@ -28,7 +28,15 @@ class RecoveryConfig(_Section):
     *certified* one - a version the job trained ``certify_after`` iterations past with no loss anomaly
     (every iteration's loss judged by the same rules, all ranks agreeing) - and an older version only
     where that one is not held. Two more slots per rank keep the certified version and the one being
-    watched; an all-reduce per iteration carries the verdict."""
+    watched; an all-reduce per iteration carries the verdict.
+
+    ``elastic_after_s`` (0: off): a node lost with no standby claiming it and no replacement within this
+    many seconds makes the job go on at fewer data-parallel replicas (tensor x pipeline unchanged, at
+    least ``cluster.elastic.min_data_parallel``; ``megatron_ft/policy/elastic.py``). A job that could not
+    go on after losing one node is refused before anything starts, by ``megatron-ft config`` and
+    ``megatron-ft launch`` (which checks the training command's batch sizes too:
+    ``megatron_ft/launch/command.py``); the policy sits above this package, so loading a file does not
+    check it. Only that refusal is built so far; the continuation is not yet."""
 
     guard: Flag = True
     max_rollbacks: _int(0) = 2
@@ -37,6 +45,12 @@ class RecoveryConfig(_Section):
     loss_spike: _num(1.0, strict=True) = 2.0
     prefer: _choice(Prefer) = "newest"
     certify_after: _int(1) = 3
+    elastic_after_s: _num(0.0) = 0.0
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost node that nothing replaces in time makes the job go on at fewer replicas."""
+        return self.elastic_after_s > 0
 
     @property
     def marked_versions(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import Field, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 from .fields import AUTO, Allowed, Flag, Text, _fail, _int, _num, _Section
 
@@ -32,11 +32,26 @@ def _auto_interval(data: Any, section: str, placeholder: int, minimum: int) -> A
     return data
 
 
+class ElasticConfig(_Section):
+    """``cluster.elastic``: going on at fewer data-parallel replicas after a node is lost with no standby
+    or replacement (``recovery.elastic_after_s`` turns it on). ``min_data_parallel``: the job never goes
+    on below this data-parallel size; it must not exceed the job's own (checked with the layout)."""
+
+    min_data_parallel: _int(1) = 1
+
+
 class ClusterConfig(_Section):
-    """The machines: ``nodes`` x ``ranks_per_node`` training processes."""
+    """The machines: ``nodes`` x ``ranks_per_node`` training processes; ``elastic``: the smallest
+    data-parallel size the job may go on at (:class:`ElasticConfig`)."""
 
     nodes: _int(1) = 2
     ranks_per_node: _int(1) = 2
+    elastic: ElasticConfig = ElasticConfig()
+
+    @field_validator("elastic", mode="before")
+    @classmethod
+    def _empty_elastic(cls, v: Any) -> Any:
+        return {} if v is None else v  # "elastic:" with nothing under it: the defaults
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,10 @@
 """``megatron-ft launch``'s command line: the job's configuration (one source of truth: the YAML with the
 training command's ``--inmem-ckpt*`` flags applied), its secret, the node this host is (given, or said by
 Slurm or Kubernetes), then this node's launcher, a standby, or every node simulated on this machine.
+
+With ``recovery.elastic_after_s`` on, a job that could not go on at fewer data-parallel replicas after
+losing a node - by its layout, or by the training command's ``--global-batch-size`` and
+``--micro-batch-size`` (:func:`batch_sizes`) - is refused before anything starts (:func:`elastic_refusal_of`).
 """
 from __future__ import annotations
 
@@ -9,14 +13,17 @@ import os
 import signal
 import subprocess
 import sys
+from math import gcd
 from typing import Any, Optional
 
 from .. import clock
 from .. import config as ftconfig
 from .. import network, scheduler
+from ..policy.elastic import elastic_refusal, shrink_sizes
 from ..transport import credential
 from .node import NodeLauncher, write_config
 from .standby import run_standby
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("launch", help="start agents and torchrun (simulates all nodes when --node-rank is absent)")
@@ -44,6 +51,95 @@ def job_config(config: Optional[str], script: list[str]) -> ftconfig.FTConfig:
         raise ftconfig.ConfigError(f"--config={config} and the training command's --inmem-ckpt-config="
                                    f"{flags.inmem_ckpt_config} name different files: give one, or the same file")
     return ftconfig.apply_flags(ftconfig.load(config or flags.inmem_ckpt_config), flags)
+
+
+#: Megatron-LM's flags for the batch sizes a training command trains at (its parser takes no abbreviations)
+BATCH_FLAGS = ("--global-batch-size", "--micro-batch-size")
+
+
+def batch_sizes(argv: list[str]) -> tuple[Optional[int], Optional[int]]:
+    """(global batch, micro-batch) that a training command's arguments give with Megatron-LM's
+    ``--global-batch-size`` and ``--micro-batch-size``, as ``--flag N`` or ``--flag=N`` (the last one
+    given wins, as argparse has it); None for a flag that is absent. A value that is not an integer
+    >= 1, or a flag with no value, is a :class:`~megatron_ft.config.ConfigError` naming it (pure).
+
+    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size", "18", "--micro-batch-size=2"])
+    (18, 2)
+    >>> batch_sizes(["pretrain_gpt.py", "--micro-batch-size", "4", "--micro-batch-size", "2"])
+    (None, 2)
+    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size=many"])
+    Traceback (most recent call last):
+    ...
+    megatron_ft.config.ConfigError: the training command's --global-batch-size='many' is invalid: must be an integer >= 1
+    """
+    found: dict[str, Optional[int]] = dict.fromkeys(BATCH_FLAGS)
+    for i, arg in enumerate(argv):
+        flag, eq, text = arg.partition("=")
+        if flag not in found:
+            continue
+        if not eq:
+            text = argv[i + 1] if i + 1 < len(argv) else ""
+        if not (text.isascii() and text.isdigit() and int(text) >= 1):
+            raise ftconfig.ConfigError(f"the training command's {flag}={text!r} is invalid: must be an integer >= 1")
+        found[flag] = int(text)
+    return found["--global-batch-size"], found["--micro-batch-size"]
+
+
+def elastic_refusal_of(cfg: ftconfig.FTConfig, global_batch: Optional[int] = None,
+                       micro_batch: Optional[int] = None) -> Optional[str]:
+    """Why ``cfg``'s job, with shrinking on (``recovery.elastic_after_s`` > 0), could not go on at fewer
+    data-parallel replicas after losing one node, as the message of a
+    :class:`~megatron_ft.config.ConfigError`: the reason of
+    :func:`megatron_ft.policy.elastic.elastic_refusal` (the batch checked where both sizes are given),
+    then what would fit. None when it could go on, or when shrinking is off."""
+    if not cfg.recovery.elastic:
+        return None
+    c, p = cfg.cluster, cfg.parallel
+    layout = (c.nodes, c.ranks_per_node, p.tensor, p.pipeline, p.expert)
+    least = c.elastic.min_data_parallel
+    why = elastic_refusal(*layout, global_batch, micro_batch, least)
+    if why is None:
+        return None
+    head = (f"recovery.elastic_after_s={cfg.recovery.elastic_after_s:g} is invalid for this job: it needs a "
+            f"smaller data-parallel size to go on at, and {why}")
+    if global_batch and micro_batch and elastic_refusal(*layout, min_data_parallel=least) is None:  # the batch
+        shrunk = (c.world_size - c.ranks_per_node) // (p.tensor * p.pipeline)
+        return f"{head}; {_batches_that_fit(cfg.data_parallel, shrunk, global_batch, micro_batch)}"
+    sizes = shrink_sizes(*layout, global_batch, micro_batch, least)
+    fits = ", ".join(f"{n} node{'s' * (n > 1)} at DP {dp}" for n, dp in sizes.items())
+    where = f"fits only after losing more nodes: {fits}" if fits else "fits no smaller number of nodes"
+    return f"{head}; this layout {where} (or set recovery.elastic_after_s: 0, off)"
+
+
+def describe_elastic(cfg: ftconfig.FTConfig) -> Optional[str]:
+    """The sizes ``cfg``'s job would go on at, largest first, for ``megatron-ft config FILE`` (None:
+    shrinking is off). The training command's batch sizes are checked at launch, not here."""
+    if not cfg.recovery.elastic:
+        return None
+    c, p = cfg.cluster, cfg.parallel
+    sizes = shrink_sizes(c.nodes, c.ranks_per_node, p.tensor, p.pipeline, p.expert,
+                         min_data_parallel=c.elastic.min_data_parallel)
+    fits = ", ".join(f"{n} node{'s' * (n > 1)} at DP {dp}" for n, dp in sizes.items()) or "none"
+    return (f"recovery.elastic_after_s={cfg.recovery.elastic_after_s:g}: a node lost with no standby or replacement "
+            f"within that many seconds -> fewer data-parallel replicas (DP {cfg.data_parallel} now, at least "
+            f"cluster.elastic.min_data_parallel={c.elastic.min_data_parallel}): {fits}; the training command's "
+            f"batch sizes are checked at launch (the refusal at launch is in place; the continuation is not yet)")
+
+
+def _batches_that_fit(dp: int, shrunk: int, global_batch: int, micro_batch: int) -> str:
+    """The batch sizes a job at ``dp`` replicas could go on with at ``shrunk`` replicas: a global batch
+    that is a multiple of both DP x micro-batch (Megatron-LM's own rule) and DP' x micro-batch at this
+    micro-batch, or this global batch at the micro-batches that divide it so.
+
+    >>> _batches_that_fit(3, 2, 18, 2)
+    'a global batch that fits DP 3 and DP 2 at micro-batch 2 is a multiple of 12 (12, 24, 36, ...), or the global batch 18 fits at micro-batch 1 or 3'
+    """
+    both = dp * shrunk // gcd(dp, shrunk)  # the least common multiple of DP and DP'
+    step = both * micro_batch
+    micro = [str(m) for m in range(1, global_batch // both + 1) if global_batch % (both * m) == 0]
+    return (f"a global batch that fits DP {dp} and DP {shrunk} at micro-batch {micro_batch} is a multiple of "
+            f"{step} ({step}, {2 * step}, {3 * step}, ...)"
+            + (f", or the global batch {global_batch} fits at micro-batch {' or '.join(micro)}" if micro else ""))
 
 
 def with_job_secret(cfg: ftconfig.FTConfig, run_dir: str) -> ftconfig.FTConfig:
@@ -76,6 +172,10 @@ def main(args: argparse.Namespace) -> int:
     if (nodes, nproc) != (cfg.cluster.nodes, cfg.cluster.ranks_per_node):
         cfg = ftconfig.replace(cfg, cluster={"nodes": nodes, "ranks_per_node": nproc})
     args.nodes, args.nproc_per_node = nodes, nproc
+    if cfg.recovery.elastic:  # before anything starts: a job that could not go on at fewer replicas
+        why = elastic_refusal_of(cfg, *batch_sizes(script))
+        if why:
+            raise ftconfig.ConfigError(why)
     alloc = scheduler.allocation(os.environ) if args.node_rank is None and not args.standby else None
     if alloc is not None:  # a Slurm step or a Kubernetes indexed Job says which node this host is
         cfg = scheduler.placed(cfg, alloc)
