@@ -234,7 +234,7 @@ def test_a_node_whose_name_resolves_to_loopback_is_refused_at_launch(bed_allowed
     pytest.param(["--fail=trainer"], "local_memory", marks=pytest.mark.slow),
     (["--fail=node", "--redundancy=replica"], "peer_memory"),
 ], ids=["trainer", "node-replica"])
-def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_path, argv, tier):
+def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_path, argv, tier, reference_dir):
     """The demo with every node on a host of its own (--hosts): its own address, name, /dev/shm; the
     collectives and the agents on the bed's eth0; a lost node's host dies whole and a new one takes its
     name. Bit-exact at the promised tier, nothing of the bed left. Before the failure, megatron-ft's own
@@ -244,8 +244,9 @@ def test_a_failure_on_hosts_of_their_own_recovers_at_its_tier(bed_allowed, tmp_p
 
     work = tmp_path / "w"
     beds_before = set(hosts.bed_namespaces())
+    # 24 iterations: the suite's reference run of that length serves (one machine's or the hosts' own)
     s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--quiet", f"--workdir={work}",
-                  "--iters=14", "--kill-at=7", *argv], timeout=600)
+                  "--iters=24", "--kill-at=7", f"--reference-dir={reference_dir}", *argv], timeout=600)
     assert s["recovered_from"] == tier and (s["newest_complete_at_loss"] or 5) <= s["resumed_step"] <= 7, s
     log = (work / "run.log").read_text()
     assert "rendezvous generation 0 hosted by node 0 at node0:29400" in log

@@ -150,6 +150,8 @@ def test_cold_start_loads_newest_persisted_step(tmp_path, reference_dir):
     assert not [p for p in problems if p not in missing], problems
 
 
+@pytest.mark.slow  # default-suite time: a lost node's ranks from a peer replica, in the default suite on hosts of
+# their own (test_hosts.py), under Slurm (test_slurm.py) and from the scheduled transport's copy (below)
 def test_node_lost_recovers_from_peer_replica(tmp_path, reference_dir):
     """A whole node (trainers, launcher, agent, shared memory) is lost and replaced; its
     ranks come back from the replica on the other node, the rest from local memory."""
@@ -166,7 +168,7 @@ def test_node_lost_recovers_from_a_copy_the_scheduled_transport_sent(tmp_path, r
     # here at 10 iterations: nothing complete by the kill, a fresh start; and at 16 with 2 profiled
     # iterations, whose link estimate of 5 MiB/s planned a copy every 27 iterations)
     s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--quiet", "--iters=24",
-                  f"--workdir={tmp_path / 'demo'}", f"--reference-dir={tmp_path / 'ref'}", "--fail=node",
+                  f"--workdir={tmp_path / 'demo'}", f"--reference-dir={reference_dir}", "--fail=node",
                   "--redundancy=replica", "--transport=scheduled", f"--kill-at={KILL_AT}"], timeout=900)
     assert (s["transport"], s["recovered_from"]) == ("scheduled", "peer_memory"), s
     for rank in range(4):  # written at the end of the run (after the restart)

@@ -47,12 +47,14 @@ def test_slurm_conf_names_the_hosts_and_keeps_everything_in_its_directory():
 BOUND_S = 300
 
 
-def test_a_lost_host_under_slurm_is_replaced_by_the_allocations_standby(slurm_allowed, tmp_path):
+def test_a_lost_host_under_slurm_is_replaced_by_the_allocations_standby(slurm_allowed, tmp_path, reference_dir):
     work = tmp_path / "w"
     beds_before = set(hosts.bed_namespaces())
+    # the suite's reference runs: the job's 24 iterations without megatron-ft give the same final state on
+    # one machine's processes or on hosts of their own (one reference for every 2 x 2 run of that length)
     s = run_demo([sys.executable, "-m", "megatron_ft.cli", "demo", "--hosts", "--slurm", "--quiet",
                   f"--workdir={work}", "--iters=24", "--kill-at=4", "--fail=node", "--redundancy=replica",
-                  "--standby", f"--timeout={BOUND_S}"], timeout=BOUND_S + 120)
+                  "--standby", f"--timeout={BOUND_S}", f"--reference-dir={reference_dir}"], timeout=BOUND_S + 120)
     assert (s["lost_nodes"], s["recovered_from"]) == ([1], "peer_memory"), s
     assert 1 <= s["newest_complete_at_loss"] <= s["resumed_step"] <= s["last_iteration_before_kill"], s
     assert not s["problems"], s["problems"]
