@@ -48,6 +48,10 @@ WINDOW = 200
 
 #: a process that started this much later than the record it is named in is another one (the pid reused)
 PID_REUSE_SLACK_S = 2.0
+#: a rank past a fixed deadline (its start, a rendezvous, its restore, a save: :func:`rule.overdue`) is sent
+#: SIGUSR1 first - every trainer writes its threads' stacks to its log on it, and it ends the process -
+#: and SIGKILL this much later if it still runs (the stacks say where a round that never formed waited)
+STACKS_GRACE_S = 1.0
 
 
 def process_state(pid: int, started: Optional[float] = None) -> Optional[str]:
@@ -87,6 +91,7 @@ class HangWatch:
         self.stragglers: dict[int, dict] = {}
         self.verdicts: list[dict] = []
         self._acted: set[tuple[int, int, int]] = set()
+        self._ending: dict[int, tuple[float, float]] = {}  # pid -> (SIGKILL at, its record's start): see STACKS_GRACE_S
         self._sent: Optional[rule.NodeStall] = None
         self._last_tick: Optional[float] = None
         self.training_over = False  # every local rank's record says "done" (read by the heartbeat thread)
@@ -131,6 +136,7 @@ class HangWatch:
             log.warning("agent node %d: the hang watch did not run for %.1f s (agent paused?): no verdict for "
                         "%.1f s", self.node, now - self._last_tick, self.limits.floor_s)
         self._last_tick = now
+        self._end_overdue(now)
         records = {}
         for i in range(self.rpn):
             p = self.board.read(i)
@@ -250,21 +256,39 @@ class HangWatch:
             if key in self._acted:
                 continue
             self._acted.add(key)
+            stacks = not verdict.collective and rule.overdue(c)
             try:
-                os.kill(p.pid, signal.SIGKILL)
+                os.kill(p.pid, signal.SIGUSR1 if stacks else signal.SIGKILL)
             except ProcessLookupError:
                 continue
+            if stacks:
+                self._ending[p.pid] = (now + STACKS_GRACE_S, p.started)
             rec = {"event": "hang", "node": self.node, "rank": c.rank, "pid": p.pid, "phase": c.phase,
                    "steps": p.steps, "quiet_s": round(now - p.since, 3), "collective": verdict.collective,
                    "bound_s": round(rule.allowance(self.limits, p.phase, p99_s, p.steps)
                                     or rule.bound(self.limits, p99_s, p.steps), 3),
                    "iteration_p99_s": round(p99_s, 4) if p99_s is not None else None,
-                   "others": "waiting", "time": time.time()}
+                   "others": "waiting, or past a deadline of their own" if stacks else "waiting", "stacks": stacks,
+                   "time": time.time()}
             self.verdicts.append(rec)
             log.error("agent node %d: rank %d (pid %d) is hung: quiet %.1f s in %s (bound %.1f s, the job's "
-                      "iteration p99 %s s, every other rank waiting): SIGKILLed, the job recovers it", self.node,
-                      c.rank, p.pid, rec["quiet_s"], c.phase, rec["bound_s"], rec["iteration_p99_s"])
+                      "iteration p99 %s s, every other rank %s): %s, the job recovers it", self.node,
+                      c.rank, p.pid, rec["quiet_s"], c.phase, rec["bound_s"], rec["iteration_p99_s"], rec["others"],
+                      f"SIGUSR1 (its stacks to its log), SIGKILL {STACKS_GRACE_S:g} s later if it still runs"
+                      if stacks else "SIGKILLed")
             self._event(rec)
+
+    def _end_overdue(self, now: float) -> None:
+        """SIGKILL the ranks sent SIGUSR1 for their stacks that still run :data:`STACKS_GRACE_S` later."""
+        for pid, (at, started) in list(self._ending.items()):
+            if now < at:
+                continue
+            del self._ending[pid]
+            if process_state(pid, started) not in (None, "Z", "X"):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     # ------------------------------------------------------------------ stragglers
     def _stragglers(self, works: dict[int, float], records: dict[int, hp.Progress]) -> None:

@@ -130,6 +130,9 @@ for _ in range(5):
     w.step(0.02, 0.01)
 w.enter({"work": hp.WORK, "collective": hp.COLLECTIVE, "save": hp.SAVE, "rendezvous": hp.RENDEZVOUS}[sys.argv[3]])
 print("ready", flush=True)
+if sys.argv[4] == "deaf":  # a script's own SIGUSR1 handler that does not end the process
+    import signal
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 if sys.argv[4] == "progress":
     while True:
         time.sleep(0.05); w.enter(hp.WORK); w.enter(hp.COLLECTIVE)
@@ -207,14 +210,19 @@ def test_a_round_that_never_forms_is_ended_once_its_ranks_pass_the_start_deadlin
     # every rank waits in its rendezvous (a store that never answers): waiting, then hung past start_s -
     # those past it at the verdict are ended however many; the later ones, still within it, wait (in a job
     # the first kill opens a fast round, which replaces them all)
+    # each is sent SIGUSR1 first (a trainer writes its stacks to its log on it, and ends), SIGKILL a second
+    # later if it still runs (rank 0 here ignores SIGUSR1)
     cfg, watch, start, events = bed
-    procs = [start(r, "rendezvous") for r in range(3)]
+    procs = [start(0, "rendezvous", then="deaf")] + [start(r, "rendezvous") for r in (1, 2)]
     run_ticks(watch, 6.0, until=procs[0])
-    time.sleep(0.2)
-    killed = [r for r, p in enumerate(procs) if p.poll() == -signal.SIGKILL]
-    assert killed[:1] == [0] and all(procs[r].poll() is None for r in range(3) if r not in killed)
+    run_ticks(watch, 0.3)
+    ended = {r: p.poll() for r, p in enumerate(procs) if p.poll() is not None}
+    assert ended.get(0) == -signal.SIGKILL, ended
+    assert all(code == -signal.SIGUSR1 for r, code in ended.items() if r), ended
+    assert all(procs[r].poll() is None for r in range(3) if r not in ended)
     evs = [json.loads(line) for line in open(events)]
-    assert sorted(e["rank"] for e in evs) == killed and {e["phase"] for e in evs} == {"rendezvous"}
+    assert sorted(e["rank"] for e in evs) == sorted(ended) and {e["phase"] for e in evs} == {"rendezvous"}
+    assert all(e["stacks"] for e in evs)
     assert all(e["quiet_s"] >= cfg.hang.start_s and e["bound_s"] == cfg.hang.start_s for e in evs)  # not before
 
 
