@@ -180,6 +180,10 @@ def test_one_real_trial_of_a_hang(tmp_path, kind):
         assert o.why == "trained through" and o.recovered_from == "none"
     else:
         assert o.recovered_from == o.promised == "local_memory" and o.resumed_step >= 1
+    if kind == "hang-in-restore":  # past its restore's deadline: SIGUSR1 first, its stacks in the job's log
+        log = open(tmp_path / "trial0000" / "demo" / "run.log").read()
+        stack = log[log.index("Current thread 0x"):][:3000]
+        assert "trainer/recovery.py" in stack and "in restore" in stack, stack
 
 
 def _demo_args(*argv):
