@@ -241,29 +241,36 @@ class HangWatch:
         return {rule.HANG_KEY: verdict.encode() if verdict is not None else None}
 
     # ------------------------------------------------------------------ the verdict
+    def _targets(self, verdict: rule.HangVerdict, records: dict[int, hp.Progress], now: float,
+                 p99_s: Optional[float]) -> list[tuple[int, hp.Progress, str]]:
+        """(rank, record, phase as judged) of this node's ranks the verdict ends: those it names whose record
+        has not moved since - or, for a verdict on every rank, those of this node's that still qualify (still
+        waiting ``collective_s``; still past a deadline of their phase's own), judged again here."""
+        if verdict.collective:
+            return [(r, p, p.phase_name) for r, p in sorted(records.items())
+                    if p.phase in hp.WAITING and now - p.since >= self.limits.collective_s]
+        if verdict.overdue:
+            return [(r, p, p.phase_name) for r, p in sorted(records.items())
+                    if p.phase_name in rule.FIXED_ALLOWANCE and rule.judge(p, now, self.limits, p99_s, 0.0) == "hung"
+                    and process_state(p.pid, p.started) not in (None, "Z", "X")]
+        return [(c.rank, records[c.rank], c.phase) for c in verdict.culprits
+                if c.rank in records and (records[c.rank].pid, records[c.rank].seq) == (c.pid, c.seq)]
+
     def _act(self, verdict: rule.HangVerdict, records: dict[int, hp.Progress], now: float) -> None:
         p99_s = rule.p99(list(self.iter_times))
-        for c in verdict.culprits:
-            p = records.get(c.rank)
-            if p is None:
-                continue
-            if verdict.collective:  # every rank still waiting that long, whatever its process
-                if p.phase not in hp.WAITING or now - p.since < self.limits.collective_s:
-                    continue
-            elif (p.pid, p.seq) != (c.pid, c.seq):
-                continue  # it moved (or was replaced) since it was judged
-            key = (c.rank, p.pid, p.seq)
+        for rank, p, phase in self._targets(verdict, records, now, p99_s):
+            key = (rank, p.pid, p.seq)
             if key in self._acted:
                 continue
             self._acted.add(key)
-            stacks = not verdict.collective and rule.overdue(c)
+            stacks = not verdict.collective and phase in rule.FIXED_ALLOWANCE  # a stopped one: "... (stopped)"
             try:
                 os.kill(p.pid, signal.SIGUSR1 if stacks else signal.SIGKILL)
             except ProcessLookupError:
                 continue
             if stacks:
                 self._ending[p.pid] = (now + STACKS_GRACE_S, p.started)
-            rec = {"event": "hang", "node": self.node, "rank": c.rank, "pid": p.pid, "phase": c.phase,
+            rec = {"event": "hang", "node": self.node, "rank": rank, "pid": p.pid, "phase": phase,
                    "steps": p.steps, "quiet_s": round(now - p.since, 3), "collective": verdict.collective,
                    "bound_s": round(rule.allowance(self.limits, p.phase, p99_s, p.steps)
                                     or rule.bound(self.limits, p99_s, p.steps), 3),
@@ -273,7 +280,7 @@ class HangWatch:
             self.verdicts.append(rec)
             log.error("agent node %d: rank %d (pid %d) is hung: quiet %.1f s in %s (bound %.1f s, the job's "
                       "iteration p99 %s s, every other rank %s): %s, the job recovers it", self.node,
-                      c.rank, p.pid, rec["quiet_s"], c.phase, rec["bound_s"], rec["iteration_p99_s"], rec["others"],
+                      rank, p.pid, rec["quiet_s"], phase, rec["bound_s"], rec["iteration_p99_s"], rec["others"],
                       f"SIGUSR1 (its stacks to its log), SIGKILL {STACKS_GRACE_S:g} s later if it still runs"
                       if stacks else "SIGKILLed")
             self._event(rec)

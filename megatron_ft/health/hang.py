@@ -4,12 +4,12 @@ In synchronous training every rank stops within an iteration of a hung one, so "
 cannot name the culprit: the others are *waiting* - in a collective, or for their own agent - and the
 culprit is not. Many ranks quiet in their own work at once (a long write of every rank) is no verdict:
 the hung ranks must be few (at most one node's, and no more than the waiting ones) - unless every one of
-them is past a fixed allowance (its start-up, a rendezvous, its restore, Megatron's own save:
-:func:`overdue`): a round whose ranks all stay that long in a phase that has a deadline of its own is
-stuck however many they are (a round that never forms: nothing else would notice it). Each node's agent classifies its ranks (:func:`judge`) against a *bound* derived from
-the job's own iteration times (:func:`bound`) and reports the node's stall (:class:`NodeStall`, only
-when it changes: nothing while the job trains); the job's verdict (:func:`decide`) names the hung
-ranks once every other rank of the job waits:
+them is past a deadline of its phase's own (its start-up, a rendezvous, its restore, Megatron's own
+save: :func:`overdue`): ranks that all stay that long in such a phase are stuck however many they are (a
+round that never forms: nothing else would notice it). Each node's agent classifies its ranks
+(:func:`judge`) against a *bound* derived from the job's own iteration times (:func:`bound`) and reports
+the node's stall (:class:`NodeStall`, only when it changes: nothing while the job trains); the job's
+verdict (:func:`decide`) names the hung ranks once every other rank of the job waits:
 
 * ``hung``: quiet in its own work (or its restore, Megatron's own disk save, its start-up, a rendezvous)
   past that phase's allowance, or seen stopped (SIGSTOP, a tracer) continuously for ``floor_s`` while quiet
@@ -19,7 +19,9 @@ ranks once every other rank of the job waits:
 * anything else (progressing, starting, ending, gone) blocks a verdict.
 
 With ``collective_s`` set, every rank waiting that long with nobody to blame (a collective that
-deadlocked) is a verdict on all of them.
+deadlocked) is a verdict on all of them. Such a verdict - and one on ranks all past their deadlines -
+names no rank (O(1) in the store however large the job): each agent ends those of its own ranks that
+still qualify, judged again on its own records.
 
 >>> lim = Limits(k=10.0, floor_s=5.0, ceiling_s=120.0, warmup_iterations=3, first_s=60.0, restore_s=300.0,
 ...              save_s=3600.0, collective_s=0.0)
@@ -43,9 +45,9 @@ True
 A round that never formed: every rank still in its rendezvous past ``start_s`` is hung, all of them.
 
 >>> never = NodeStall(node=0, ranks=1, hung=(Culprit(0, 41, 3, "rendezvous", 901.0),), waiting=())
->>> [c.rank for c in decide({0: never, 1: NodeStall(1, 1, (Culprit(1, 42, 3, "rendezvous", 901.0),), ())},
-...                        nodes=2, ranks_per_node=1, collective_s=0).culprits]
-[0, 1]
+>>> decide({0: never, 1: NodeStall(1, 1, (Culprit(1, 42, 3, "rendezvous", 901.0),), ())}, nodes=2,
+...        ranks_per_node=1, collective_s=0)
+HangVerdict(culprits=(), collective=False, overdue=True)
 """
 from __future__ import annotations
 
@@ -122,7 +124,7 @@ FIXED_ALLOWANCE = frozenset({"start", "rendezvous", "restore", "save"})
 
 def overdue(c: "Culprit") -> bool:
     """Whether ``c`` was judged hung past a fixed deadline (:data:`FIXED_ALLOWANCE`): such ranks are a
-    verdict however many they are (:func:`blames`).
+    verdict however many they are (:func:`decide`).
 
     >>> overdue(Culprit(0, 7, 2, "restore", 301.0)), overdue(Culprit(0, 7, 2, "work", 6.0))
     (True, False)
@@ -209,20 +211,28 @@ class NodeStall:
 
 @dataclass(frozen=True)
 class HangVerdict:
-    """The job's verdict: these ranks are hung (``collective``: every rank waited ``collective_s`` in
-    collectives with nobody to blame; every one of them is named)."""
+    """The job's verdict: these ranks are hung. Or, naming none (``culprits`` empty), every rank is:
+    ``collective`` - every rank waited ``collective_s`` in collectives with nobody to blame; ``overdue`` -
+    every hung rank is past a deadline of its phase's own (:func:`overdue`). Each agent then ends its own
+    ranks that still qualify."""
 
     culprits: tuple[Culprit, ...]
     collective: bool = False
+    overdue: bool = False
+
+    @property
+    def every_rank(self) -> bool:
+        return self.collective or self.overdue
 
     def encode(self) -> str:
-        return json.dumps({"v": VERSION, "collective": self.collective,
+        return json.dumps({"v": VERSION, "collective": self.collective, "overdue": self.overdue,
                            "culprits": [c.encoded() for c in self.culprits]})
 
     @classmethod
     def decode(cls, text: str) -> "HangVerdict":
         d = _versioned(text, "hang verdict")
-        return cls(tuple(Culprit.decoded(c) for c in d["culprits"]), bool(d["collective"]))
+        return cls(tuple(Culprit.decoded(c) for c in d["culprits"]), bool(d["collective"]),
+                   bool(d.get("overdue", False)))
 
 
 def blames(hung: Sequence[Culprit], waiting: int, world: int, max_culprits: int) -> bool:
@@ -230,11 +240,9 @@ def blames(hung: Sequence[Culprit], waiting: int, world: int, max_culprits: int)
     most ``max_culprits``, and no more than the waiting) - many ranks quiet in their own work at once is
     the job's own work (a long write everywhere; on NCCL, ranks blocked in a device sync behind one
     stuck peer look so too), not a hang to end them for. A job of one rank: only a stopped process.
-    Ranks all :func:`overdue` are a verdict however many (their deadline is not the job's work)."""
+    (Ranks all :func:`overdue` are a verdict however many: :func:`decide`.)"""
     if not hung:
         return False
-    if all(overdue(c) for c in hung):
-        return True
     if world == 1:
         return all(c.stopped for c in hung)
     return len(hung) <= min(waiting, max_culprits)
@@ -244,19 +252,20 @@ def decide(reports: Mapping[int, NodeStall], nodes: int, ranks_per_node: int,
            collective_s: float, max_culprits: int = 0) -> Optional[HangVerdict]:
     """The job's verdict from every node's newest report, or None. A verdict needs every rank of the job
     accounted for - hung, or waiting - and the hung ones few (:func:`blames`; ``max_culprits`` 0: one
-    node's ranks). A collective verdict names ranks, not processes (pid 0): each agent ends those of its
-    ranks still waiting."""
+    node's ranks), or all :func:`overdue`. A collective or an overdue verdict names no rank: each agent
+    ends those of its ranks that still qualify."""
     if len(reports) < nodes:
         return None
     hung = [c for n in sorted(reports) for c in reports[n].hung]
     waiting = {r for rep in reports.values() for r in rep.waiting}
     if len({c.rank for c in hung} | waiting) < nodes * ranks_per_node:
         return None
+    if hung and all(overdue(c) for c in hung):
+        return HangVerdict((), overdue=True)
     if blames(hung, len(waiting), nodes * ranks_per_node, max_culprits or ranks_per_node):
         return HangVerdict(tuple(hung))
     if not hung and collective_s > 0 and all(rep.long for rep in reports.values()):
-        return HangVerdict(tuple(Culprit(r, 0, -1, "collective", collective_s) for r in sorted(waiting)),
-                           collective=True)
+        return HangVerdict((), collective=True)
     return None
 
 
@@ -291,14 +300,14 @@ class StallAggregator:
                 self._hung[report.node] = report.hung
         if len(self.reports) < self.nodes or self._accounted < self.nodes * self.ranks_per_node:
             return None
-        hung = [c for n in sorted(self._hung) for c in self._hung[n]] if self._hung else []
-        if (len(self._hung) <= self.max_culprits or not self._within) and blames(
-                hung, self._waiting, self.nodes * self.ranks_per_node,
-                                                           self.max_culprits):
-            return HangVerdict(tuple(hung))
+        if self._hung and not self._within:
+            return HangVerdict((), overdue=True)
+        if self._hung and len(self._hung) <= self.max_culprits:  # else more hung ranks than one verdict takes
+            hung = [c for n in sorted(self._hung) for c in self._hung[n]]
+            if blames(hung, self._waiting, self.nodes * self.ranks_per_node, self.max_culprits):
+                return HangVerdict(tuple(hung))
         if not self._hung and self.collective_s > 0 and self._long == self.nodes:
-            return HangVerdict(tuple(Culprit(r, 0, -1, "collective", self.collective_s)
-                                     for n in sorted(self.reports) for r in self.reports[n].waiting), collective=True)
+            return HangVerdict((), collective=True)
         return None
 
 

@@ -75,7 +75,7 @@ def test_a_deadlocked_collective_is_a_verdict_on_every_rank_only_with_collective
     long = {n: rule.NodeStall(n, 1, (), (n,), long=True) for n in range(2)}
     assert rule.decide(long, 2, 1, 0.0) is None
     v = rule.decide(long, 2, 1, 120.0)
-    assert v.collective and [c.rank for c in v.culprits] == [0, 1]
+    assert v.collective and v.culprits == ()  # names no rank: each agent ends its own still waiting
     assert rule.decide({0: long[0], 1: rule.NodeStall(1, 1, (), (1,), long=False)}, 2, 1, 120.0) is None
 
 
@@ -84,6 +84,8 @@ def test_reports_and_verdicts_round_trip_and_refuse_other_versions():
     assert rule.NodeStall.decode(r.encode()).same(r)
     v = rule.HangVerdict((culprit(6),))
     assert rule.HangVerdict.decode(v.encode()).culprits[0].rank == 6
+    for every in (rule.HangVerdict((), collective=True), rule.HangVerdict((), overdue=True)):
+        assert rule.HangVerdict.decode(every.encode()) == every and len(every.encode()) < 80
     bad = json.loads(r.encode())
     bad["v"] = 99
     with pytest.raises(ValueError, match="version 99"):
@@ -224,6 +226,31 @@ def test_a_round_that_never_forms_is_ended_once_its_ranks_pass_the_start_deadlin
     assert sorted(e["rank"] for e in evs) == sorted(ended) and {e["phase"] for e in evs} == {"rendezvous"}
     assert all(e["stacks"] for e in evs)
     assert all(e["quiet_s"] >= cfg.hang.start_s and e["bound_s"] == cfg.hang.start_s for e in evs)  # not before
+
+
+def test_a_deadlocked_collective_ends_every_rank_still_waiting_with_collective_s(tmp_path):
+    cfg = ftconfig.from_dict({"run_id": "hangcoll", "cluster": {"nodes": 1, "ranks_per_node": 2},
+                              "parallel": {"tensor": 1, "pipeline": 1}, "agent": {"shm_dir": str(tmp_path)},
+                              "hang": {"tick_s": 0.05, "floor_s": 0.6, "collective_s": 1.0}})
+    board = hp.ProgressBoard.create(hp.board_path(str(tmp_path), cfg.run_id, 0), 2)
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, board.path, str(r), "collective", "sleep"],
+                              stdout=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 2
+        events = str(tmp_path / "events.jsonl")
+        watch = HangWatch(cfg, 0, board, None, events)
+        run_ticks(watch, 5.0, until=procs[1])
+        run_ticks(watch, 0.3)
+        assert [p.wait(5) for p in procs] == [-signal.SIGKILL] * 2  # no stacks asked: SIGKILL at once
+        evs = [json.loads(line) for line in open(events)]
+        assert sorted(e["rank"] for e in evs) == [0, 1] and all(e["collective"] and not e["stacks"] for e in evs)
+        assert all(e["quiet_s"] >= 1.0 for e in evs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        board.close(unlink=True)
 
 
 def test_no_verdict_when_every_rank_works_at_once_or_in_megatrons_own_save(bed):
@@ -369,7 +396,7 @@ def test_ranks_all_past_a_deadline_of_their_phase_are_a_verdict_however_many():
                                            for r, ph in ((2 * n, "rendezvous"), (2 * n + 1, "start"))), ())
              for n in range(3)}
     v = rule.decide(never, 3, 2, 0.0)
-    assert [c.rank for c in v.culprits] == [0, 1, 2, 3, 4, 5] and not v.collective
+    assert v.overdue and v.culprits == () and not v.collective  # O(1) however many: each agent ends its own
     agg = rule.StallAggregator(3, 2, 0.0)
     assert [agg.update(never[n]) is not None for n in range(3)] == [False, False, True]
     # one rank quiet in its own work among them: the few-rule again (6 hung, none waiting)
