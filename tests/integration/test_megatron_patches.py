@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 
 import pytest
 
@@ -31,8 +30,7 @@ def pristine(tmp_path_factory, release):
     if os.path.isdir(src):
         return src
     dst = tmp_path_factory.mktemp("upstream")
-    with tarfile.open(src) as tf:
-        tf.extractall(dst, filter="data")
+    megatron_lm.extract_archive(src, str(dst))
     return str(dst / "Megatron-LM")
 
 
