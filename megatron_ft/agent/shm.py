@@ -284,19 +284,34 @@ def node_prefix(run_id: str, node: int) -> str:
     return f"mft.{run_id}.n{node}."
 
 
-def remove_node_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
-    """Unlink every segment ``node``'s agent held for run ``run_id`` (slots and blocks): for an agent
-    killed while the job ends, which cannot."""
+#: what follows a node's prefix in the name of a file its agent holds: a slot, a peer block version, the
+#: progress file (:func:`megatron_ft.health.progress.board_path`)
+_HELD = re.compile(r"(?:r\d+\.s\d+|(?P<block>\d+\.blk\..+)|progress)$")
+
+
+def held_by(name: str, run_id: str, node: int) -> Optional[re.Match]:
+    """Whether the file ``name`` is one that ``node``'s agent holds for run ``run_id`` - never another run's
+    whose id extends this one (run ``a``'s node 1 and run ``a.n1``'s node 0 both begin ``mft.a.n1.``).
+
+    >>> bool(held_by("mft.a.n1.r0.s2", "a", 1)), bool(held_by("mft.a.n1.n0.r0.s2", "a", 1))
+    (True, False)
+    >>> bool(held_by("mft.a.n1.n0.r0.s2", "a.n1", 0)), held_by("mft.a.n1.77.blk.k.3", "a", 1)["block"]
+    (True, '77.blk.k.3')
+    """
     prefix = node_prefix(run_id, node)
-    return remove_segments(shm_dir, lambda name: name.startswith(prefix))
+    return _HELD.match(name, len(prefix)) if name.startswith(prefix) else None
+
+
+def remove_node_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
+    """Unlink every file ``node``'s agent held for run ``run_id`` (slots, blocks, the progress file): for
+    an agent killed while the job ends, which cannot."""
+    return remove_segments(shm_dir, lambda name: held_by(name, run_id, node) is not None)
 
 
 def remove_block_segments(shm_dir: str, run_id: str, node: int) -> list[str]:
     """Unlink the peer block versions an earlier agent of ``node`` left (it died without shutdown);
     returns the removed paths. Slots are re-adopted; blocks are received again with the next version."""
-    prefix = node_prefix(run_id, node)
-    return remove_segments(shm_dir, lambda name: name.startswith(prefix) and ".blk." in name
-                           and parse_segment_name(name) is None)
+    return remove_segments(shm_dir, lambda name: bool((m := held_by(name, run_id, node)) and m["block"]))
 
 
 def intact(seg: Segment) -> bool:
