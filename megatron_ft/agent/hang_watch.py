@@ -72,6 +72,11 @@ def process_state(pid: int, started: Optional[float] = None) -> Optional[str]:
     return fields[0][:1]
 
 
+def alive(pid: int, started: Optional[float] = None) -> bool:
+    """Whether ``pid`` still runs (not gone, not a zombie) and is the process of the record naming it."""
+    return process_state(pid, started) not in (None, "Z", "X")
+
+
 class HangWatch:
     """``board``: the node's progress file (the agent owns it); ``store``: the job's (None: a one-node
     job); ``events``: where verdicts are written (None: only the log)."""
@@ -252,7 +257,7 @@ class HangWatch:
         if verdict.overdue:
             return [(r, p, p.phase_name) for r, p in sorted(records.items())
                     if p.phase_name in rule.FIXED_ALLOWANCE and rule.judge(p, now, self.limits, p99_s, 0.0) == "hung"
-                    and process_state(p.pid, p.started) not in (None, "Z", "X")]
+                    and alive(p.pid, p.started)]
         return [(c.rank, records[c.rank], c.phase) for c in verdict.culprits
                 if c.rank in records and (records[c.rank].pid, records[c.rank].seq) == (c.pid, c.seq)]
 
@@ -291,7 +296,7 @@ class HangWatch:
             if now < at:
                 continue
             del self._ending[pid]
-            if process_state(pid, started) not in (None, "Z", "X"):
+            if alive(pid, started):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -105,8 +105,7 @@ def elastic_refusal_of(cfg: ftconfig.FTConfig, global_batch: Optional[int] = Non
     if global_batch and micro_batch and elastic_refusal(*layout, min_data_parallel=least) is None:  # the batch
         shrunk = (c.world_size - c.ranks_per_node) // (p.tensor * p.pipeline)
         return f"{head}; {_batches_that_fit(cfg.data_parallel, shrunk, global_batch, micro_batch)}"
-    sizes = shrink_sizes(*layout, global_batch, micro_batch, least)
-    fits = ", ".join(f"{n} node{'s' * (n > 1)} at DP {dp}" for n, dp in sizes.items())
+    fits = _sizes_text(shrink_sizes(*layout, global_batch, micro_batch, least))
     where = f"fits only after losing more nodes: {fits}" if fits else "fits no smaller number of nodes"
     return f"{head}; this layout {where} (or set recovery.elastic_after_s: 0, off)"
 
@@ -117,13 +116,17 @@ def describe_elastic(cfg: ftconfig.FTConfig) -> Optional[str]:
     if not cfg.recovery.elastic:
         return None
     c, p = cfg.cluster, cfg.parallel
-    sizes = shrink_sizes(c.nodes, c.ranks_per_node, p.tensor, p.pipeline, p.expert,
-                         min_data_parallel=c.elastic.min_data_parallel)
-    fits = ", ".join(f"{n} node{'s' * (n > 1)} at DP {dp}" for n, dp in sizes.items()) or "none"
+    fits = _sizes_text(shrink_sizes(c.nodes, c.ranks_per_node, p.tensor, p.pipeline, p.expert,
+                                    min_data_parallel=c.elastic.min_data_parallel)) or "none"
     return (f"recovery.elastic_after_s={cfg.recovery.elastic_after_s:g}: a node lost with no standby or replacement "
             f"within that many seconds -> fewer data-parallel replicas (DP {cfg.data_parallel} now, at least "
             f"cluster.elastic.min_data_parallel={c.elastic.min_data_parallel}): {fits}; the training command's "
             f"batch sizes are checked at launch (the refusal at launch is in place; the continuation is not yet)")
+
+
+def _sizes_text(sizes: dict[int, int]) -> str:
+    """``{nodes': DP'}`` in words: ``"2 nodes at DP 4, 1 node at DP 2"`` ("" for none)."""
+    return ", ".join(f"{n} node{'s' * (n > 1)} at DP {dp}" for n, dp in sizes.items())
 
 
 def _batches_that_fit(dp: int, shrunk: int, global_batch: int, micro_batch: int) -> str:

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
-from .elastic import _why_not, coordinates, rank_of
+from .elastic import _why_not, coordinates, rank_of, shrink_sizes
 
 LOCAL, PEER, LOST = "local", "peer", "lost"
 
@@ -91,17 +91,18 @@ class Generation:
         0's count), the slots that trained in this one first (their memory holds the newest state), then
         in slot order; the rest idle. :class:`ShrinkRefused` when none fits."""
         present = sorted(set(present))
-        first_why = None
-        for n in range(min(len(present), self.full), 0, -1):
-            why = _why_not(n * self.ranks_per_node, self.tensor, self.pipeline, self.expert, global_batch,
-                           micro_batch, min_data_parallel)
-            if why is None:
-                keep = sorted(sorted(present, key=lambda s: (s not in self.slots, s))[:n])
-                return replace(self, number=self.number + 1, slots=tuple(keep),
-                               idle=tuple(s for s in present if s not in keep))
-            first_why = first_why or f"{n} nodes: {why}"
-        raise ShrinkRefused(f"generation {self.number} ({len(self.slots)} nodes, DP {self.data_parallel}) cannot go "
-                            f"on with the slots {present}: {first_why or 'none is left'}")
+        cap = min(len(present), self.full)
+        sizes = shrink_sizes(cap + 1, self.ranks_per_node, self.tensor, self.pipeline, self.expert, global_batch,
+                             micro_batch, min_data_parallel)  # every count up to ``cap`` that fits
+        if not sizes:
+            why = _why_not(cap * self.ranks_per_node, self.tensor, self.pipeline, self.expert, global_batch,
+                           micro_batch, min_data_parallel) if cap else None
+            raise ShrinkRefused(f"generation {self.number} ({len(self.slots)} nodes, DP {self.data_parallel}) cannot "
+                                f"go on with the slots {present}: "
+                                + (f"{cap} nodes: {why}" if why else "none is left"))
+        n = max(sizes)
+        keep = sorted(sorted(present, key=lambda s: (s not in self.slots, s))[:n])
+        return replace(self, number=self.number + 1, slots=tuple(keep), idle=tuple(s for s in present if s not in keep))
 
     def shrink(self, lost: Iterable[int], global_batch: Optional[int] = None, micro_batch: Optional[int] = None,
                min_data_parallel: int = 1) -> "Generation":

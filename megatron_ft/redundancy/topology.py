@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..policy.elastic import coordinates, rank_of
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -106,14 +108,12 @@ class Topology:
         return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(tp, dp, pp)`` of a rank. ``Topology(16, 8, 8, 2).coords(77) == (5, 1, 1)``."""
-        tp = rank % self.tensor
-        dp = (rank // self.tensor) % self.data
-        pp = rank // (self.tensor * self.data)
-        return tp, dp, pp
+        """``(tp, dp, pp)`` of a rank (Megatron-LM's order: :func:`megatron_ft.policy.elastic.coordinates`).
+        ``Topology(16, 8, 8, 2).coords(77) == (5, 1, 1)``."""
+        return coordinates(rank, self.tensor, self.pipeline, self.data)
 
     def rank_of(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tensor * (dp + self.data * pp)
+        return rank_of(tp, dp, pp, self.tensor, self.data)
 
     def sharding_group(self, rank: int) -> int:
         """Index ``pp * TP + tp`` of the rank's sharding group (its DP replicas)."""
