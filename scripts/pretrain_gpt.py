@@ -28,6 +28,15 @@ Checkpointing hooks in at four marked places (search for ``HOOK``), through a
 (d) ``before_iteration``: at the start of each iteration (optional: called when the hooks
     object has it; the profiler of ``--inmem-ckpt-profile-iterations`` uses it).
 
+A hook ends the loop cleanly after the current iteration by setting the hooks object's
+``stop_requested`` (the reference checkpoint's ``--ref-stop-after-save`` does).
+
+Reference checkpoint: ``--ref-save-dir DIR --ref-save-at N [--ref-stop-after-save]`` saves the full
+training state after iteration N as megatron-core's own distributed checkpoint, and
+``--ref-load-dir DIR`` starts a job - of any data-parallel size - from it
+(:mod:`megatron_ft.megatron.dist_reference`): Megatron's own reshard, the reference for a resume at
+another data-parallel size. ``--train-iters`` stays the job's full length in every run.
+
 Per-iteration progress: with ``MFT_RUN_DIR`` set, every rank appends one JSON line per
 iteration to ``$MFT_RUN_DIR/progress/rank{RANK}.jsonl`` (flushed after each line).
 """
@@ -168,8 +177,26 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (cleanly) once the iteration number is a multiple of this, as Megatron-LM does")
+    g.add_argument("--min-iteration-s", type=float, default=0.0, metavar="S",
+                   help="pad every iteration to at least S seconds (a demo's clock: time for a node to come back "
+                        "while the job trains; the numbers are unchanged)")
     g.add_argument("--dump-final-state", metavar="PATH_PREFIX", default=None,
                    help="write PATH_PREFIX.rank{R}.json with digests of the final state")
+
+    g = p.add_argument_group("reference checkpoint (megatron-core dist_checkpointing)",
+                             "Megatron's own checkpoint of the full training state (torch_dist; the distributed "
+                             "optimizer dp_reshardable), loadable at another data-parallel size: the reference "
+                             "for a resume at another size (megatron_ft.megatron.dist_reference). Keep "
+                             "--train-iters the job's full length in every run (the LR schedule depends on it).")
+    g.add_argument("--ref-load-dir", metavar="DIR", default=None,
+                   help="at start, load the checkpoint in DIR and continue from its iteration and consumed "
+                        "samples (the weights are built uninitialised)")
+    g.add_argument("--ref-save-dir", metavar="DIR", default=None,
+                   help="save the checkpoint into DIR after iteration --ref-save-at")
+    g.add_argument("--ref-save-at", metavar="N", type=int, default=None,
+                   help="the iteration after which --ref-save-dir is written")
+    g.add_argument("--ref-stop-after-save", action="store_true",
+                   help="end the run cleanly right after that save")
     add_inmem_ckpt_args(p)
     args = p.parse_args(argv)
 
@@ -221,6 +248,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.ref_save_at is None:
+        if args.ref_save_dir is not None:
+            p.error("--ref-save-dir needs --ref-save-at (the iteration after which it is written)")
+        if args.ref_stop_after_save:
+            p.error("--ref-stop-after-save needs --ref-save-at and --ref-save-dir")
+    else:
+        if args.ref_save_dir is None:
+            p.error(f"--ref-save-at {args.ref_save_at} needs --ref-save-dir (where the checkpoint goes)")
+        if not 1 <= args.ref_save_at <= args.train_iters:
+            p.error(f"--ref-save-at {args.ref_save_at}: needs 1 <= N <= --train-iters ({args.train_iters})")
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     args.padded_vocab_size = int(math.ceil(args.vocab_size / multiple) * multiple)
     return args
@@ -461,6 +498,9 @@ class StepResult:
 class TrainingHooks:
     """No-op hooks; checkpointing subclasses this and passes an instance to :func:`train`."""
 
+    #: set by a hook to end the loop cleanly after the current iteration (read after HOOK (c))
+    stop_requested: bool = False
+
     def restore(
         self, objs: TrainingObjects, iteration: int, consumed_samples: int
     ) -> Tuple[int, int]:
@@ -601,6 +641,7 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
     t_last = time.time()
     before_iteration = getattr(hooks, "before_iteration", None)  # optional HOOK (d)
     try:
+        t_iteration = time.time()
         while iteration < args.train_iters:
             # ---- HOOK (d) "before_iteration" ----------------------------------------
             if before_iteration is not None:
@@ -615,6 +656,9 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
             hooks.after_iteration(objs, iteration, consumed_samples, loss=result.loss)
 
             progress.write(iteration, consumed_samples, result)
+            if args.min_iteration_s:  # pad the iteration (the numbers are the same; only the clock moves)
+                time.sleep(max(0.0, args.min_iteration_s - (time.time() - t_iteration)))
+            t_iteration = time.time()
             if args.exit_interval and iteration % args.exit_interval == 0 and iteration < args.train_iters:
                 if log:
                     print(f"exiting at iteration {iteration} (--exit-interval {args.exit_interval})", flush=True)
@@ -629,6 +673,8 @@ def train(objs: TrainingObjects, hooks: Optional[TrainingHooks] = None) -> Tuple
                     f"lm loss {result.loss:.6f} | grad norm {result.grad_norm:.4f}",
                     flush=True,
                 )
+            if getattr(hooks, "stop_requested", False):
+                break
     finally:
         progress.close()
     return iteration, consumed_samples
@@ -733,6 +779,61 @@ def shutdown_distributed() -> None:
     torch.distributed.destroy_process_group()
 
 
+class ReferenceCheckpointHooks(TrainingHooks):
+    """``--ref-load-dir`` / ``--ref-save-dir`` / ``--ref-save-at`` / ``--ref-stop-after-save`` around
+    ``inner`` (the job's other hooks): megatron-core's own distributed checkpoint of the full training
+    state (:mod:`megatron_ft.megatron.dist_reference`; collective, every rank runs the same hooks).
+
+    ``restore`` loads ``--ref-load-dir`` first, then lets ``inner`` restore (an in-memory restore, when
+    it finds a version, starts from that instead). ``after_iteration`` runs ``inner``'s, then, after
+    iteration ``--ref-save-at``, saves into ``--ref-save-dir`` and, with ``--ref-stop-after-save``, asks
+    the loop to stop (:attr:`TrainingHooks.stop_requested`)."""
+
+    def __init__(self, inner: Any, args: argparse.Namespace) -> None:
+        self.inner = inner
+        self.args = args
+
+    def restore(self, objs: TrainingObjects, iteration: int, consumed_samples: int) -> Tuple[int, int]:
+        args = self.args
+        if args.ref_load_dir:
+            from megatron_ft.megatron.dist_reference import load_reference
+
+            iteration, consumed_samples = load_reference(objs, args.ref_load_dir)
+            if args.ref_save_at is not None and args.ref_save_at <= iteration:
+                raise ValueError(f"--ref-save-at {args.ref_save_at}: the run starts after iteration {iteration} "
+                                 f"(--ref-load-dir {args.ref_load_dir}), so it would never save")
+            if is_logging_rank():
+                print(f"loaded the reference checkpoint {args.ref_load_dir}: starting at iteration {iteration}, "
+                      f"consumed samples {consumed_samples}", flush=True)
+        return self.inner.restore(objs, iteration, consumed_samples)
+
+    def before_iteration(self, objs: TrainingObjects, iteration: int) -> None:
+        if hasattr(self.inner, "before_iteration"):
+            self.inner.before_iteration(objs, iteration)
+
+    def before_optimizer_step(self, objs: TrainingObjects, iteration: int) -> None:
+        self.inner.before_optimizer_step(objs, iteration)
+
+    def after_iteration(self, objs: TrainingObjects, iteration: int, consumed_samples: int,
+                        loss: Optional[float] = None) -> None:
+        self.inner.after_iteration(objs, iteration, consumed_samples, loss=loss)
+        args = self.args
+        if iteration != args.ref_save_at:
+            return
+        from megatron_ft.megatron.dist_reference import save_reference
+
+        save_reference(objs, args.ref_save_dir, iteration, consumed_samples)
+        self.stop_requested = args.ref_stop_after_save
+        if is_logging_rank():
+            print(f"saved the reference checkpoint of iteration {iteration} (consumed samples {consumed_samples}) "
+                  f"into {args.ref_save_dir}" + ("; exiting after it (--ref-stop-after-save)"
+                                                 if self.stop_requested else ""), flush=True)
+
+    def close(self) -> None:
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+
+
 def make_hooks(args: argparse.Namespace) -> TrainingHooks:
     hooks: TrainingHooks = TrainingHooks()
     if args.inmem_ckpt:
@@ -743,6 +844,8 @@ def make_hooks(args: argparse.Namespace) -> TrainingHooks:
         from megatron_ft.megatron.profiling import ProfilingHooks
 
         hooks = ProfilingHooks.from_args(hooks, args)  # type: ignore[assignment]
+    if args.ref_load_dir or args.ref_save_dir:  # outermost: the loop reads its stop_requested
+        hooks = ReferenceCheckpointHooks(hooks, args)
     return hooks
 
 
@@ -776,6 +879,7 @@ class Attempts:
         init_distributed(args)
         initialise = not (args.inmem_ckpt and in_process.build_uninitialised(
             lambda: agent_holds_version(ftconfig.from_args(args), args.rank)))
+        initialise = initialise and not args.ref_load_dir  # the reference checkpoint overwrites every weight
         objs = build_training_objects(args, initialise)
         hooks = make_hooks(args)
         try:

@@ -261,6 +261,16 @@ def block_segment_name(run_id: str, node: int, key: str, serial: int) -> str:
     return _named(f"{node_prefix(run_id, node)}{os.getpid()}.blk.{key}.{serial}")
 
 
+def import_segment_name(run_id: str, node: int, old_rank: int) -> str:
+    """``mft.<run>.n<node>.in<old rank>``: the previous generation's rank ``old_rank``'s container, held for
+    node ``node`` of the generation running as ``run_id`` (its trainers restore from it re-sliced).
+
+    >>> import_segment_name("job.e1", 0, 5), bool(held_by("mft.job.e1.n0.in5", "job.e1", 0))
+    ('mft.job.e1.n0.in5', True)
+    """
+    return _named(f"{node_prefix(run_id, node)}in{int(old_rank)}")
+
+
 def remove_segments(shm_dir: str, which: Callable[[str], bool]) -> list[str]:
     """Unlink every file of ``shm_dir`` whose name ``which`` selects (one already gone is skipped);
     returns the removed names."""
@@ -285,8 +295,9 @@ def node_prefix(run_id: str, node: int) -> str:
 
 
 #: what follows a node's prefix in the name of a file its agent holds: a slot, a peer block version, the
-#: progress file (:func:`megatron_ft.health.progress.board_path`)
-_HELD = re.compile(r"(?:r\d+\.s\d+|(?P<block>\d+\.blk\..+)|progress)$")
+#: progress file (:func:`megatron_ft.health.progress.board_path`), an old generation's container imported
+#: for the node's ranks (:func:`import_segment_name`)
+_HELD = re.compile(r"(?:r\d+\.s\d+|(?P<block>\d+\.blk\..+)|progress|in\d+)$")
 
 
 def held_by(name: str, run_id: str, node: int) -> Optional[re.Match]:

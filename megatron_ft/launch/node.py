@@ -7,10 +7,13 @@ restarts a dead agent, and ends the job when a node records a fatal error. Its c
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from typing import Optional
 
 import psutil
@@ -24,11 +27,15 @@ from ..agent import shm
 from ..agent.protocol import AgentClient, AgentError, socket_path
 from ..clock import Deadline
 from ..health import progress as hp
+from ..health.store import StoreUnavailable
 from ..health.monitor import stood_down_path
 from ..rendezvous import FatalWatch, Rendezvous
 from ..spares import prestart
 from ..spares.lifetime import die_with_parent
 from ..trainer.in_process import nccl_env_defaults
+from .elastic import NEXT, ElasticWatch, Handover, HandoverError
+from .generation import ENV as GENERATION_ENV
+from .generation import GenerationRecord, generation_config, generation_dir, pointer_path, read_pointer, write_pointer
 
 #: how a launcher runs torchrun (a standby pre-starts it): torch's, with megatron-ft's rendezvous backend
 TORCHRUN_MODULE = "megatron_ft.torchrun"
@@ -72,6 +79,14 @@ class NodeLauncher:
         # a standby's agent and torchrun, started while it waited (spares.prestart; see run_standby)
         self.waiting_agent: Optional[subprocess.Popen] = None
         self.waiting_torchrun: Optional[subprocess.Popen] = None
+        # going on at fewer data-parallel replicas (recovery.elastic_after_s): this host's node slot (generation
+        # 0's node id), generation 0's configuration, the generation this launcher runs, its watch, and what
+        # its trainers are told of it
+        self.slot, self.base_cfg = node, cfg
+        self.generation = GenerationRecord.first(cfg)
+        self.elastic: Optional[ElasticWatch] = None
+        self._next: Optional[GenerationRecord] = None
+        self.gen_env: dict[str, str] = {}
 
     # ------------------------------------------------------------------ the job's end by a fatal record
     def fatal_now(self) -> Optional[tuple[int, str, int]]:
@@ -234,6 +249,11 @@ class NodeLauncher:
     def run(self) -> int:
         rc: Optional[int] = None
         try:
+            running = read_pointer(self.run_dir) if self.cfg.recovery.elastic else None
+            if running is not None and running.number > 0 and self.slot not in running.slots:
+                rc = self._come_back(running)  # the job went on without this slot: grow it back
+                if rc is not None:
+                    return rc
             rc = self._run()
             return rc
         except KeyboardInterrupt:  # stopped outside torchrun's watch (starting, between generations)
@@ -280,6 +300,8 @@ class NodeLauncher:
         for var, value in GLOO_ENV_DEFAULTS.items():  # torchrun passes them on to its workers
             env.setdefault(var, value)  # a value of the user's environment wins
         env.pop("MFT_TORCHRUN_RANK", None)  # set by each trainer for itself (megatron_ft.megatron.upstream)
+        env.pop(GENERATION_ENV, None)
+        env.update(self.gen_env)  # a generation > 0: its record (its trainers' first restore is re-sliced)
         env.pop("MFT_IN_PROCESS_GRACE_S", None)  # set below when in-process restart is on
         env.pop("MFT_IN_PROCESS_FD", None)
         if self.pool is not None:
@@ -292,11 +314,18 @@ class NodeLauncher:
         self.rdzv = self.rendezvous.current(self.log)
         self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
                  f"{self.rdzv.addr}:{self.rdzv.port}")
+        if self.cfg.recovery.elastic and self.rendezvous.store is not None:
+            from .command import batch_sizes  # (the command line imports this module)
+
+            self.elastic = ElasticWatch(self.generation, self.slot, self.base_cfg, self.rendezvous,
+                                        batch_sizes(self.script), lambda m: self.log(f"[launch n{self.node}] {m}"))
         while True:
             self.rendezvous.begin(self.rdzv)
             rc = self._run_torchrun(env)
             if rc == fatal.EXIT_STOOD_DOWN:
                 return rc
+            if rc == NEXT_GENERATION and self._next is not None:
+                return self._hand_over(self._next)
             if rc is None:  # fatal or interrupted: the job is over
                 return f[2] if (f := self.fatal_at_end()) is not None else 130
             if rc == 0 or self.fatal_at_end() is not None:
@@ -309,6 +338,7 @@ class NodeLauncher:
             self.rdzv = nxt
         self.rendezvous.record_end(rc)  # while this node's agent (maybe the store's root) still runs
         self.stop_agent()
+        self._drop_imports()
         if (f := self.fatal_at_end()) is not None:  # a trainer ended the job as torchrun exited
             return self._end_job(f"node {f[0]}: {f[1]}", record=False)
         return rc
@@ -336,6 +366,12 @@ class NodeLauncher:
                 if next_publish.expired():
                     self.rendezvous.keep_published(self.rdzv)
                     next_publish = Deadline(2.0, "the next look at the rendezvous record")
+                if self.elastic is not None and (nxt := self.elastic.tick()) is not None:
+                    self.log(f"[launch n{self.node}] generation {nxt.number} ({nxt.kind}): stopping this node's "
+                             f"trainers for the handover")
+                    self._stop_torchrun()
+                    self._next = nxt
+                    return NEXT_GENERATION
                 if self.agent is not None and self.agent.poll() is not None and (
                         self.agent.poll() == fatal.EXIT_STOOD_DOWN or os.path.exists(stood_down_path(self.run_dir,
                                                                                                      self.node))):
@@ -364,6 +400,98 @@ class NodeLauncher:
             return None
         return self.torchrun.returncode
 
+    # ------------------------------------------------------------------ generations (recovery.elastic_after_s)
+    def _hand_over(self, rec: GenerationRecord) -> int:
+        """This node's part in the handover to ``rec`` (:mod:`.elastic`), with its old agent still running;
+        then the old agent stops and the new generation starts here (or this slot waits, idle)."""
+        log = lambda m: self.log(f"[launch n{self.node}] {m}")  # noqa: E731
+        client = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
+        try:
+            client.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
+            plan = Handover(rec, self.slot, self.rendezvous.store, self.cfg, self.base_cfg, client, log).run()
+        except (HandoverError, AgentError, OSError) as e:
+            client.close(orderly=True)
+            self.stop_agent()
+            self._drop_imports()
+            return self._end_job(f"the handover to generation {rec.number} ({rec.kind}) failed: {e}")
+        client.close(orderly=True)
+        self.rendezvous.record_end(None)
+        self.stop_agent()
+        self._drop_imports()  # the previous generation's imports (generation 2 on)
+        return self._start_generation(plan)
+
+    def _come_back(self, running: GenerationRecord) -> Optional[int]:
+        """This slot is back while the job runs without it (generation ``running``): say so in that
+        generation's store, wait for the decider's grow-back, gather what this node's ranks need and start
+        the new generation here. None: nothing answers for ``running`` (an earlier job's pointer, removed):
+        start as generation 0."""
+        from ..health.store import StoreClient
+
+        old_cfg = generation_config(self.base_cfg, running)
+        store = StoreClient(old_cfg)
+        try:
+            store.connect(5.0)
+        except StoreUnavailable:
+            self.log(f"[launch n{self.slot}] the run directory names generation {running.number}, which nobody "
+                     f"serves: starting the job")
+            os.unlink(pointer_path(self.run_dir))
+            return None
+        log = lambda m: self.log(f"[launch slot {self.slot}] {m}")  # noqa: E731
+        log(f"back while generation {running.number} runs on slots {list(running.slots)}: asking to grow")
+        deadline = Deadline(self.cfg.launch.start_timeout_s, f"generation {running.number + 1} with slot {self.slot}")
+        try:
+            store.set(f"elastic/returned/{self.slot}", json.dumps({"pid": os.getpid(), "time": time.time()}))
+            while True:
+                raw = store.get(NEXT)
+                nxt = GenerationRecord.from_json(raw) if raw else None
+                if nxt is not None and nxt.number == running.number + 1 and self.slot in nxt.slots:
+                    break
+                if deadline.expired():
+                    return self._end_job(f"slot {self.slot} came back but generation {running.number} did not grow "
+                                         f"to take it within launch.start_timeout_s={self.cfg.launch.start_timeout_s:g} s")
+                deadline.pause(0.2)
+            plan = Handover(nxt, self.slot, store, old_cfg, self.base_cfg, None, log).run()
+        except (HandoverError, StoreUnavailable) as e:
+            return self._end_job(f"slot {self.slot} came back but its handover failed: {e}")
+        finally:
+            store.close()
+        return self._start_generation(plan)
+
+    def _start_generation(self, plan: GenerationRecord) -> int:
+        """Run ``plan``'s generation on this slot: its configuration, node number, directories, agent and
+        torchrun (:meth:`_run`), its trainers told of ``plan`` (their first restore is re-sliced)."""
+        write_pointer(self.run_dir, plan)
+        i = plan.node_of(self.slot)
+        if i is None:
+            self.log(f"[launch slot {self.slot}] generation {plan.number} leaves this slot idle; it waits to grow back")
+            return self._come_back(plan) or 0
+        cfg = generation_config(self.base_cfg, plan)
+        self.node_dir = os.path.join(generation_dir(self.run_dir, plan.number), f"node{i}")
+        os.makedirs(self.node_dir, exist_ok=True)
+        self.cfg_path = write_config(cfg, os.path.join(self.node_dir, "config.yaml"))
+        rec_path = os.path.join(self.node_dir, "generation.json")
+        with open(rec_path, "w", encoding="utf-8") as f:
+            f.write(plan.to_json())
+        self.gen_env = {GENERATION_ENV: rec_path}
+        if self.fatal_watch is not None:
+            self.fatal_watch.stop()
+            self.fatal_watch = None
+        self.stop_pool()
+        self.cfg, self.node, self.nodes, self.generation = cfg, i, len(plan.slots), plan
+        self.sock = socket_path(cfg.agent.socket_dir, cfg.run_id, i)
+        self.agent, self._fatal, self._next, self.elastic = None, None, None, None
+        self.rendezvous = Rendezvous(cfg, i)
+        self.rdzv = self.rendezvous.initial()
+        wait_ports_free(cfg, i, Deadline(cfg.launch.start_timeout_s, f"node {i}'s ports of generation {plan.number}"))
+        self.log(f"[launch slot {self.slot}] generation {plan.number}: node {i} of {self.nodes} (DP "
+                 f"{plan.data_parallel}), restoring step {plan.step} re-sliced from DP {plan.previous.data_parallel}")
+        return self._run()
+
+    def _drop_imports(self) -> None:
+        """Unlink what this node's generation held of the one before (its imports) and anything else of it left."""
+        if self.generation.number > 0:
+            shm.remove_node_segments(self.cfg.agent.shm_dir, self.cfg.run_id, self.node)
+
     def _stop_torchrun(self) -> None:
         """SIGTERM torchrun (it stops its workers), SIGKILL after 30 s."""
         if self.torchrun is None or self.torchrun.poll() is not None:
@@ -384,6 +512,30 @@ class NodeLauncher:
         self.log(f"[launch n{self.node}] job ended: {message}")
         f = self.fatal_at_end()
         return f[2] if f is not None else fatal.EXIT_CODE
+
+
+#: what :meth:`NodeLauncher._run_torchrun` returns when the job moves to its next generation
+NEXT_GENERATION = -1001
+
+
+def wait_ports_free(cfg: ftconfig.FTConfig, node: int, deadline: Deadline) -> None:
+    """Until node ``node``'s store and peer ports are free here (the previous generation's agent that held
+    them - on one machine another node's - has stopped); bounded by ``deadline``."""
+    addr = network.listen_address(cfg, node) if not cfg.health.one_machine else "127.0.0.1"
+    ports = [network.peer_port(cfg, node), cfg.health.store_port + (node if cfg.health.one_machine else 0)]
+    for port in ports:
+        while True:
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((addr, port))
+                    break
+                except OSError:
+                    pass
+            if deadline.expired():
+                raise AgentStartError(f"node {node}: port {port} is still in use on {addr} after "
+                                      f"launch.start_timeout_s={cfg.launch.start_timeout_s:g} s")
+            deadline.pause(0.1)
 
 
 class _AdoptedProcess:

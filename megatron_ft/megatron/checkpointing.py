@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .. import config as ftconfig
 from ..trainer import in_process
 from ..trainer.checkpointer import InMemoryCheckpointer
+from .generation_restore import generation_record, restore_generation
 from .loop import TrainingLoop
 from .state import MegatronStateAdapter
 
@@ -60,6 +61,10 @@ class MegatronCheckpointHooks:
         adapter = MegatronStateAdapter(objs.model, objs.optimizer, objs.scheduler)
         self.ckpt = InMemoryCheckpointer(self.cfg, adapter, dist.get_rank(), dist.get_world_size(), topo)
         res = self.ckpt.restore()
+        if res.source == "none" and (gen := generation_record()) is not None:
+            # a new generation's first start: from the previous generation's containers, re-sliced
+            res = restore_generation(self.cfg, adapter, dist.get_rank(), self.ckpt.node, gen)
+            self.ckpt.restored_elsewhere(res)
         in_process.check_restored(res.source != "none")  # weights built uninitialised: never train on them
         self.loop = TrainingLoop(self.cfg, self.ckpt, objs, profiler=None)
         if res.source == "none":

@@ -194,4 +194,42 @@ class ShrinkTrigger:
         return None
 
 
-__all__ = ["Generation", "LOCAL", "LOST", "PEER", "ShrinkRefused", "ShrinkTrigger"]
+def run_id_of(base: str, number: int) -> str:
+    """The run id generation ``number`` of run ``base`` runs under: its agents, store keys, shared-memory
+    names and sockets are its own, so that nothing of the generation before is taken for its.
+
+    >>> run_id_of("job", 0), run_id_of("job", 2)
+    ('job', 'job.e2')
+    """
+    return base if number == 0 else f"{base}.e{number}"
+
+
+def needed_by_node(new: Generation, old: Generation, node: int) -> list[int]:
+    """The old generation's ranks whose containers node ``node`` of ``new`` must hold before its ranks
+    restore: every old data-parallel replica of each of its ranks' (tensor, pipeline) coordinates, each
+    once (their ``extents`` records say which bytes a rank reads)."""
+    rpn = new.ranks_per_node
+    out: set[int] = set()
+    for r in range(node * rpn, (node + 1) * rpn):
+        out.update(o for o, _ in new.sources(old, r))
+    return sorted(out)
+
+
+def restore_step(clean: dict[int, set[int]], rebuildable: Optional[set[int]]) -> Optional[int]:
+    """The step a new generation restores from: the newest one every old rank that survived holds clean
+    (``clean``: old rank -> its clean steps) and, when ranks were lost (``rebuildable`` not None), their
+    redundancy can rebuild; None when there is none.
+
+    >>> restore_step({0: {4, 5}, 1: {5, 6}}, None), restore_step({0: {4, 5}, 1: {4, 5}}, {4})
+    (5, 4)
+    >>> restore_step({0: {5}, 1: {6}}, None) is None
+    True
+    """
+    common = set.intersection(*clean.values()) if clean else set()
+    if rebuildable is not None:
+        common &= rebuildable
+    return max(common) if common else None
+
+
+__all__ = ["Generation", "LOCAL", "LOST", "PEER", "ShrinkRefused", "ShrinkTrigger", "needed_by_node", "restore_step",
+           "run_id_of"]

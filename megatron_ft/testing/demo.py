@@ -364,6 +364,17 @@ def _add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule-mode", choices=list(ftconfig.ScheduleConfig.MODES), default="pipelined",
                    help="--transport scheduled: when the chunks go (docs/scheduling.md)")
     p.add_argument("--kill-at", type=int, default=12, help="kill after the victim finished this iteration")
+    p.add_argument("--elastic", action="store_true",
+                   help="--fail node: no replacement comes; the job goes on at fewer data-parallel replicas from "
+                        "memory (recovery.elastic_after_s), the node comes back --grow-after iterations later and the "
+                        "job grows again; compared with Megatron's own reshard (megatron_ft/testing/demo_elastic.py)")
+    p.add_argument("--elastic-after-s", type=float, default=3.0,
+                   help="--elastic: recovery.elastic_after_s, the wait for a replacement before the shrink")
+    p.add_argument("--min-iteration-s", type=float, default=0.3,
+                   help="--elastic: the job's iterations padded to this many seconds, so that the node comes back "
+                        "while it trains")
+    p.add_argument("--grow-after", type=int, default=3,
+                   help="--elastic: iterations at the smaller size before the node comes back")
     p.add_argument("--prefer", choices=get_args(ftconfig.Prefer), default=None,
                    help="recovery.prefer: restore the newest version, or the newest certified one")
     p.add_argument("--kill-delay", type=float, default=0.0,
@@ -476,6 +487,12 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     from .megatron_lm import UpstreamImportError
 
+    if args.elastic:
+        from .demo_elastic import run_elastic_demo
+
+        summary = run_elastic_demo(args)
+        print(json.dumps(summary), flush=True)
+        return 0 if summary["bitwise_identical"] else 1
     try:
         summary = run_demo(args)
     except UpstreamImportError as e:

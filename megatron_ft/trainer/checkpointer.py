@@ -207,6 +207,20 @@ class InMemoryCheckpointer:
             self._end_decisions()
         return res
 
+    def restored_elsewhere(self, res: RestoreResult) -> None:
+        """Record a restore made outside :meth:`restore` (a new generation's re-sliced one, from the previous
+        generation's containers): the event and the rank-0 line, as for any restore. Not collective."""
+        self.last_restore = res
+        msg = (f"restored step {res.step} re-sliced from data-parallel size {res.extra.get('data_parallel_before')} "
+               f"to {res.extra.get('data_parallel_after')} ({res.source}) in {res.seconds:.3f} s")
+        if self.rank == 0:
+            log.warning("rank 0: %s", msg)
+            print(f"[megatron-ft] {msg}", flush=True)
+        self._events.write({"event": "restore", "source": res.source, "step": res.step, "seconds": res.seconds,
+                            "rejected": [], "rollbacks": 0, "certified": None, "resliced": res.extra,
+                            "timeline": _start_timeline(self._ready_at, time.time() - res.seconds),
+                            "weights_initialised": not in_process.uninitialised()})
+
     def _end_decisions(self) -> None:
         """The restore's decisions and its guard's are over: their connection to the agent ends."""
         done, self._decide, self._decide_done = self._decide_done, None, lambda: None

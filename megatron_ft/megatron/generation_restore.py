@@ -1,0 +1,68 @@
+"""A trainer of a new job generation (fewer data-parallel replicas after a lost node, or more after one came
+back) restoring from the previous generation's containers its launcher imported into its node's memory.
+
+The launcher names the generation's record in the trainer's environment (``MFT_GENERATION``,
+:mod:`megatron_ft.launch.generation`); its node holds, as ``mft.<run>.e<n>.n<node>.in<old rank>``, every
+old container its ranks need (:func:`~megatron_ft.policy.generations.needed_by_node`). The restore is the
+re-slicing one (:func:`megatron_ft.megatron.reslice_restore.restore_resliced`): the shards cut from the old
+ranks by their extents records, the RNG streams, buffers and step counters of the old data-parallel replica
+0 of this rank's coordinate, the progress (iteration, consumed samples) from its record.
+
+When: only where the generation's own restore found nothing (its agents hold no version of it yet, nor
+does its persist directory): a generation's first start, or a restart of it before its first snapshot was
+agreed by every rank - both restore the record's step again. Collective over every rank of the generation
+(the final all-gather of the re-sliced buckets, in :func:`restore_resliced`); every rank reaches it
+together, as the generation's restore said ``none`` on every rank.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional
+
+from .. import config as ftconfig
+from ..launch.generation import ENV, GenerationRecord, import_name
+from ..policy.elastic import coordinates, rank_of
+from ..trainer.recovery import Container, RestoreResult
+from .reslice_restore import restore_resliced
+
+#: the tiers a re-sliced restore's containers came from, best first (the restore reports the worst)
+TIERS = ("local_memory", "peer_memory", "decoded")
+
+
+def generation_record(env: Optional[dict] = None) -> Optional[GenerationRecord]:
+    """This trainer's generation record (None: generation 0, or not under ``megatron-ft launch``)."""
+    path = (os.environ if env is None else env).get(ENV)
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return GenerationRecord.from_json(f.read())
+
+
+def restore_generation(cfg: ftconfig.FTConfig, adapter: Any, rank: int, node: int,
+                       rec: GenerationRecord) -> RestoreResult:
+    """Restore ``adapter`` (a :class:`~megatron_ft.megatron.state.MegatronStateAdapter`) for ``rank`` (on
+    ``node``) of generation ``rec`` from its node's imported containers. The result's ``source`` is the
+    worst tier among the old ranks read, ``extra`` says the sizes before and after and each old rank's
+    tier. A missing or torn import raises (the generation cannot start from memory: the launcher's
+    handover said every import was in place)."""
+    t0 = time.perf_counter()
+    old = rec.previous
+    tp, _, pp = coordinates(rank, rec.tensor, rec.pipeline, rec.data_parallel)
+    olds = [rank_of(tp, d, pp, rec.tensor, old.data_parallel) for d in range(old.data_parallel)]
+    sources = {}
+    try:
+        for o in olds:
+            sources[o] = Container(os.path.join(cfg.agent.shm_dir, import_name(cfg.run_id, node, o)))
+        done = restore_resliced(adapter, sources, olds[0], rec.step, {"run_id": rec.previous_run_id})
+    finally:
+        for c in sources.values():
+            c.close()
+    here = rec.slots[node]
+    tiers = {o: rec.sources.get(o) or ("local_memory" if rec.previous_slots[rec.holder[o]] == here else "peer_memory")
+             for o in done.containers}
+    worst = max(tiers.values(), key=TIERS.index) if tiers else "local_memory"
+    extra = {"data_parallel_before": old.data_parallel, "data_parallel_after": rec.data_parallel,
+             "generation": rec.number, "kind": rec.kind, "tiers": {str(o): t for o, t in tiers.items()},
+             "copies": done.copies, "elements": done.elements, "decided_at": rec.decided_at}
+    return RestoreResult(worst, rec.step, time.perf_counter() - t0, extra)
