@@ -169,6 +169,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather each bucket's updated parameters during the next forward pass "
                         "(needs --overlap-grad-reduce, as in Megatron-LM)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="accepted as Megatron-LM's command lines give it: this script always shards the optimizer "
+                        "over the data-parallel ranks (megatron-core's DistributedOptimizer)")
     g.add_argument("--ddp-bucket-size", type=int, default=None, metavar="ELEMENTS",
                    help="elements per DDP bucket (megatron-core's default: one bucket per buffer "
                         "without --overlap-grad-reduce, else max(40M, 1M x DP))")

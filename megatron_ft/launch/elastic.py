@@ -115,6 +115,9 @@ def plan_handover(rec: GenerationRecord, reports: dict[int, dict], cfg: ftconfig
         tier = REBUILT_TIER.get(plan.scheme)
         if tier is None:
             raise HandoverError(f"redundancy.scheme={plan.scheme!r}: nothing in memory holds the lost nodes' ranks")
+        if not plan.survives(lost_nodes):
+            raise HandoverError(f"the nodes {lost_nodes} of generation {old.number} were lost together, more than "
+                                f"{plan.label} survives: their ranks cannot be rebuilt from memory")
         alive = [n for n in range(len(old.slots)) if n not in lost_nodes]
         for lost in lost_nodes:
             members = [n for n in alive if plan.node_group[n] == plan.node_group[lost]]
@@ -137,7 +140,8 @@ def _as_record(rec: GenerationRecord, old) -> GenerationRecord:
 def agent_report(client: AgentClient) -> dict:
     """What an old node's agent holds for the plan: its ranks' clean steps and its group's complete step."""
     st = client.request("status")["status"]
-    clean = {r: [s["step"] for s in v["slots"] if s["state"] == snapfile.STATE_NAMES[snapfile.CLEAN]] for r, v in st.get("ranks", {}).items()}
+    clean_name = snapfile.STATE_NAMES[snapfile.CLEAN]
+    clean = {r: [s["step"] for s in v["slots"] if s["state"] == clean_name] for r, v in st.get("ranks", {}).items()}
     red = st.get("redundancy") or {}
     return {"clean": clean, "complete": int(red.get("complete_step", -1))}
 
