@@ -56,6 +56,10 @@ class FTConfig(_Section):
                   f"must be at most the job's data-parallel size {self.data_parallel} (cluster.nodes*"
                   f"cluster.ranks_per_node={self.cluster.world_size} / parallel.tensor*parallel.pipeline={mp}) "
                   f"when recovery.elastic_after_s={self.recovery.elastic_after_s:g} turns shrinking on")
+        if self.recovery.elastic and self.recovery.elastic_after_s >= self.launch.start_timeout_s:
+            _fail("recovery.elastic_after_s", self.recovery.elastic_after_s,
+                  f"must be below launch.start_timeout_s={self.launch.start_timeout_s:g}: the survivors wait that long "
+                  f"for a lost node's replacement in their rendezvous, then the job ends")
         self.redundancy.check_cluster(self.cluster.nodes)
         if self.health.hosts and len(self.health.hosts) != self.cluster.nodes:
             _fail("health.hosts", list(self.health.hosts), f"must list cluster.nodes={self.cluster.nodes} hosts")

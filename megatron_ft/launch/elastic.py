@@ -1,7 +1,7 @@
 """Going on at fewer data-parallel replicas, and growing back: the launchers' side (decision and handover).
 
 One launcher decides, the *decider*: the launcher of the lowest node of the running generation that the
-root's verdicts have not judged lost. About once a second while its torchrun runs it feeds
+root's verdicts have not judged lost. Every :data:`LOOK_S` while its torchrun runs it feeds
 :class:`~megatron_ft.policy.generations.ShrinkTrigger` with the job record (a verdict on a node's agent:
 lost; another agent or launcher on that node since: claimed - a standby or a replacement took it) and with
 the ``elastic/returned/<slot>`` keys of slots that came back; when the trigger says so it writes the next
@@ -10,7 +10,8 @@ compare-and-set. Every launcher of the generation looks at that key at the same 
 it stops its torchrun and takes part in the handover, with the old generation's agents still running:
 
 1. *stopped*: each old node that goes on says which steps its agent holds clean for its ranks and its
-   redundancy group's complete step (``elastic/stopped/<n>/<slot>``);
+   redundancy group's complete step (``elastic/stopped/<n>/<slot>``; every step's barrier is gathered by
+   the decider into one key the others wait for, :meth:`Handover._barrier`);
 2. *plan*: the decider picks the step (:func:`~megatron_ft.policy.generations.restore_step`: the newest
    every surviving rank holds, and the lost ranks' redundancy can rebuild), which old node holds each old
    rank's container, and which surviving node rebuilds each lost rank (the lowest surviving member of its
@@ -33,8 +34,9 @@ rebuild refused, a holder gone) ends the job with a fatal record naming why, nev
 
 Messages (N' nodes of the new generation, N of the old): per tick of the decider one read of the record's
 changed parts and of each slot out of the job; per tick of every launcher one read of ``elastic/next``;
-per handover O(N) keys, each launcher reading the others' (once per handover, never per step), and one
-``holds`` plus ceil(size / piece) ``get`` requests per container a node fetches.
+per handover O(N) keys (each launcher writes its own per barrier; the decider reads them and writes one
+that the others wait for), once per handover, never per step; and one ``holds`` plus ceil(size / piece)
+``get`` requests per container a node fetches.
 """
 from __future__ import annotations
 
@@ -57,6 +59,9 @@ from ..transport import credential, wire
 from .generation import GenerationRecord, generation_config, import_name
 
 NEXT = "elastic/next"
+#: how often a launcher looks at ``elastic/next`` (and the decider at the record) while its torchrun runs: as
+#: often as it looks at the rendezvous record
+LOOK_S = 2.0
 #: how much of a container one ``get`` fetches
 FETCH_PIECE = 64 << 20
 #: how long a rebuild waits for the group's members to say what they hold: the lost node never answers, and
@@ -195,11 +200,15 @@ class Handover:
         self.n = rec.number
         self.deadline = Deadline(base.launch.start_timeout_s, f"the handover to generation {rec.number}")
 
-    def _wait_key(self, key: str) -> str:
+    def _wait_key(self, key: str, store_may_go: bool = False) -> str:
+        """``key``'s value once it is set (bounded by the handover's deadline). ``store_may_go``: the store
+        not answering ends the wait (:class:`StoreUnavailable`) instead of being asked again."""
         while True:
             try:
                 v = self.store.get(key)
             except StoreUnavailable:
+                if store_may_go:
+                    raise
                 v = None
             if v is not None:
                 return v
@@ -212,15 +221,28 @@ class Handover:
         """The old generation's slots that take part (all but the lost)."""
         return [s for s in self.rec.previous_slots if s not in self.rec.lost]
 
+    def _barrier(self, name: str, members: list[int], value: str = "1", store_may_go: bool = False) -> dict[int, str]:
+        """Say ``value`` under ``elastic/<name>/<n>/<slot>`` (``members``' own take part; others only read)
+        and return every member's once all said theirs: the decider reads the members' keys and writes them
+        as one (``.../all``), which everyone else waits for - O(N) reads per barrier, not N per launcher."""
+        key = f"elastic/{name}/{self.n}"
+        if self.slot in members:
+            self.store.set(f"{key}/{self.slot}", value)
+        if self.rec.decider == self.slot:
+            said = {s: self._wait_key(f"{key}/{s}", store_may_go) for s in members}
+            self.store.set(f"{key}/all", json.dumps({str(s): v for s, v in said.items()}))
+            return said
+        return {int(s): v for s, v in json.loads(self._wait_key(f"{key}/all", store_may_go)).items()}
+
     def run(self) -> GenerationRecord:
         """Steps 1-5 of the module for this launcher; returns the planned record. The old agent still runs."""
         t0 = time.perf_counter()
-        if self.agent is not None:  # 1. stopped
-            self.store.set(f"elastic/stopped/{self.n}/{self.slot}", json.dumps(agent_report(self.agent)))
+        members = self._members()
+        report = json.dumps(agent_report(self.agent)) if self.agent is not None else "{}"
+        reports = self._barrier("stopped", members, report)  # 1. stopped
         if self.rec.decider == self.slot:  # 2. plan
-            reports = {s: json.loads(self._wait_key(f"elastic/stopped/{self.n}/{s}")) for s in self._members()}
             try:
-                planned = plan_handover(self.rec, reports, self.base).to_json()
+                planned = plan_handover(self.rec, {s: json.loads(v) for s, v in reports.items()}, self.base).to_json()
             except HandoverError as e:
                 planned = json.dumps({"refused": str(e)})
             self.store.set(f"elastic/plan/{self.n}", planned)
@@ -229,27 +251,25 @@ class Handover:
             raise HandoverError(json.loads(raw)["refused"])
         plan = GenerationRecord.from_json(raw)
         old_node = plan.previous_slots.index(self.slot) if self.slot in plan.previous_slots else None
+        rebuilt: dict[str, str] = {}
         for r in plan.rebuilt.get(old_node, []) if old_node is not None else []:  # 3. rebuilt
             assert self.agent is not None
             got = self.agent.request("recover", rank=r, step=plan.step, wait_s=RECOVER_WAIT_S)
-            self.log(f"rebuilt old rank {r} step {plan.step} from the group ({got.get('source')})")
-        if old_node is not None:
-            self.store.set(f"elastic/rebuilt/{self.n}/{self.slot}", "1")
-        for node in plan.rebuilt:
-            self._wait_key(f"elastic/rebuilt/{self.n}/{plan.previous_slots[node]}")
+            rebuilt[str(r)] = str(got.get("source") or plan.sources.get(r, "peer_memory"))
+            self.log(f"rebuilt old rank {r} step {plan.step} from the group ({rebuilt[str(r)]})")
+        rebuilders = sorted(plan.previous_slots[node] for node in plan.rebuilt)
+        said = self._barrier("rebuilt", rebuilders, json.dumps(rebuilt))
+        tiers = dict(plan.sources)  # the tiers the rebuilds said (a whole copy, or decoded)
+        tiers.update({int(r): t for v in said.values() for r, t in json.loads(v).items()})
+        plan = GenerationRecord(**{**plan.__dict__, "sources": tiers})
         if self.slot in plan.slots:  # 4. ready
             self._gather(plan, old_node)
-        self.store.set(f"elastic/ready/{self.n}/{self.slot}", "1")
-        everyone = sorted(set(plan.slots) | set(self._members()))
-        for s in everyone:
-            self._wait_key(f"elastic/ready/{self.n}/{s}")
-        self.store.set(f"elastic/go/{self.n}/{self.slot}", "1")  # 5. go: everyone saw every ready
-        try:
-            for s in everyone:
-                while self.store.get(f"elastic/go/{self.n}/{s}") is None and not self.deadline.expired():
-                    self.deadline.pause(0.1)
-        except StoreUnavailable:
-            pass  # the root's launcher saw every go and stopped its agent: every node is ready
+        everyone = sorted(set(plan.slots) | set(members))
+        self._barrier("ready", everyone)
+        try:  # 5. go: the decider keeps the store up until everyone saw every node ready
+            self._barrier("go", everyone, store_may_go=True)
+        except (StoreUnavailable, HandoverError):
+            pass  # the store's root stopped after the decider saw every go: every node was ready
         self.log(f"handover to generation {self.n} ready in {time.perf_counter() - t0:.2f} s (step {plan.step})")
         return plan
 
@@ -272,8 +292,8 @@ class Handover:
 
 
 class ElasticWatch:
-    """A launcher's look at the generations while its torchrun runs (see the module): :meth:`tick` about
-    once a second returns the next generation's record once one concerns this launcher's slot."""
+    """A launcher's look at the generations while its torchrun runs (see the module): :meth:`tick` every
+    :data:`LOOK_S` returns the next generation's record once one concerns this launcher's slot."""
 
     def __init__(self, rec: GenerationRecord, slot: int, base: ftconfig.FTConfig, rendezvous, batch: tuple,
                  log: Callable[[str], None]):
@@ -283,12 +303,13 @@ class ElasticWatch:
         self.trigger.shrunk(set(range(rec.full)) - set(rec.slots) - set(rec.idle))  # out of the job: may return
         self._next_look = 0.0
         self._refused: Optional[str] = None
+        self._began: dict = {}  # node -> its agent and launcher when the generation's first rendezvous began
 
     def tick(self) -> Optional[GenerationRecord]:
         now = time.monotonic()
         if now < self._next_look:
             return None
-        self._next_look = now + 1.0
+        self._next_look = now + LOOK_S
         store = self.rendezvous.store
         try:
             raw = store.get(NEXT)
@@ -303,15 +324,19 @@ class ElasticWatch:
         return None
 
     def _lost_nodes(self, view) -> tuple[set[int], set[int]]:
-        """(nodes judged lost since the generation began, of those the ones another agent or launcher took)."""
+        """(nodes judged lost since the generation began, of those the ones another agent took). The agents
+        each node had when the generation's first rendezvous began are kept: a later rendezvous (its host was
+        lost) begins after a root failover, whose store no longer knows the lost node's agent."""
+        if not self._began and any(o is not None for o in self.rendezvous.owners.values()):
+            self._began = dict(self.rendezvous.owners)
         lost, taken = set(), set()
         for node, f in view.failed.items():
-            was = self.rendezvous.owners.get(node)
-            if was is None or f.pid != was.agent:
-                continue
+            was = self._began.get(node)
+            if was is not None and f.pid != was.agent:
+                continue  # a verdict on an agent this node had before the generation began
             lost.add(node)
             now = owners_in(view, node)
-            if now is not None and now.agent != was.agent:
+            if now is not None and now.agent != f.pid:
                 taken.add(node)
         return lost, taken
 

@@ -142,12 +142,37 @@ def generation_config(cfg: ftconfig.FTConfig, rec: GenerationRecord) -> ftconfig
     if rec.number == 0:
         return cfg
     h = cfg.health
-    changes: dict = {"run_id": rec.run_id, "cluster": {"nodes": len(rec.slots)}}
+    changes: dict = {"run_id": rec.run_id, "cluster": {"nodes": len(rec.slots)},
+                     "redundancy": fitted_redundancy(cfg.redundancy, len(rec.slots))}
     if not h.one_machine:
         hosts = [h.host_of(s) for s in rec.slots]
         changes["health"] = {"hosts": hosts, "host_pattern": ""}
         changes["launch"] = {"master_addr": hosts[0]}
     return ftconfig.replace(cfg, **changes)
+
+
+def fitted_redundancy(r, nodes: int) -> dict:
+    """The redundancy settings a generation of ``nodes`` nodes runs with: the job's where they fit; else the
+    nearest that does - Reed-Solomon keeps its ``m`` (the losses it survives) and codes over fewer data
+    nodes (k = nodes - m), down to ``m = nodes - 1``; a replica or XOR group no larger than the nodes; one
+    node alone has no peer (``none``). Pure.
+
+    >>> from megatron_ft.config import RedundancyConfig
+    >>> fitted_redundancy(RedundancyConfig(scheme="rs", k=2, m=2), 3)
+    {'k': 1, 'm': 2}
+    >>> fitted_redundancy(RedundancyConfig(scheme="rs", k=4, m=2), 2), fitted_redundancy(RedundancyConfig(scheme="replica"), 1)
+    ({'k': 1, 'm': 1}, {'scheme': 'none'})
+    """
+    if nodes < 2 and r.scheme != "none":
+        return {"scheme": "none"}
+    if r.scheme == "rs" and r.k + r.m > nodes:
+        m = min(r.m, nodes - 1)
+        return {"k": max(1, nodes - m), "m": m}
+    if r.scheme == "replica" and r.replicas > nodes:
+        return {"replicas": nodes}
+    if r.scheme == "xor" and r.group_size > nodes:
+        return {"group_size": 0}
+    return {}
 
 
 def import_name(run_id: str, node: int, old_rank: int) -> str:

@@ -250,7 +250,7 @@ class NodeLauncher:
         rc: Optional[int] = None
         try:
             running = read_pointer(self.run_dir) if self.cfg.recovery.elastic else None
-            if running is not None and running.number > 0 and self.slot not in running.slots:
+            if running is not None and running.number > 0:
                 rc = self._come_back(running)  # the job went on without this slot: grow it back
                 if rc is not None:
                     return rc
@@ -413,6 +413,7 @@ class NodeLauncher:
             client.close(orderly=True)
             self.stop_agent()
             self._drop_imports()
+            self._drop_imports_of(rec)
             return self._end_job(f"the handover to generation {rec.number} ({rec.kind}) failed: {e}")
         client.close(orderly=True)
         self.rendezvous.record_end(None)
@@ -431,15 +432,25 @@ class NodeLauncher:
         store = StoreClient(old_cfg)
         try:
             store.connect(5.0)
-        except StoreUnavailable:
+        except StoreUnavailable:  # an earlier job's pointer (a job of this run id that ended)
             self.log(f"[launch n{self.slot}] the run directory names generation {running.number}, which nobody "
                      f"serves: starting the job")
-            os.unlink(pointer_path(self.run_dir))
+            try:
+                os.unlink(pointer_path(self.run_dir))
+            except FileNotFoundError:
+                pass
             return None
+        if self.slot in running.slots:
+            store.close()
+            return self._end_job(f"slot {self.slot} is node {running.node_of(self.slot)} of the running generation "
+                                 f"{running.number}: a launcher started again inside a generation after the first "
+                                 f"is not built (its node's ranks restart from the job's next generation or its "
+                                 f"disk tier)")
         log = lambda m: self.log(f"[launch slot {self.slot}] {m}")  # noqa: E731
         log(f"back while generation {running.number} runs on slots {list(running.slots)}: asking to grow")
         deadline = Deadline(self.cfg.launch.start_timeout_s, f"generation {running.number + 1} with slot {self.slot}")
         try:
+            nxt = None
             store.set(f"elastic/returned/{self.slot}", json.dumps({"pid": os.getpid(), "time": time.time()}))
             while True:
                 raw = store.get(NEXT)
@@ -451,7 +462,9 @@ class NodeLauncher:
                                          f"to take it within launch.start_timeout_s={self.cfg.launch.start_timeout_s:g} s")
                 deadline.pause(0.2)
             plan = Handover(nxt, self.slot, store, old_cfg, self.base_cfg, None, log).run()
-        except (HandoverError, StoreUnavailable) as e:
+        except (HandoverError, StoreUnavailable, OSError) as e:
+            if nxt is not None:
+                self._drop_imports_of(nxt)
             return self._end_job(f"slot {self.slot} came back but its handover failed: {e}")
         finally:
             store.close()
@@ -465,7 +478,11 @@ class NodeLauncher:
         if i is None:
             self.log(f"[launch slot {self.slot}] generation {plan.number} leaves this slot idle; it waits to grow back")
             return self._come_back(plan) or 0
-        cfg = generation_config(self.base_cfg, plan)
+        try:
+            cfg = generation_config(self.base_cfg, plan)
+        except ftconfig.ConfigError as e:  # nothing of it started: its imports go, the job ends saying why
+            shm.remove_node_segments(self.base_cfg.agent.shm_dir, plan.run_id, i)
+            return self._end_job(f"generation {plan.number} ({plan.kind}) cannot run: {e}")
         self.node_dir = os.path.join(generation_dir(self.run_dir, plan.number), f"node{i}")
         os.makedirs(self.node_dir, exist_ok=True)
         self.cfg_path = write_config(cfg, os.path.join(self.node_dir, "config.yaml"))
@@ -482,10 +499,20 @@ class NodeLauncher:
         self.agent, self._fatal, self._next, self.elastic = None, None, None, None
         self.rendezvous = Rendezvous(cfg, i)
         self.rdzv = self.rendezvous.initial()
-        wait_ports_free(cfg, i, Deadline(cfg.launch.start_timeout_s, f"node {i}'s ports of generation {plan.number}"))
+        try:
+            wait_ports_free(cfg, i, Deadline(cfg.launch.start_timeout_s, f"node {i}'s ports of generation {plan.number}"))
+        except AgentStartError as e:
+            self._drop_imports()
+            return self._end_job(str(e))
         self.log(f"[launch slot {self.slot}] generation {plan.number}: node {i} of {self.nodes} (DP "
                  f"{plan.data_parallel}), restoring step {plan.step} re-sliced from DP {plan.previous.data_parallel}")
         return self._run()
+
+    def _drop_imports_of(self, rec: GenerationRecord) -> None:
+        """Unlink what this slot gathered for generation ``rec`` that never started here."""
+        i = rec.node_of(self.slot)
+        if i is not None:
+            shm.remove_node_segments(self.base_cfg.agent.shm_dir, rec.run_id, i)
 
     def _drop_imports(self) -> None:
         """Unlink what this node's generation held of the one before (its imports) and anything else of it left."""

@@ -67,6 +67,7 @@ from ..capture import tree as treecodec
 from ..capture.layout import Layout
 from ..capture.state import LaterCapture, StateTensor, fresh_targets
 from ..trainer import in_process
+from .generation_restore import generation_record
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from . import cpu_compat
@@ -344,6 +345,12 @@ class InMemoryLocalCheckpointManager:
         # an in-process attempt built with --no-initialization must not fall back (to an upstream
         # checkpoint that may not exist, or to its uninitialised weights): a fresh process will
         in_process.check_restored(res is not None and res.source != "none")
+        if (res is None or res.source == "none") and generation_record() is not None:
+            # never a silent start at iteration 0 in a job that went on at another data-parallel size
+            fatal.end_job(f"rank {self.rank}: this job went on at another data-parallel size (recovery."
+                          f"elastic_after_s) and its first restore must be re-sliced from the previous size's "
+                          f"snapshots, which is built for scripts/pretrain_gpt.py's trainers, not yet for upstream "
+                          f"Megatron-LM's: set recovery.elastic_after_s: 0 for this job")
         if res is None or res.source == "none":
             return _Loaded(-1)
         record = res.extra["state_dict"]

@@ -103,9 +103,17 @@ KINDS: dict[str, dict] = {
     # checksums recomputed: only the guard can tell; every rank rolls back to the version before
     "moe-poisoned-expert": {"fail": "trainer", "kill_point": "poison-expert-after-commit", "rollbacks": 1,
                             "moe": True, "shape": "moe"},
+    # a node lost (any of them, drawn) and no replacement: the job goes on at fewer data-parallel replicas from
+    # memory, the node comes back and it grows again (demo --elastic: its own reference, Megatron's reshard)
+    "elastic": {"fail": "node", "elastic": True, "redundancy": "replica", "iters": 40, "kill_at_max": 10,
+                "victims_of": 3, "shape": "elastic-replica"},
+    "elastic-xor": {"fail": "node", "elastic": True, "redundancy": "xor", "iters": 40, "kill_at_max": 10,
+                    "victims_of": 3, "shape": "elastic-xor"},
+    "elastic-rs": {"fail": "node", "elastic": True, "redundancy": "rs", "iters": 40, "kill_at_max": 10,
+                   "victims_of": 4, "shape": "elastic-rs"},
 }
 #: kinds a campaign draws only when ``--kinds`` names them (each trial of theirs is longer)
-OPT_IN_KINDS = tuple(k for k, v in KINDS.items() if v.get("moe"))
+OPT_IN_KINDS = tuple(k for k, v in KINDS.items() if v.get("moe") or v.get("elastic"))
 #: the outcomes of a paused agent that are right (``megatron_ft.testing.demo.PAUSE_OUTCOMES``)
 PAUSE_RIGHT = ("trained through", "node recovered")
 #: the kinds a campaign on a cluster file (``--config``) draws from: no scheme, step count or
@@ -132,12 +140,15 @@ class Trial:
     lost_pair: Optional[tuple[int, int]] = None  # two-node kinds that draw which two nodes are lost
     hosts: bool = False  # every node on a host of its own (the multi-host test bed)
     link_rate: Optional[str] = None  # hosts: every link's rate (tc tbf), e.g. "200mbit"
+    victim: Optional[int] = None  # kinds that draw the lost node (elastic)
 
     def demo_args(self) -> list[str]:
         k = KINDS[self.kind]
         out = [f"--fail={k['fail']}", f"--kill-at={self.kill_at}", f"--iters={self.iters}"]
         if k.get("moe"):
             out.append("--moe")
+        if k.get("elastic"):
+            out.append("--elastic")
         if self.config:
             out.append(f"--config={self.config}")
         elif k.get("redundancy"):
@@ -161,6 +172,8 @@ class Trial:
                 out.append(f"--link-rate={self.link_rate}")
         if self.lost_pair is not None:
             out += [f"--victim-node={self.lost_pair[0]}", f"--other-node={self.lost_pair[1]}"]
+        elif self.victim is not None:
+            out.append(f"--victim-node={self.victim}")
         elif k.get("victim_node") is not None:
             out.append(f"--victim-node={k['victim_node']}")
         return out
@@ -210,7 +223,8 @@ def draw(seed: int, index: int, kinds: list[str], iters: int = 12, config: Optio
     pair = None
     if KINDS[kind].get("pairs_of") and not config:
         pair = tuple(sorted(extra.sample(range(KINDS[kind]["pairs_of"]), 2)))
-    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair, hosts, link_rate)
+    victim = extra.randrange(KINDS[kind]["victims_of"]) if KINDS[kind].get("victims_of") else None
+    return Trial(index, seed, kind, kill_at, round(delay, 4), iters, second, config, pair, hosts, link_rate, victim)
 
 
 @dataclass
@@ -245,7 +259,15 @@ def classify(trial: Trial, rc: Optional[int], summary: Optional[dict], leftovers
     if summary is None:
         return "wrong", f"crash: no summary (exit {rc})"
     if not summary.get("bitwise_identical"):
-        return "wrong", f"mismatch: {summary.get('problems', [])[:3]}"
+        return "wrong", f"mismatch: {(summary.get('problems') or summary.get('details') or [])[:3]}"
+    if KINDS[trial.kind].get("elastic"):
+        want = summary.get("promised_tier")  # the lost node's: a peer's whole copy, or decoded
+        if want not in ("peer_memory", "decoded") or summary.get("recovered_from") != want:
+            return "wrong", f"lower-tier: the shrink's lost ranks from {summary.get('recovered_from')}, {want} promised"
+        if not (summary.get("grow") or {}).get("step", -1) > summary.get("resumed_step", -1) >= 0:
+            return "wrong", f"no grow-back after the shrink at step {summary.get('resumed_step')}"
+        return ("right", f"DP {summary['data_parallel_before']} -> {summary['data_parallel_after']} -> "
+                         f"{summary['grow']['data_parallel_after']}") if rc == 0 else ("wrong", f"demo exit {rc}")
     if KINDS[trial.kind].get("pause") and summary.get("agent_pause_outcome") not in PAUSE_RIGHT:
         return "wrong", f"agent pause: {summary.get('agent_pause_outcome')} ({summary.get('false_verdicts', [])[:1]})"
     if summary.get("false_verdicts"):
@@ -337,7 +359,7 @@ def run_trial(trial: Trial, workdir: str, timeout: float, shm_dir: str = "/dev/s
         rc = None
     lines = [ln for ln in (out or "").splitlines() if ln.startswith("{")]
     summary = json.loads(lines[-1]) if lines else None
-    tag = f"demo-{KINDS[trial.kind]['fail']}-{proc.pid}"
+    tag = f"demo-{'elastic' if KINDS[trial.kind].get('elastic') else KINDS[trial.kind]['fail']}-{proc.pid}"
     left = _leftovers(tag, wd, shm_dir)
     verdict, why = classify(trial, rc, summary, left, out or "")
     with open(os.path.join(wd, "demo.out"), "w") as f:

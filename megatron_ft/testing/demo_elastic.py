@@ -29,12 +29,15 @@ import time
 from typing import Optional
 
 from .. import config as ftconfig
-from ..launch.generation import read_pointer
+from ..launch.generation import fitted_redundancy, read_pointer
 
 from .demo_jobs import (PROJECT_SCRIPT, _kill_tree, kill_node, launch_job, node_workers, start_replacement,
                         wait_group_complete, wait_job)
 from .demo_results import _all_records, final_states
+from .demo_scenarios import default_victim_node
 from .helpers import read_jsonl, with_free_ports
+from ..redundancy.exchange import holders_of_whole
+from ..redundancy.plan import plan_from_config
 
 #: the demo's cluster for each scheme: a global batch both sizes divide with micro-batch 2
 ELASTIC_SHAPES = {
@@ -45,6 +48,15 @@ ELASTIC_SHAPES = {
     "rs": ({"cluster": {"nodes": 4, "ranks_per_node": 1}, "parallel": {"tensor": 1, "pipeline": 1},
             "redundancy": {"scheme": "rs", "k": 2, "m": 2}}, 24),
 }
+
+
+def promised_tier(cfg: ftconfig.FTConfig, node: int) -> str:
+    """The tier the lost node's ranks come from: a surviving node's whole copy of each (``peer_memory``), else
+    decoded from the group."""
+    plan = plan_from_config(cfg)
+    rpn = cfg.cluster.ranks_per_node
+    whole = all(len(holders_of_whole(plan, r)) > 1 for r in range(node * rpn, (node + 1) * rpn))
+    return "peer_memory" if whole else "decoded"
 
 
 def check_elastic_arguments(args: argparse.Namespace) -> None:
@@ -135,7 +147,8 @@ def run_reference(cfg: ftconfig.FTConfig, targs: list[str], workdir: str, step: 
             if d:
                 shutil.rmtree(d, ignore_errors=True)
         seg_cfg = with_free_ports(cfg, run_id=f"{cfg.run_id}-ref{name}", cluster={"nodes": nodes},
-                                  launch={"warm_spares": False}, recovery={"elastic_after_s": 0})
+                                  redundancy=fitted_redundancy(cfg.redundancy, nodes), launch={"warm_spares": False},
+                                  recovery={"elastic_after_s": 0})
         say(f"[demo] reference {name}: {nodes} nodes, {' '.join(extra)}")
         p = launch_job(seg_cfg, dirs[name], [*targs, *extra], inmem=False, log_path=dirs[name] + ".log")
         wait_job(p, timeout, f"reference segment {name}", dirs[name] + ".log")
@@ -188,7 +201,7 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
     targs = ["--tensor-model-parallel-size", str(cfg.parallel.tensor), "--pipeline-model-parallel-size",
              str(cfg.parallel.pipeline), "--global-batch-size", str(batch), "--train-iters", str(args.iters),
              "--log-interval", "5", *(args.train_arg or [])]
-    victim = args.victim_node if args.victim_node is not None else nodes - 1
+    victim = args.victim_node if args.victim_node is not None else default_victim_node(cfg)
     if not 0 <= victim < nodes:
         raise ftconfig.ConfigError(f"--victim-node={victim} is invalid: must be in [0, {nodes - 1}]")
     run_dir, log_path, rep_log = (os.path.join(workdir, n) for n in ("run", "job.log", "replacement.log"))
@@ -233,14 +246,15 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
     refs = run_reference(cfg, targs, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say)
     problems = compare_elastic(run_dir, refs, step, grow_step, nodes * rpn)
     shrink_s, grow_s = _generation_summary(shrink, lost_at), _generation_summary(grow, back_at)
-    want_tier = "peer_memory" if cfg.redundancy.scheme == "replica" else "decoded"
+    want_tier = promised_tier(cfg, victim)
     if shrink_s["recovered_from"] != want_tier:
         problems.append(f"the shrink's lost ranks came from {shrink_s['recovered_from']}, {want_tier} promised")
     if step < args.kill_at - 1:
         problems.append(f"the shrink resumed from step {step}, before the loss at iteration {lost_at_iteration} "
                         f"by more than one snapshot")
     return {"scenario": "node-elastic", "redundancy": cfg.redundancy.scheme, "recovered_from": shrink_s["recovered_from"],
-            "resumed_step": step, "lost_iterations": lost_at_iteration - step,
+            "promised_tier": want_tier, "victim_node": victim, "resumed_step": step,
+            "lost_iterations": lost_at_iteration - step,
             "data_parallel_before": shrink_s["data_parallel_before"],
             "data_parallel_after": shrink_s["data_parallel_after"],
             "recovery_seconds": shrink_s["seconds_from_event"], "shrink": shrink_s, "grow": grow_s,

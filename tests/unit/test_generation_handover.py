@@ -122,3 +122,20 @@ def test_imports_are_the_new_node_s_own_files_and_the_pointer_keeps_the_newest(t
     write_pointer(str(tmp_path), newer)
     write_pointer(str(tmp_path), rec)  # a late writer of the older generation does not win
     assert read_pointer(str(tmp_path)) == newer
+
+
+def test_the_chaos_elastic_kinds_draw_the_lost_node_and_judge_the_tier_and_the_grow_back():
+    from megatron_ft.testing import chaos
+
+    drawn = {chaos.draw(3, i, ["elastic", "elastic-rs"]).victim for i in range(40)}
+    assert drawn == {0, 1, 2, 3}
+    t = chaos.draw(3, 0, ["elastic"])
+    assert "--elastic" in t.demo_args() and f"--victim-node={t.victim}" in t.demo_args()
+    assert "elastic" in chaos.OPT_IN_KINDS and t.shape == "elastic-replica"
+    good = {"bitwise_identical": True, "recovered_from": "peer_memory", "promised_tier": "peer_memory", "resumed_step": 5, "data_parallel_before": 3,
+            "data_parallel_after": 2, "grow": {"step": 9, "data_parallel_after": 3}}
+    assert chaos.classify(t, 0, good, [], "") == ("right", "DP 3 -> 2 -> 3")
+    assert chaos.classify(t, 0, {**good, "recovered_from": "disk"}, [], "")[0] == "wrong"
+    assert chaos.classify(t, 0, {**good, "grow": {}}, [], "")[1].startswith("no grow-back")
+    assert chaos.classify(t, 0, {**good, "bitwise_identical": False, "details": ["x"]}, [], "")[1] == "mismatch: ['x']"
+    assert chaos.classify(t, None, None, [], "") == ("wrong", "hang")
