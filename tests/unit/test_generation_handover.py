@@ -139,3 +139,27 @@ def test_the_chaos_elastic_kinds_draw_the_lost_node_and_judge_the_tier_and_the_g
     assert chaos.classify(t, 0, {**good, "grow": {}}, [], "")[1].startswith("no grow-back")
     assert chaos.classify(t, 0, {**good, "bitwise_identical": False, "details": ["x"]}, [], "")[1] == "mismatch: ['x']"
     assert chaos.classify(t, None, None, [], "") == ("wrong", "hang")
+
+
+def test_the_wait_for_a_replacement_ends_before_the_survivors_stop_waiting_in_their_rendezvous():
+    with pytest.raises(ftconfig.ConfigError, match=r"recovery.elastic_after_s=200.*below launch.start_timeout_s=120"):
+        _cfg(recovery={"elastic_after_s": 200}, launch={"start_timeout_s": 120})
+    assert _cfg(recovery={"elastic_after_s": 60}, launch={"start_timeout_s": 120}).recovery.elastic
+    assert not _cfg(recovery={"elastic_after_s": 0}, launch={"start_timeout_s": 10}).recovery.elastic
+
+
+def test_a_generation_s_redundancy_fits_its_node_count():
+    from megatron_ft.launch.generation import fitted_redundancy
+
+    for scheme, extra in (("rs", {"k": 2, "m": 2}), ("rs", {"k": 3, "m": 1}), ("replica", {"replicas": 3}),
+                          ("xor", {"group_size": 3}), ("none", {})):
+        base = _cfg(nodes=4, rpn=1, pipeline=1, scheme=scheme, **({"redundancy": {"scheme": scheme, **extra}}
+                                                                   if extra else {}))
+        for nodes in (1, 2, 3, 4):
+            fitted = ftconfig.replace(base, cluster={"nodes": nodes},
+                                      redundancy=fitted_redundancy(base.redundancy, nodes))  # valid: no ConfigError
+            r = fitted.redundancy
+            if scheme == "rs" and nodes >= 2:
+                assert r.m == min(base.redundancy.m, nodes - 1) and r.k + r.m <= nodes
+            if nodes == 1:
+                assert r.scheme == "none"
