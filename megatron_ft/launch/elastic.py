@@ -369,6 +369,13 @@ class ElasticWatch:
             return
         if new.number == g.number:
             return  # a slot back, but no larger size fits yet
+        if len(new.slots) < 2:  # no peer to hold its memory, no peer transport to grow back from
+            why = (f"generation {new.number} would have one node (slot {new.slots[0]}): nothing would protect its "
+                   f"memory and it could not grow back from it")
+            if why != self._refused:
+                self._refused = why
+                self.log(f"cannot go on at fewer data-parallel replicas: {why}; waiting for a replacement")
+            return
         rec = GenerationRecord(new.number, kind, self.rec.base_run_id, new.slots, new.idle, self.rec.full,
                                self.rec.ranks_per_node, self.rec.tensor, self.rec.pipeline, self.rec.expert,
                                previous_slots=g.slots, lost=tuple(slots) if kind == "shrink" else (),

@@ -416,7 +416,6 @@ class NodeLauncher:
             self._drop_imports_of(rec)
             return self._end_job(f"the handover to generation {rec.number} ({rec.kind}) failed: {e}")
         client.close(orderly=True)
-        self.rendezvous.record_end(None)
         self.stop_agent()
         self._drop_imports()  # the previous generation's imports (generation 2 on)
         return self._start_generation(plan)
@@ -457,15 +456,18 @@ class NodeLauncher:
                 nxt = GenerationRecord.from_json(raw) if raw else None
                 if nxt is not None and nxt.number == running.number + 1 and self.slot in nxt.slots:
                     break
-                if deadline.expired():
-                    return self._end_job(f"slot {self.slot} came back but generation {running.number} did not grow "
-                                         f"to take it within launch.start_timeout_s={self.cfg.launch.start_timeout_s:g} s")
+                if deadline.expired():  # the job goes on without this slot; nothing of it is this launcher's
+                    log(f"generation {running.number} did not grow to take this slot within launch.start_timeout_s="
+                        f"{self.cfg.launch.start_timeout_s:g} s; this launcher exits, the job goes on without it")
+                    return fatal.EXIT_CODE
                 deadline.pause(0.2)
             plan = Handover(nxt, self.slot, store, old_cfg, self.base_cfg, None, log).run()
         except (HandoverError, StoreUnavailable, OSError) as e:
             if nxt is not None:
                 self._drop_imports_of(nxt)
-            return self._end_job(f"slot {self.slot} came back but its handover failed: {e}")
+            # the running generation's launchers end the job, saying why, when its handover cannot finish
+            log(f"the handover to generation {running.number + 1} failed here: {e}; this launcher exits")
+            return fatal.EXIT_CODE
         finally:
             store.close()
         return self._start_generation(plan)
