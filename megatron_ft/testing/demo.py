@@ -166,14 +166,18 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
                                schedule={"mode": args.schedule_mode, "idle": "auto", "profile_iterations": max(
                                    4, min(cfg.schedule.profile_iterations, args.kill_at // 2))})
     if getattr(args, "hosts", False):
-        # hosts of their own: every host has the default ports to itself; the job's secret is a file every
-        # host reads (the bed's hosts share this machine's file system but /dev/shm)
-        from ..transport.credential import job_secret_file
-
-        secret = cfg.security.secret_file or job_secret_file("", {}, workdir, multi_host=False)
-        return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
-                                network={"interface": "eth0"}, security={"secret_file": secret})
+        return on_hosts(cfg, workdir)
     return with_free_ports(cfg)
+
+
+def on_hosts(cfg: ftconfig.FTConfig, workdir: str) -> ftconfig.FTConfig:
+    """``cfg`` on the bed's hosts of their own: every host has the default ports to itself; the job's secret
+    is a file every host reads (the bed's hosts share this machine's file system but /dev/shm)."""
+    from ..transport.credential import job_secret_file
+
+    secret = cfg.security.secret_file or job_secret_file("", {}, workdir, multi_host=False)
+    return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
+                            network={"interface": "eth0"}, security={"secret_file": secret})
 
 
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> dict:

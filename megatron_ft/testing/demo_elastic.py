@@ -22,7 +22,6 @@ of the shrink's containers), ``resumed_step``, ``data_parallel_before`` / ``data
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -30,14 +29,14 @@ from typing import Optional
 
 from .. import config as ftconfig
 from ..launch.generation import fitted_redundancy, read_pointer
-
-from .demo_jobs import (PROJECT_SCRIPT, _kill_tree, kill_node, launch_job, node_workers, start_replacement,
-                        wait_group_complete, wait_job)
+from ..redundancy.exchange import holders_of_whole
+from ..redundancy.plan import plan_from_config
+from .demo import on_hosts
+from .demo_jobs import (_kill_tree, kill_node, launch_job, node_workers, start_replacement, wait_group_complete,
+                        wait_job)
 from .demo_results import _all_records, final_states
 from .demo_scenarios import default_victim_node
 from .helpers import read_jsonl, with_free_ports
-from ..redundancy.exchange import holders_of_whole
-from ..redundancy.plan import plan_from_config
 
 #: the demo's cluster for each scheme: a global batch both sizes divide with micro-batch 2
 ELASTIC_SHAPES = {
@@ -63,11 +62,12 @@ def check_elastic_arguments(args: argparse.Namespace) -> None:
     """Refuse what ``--elastic`` cannot run with (a clear ConfigError)."""
     if args.fail != "node":
         raise ftconfig.ConfigError(f"--elastic is invalid with --fail={args.fail}: it loses a node (--fail node)")
-    for flag, given in (("--megatron-lm", args.megatron_lm), ("--standby", args.standby), ("--hosts", args.hosts),
+    for flag, given in (("--megatron-lm", args.megatron_lm), ("--standby", args.standby), ("--slurm", args.slurm),
                         ("--moe", args.moe), ("--second-failure", args.second_failure)):
         if given:
-            raise ftconfig.ConfigError(f"{flag} is invalid with --elastic: the elastic demo runs the project's script "
-                                       f"on nodes simulated here, one node lost and no standby")
+            raise ftconfig.ConfigError(f"{flag} is invalid with --elastic: the elastic demo runs the project's script, "
+                                       f"one node lost and no standby (on this machine, or with --hosts on hosts of "
+                                       f"their own)")
     if args.elastic_after_s <= 0:
         raise ftconfig.ConfigError(f"--elastic-after-s={args.elastic_after_s} is invalid: must be > 0 seconds")
     if args.grow_after < 1 or args.kill_at + args.grow_after + 3 > args.iters:
@@ -82,6 +82,8 @@ def elastic_config(args: argparse.Namespace, workdir: str) -> tuple[ftconfig.FTC
     cfg = ftconfig.replace(ftconfig.load(args.config), run_id=f"demo-elastic-{os.getpid()}",
                            persist={"dir": os.path.join(workdir, "persist"), "interval": 1000}, **shape)
     cfg = ftconfig.replace(cfg, recovery={"elastic_after_s": args.elastic_after_s})
+    if args.hosts:  # hosts of their own, as the demo names them (each its /dev/shm; the file system shared)
+        return on_hosts(cfg, workdir), batch
     return with_free_ports(cfg), batch
 
 
@@ -131,7 +133,7 @@ def last_losses(run_dir: str) -> dict[tuple[int, int], str]:
 
 
 def run_reference(cfg: ftconfig.FTConfig, targs: list[str], workdir: str, step: int, grow: int, nodes_after: int,
-                  timeout: float, say) -> dict[str, str]:
+                  timeout: float, say, bed=None) -> dict[str, str]:
     """The three reference segments (no megatron-ft): DP to ``step`` saved, DP' from it to ``grow`` saved, DP
     from that to the end; their directories by name."""
     dirs = {k: os.path.join(workdir, f"reference-{k}") for k in ("A", "B", "C")}
@@ -150,7 +152,7 @@ def run_reference(cfg: ftconfig.FTConfig, targs: list[str], workdir: str, step: 
                                   redundancy=fitted_redundancy(cfg.redundancy, nodes), launch={"warm_spares": False},
                                   recovery={"elastic_after_s": 0})
         say(f"[demo] reference {name}: {nodes} nodes, {' '.join(extra)}")
-        p = launch_job(seg_cfg, dirs[name], [*targs, *extra], inmem=False, log_path=dirs[name] + ".log")
+        p = launch_job(seg_cfg, dirs[name], [*targs, *extra], inmem=False, log_path=dirs[name] + ".log", bed=bed)
         wait_job(p, timeout, f"reference segment {name}", dirs[name] + ".log")
     return dirs
 
@@ -191,11 +193,22 @@ def _generation_summary(recs: list[dict], lost_at: float) -> dict:
 
 
 def run_elastic_demo(args: argparse.Namespace) -> dict:
+    """The demo (see the module); with ``--hosts`` every node on a host of its own for the whole run (the job,
+    the node's return under its name, the reference)."""
     check_elastic_arguments(args)
     workdir = os.path.abspath(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     cfg, batch = elastic_config(args, workdir)
+    if not args.hosts:
+        return _run_elastic(args, cfg, batch, workdir, None)
+    from .hosts import HostBed
+
+    with HostBed(cfg.cluster.nodes + 1, shm_mib=args.host_shm_mib, rate=args.link_rate) as bed:
+        return _run_elastic(args, cfg, batch, workdir, bed)
+
+
+def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, workdir: str, bed) -> dict:
     say = lambda m: _say(args, m)  # noqa: E731
     rpn, nodes = cfg.cluster.ranks_per_node, cfg.cluster.nodes
     targs = ["--tensor-model-parallel-size", str(cfg.parallel.tensor), "--pipeline-model-parallel-size",
@@ -212,14 +225,14 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
     # the job's iterations padded (not the reference's: the numbers are the same) so that the node comes
     # back while it trains
     jargs = [*targs, "--min-iteration-s", str(args.min_iteration_s)]
-    job = launch_job(cfg, run_dir, jargs, True, log_path)
+    job = launch_job(cfg, run_dir, jargs, True, log_path, bed=bed)
     rep = None
     try:
         wait_group_complete(run_dir, nodes, job, deadline, log_path)
         first = victim * rpn
         _wait(f"iteration {args.kill_at}", lambda: _reached(run_dir, first) >= args.kill_at, deadline, job, log_path, 0.1)
         lost_at_iteration = _reached(run_dir, first)
-        kill_node(cfg, run_dir, victim, node_workers(run_dir, victim))
+        kill_node(cfg, run_dir, victim, node_workers(run_dir, victim), bed)
         lost_at = time.time()
         say(f"[demo] node {victim} lost after iteration {lost_at_iteration}: no replacement")
         shrink = _wait("the shrink's restore on every rank", lambda: _generation_done(run_dir, 1, (nodes - 1) * rpn),
@@ -231,7 +244,7 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
         _wait(f"{args.grow_after} iterations at DP {gen1.data_parallel}",
               lambda: _reached(run_dir, 0, since) >= step + args.grow_after, deadline, job, log_path, 0.2)
         back_at = time.time()
-        rep = start_replacement(cfg, run_dir, victim, jargs, rep_log)
+        rep = start_replacement(cfg, run_dir, victim, jargs, rep_log, bed=bed)
         say(f"[demo] node {victim} back (a new launcher for its slot; log {rep_log})")
         grow = _wait("the grow-back's restore on every rank", lambda: _generation_done(run_dir, 2, nodes * rpn),
                      deadline, job, log_path)
@@ -243,7 +256,7 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
             _kill_tree(rep)
         raise
     grow_step = grow[0]["step"]
-    refs = run_reference(cfg, targs, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say)
+    refs = run_reference(cfg, targs, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say, bed)
     problems = compare_elastic(run_dir, refs, step, grow_step, nodes * rpn)
     shrink_s, grow_s = _generation_summary(shrink, lost_at), _generation_summary(grow, back_at)
     want_tier = promised_tier(cfg, victim)
@@ -253,7 +266,7 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
         problems.append(f"the shrink resumed from step {step}, before the loss at iteration {lost_at_iteration} "
                         f"by more than one snapshot")
     return {"scenario": "node-elastic", "redundancy": cfg.redundancy.scheme, "recovered_from": shrink_s["recovered_from"],
-            "promised_tier": want_tier, "victim_node": victim, "resumed_step": step,
+            "promised_tier": want_tier, "victim_node": victim, "hosts": bed is not None, "resumed_step": step,
             "lost_iterations": lost_at_iteration - step,
             "data_parallel_before": shrink_s["data_parallel_before"],
             "data_parallel_after": shrink_s["data_parallel_after"],
