@@ -13,23 +13,29 @@ import sys
 
 import pytest
 
+from megatron_ft.testing.hosts import unavailable_reason
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = {"replica": ("peer_memory", 3, 2), "xor": ("decoded", 3, 2), "rs": ("decoded", 4, 3)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", sorted(SHAPES))
-def test_the_job_shrinks_from_memory_and_grows_back_bit_identical_to_megatron_s_reshard(tmp_path, scheme):
+@pytest.mark.parametrize("scheme, hosts", [(s, False) for s in sorted(SHAPES)] + [("replica", True)],
+                         ids=[*sorted(SHAPES), "replica-hosts"])
+def test_the_job_shrinks_from_memory_and_grows_back_bit_identical_to_megatron_s_reshard(tmp_path, scheme, hosts):
+    """``hosts``: every node on a host of its own (its own /dev/shm and address; megatron_ft/testing/hosts.py)."""
+    if hosts and (why := unavailable_reason()):
+        pytest.skip(why)
     tier, dp, dp_after = SHAPES[scheme]
     kill_at = 6
     p = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "demo", "--fail", "node", "--elastic",
                         "--redundancy", scheme, "--workdir", str(tmp_path / "demo"), "--iters", "40",
-                        "--kill-at", str(kill_at), "--quiet"],
+                        "--kill-at", str(kill_at), "--quiet", *(["--hosts"] if hosts else [])],
                        cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     s = json.loads(p.stdout.strip().splitlines()[-1])
-    assert s["scenario"] == "node-elastic" and s["bitwise_identical"], s["details"]
+    assert s["scenario"] == "node-elastic" and s["bitwise_identical"] and s["hosts"] == hosts, s["details"]
     assert s["recovered_from"] == tier
     assert kill_at - 1 <= s["resumed_step"] <= kill_at + 1  # the step of the loss, not a restart at 0
     assert (s["data_parallel_before"], s["data_parallel_after"]) == (dp, dp_after)
