@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import Any, Optional
 
 from .fields import AUTO, ConfigError
 from .job import FTConfig
@@ -104,3 +104,35 @@ def apply_flags(cfg: FTConfig, args: argparse.Namespace) -> FTConfig:
     if os.environ.get("MFT_RUN_ID"):
         changes["run_id"] = os.environ["MFT_RUN_ID"]
     return replace(cfg, **changes) if changes else cfg
+
+
+#: Megatron-LM's flags for the batch sizes a training command trains at (its parser takes no abbreviations)
+BATCH_FLAGS = ("--global-batch-size", "--micro-batch-size")
+
+
+def batch_sizes(argv: list[str]) -> tuple[Optional[int], Optional[int]]:
+    """(global batch, micro-batch) that a training command's arguments give with Megatron-LM's
+    ``--global-batch-size`` and ``--micro-batch-size``, as ``--flag N`` or ``--flag=N`` (the last one
+    given wins, as argparse has it); None for a flag that is absent. A value that is not an integer
+    >= 1, or a flag with no value, is a :class:`~megatron_ft.config.ConfigError` naming it (pure).
+
+    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size", "18", "--micro-batch-size=2"])
+    (18, 2)
+    >>> batch_sizes(["pretrain_gpt.py", "--micro-batch-size", "4", "--micro-batch-size", "2"])
+    (None, 2)
+    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size=many"])
+    Traceback (most recent call last):
+    ...
+    megatron_ft.config.ConfigError: the training command's --global-batch-size='many' is invalid: must be an integer >= 1
+    """
+    found: dict[str, Optional[int]] = dict.fromkeys(BATCH_FLAGS)
+    for i, arg in enumerate(argv):
+        flag, eq, text = arg.partition("=")
+        if flag not in found:
+            continue
+        if not eq:
+            text = argv[i + 1] if i + 1 < len(argv) else ""
+        if not (text.isascii() and text.isdigit() and int(text) >= 1):
+            raise ConfigError(f"the training command's {flag}={text!r} is invalid: must be an integer >= 1")
+        found[flag] = int(text)
+    return found["--global-batch-size"], found["--micro-batch-size"]

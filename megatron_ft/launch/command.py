@@ -4,7 +4,7 @@ Slurm or Kubernetes), then this node's launcher, a standby, or every node simula
 
 With ``recovery.elastic_after_s`` on, a job that could not go on at fewer data-parallel replicas after
 losing a node - by its layout, or by the training command's ``--global-batch-size`` and
-``--micro-batch-size`` (:func:`batch_sizes`) - is refused before anything starts (:func:`elastic_refusal_of`).
+``--micro-batch-size`` (:func:`megatron_ft.config.flags.batch_sizes`) - is refused before anything starts (:func:`elastic_refusal_of`).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Any, Optional
 from .. import clock
 from .. import config as ftconfig
 from .. import network, scheduler
+from ..config.flags import batch_sizes
 from ..policy.elastic import elastic_refusal, shrink_sizes
 from ..transport import credential
 from .node import NodeLauncher, write_config
@@ -51,38 +52,6 @@ def job_config(config: Optional[str], script: list[str]) -> ftconfig.FTConfig:
         raise ftconfig.ConfigError(f"--config={config} and the training command's --inmem-ckpt-config="
                                    f"{flags.inmem_ckpt_config} name different files: give one, or the same file")
     return ftconfig.apply_flags(ftconfig.load(config or flags.inmem_ckpt_config), flags)
-
-
-#: Megatron-LM's flags for the batch sizes a training command trains at (its parser takes no abbreviations)
-BATCH_FLAGS = ("--global-batch-size", "--micro-batch-size")
-
-
-def batch_sizes(argv: list[str]) -> tuple[Optional[int], Optional[int]]:
-    """(global batch, micro-batch) that a training command's arguments give with Megatron-LM's
-    ``--global-batch-size`` and ``--micro-batch-size``, as ``--flag N`` or ``--flag=N`` (the last one
-    given wins, as argparse has it); None for a flag that is absent. A value that is not an integer
-    >= 1, or a flag with no value, is a :class:`~megatron_ft.config.ConfigError` naming it (pure).
-
-    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size", "18", "--micro-batch-size=2"])
-    (18, 2)
-    >>> batch_sizes(["pretrain_gpt.py", "--micro-batch-size", "4", "--micro-batch-size", "2"])
-    (None, 2)
-    >>> batch_sizes(["pretrain_gpt.py", "--global-batch-size=many"])
-    Traceback (most recent call last):
-    ...
-    megatron_ft.config.ConfigError: the training command's --global-batch-size='many' is invalid: must be an integer >= 1
-    """
-    found: dict[str, Optional[int]] = dict.fromkeys(BATCH_FLAGS)
-    for i, arg in enumerate(argv):
-        flag, eq, text = arg.partition("=")
-        if flag not in found:
-            continue
-        if not eq:
-            text = argv[i + 1] if i + 1 < len(argv) else ""
-        if not (text.isascii() and text.isdigit() and int(text) >= 1):
-            raise ftconfig.ConfigError(f"the training command's {flag}={text!r} is invalid: must be an integer >= 1")
-        found[flag] = int(text)
-    return found["--global-batch-size"], found["--micro-batch-size"]
 
 
 def elastic_refusal_of(cfg: ftconfig.FTConfig, global_batch: Optional[int] = None,

@@ -26,6 +26,7 @@ from .. import network
 from ..agent import shm
 from ..agent.protocol import AgentClient, AgentError, socket_path
 from ..clock import Deadline
+from ..config.flags import batch_sizes
 from ..health import progress as hp
 from ..health.store import StoreUnavailable
 from ..health.monitor import stood_down_path
@@ -315,8 +316,6 @@ class NodeLauncher:
         self.log(f"[launch n{self.node}] rendezvous generation {self.rdzv.gen} hosted by node {self.rdzv.node} at "
                  f"{self.rdzv.addr}:{self.rdzv.port}")
         if self.cfg.recovery.elastic and self.rendezvous.store is not None:
-            from .command import batch_sizes  # (the command line imports this module)
-
             self.elastic = ElasticWatch(self.generation, self.slot, self.base_cfg, self.rendezvous,
                                         batch_sizes(self.script), lambda m: self.log(f"[launch n{self.node}] {m}"))
         while True:

@@ -48,7 +48,7 @@ from .demo_scenarios import (DAMAGE_POINTS, HANG_SCENARIOS, NO_FAILURE, PAUSE_OU
                              RESTORE_HANG_LIMITS, SCENARIOS, Scenario, default_victim_node, kill_agent_beforehand,
                              scenario_for, strike_during_recovery)
 from .demo_summary import build_summary, print_report
-from .helpers import with_free_ports
+from .helpers import on_hosts, with_free_ports
 from .hosts import HostBed
 
 #: the demo's names, those of its parts included: importable from here as before its parts moved out
@@ -168,16 +168,6 @@ def demo_config(args: argparse.Namespace, workdir: str) -> ftconfig.FTConfig:
     if getattr(args, "hosts", False):
         return on_hosts(cfg, workdir)
     return with_free_ports(cfg)
-
-
-def on_hosts(cfg: ftconfig.FTConfig, workdir: str) -> ftconfig.FTConfig:
-    """``cfg`` on the bed's hosts of their own: every host has the default ports to itself; the job's secret
-    is a file every host reads (the bed's hosts share this machine's file system but /dev/shm)."""
-    from ..transport.credential import job_secret_file
-
-    secret = cfg.security.secret_file or job_secret_file("", {}, workdir, multi_host=False)
-    return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
-                            network={"interface": "eth0"}, security={"secret_file": secret})
 
 
 def _run_demo(args: argparse.Namespace, bed: Optional[HostBed], slurm=None) -> dict:

@@ -31,12 +31,11 @@ from .. import config as ftconfig
 from ..launch.generation import fitted_redundancy, read_pointer
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
-from .demo import on_hosts
 from .demo_jobs import (_kill_tree, kill_node, launch_job, node_workers, start_replacement, wait_group_complete,
                         wait_job)
 from .demo_results import _all_records, final_states
 from .demo_scenarios import default_victim_node
-from .helpers import read_jsonl, with_free_ports
+from .helpers import on_hosts, read_jsonl, with_free_ports
 
 #: the demo's cluster for each scheme: a global batch both sizes divide with micro-batch 2
 ELASTIC_SHAPES = {

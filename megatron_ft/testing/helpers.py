@@ -177,3 +177,13 @@ def inmem_ckpt_flags(monkeypatch: Any, job_file: Any, text: str) -> argparse.Arg
     with open(job_file, "w") as f:
         f.write(text)
     return ftconfig.add_inmem_ckpt_args(argparse.ArgumentParser())
+
+
+def on_hosts(cfg: ftconfig.FTConfig, workdir: str) -> ftconfig.FTConfig:
+    """``cfg`` on the bed's hosts of their own: every host has the default ports to itself; the job's secret
+    is a file every host reads (the bed's hosts share this machine's file system but /dev/shm)."""
+    from ..transport.credential import job_secret_file
+
+    secret = cfg.security.secret_file or job_secret_file("", {}, workdir, multi_host=False)
+    return ftconfig.replace(cfg, launch={"master_addr": "node0"}, health={"host_pattern": "node{node}"},
+                            network={"interface": "eth0"}, security={"secret_file": secret})
