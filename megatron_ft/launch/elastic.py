@@ -22,8 +22,9 @@ it stops its torchrun and takes part in the handover, with the old generation's 
    (:func:`~megatron_ft.policy.generations.needed_by_node`) into files of its own memory: linked from its
    own agent's slot (no copy), else fetched whole from the holder's agent on the peer transport
    (``get`` of a clean primary, in pieces of :data:`FETCH_PIECE`, the job's secret proven both ways);
-5. *go*: once every node is ready, each stops its old agent (the old generation's store goes with its
-   root's) and starts the new generation's agent and torchrun (:class:`~megatron_ft.launch.node.NodeLauncher`).
+5. *go*: once every node is ready, each says so and stops its old agent - the launcher of the store's
+   root last, after every go (the old generation's store goes with it) - and starts the new generation's
+   agent and torchrun (:class:`~megatron_ft.launch.node.NodeLauncher`).
 
 A slot that comes back (a replacement launcher started for it, or a host relaunched) finds the running
 generation in the run directory's pointer, says so in that generation's store (``elastic/returned/<slot>``),
@@ -143,12 +144,13 @@ def _as_record(rec: GenerationRecord, old) -> GenerationRecord:
 
 
 def agent_report(client: AgentClient) -> dict:
-    """What an old node's agent holds for the plan: its ranks' clean steps and its group's complete step."""
+    """What an old node's agent holds for the plan: its ranks' clean steps and its group's complete step (and
+    which node's agent serves the store: the handover's last barrier keeps that one up until the end)."""
     st = client.request("status")["status"]
     clean_name = snapfile.STATE_NAMES[snapfile.CLEAN]
     clean = {r: [s["step"] for s in v["slots"] if s["state"] == clean_name] for r, v in st.get("ranks", {}).items()}
     red = st.get("redundancy") or {}
-    return {"clean": clean, "complete": int(red.get("complete_step", -1))}
+    return {"clean": clean, "complete": int(red.get("complete_step", -1)), "root": st.get("root")}
 
 
 def fetch_primary(store, cfg: ftconfig.FTConfig, secret: Optional[bytes], node: int, rank: int, step: int,
@@ -238,8 +240,8 @@ class Handover:
         """Steps 1-5 of the module for this launcher; returns the planned record. The old agent still runs."""
         t0 = time.perf_counter()
         members = self._members()
-        report = json.dumps(agent_report(self.agent)) if self.agent is not None else "{}"
-        reports = self._barrier("stopped", members, report)  # 1. stopped
+        mine = agent_report(self.agent) if self.agent is not None else {}
+        reports = self._barrier("stopped", members, json.dumps(mine))  # 1. stopped
         if self.rec.decider == self.slot:  # 2. plan
             try:
                 planned = plan_handover(self.rec, {s: json.loads(v) for s, v in reports.items()}, self.base).to_json()
@@ -266,10 +268,15 @@ class Handover:
             self._gather(plan, old_node)
         everyone = sorted(set(plan.slots) | set(members))
         self._barrier("ready", everyone)
-        try:  # 5. go: the decider keeps the store up until everyone saw every node ready
-            self._barrier("go", everyone, store_may_go=True)
-        except (StoreUnavailable, HandoverError):
-            pass  # the store's root stopped after the decider saw every go: every node was ready
+        # 5. go: each says it saw every node ready; the launcher of the store's root waits for every go before
+        # its agent (and the store with it) stops, the others go on at once
+        self.store.set(f"elastic/go/{self.n}/{self.slot}", "1")
+        if old_node is not None and mine.get("root") == old_node:
+            try:
+                for s in everyone:
+                    self._wait_key(f"elastic/go/{self.n}/{s}", store_may_go=True)
+            except (StoreUnavailable, HandoverError) as e:  # every node was ready: what is left is theirs
+                self.log(f"not every node said go ({e}); going on: every node was ready")
         self.log(f"handover to generation {self.n} ready in {time.perf_counter() - t0:.2f} s (step {plan.step})")
         return plan
 

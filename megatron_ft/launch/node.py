@@ -365,6 +365,7 @@ class NodeLauncher:
                 if next_publish.expired():
                     self.rendezvous.keep_published(self.rdzv)
                     next_publish = Deadline(2.0, "the next look at the rendezvous record")
+                    self._release_imports()
                 if self.elastic is not None and (nxt := self.elastic.tick()) is not None:
                     self.log(f"[launch n{self.node}] generation {nxt.number} ({nxt.kind}): stopping this node's "
                              f"trainers for the handover")
@@ -508,6 +509,30 @@ class NodeLauncher:
         self.log(f"[launch slot {self.slot}] generation {plan.number}: node {i} of {self.nodes} (DP "
                  f"{plan.data_parallel}), restoring step {plan.step} re-sliced from DP {plan.previous.data_parallel}")
         return self._run()
+
+    def _release_imports(self) -> None:
+        """Once every rank of this node agreed a step of this generation newer than the one it restored from,
+        nothing restores from the previous generation's containers again: unlink them (their memory is about
+        a generation's state per node). Asked every 2 s until then, one status request to the agent."""
+        if not self.gen_env or self.agent is None or self.agent.poll() is not None:
+            return
+        try:
+            client = AgentClient(self.sock, self.cfg.agent.request_timeout_s)
+            client.connect({"rank": -1, "local_rank": -1, "pid": os.getpid(), "run_id": self.cfg.run_id})
+            try:
+                ranks = client.request("status")["status"].get("ranks", {})
+            finally:
+                client.close(orderly=True)
+        except (OSError, AgentError):
+            return
+        agreed = [int(v.get("global_step", -1)) for v in ranks.values()]
+        if len(agreed) < self.nproc or min(agreed) <= self.generation.step:
+            return
+        gone = shm.remove_segments(self.cfg.agent.shm_dir, lambda name: bool(
+            (m := shm.held_by(name, self.cfg.run_id, self.node)) and m.group(0).startswith("in")))
+        self.gen_env = {}
+        self.log(f"[launch n{self.node}] every rank here agreed step {min(agreed)} of generation "
+                 f"{self.generation.number}: released {len(gone)} container(s) of generation {self.generation.number - 1}")
 
     def _drop_imports_of(self, rec: GenerationRecord) -> None:
         """Unlink what this slot gathered for generation ``rec`` that never started here."""

@@ -10,7 +10,8 @@ ranks by their extents records, the RNG streams, buffers and step counters of th
 
 When: only where the generation's own restore found nothing (its agents hold no version of it yet, nor
 does its persist directory): a generation's first start, or a restart of it before its first snapshot was
-agreed by every rank - both restore the record's step again. Collective over every rank of the generation
+agreed by every rank - both restore the record's step again (the launcher releases the imports once every
+rank of its node agreed a newer step; a restore that finds them gone ends the job, saying so). Collective over every rank of the generation
 (the final all-gather of the re-sliced buckets, in :func:`restore_resliced`); every rank reaches it
 together, as the generation's restore said ``none`` on every rank.
 """
@@ -21,6 +22,7 @@ import time
 from typing import Any, Optional
 
 from .. import config as ftconfig
+from .. import fatal
 from ..launch.generation import ENV, GenerationRecord, import_name
 from ..policy.elastic import coordinates, rank_of
 from ..trainer.recovery import Container, RestoreResult
@@ -53,7 +55,12 @@ def restore_generation(cfg: ftconfig.FTConfig, adapter: Any, rank: int, node: in
     sources = {}
     try:
         for o in olds:
-            sources[o] = Container(os.path.join(cfg.agent.shm_dir, import_name(cfg.run_id, node, o)))
+            path = os.path.join(cfg.agent.shm_dir, import_name(cfg.run_id, node, o))
+            if not os.path.exists(path):  # released once the generation agreed a newer step: never start over
+                fatal.end_job(f"rank {rank}: generation {rec.number} holds no version of its own and the previous "
+                              f"generation's containers were released ({path} is gone): nothing in memory to "
+                              f"restore from")
+            sources[o] = Container(path)
         done = restore_resliced(adapter, sources, olds[0], rec.step, {"run_id": rec.previous_run_id})
     finally:
         for c in sources.values():
