@@ -203,6 +203,9 @@ def test_periodic_persist_and_retention(job_config, tmp_path):
             # makes due is queued only once the agent agreed, so the wait is for both
             wait_until(lambda: c.request("agreed", rank=0)["agreed"] >= step or None, 30, f"step {step} agreed")
             c.request("wait_persisted", wait_s=30)
+        # the last agreed step's persist is queued by the agent's agreement thread, which may come after the
+        # wait above found the queue empty: wait (bounded) for it to land, then check the retention
+        wait_until(lambda: sorted(a_status(c)["persisted"]) == [2, 4, 6] or None, 30, "steps 2, 4 and 6 persisted")
         assert sorted(a_status(c)["persisted"]) == [2, 4, 6]
         assert persist.complete_steps(cfg.persist.dir, cfg.run_id, 1) == [6, 4]
     finally:
