@@ -161,6 +161,18 @@ def peer_port(cfg: FTConfig, node: int) -> int:
     return cfg.network.peer_port + (node if cfg.health.one_machine else 0)
 
 
+def port_free(addr: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``addr`` now, as the servers bind it (``SO_REUSEADDR``: a port left in
+    TIME_WAIT by a stopped server counts as free)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((addr, port))
+            return True
+        except OSError:
+            return False
+
+
 def rendezvous_ports(cfg: FTConfig, gen: int) -> list[int]:
     """The ports a launcher hosting rendezvous generation ``gen`` tries, in order: the range of
     ``launch.rdzv_port``, from ``rdzv_port + gen`` on, wrapping around.

@@ -17,7 +17,6 @@ verdict. None of it grows with N except the first read of the owners.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -110,13 +109,8 @@ class Rendezvous:
         addr = network.listen_address(self.cfg, self.node)
         ports = network.rendezvous_ports(self.cfg, gen)
         for port in ports:
-            with socket.socket() as s:  # torchrun's store binds it with SO_REUSEADDR: so does the check
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((addr, port))
-                except OSError:
-                    continue
-            return RdzvGeneration(gen, self.node, addr, port)
+            if network.port_free(addr, port):  # torchrun's store binds it with SO_REUSEADDR: so does the check
+                return RdzvGeneration(gen, self.node, addr, port)
         raise RuntimeError(f"node {self.node} cannot host rendezvous generation {gen}: every port of "
                            f"launch.rdzv_port={self.cfg.launch.rdzv_port} .. +{self.cfg.launch.rdzv_ports - 1} is in use "
                            f"on {addr}; free one or widen launch.rdzv_ports")

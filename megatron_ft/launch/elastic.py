@@ -324,8 +324,11 @@ class ElasticWatch:
                 nxt = GenerationRecord.from_json(raw)
                 if nxt.number == self.rec.number + 1:
                     return nxt
-            elif self._decides():
-                self._decide(store, now)
+            else:  # one read of the record's changed parts per look: who decides, and what was lost
+                view = self.rendezvous.view.refresh(owners=True)
+                lost, taken = self._lost_nodes(view)
+                if self._decides(lost):
+                    self._decide(store, now, lost, taken)
         except StoreUnavailable:
             pass
         return None
@@ -347,13 +350,17 @@ class ElasticWatch:
                 taken.add(node)
         return lost, taken
 
-    def _decides(self) -> bool:
-        lost, _ = self._lost_nodes(self.rendezvous.view.refresh(owners=True))
+    def _decides(self, lost: set[int]) -> bool:
         alive = [n for n in range(len(self.rec.slots)) if n not in lost]
         return bool(alive) and self.rec.slots[alive[0]] == self.slot
 
-    def _decide(self, store, now: float) -> None:
-        lost, taken = self._lost_nodes(self.rendezvous.view.refresh(owners=True))
+    def _refuse(self, why: str) -> None:
+        """Say once (per reason) why the job does not change its size: it waits for a replacement."""
+        if why != self._refused:
+            self._refused = why
+            self.log(f"cannot go on at fewer data-parallel replicas: {why}; waiting for a replacement")
+
+    def _decide(self, store, now: float, lost: set[int], taken: set[int]) -> None:
         for node in lost:
             slot = self.rec.slots[node]
             self.trigger.claimed(slot) if node in taken else self.trigger.lost(slot, now)
@@ -370,19 +377,12 @@ class ElasticWatch:
             new = (g.shrink(slots, self.global_batch, self.micro_batch, least) if kind == "shrink" else
                    g.grow(slots, self.global_batch, self.micro_batch, least))
         except ShrinkRefused as e:
-            if str(e) != self._refused:
-                self._refused = str(e)
-                self.log(f"cannot go on at fewer data-parallel replicas: {e}; waiting for a replacement")
-            return
+            return self._refuse(str(e))
         if new.number == g.number:
             return  # a slot back, but no larger size fits yet
         if len(new.slots) < 2:  # no peer to hold its memory, no peer transport to grow back from
-            why = (f"generation {new.number} would have one node (slot {new.slots[0]}): nothing would protect its "
-                   f"memory and it could not grow back from it")
-            if why != self._refused:
-                self._refused = why
-                self.log(f"cannot go on at fewer data-parallel replicas: {why}; waiting for a replacement")
-            return
+            return self._refuse(f"generation {new.number} would have one node (slot {new.slots[0]}): nothing would "
+                                f"protect its memory and it could not grow back from it")
         rec = GenerationRecord(new.number, kind, self.rec.base_run_id, new.slots, new.idle, self.rec.full,
                                self.rec.ranks_per_node, self.rec.tensor, self.rec.pipeline, self.rec.expert,
                                previous_slots=g.slots, lost=tuple(slots) if kind == "shrink" else (),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -577,14 +576,7 @@ def wait_ports_free(cfg: ftconfig.FTConfig, node: int, deadline: Deadline) -> No
     addr = network.listen_address(cfg, node) if not cfg.health.one_machine else "127.0.0.1"
     ports = [network.peer_port(cfg, node), cfg.health.store_port + (node if cfg.health.one_machine else 0)]
     for port in ports:
-        while True:
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((addr, port))
-                    break
-                except OSError:
-                    pass
+        while not network.port_free(addr, port):
             if deadline.expired():
                 raise AgentStartError(f"node {node}: port {port} is still in use on {addr} after "
                                       f"launch.start_timeout_s={cfg.launch.start_timeout_s:g} s")
