@@ -3,10 +3,13 @@ back) restoring from the previous generation's containers its launcher imported 
 
 The launcher names the generation's record in the trainer's environment (``MFT_GENERATION``,
 :mod:`megatron_ft.launch.generation`); its node holds, as ``mft.<run>.e<n>.n<node>.in<old rank>``, every
-old container its ranks need (:func:`~megatron_ft.policy.generations.needed_by_node`). The restore is the
-re-slicing one (:func:`megatron_ft.megatron.reslice_restore.restore_resliced`): the shards cut from the old
-ranks by their extents records, the RNG streams, buffers and step counters of the old data-parallel replica
-0 of this rank's coordinate, the progress (iteration, consumed samples) from its record.
+old container its ranks need (:func:`~megatron_ft.policy.generations.needed_by_node`). Two restores use
+them: the project's script's (:func:`restore_generation`, through
+:func:`megatron_ft.megatron.reslice_restore.restore_resliced`: the shards cut from the old ranks by their
+extents records, the RNG streams, buffers and step counters of the old data-parallel replica 0 of this
+rank's coordinate, the progress from its record), and upstream Megatron-LM's local checkpoint tier
+(:mod:`megatron_ft.megatron.resharded_state_dict`: the sharded tensors filled by their global coordinates).
+Both open the containers with :func:`open_imports` and report with :func:`generation_result`.
 
 When: only where the generation's own restore found nothing (its agents hold no version of it yet, nor
 does its persist directory): a generation's first start, or a restart of it before its first snapshot was
@@ -41,18 +44,15 @@ def generation_record(env: Optional[dict] = None) -> Optional[GenerationRecord]:
         return GenerationRecord.from_json(f.read())
 
 
-def restore_generation(cfg: ftconfig.FTConfig, adapter: Any, rank: int, node: int,
-                       rec: GenerationRecord) -> RestoreResult:
-    """Restore ``adapter`` (a :class:`~megatron_ft.megatron.state.MegatronStateAdapter`) for ``rank`` (on
-    ``node``) of generation ``rec`` from its node's imported containers. The result's ``source`` is the
-    worst tier among the old ranks read, ``extra`` says the sizes before and after and each old rank's
-    tier. A missing or torn import raises (the generation cannot start from memory: the launcher's
-    handover said every import was in place)."""
-    t0 = time.perf_counter()
-    old = rec.previous
+def open_imports(cfg: ftconfig.FTConfig, rank: int, node: int, rec: GenerationRecord) -> dict[int, Container]:
+    """The containers of ``rec``'s previous generation that ``rank`` (on ``node``) restores from: every old
+    data-parallel rank of its tensor and pipeline coordinate, old data-parallel rank 0 first, each open and
+    checked (CLEAN, the record's step, the previous run's identity). The caller closes them. Imports
+    released already end the job (never a start over); a missing or torn one raises (the handover said
+    every import was in place)."""
     tp, _, pp = coordinates(rank, rec.tensor, rec.pipeline, rec.data_parallel)
-    olds = [rank_of(tp, d, pp, rec.tensor, old.data_parallel) for d in range(old.data_parallel)]
-    sources = {}
+    olds = [rank_of(tp, d, pp, rec.tensor, rec.previous.data_parallel) for d in range(rec.previous.data_parallel)]
+    sources: dict[int, Container] = {}
     try:
         for o in olds:
             path = os.path.join(cfg.agent.shm_dir, import_name(cfg.run_id, node, o))
@@ -61,15 +61,44 @@ def restore_generation(cfg: ftconfig.FTConfig, adapter: Any, rank: int, node: in
                               f"generation's containers were released ({path} is gone): nothing in memory to "
                               f"restore from")
             sources[o] = Container(path)
-        done = restore_resliced(adapter, sources, olds[0], rec.step, {"run_id": rec.previous_run_id})
+            sources[o].check_identity(identity(rec), rec.step)
+    except BaseException:
+        for c in sources.values():
+            c.close()
+        raise
+    return sources
+
+
+def identity(rec: GenerationRecord) -> dict:
+    """The identity every previous-generation container must carry (what does not change with the size)."""
+    return {"run_id": rec.previous_run_id}
+
+
+def generation_result(rec: GenerationRecord, node: int, read: list[int], seconds: float, **extra) -> RestoreResult:
+    """The restore's result: ``source`` the worst tier among the old ranks ``read``, ``extra`` the sizes
+    before and after, each old rank's tier and the decision's time (plus ``extra``)."""
+    here = rec.slots[node]
+    tiers = {o: rec.sources.get(o) or ("local_memory" if rec.previous_slots[rec.holder[o]] == here else "peer_memory")
+             for o in read}
+    worst = max(tiers.values(), key=TIERS.index) if tiers else "local_memory"
+    return RestoreResult(worst, rec.step, seconds, {
+        "data_parallel_before": rec.previous.data_parallel, "data_parallel_after": rec.data_parallel,
+        "generation": rec.number, "kind": rec.kind, "tiers": {str(o): t for o, t in tiers.items()},
+        "decided_at": rec.decided_at, **extra})
+
+
+def restore_generation(cfg: ftconfig.FTConfig, adapter: Any, rank: int, node: int,
+                       rec: GenerationRecord) -> RestoreResult:
+    """Restore ``adapter`` (a :class:`~megatron_ft.megatron.state.MegatronStateAdapter`) for ``rank`` (on
+    ``node``) of generation ``rec`` from its node's imported containers (:func:`open_imports`). The
+    result's ``source`` is the worst tier among the old ranks read, ``extra`` says the sizes before and
+    after and each old rank's tier (:func:`generation_result`)."""
+    t0 = time.perf_counter()
+    sources = open_imports(cfg, rank, node, rec)
+    try:
+        done = restore_resliced(adapter, sources, next(iter(sources)), rec.step, identity(rec))
     finally:
         for c in sources.values():
             c.close()
-    here = rec.slots[node]
-    tiers = {o: rec.sources.get(o) or ("local_memory" if rec.previous_slots[rec.holder[o]] == here else "peer_memory")
-             for o in done.containers}
-    worst = max(tiers.values(), key=TIERS.index) if tiers else "local_memory"
-    extra = {"data_parallel_before": old.data_parallel, "data_parallel_after": rec.data_parallel,
-             "generation": rec.number, "kind": rec.kind, "tiers": {str(o): t for o, t in tiers.items()},
-             "copies": done.copies, "elements": done.elements, "decided_at": rec.decided_at}
-    return RestoreResult(worst, rec.step, time.perf_counter() - t0, extra)
+    return generation_result(rec, node, done.containers, time.perf_counter() - t0, copies=done.copies,
+                             elements=done.elements)

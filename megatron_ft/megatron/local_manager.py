@@ -52,6 +52,7 @@ import functools
 import logging
 import os
 import re
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable, Collection, Optional
@@ -67,7 +68,9 @@ from ..capture import tree as treecodec
 from ..capture.layout import Layout
 from ..capture.state import LaterCapture, StateTensor, fresh_targets
 from ..trainer import in_process
-from .generation_restore import generation_record
+from ..launch.generation import GenerationRecord
+from .generation_restore import generation_record, generation_result, open_imports
+from .resharded_state_dict import ReshardedStateDict
 from ..trainer.checkpointer import InMemoryCheckpointer
 from ..trainer.recovery import RestoreFailed
 from . import cpu_compat
@@ -238,6 +241,8 @@ class _Loaded:
     source: str = "none"
     record: Optional[dict] = None
     tensors: Optional[list] = None
+    #: a new generation's first start: the previous generation's state dict, re-sharded when Megatron asks
+    resharded: Optional[ReshardedStateDict] = None
 
 
 class InMemoryLocalCheckpointManager:
@@ -342,15 +347,11 @@ class InMemoryLocalCheckpointManager:
         except RestoreFailed as e:  # only our scratch tensors were touched
             log.warning("rank %d: no in-memory checkpoint can be loaded: %s", self.rank, e)
             res = None
+        if (res is None or res.source == "none") and (gen := generation_record()) is not None:
+            return self._resharded(gen)  # a new generation's first start: the previous one's snapshots
         # an in-process attempt built with --no-initialization must not fall back (to an upstream
         # checkpoint that may not exist, or to its uninitialised weights): a fresh process will
         in_process.check_restored(res is not None and res.source != "none")
-        if (res is None or res.source == "none") and generation_record() is not None:
-            # never a silent start at iteration 0 in a job that went on at another data-parallel size
-            fatal.end_job(f"rank {self.rank}: this job went on at another data-parallel size (recovery."
-                          f"elastic_after_s) and its first restore must be re-sliced from the previous size's "
-                          f"snapshots, which is built for scripts/pretrain_gpt.py's trainers, not yet for upstream "
-                          f"Megatron-LM's: set recovery.elastic_after_s: 0 for this job")
         if res is None or res.source == "none":
             return _Loaded(-1)
         record = res.extra["state_dict"]
@@ -359,12 +360,42 @@ class InMemoryLocalCheckpointManager:
         self._adapter.loaded = {}
         return _Loaded(res.step, res.source, record, tensors)
 
+    def _resharded(self, gen: GenerationRecord) -> _Loaded:
+        """This rank of generation ``gen`` restores from the previous generation's containers imported into
+        its node's memory (:mod:`.resharded_state_dict`); the restore event is written once Megatron's
+        load has been answered. Nothing it can restore from ends the job, saying why (never a silent
+        start at iteration 0, nor a restart that would find the same)."""
+        t0 = time.perf_counter()
+        node = self._ckpt.node
+        try:
+            sources = open_imports(self.cfg, self.rank, node, gen)
+        except Exception as e:
+            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot restore from the previous generation's "
+                          f"snapshots in memory: {e}")
+        read = list(sources)
+
+        def done(counts: dict) -> None:
+            res = generation_result(gen, node, read, time.perf_counter() - t0, **counts)
+            self._ckpt.restored_elsewhere(res)
+
+        try:
+            resharded = ReshardedStateDict.of(sources, tensor_name, done)
+        except Exception as e:
+            for c in sources.values():
+                c.close()
+            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot read the previous generation's "
+                          f"snapshot of step {gen.step}: {e}")
+        return _Loaded(gen.step, "resharded", resharded=resharded)
+
     def load(self) -> tuple[MCoreTensorAwareStateDict, str]:
         """``(tensor-aware state dict, checkpoint name)`` of the iteration :meth:`find_latest` found."""
         if self.find_latest() < 0:
             raise RuntimeError("load(): there is no in-memory checkpoint every rank can restore "
                                "(find_latest() returned -1)")
         loaded = self._loaded
+        if loaded is not None and loaded.resharded is not None:
+            return loaded.resharded, (f"megatron-ft run {self.cfg.run_id} iteration {loaded.step} rank {self.rank}, "
+                                      f"re-sharded from the previous generation's snapshots")
         assert loaded is not None and loaded.record is not None and loaded.tensors is not None
         tree = treecodec.decode(loaded.record, loaded.tensors)
         tasd = InMemoryTensorAwareStateDict(common=tree["common"], sharded_state_dict=tree["sharded"])

@@ -25,14 +25,15 @@ import argparse
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 from .. import config as ftconfig
 from ..launch.generation import fitted_redundancy, read_pointer
 from ..redundancy.exchange import holders_of_whole
 from ..redundancy.plan import plan_from_config
-from .demo_jobs import (_kill_tree, kill_node, launch_job, node_workers, start_replacement, wait_group_complete,
-                        wait_job)
+from .demo_jobs import (PROJECT_SCRIPT, Program, _kill_tree, kill_node, launch_job, node_workers, start_replacement,
+                        upstream_program, wait_group_complete, wait_job)
 from .demo_results import _all_records, final_states
 from .demo_scenarios import default_victim_node
 from .helpers import on_hosts, read_jsonl, with_free_ports
@@ -61,12 +62,11 @@ def check_elastic_arguments(args: argparse.Namespace) -> None:
     """Refuse what ``--elastic`` cannot run with (a clear ConfigError)."""
     if args.fail != "node":
         raise ftconfig.ConfigError(f"--elastic is invalid with --fail={args.fail}: it loses a node (--fail node)")
-    for flag, given in (("--megatron-lm", args.megatron_lm), ("--standby", args.standby), ("--slurm", args.slurm),
-                        ("--moe", args.moe), ("--second-failure", args.second_failure)):
+    for flag, given in (("--standby", args.standby), ("--slurm", args.slurm), ("--moe", args.moe),
+                        ("--second-failure", args.second_failure)):
         if given:
-            raise ftconfig.ConfigError(f"{flag} is invalid with --elastic: the elastic demo runs the project's script, "
-                                       f"one node lost and no standby (on this machine, or with --hosts on hosts of "
-                                       f"their own)")
+            raise ftconfig.ConfigError(f"{flag} is invalid with --elastic: the elastic demo loses one node with no "
+                                       f"standby (on this machine, or with --hosts on hosts of their own)")
     if args.elastic_after_s <= 0:
         raise ftconfig.ConfigError(f"--elastic-after-s={args.elastic_after_s} is invalid: must be > 0 seconds")
     if args.grow_after < 1 or args.kill_at + args.grow_after + 3 > args.iters:
@@ -131,17 +131,58 @@ def last_losses(run_dir: str) -> dict[tuple[int, int], str]:
     return {k: v for k, (_, v) in out.items()}
 
 
-def run_reference(cfg: ftconfig.FTConfig, targs: list[str], workdir: str, step: int, grow: int, nodes_after: int,
-                  timeout: float, say, bed=None) -> dict[str, str]:
+@dataclass(frozen=True)
+class ElasticTrainer:
+    """What the elastic demo trains: the project's ``scripts/pretrain_gpt.py`` or upstream Megatron-LM's own
+    ``pretrain_gpt.py`` (``program``), its arguments (``targs``, the reference's too), the job's pacing."""
+
+    program: Program
+    targs: list[str]
+    pace: list[str]
+
+    @property
+    def upstream(self) -> bool:
+        return self.program.upstream
+
+    def reference(self, load: Optional[str], save: Optional[str], at: Optional[int]) -> list[str]:
+        """A reference segment's own arguments: load Megatron's distributed checkpoint from ``load``, save one
+        in ``save`` after iteration ``at`` and stop. The project's script saves and loads through megatron-core's
+        library (:mod:`megatron_ft.megatron.dist_reference`); upstream's, its own ``--ckpt-format torch_dist``
+        checkpoint (``--save``/``--load``, given after its defaults; ``--exit-interval`` saves and stops)."""
+        if self.upstream:
+            out = ["--load", load or "{run_dir}/megatron-save", "--save", save or "{run_dir}/megatron-save"]
+            return out + (["--exit-interval", str(at)] if save else [])
+        out = ["--ref-load-dir", load] if load else []
+        return out + (["--ref-save-dir", save, "--ref-save-at", str(at), "--ref-stop-after-save"] if save else [])
+
+
+def elastic_trainer(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, workdir: str) -> ElasticTrainer:
+    """The program and arguments of ``--megatron-lm`` (upstream, patched into the workdir) or of the project's
+    script, with the demo's global batch (both data-parallel sizes divide it)."""
+    shape = ["--tensor-model-parallel-size", str(cfg.parallel.tensor), "--pipeline-model-parallel-size",
+             str(cfg.parallel.pipeline), "--global-batch-size", str(batch), "--train-iters", str(args.iters)]
+    if args.megatron_lm:
+        from . import megatron_lm
+
+        program = upstream_program(args.megatron_lm, workdir)
+        base = megatron_lm.demo_args(cfg.parallel.tensor, cfg.parallel.pipeline, cfg.data_parallel, args.iters,
+                                     "{run_dir}")
+        return ElasticTrainer(program, [*base, *shape, *(args.train_arg or [])],
+                              [megatron_lm.PACE, str(args.min_iteration_s)])
+    return ElasticTrainer(PROJECT_SCRIPT, [*shape, "--log-interval", "5", *(args.train_arg or [])],
+                          ["--min-iteration-s", str(args.min_iteration_s)])
+
+
+def run_reference(cfg: ftconfig.FTConfig, trainer: ElasticTrainer, workdir: str, step: int, grow: int,
+                  nodes_after: int, timeout: float, say, bed=None) -> dict[str, str]:
     """The three reference segments (no megatron-ft): DP to ``step`` saved, DP' from it to ``grow`` saved, DP
     from that to the end; their directories by name."""
     dirs = {k: os.path.join(workdir, f"reference-{k}") for k in ("A", "B", "C")}
     ckpt = {k: os.path.join(workdir, f"reference-{k}.ckpt") for k in ("A", "B")}
     segments = [
-        ("A", cfg.cluster.nodes, ["--ref-save-dir", ckpt["A"], "--ref-save-at", str(step), "--ref-stop-after-save"]),
-        ("B", nodes_after, ["--ref-load-dir", ckpt["A"], "--ref-save-dir", ckpt["B"], "--ref-save-at", str(grow),
-                            "--ref-stop-after-save"]),
-        ("C", cfg.cluster.nodes, ["--ref-load-dir", ckpt["B"]]),
+        ("A", cfg.cluster.nodes, trainer.reference(None, ckpt["A"], step)),
+        ("B", nodes_after, trainer.reference(ckpt["A"], ckpt["B"], grow)),
+        ("C", cfg.cluster.nodes, trainer.reference(ckpt["B"], None, None)),
     ]
     for name, nodes, extra in segments:
         for d in (dirs[name], ckpt.get(name, "")):
@@ -151,7 +192,8 @@ def run_reference(cfg: ftconfig.FTConfig, targs: list[str], workdir: str, step: 
                                   redundancy=fitted_redundancy(cfg.redundancy, nodes), launch={"warm_spares": False},
                                   recovery={"elastic_after_s": 0})
         say(f"[demo] reference {name}: {nodes} nodes, {' '.join(extra)}")
-        p = launch_job(seg_cfg, dirs[name], [*targs, *extra], inmem=False, log_path=dirs[name] + ".log", bed=bed)
+        p = launch_job(seg_cfg, dirs[name], [*trainer.targs, *extra], inmem=False, log_path=dirs[name] + ".log",
+                       program=trainer.program, bed=bed)
         wait_job(p, timeout, f"reference segment {name}", dirs[name] + ".log")
     return dirs
 
@@ -210,9 +252,7 @@ def run_elastic_demo(args: argparse.Namespace) -> dict:
 def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, workdir: str, bed) -> dict:
     say = lambda m: _say(args, m)  # noqa: E731
     rpn, nodes = cfg.cluster.ranks_per_node, cfg.cluster.nodes
-    targs = ["--tensor-model-parallel-size", str(cfg.parallel.tensor), "--pipeline-model-parallel-size",
-             str(cfg.parallel.pipeline), "--global-batch-size", str(batch), "--train-iters", str(args.iters),
-             "--log-interval", "5", *(args.train_arg or [])]
+    trainer = elastic_trainer(args, cfg, batch, workdir)
     victim = args.victim_node if args.victim_node is not None else default_victim_node(cfg)
     if not 0 <= victim < nodes:
         raise ftconfig.ConfigError(f"--victim-node={victim} is invalid: must be in [0, {nodes - 1}]")
@@ -220,11 +260,12 @@ def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, w
     deadline = time.time() + args.timeout
     say(f"[demo] elastic: {nodes} nodes x {rpn} ranks, TP{cfg.parallel.tensor} PP{cfg.parallel.pipeline} "
         f"DP{cfg.data_parallel}, {cfg.redundancy.scheme}, global batch {batch}; node {victim} lost after iteration "
-        f"{args.kill_at} with no replacement, back {args.grow_after} iterations after the shrink")
+        f"{args.kill_at} with no replacement, back {args.grow_after} iterations after the shrink"
+        f"{'; upstream Megatron-LM from ' + args.megatron_lm if trainer.upstream else ''}")
     # the job's iterations padded (not the reference's: the numbers are the same) so that the node comes
     # back while it trains
-    jargs = [*targs, "--min-iteration-s", str(args.min_iteration_s)]
-    job = launch_job(cfg, run_dir, jargs, True, log_path, bed=bed)
+    jargs = [*trainer.targs, *trainer.pace]
+    job = launch_job(cfg, run_dir, jargs, True, log_path, program=trainer.program, bed=bed)
     rep = None
     try:
         wait_group_complete(run_dir, nodes, job, deadline, log_path)
@@ -243,7 +284,7 @@ def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, w
         _wait(f"{args.grow_after} iterations at DP {gen1.data_parallel}",
               lambda: _reached(run_dir, 0, since) >= step + args.grow_after, deadline, job, log_path, 0.2)
         back_at = time.time()
-        rep = start_replacement(cfg, run_dir, victim, jargs, rep_log, bed=bed)
+        rep = start_replacement(cfg, run_dir, victim, jargs, rep_log, program=trainer.program, bed=bed)
         say(f"[demo] node {victim} back (a new launcher for its slot; log {rep_log})")
         grow = _wait("the grow-back's restore on every rank", lambda: _generation_done(run_dir, 2, nodes * rpn),
                      deadline, job, log_path)
@@ -255,7 +296,8 @@ def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, w
             _kill_tree(rep)
         raise
     grow_step = grow[0]["step"]
-    refs = run_reference(cfg, targs, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say, bed)
+    refs = run_reference(cfg, trainer, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say,
+                         bed)
     problems = compare_elastic(run_dir, refs, step, grow_step, nodes * rpn)
     shrink_s, grow_s = _generation_summary(shrink, lost_at), _generation_summary(grow, back_at)
     want_tier = promised_tier(cfg, victim)
@@ -264,7 +306,8 @@ def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, w
     if step < args.kill_at - 1:
         problems.append(f"the shrink resumed from step {step}, before the loss at iteration {lost_at_iteration} "
                         f"by more than one snapshot")
-    return {"scenario": "node-elastic", "redundancy": cfg.redundancy.scheme, "recovered_from": shrink_s["recovered_from"],
+    return {"scenario": "node-elastic", "program": "megatron-lm" if trainer.upstream else "project",
+            "redundancy": cfg.redundancy.scheme, "recovered_from": shrink_s["recovered_from"],
             "promised_tier": want_tier, "victim_node": victim, "hosts": bed is not None, "resumed_step": step,
             "lost_iterations": lost_at_iteration - step,
             "data_parallel_before": shrink_s["data_parallel_before"],

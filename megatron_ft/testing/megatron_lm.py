@@ -224,8 +224,26 @@ class _Recorder:
             json.dump({"parameters": {"iteration": self.last["iteration"], "sha256": self.last["state_digest"]}}, f)
 
 
+#: the harness's own option, taken out of the arguments before Megatron sees them: every iteration padded to
+#: at least this many seconds (a demo that must act while the job still trains: the elastic one)
+PACE = "--mft-min-iteration-s"
+
+
+def _paced(args: list[str]) -> tuple[list[str], float]:
+    """``args`` without :data:`PACE` and its value, and that value (0: not given).
+
+    >>> _paced(["--lr", "1", "--mft-min-iteration-s", "0.5", "--seed", "3"])
+    (['--lr', '1', '--seed', '3'], 0.5)
+    """
+    if PACE not in args:
+        return list(args), 0.0
+    i = args.index(PACE)
+    return [*args[:i], *args[i + 2:]], float(args[i + 1])
+
+
 def run(script: str, args: list[str]) -> None:
     """Run upstream ``script`` with ``args`` in this process, recording every iteration."""
+    args, pace = _paced(args)
     script = os.path.abspath(script)
     tree = os.path.dirname(script)
     sys.argv[:] = [script, *args]
@@ -236,7 +254,9 @@ def run(script: str, args: list[str]) -> None:
     orig = training.train_step
 
     def train_step(*a: Any, **kw: Any) -> Any:
+        t0 = time.monotonic()
         out = orig(*a, **kw)
+        time.sleep(max(0.0, pace - (time.monotonic() - t0)))
         model = kw.get("model", a[2] if len(a) > 2 else None)
         iteration = kw.get("iteration")
         if iteration is not None and model is not None:
