@@ -9,8 +9,9 @@ Megatron's own reshard.
 2. ``--grow-after`` iterations later the node comes back (a new launcher for its slot): the job grows to DP
    again as generation 2, from memory;
 3. the reference, without megatron-ft: Megatron's distributed checkpoint (megatron-core's
-   ``dist_checkpointing``, torch_dist; :mod:`megatron_ft.megatron.dist_reference`) saved at DP at the shrink's
-   step and loaded at DP', saved there at the grow-back's step and loaded at DP, trained to the end;
+   ``dist_checkpointing``, torch_dist; :mod:`megatron_ft.megatron.dist_reference`; with ``--megatron-lm``,
+   upstream's own ``--save``/``--load``) saved at DP at the shrink's step and loaded at DP', saved there at the
+   grow-back's step and loaded at DP, trained to the end;
 4. every iteration's loss (the last one logged where an iteration ran twice) and every rank's final model,
    optimizer and RNG digests against that reference.
 

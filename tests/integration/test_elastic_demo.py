@@ -44,3 +44,31 @@ def test_the_job_shrinks_from_memory_and_grows_back_bit_identical_to_megatron_s_
     lost_tiers = {t for ranks in s["shrink"]["sources"].values() for t in ranks.values()}
     assert tier in lost_tiers and "local_memory" in lost_tiers
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("mft.demo-elastic")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adam", "distributed"])
+def test_upstream_megatron_lm_shrinks_from_memory_and_grows_back_bit_identical_to_its_own_reshard(tmp_path, optimizer):
+    """The same with upstream Megatron-LM's own ``pretrain_gpt.py`` (the newest release with a patch series), its
+    reference its own ``--ckpt-format torch_dist`` checkpoint saved at DP and loaded at DP' (and back); with the
+    distributed optimizer, its ``dp_reshardable`` bucket shards re-cut at the other size. About 6 minutes each."""
+    from megatron_ft.testing import megatron_lm
+
+    source = megatron_lm.source()
+    if not source:
+        pytest.skip(f"no upstream Megatron-LM {megatron_lm.TAG}: set MEGATRON_LM_DIR or provide the shared archive")
+    kill_at = 8
+    extra = ["--train-arg=--use-distributed-optimizer"] if optimizer == "distributed" else []
+    p = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "demo", "--fail", "node", "--elastic",
+                        "--megatron-lm", source, "--workdir", str(tmp_path / "demo"), "--iters", "26",
+                        "--kill-at", str(kill_at), "--quiet", *extra],
+                       cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["scenario"] == "node-elastic" and s["program"] == "megatron-lm" and s["bitwise_identical"], s["details"]
+    assert s["recovered_from"] == "peer_memory"
+    assert kill_at - 1 <= s["resumed_step"] <= kill_at + 1
+    assert (s["data_parallel_before"], s["data_parallel_after"]) == (3, 2)
+    assert (s["grow"]["data_parallel_before"], s["grow"]["data_parallel_after"]) == (2, 3)
+    assert s["grow"]["step"] > s["resumed_step"]
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("mft.demo-elastic")]
