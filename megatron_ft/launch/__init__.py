@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from ..rendezvous import FatalWatch, JobEnded, NodeOwners, RdzvGeneration, Rendezvous, claim_failed_node
 from .command import add_parser, job_config, main, simulate_nodes, stop_on_signals, with_job_secret
-from .node import GLOO_ENV_DEFAULTS, AgentStartError, NodeLauncher, preflight, write_config
+from .agent_process import AgentStartError, preflight
+from .node import GLOO_ENV_DEFAULTS, NodeLauncher, write_config
 from .standby import AGENT_MODULE, AGENT_PRELOAD, STARTED, TORCHRUN_MODULE, run_standby
 
 __all__ = [  # the command line's entry, the parts' public names, and the rendezvous' (read through here)
