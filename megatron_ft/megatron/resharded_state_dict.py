@@ -25,7 +25,7 @@ rank's tensor and pipeline coordinate, read from memory (the containers the laun
   batch by the new data-parallel rank, so no sample is skipped or seen twice).
 
 Each old container is read whole, every chunk's checksum verified, into buffers of its own, one at a time
-(replica 0's kept until the end for its common part); nothing is written to a destination from a container
+(at most two alive: the one being filled from and the next being read); nothing is written to a destination from a container
 that failed. Not collective: megatron-core's own ``to_state_dict`` finishes the job (its ``atomic`` path,
 every shard local) and no access-integrity check runs across the world.
 
@@ -40,6 +40,7 @@ True
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from dataclasses import replace
 from typing import Any, Callable, Iterable, Optional
 
@@ -104,6 +105,23 @@ class _Target:
         self.filled += part.numel()
 
 
+class _TargetsOfKey:
+    """The wanted shards of one key, sorted by their offset along the first axis, so that an old shard finds
+    the ones it meets by bisection (a distributed optimizer's bucket is one key with a shard per parameter
+    and padding on every rank: a scan of all of them per old shard would be quadratic in the bucket's
+    parameters)."""
+
+    def __init__(self, targets: list[_Target]):
+        self.targets = sorted(targets, key=lambda t: t.box[0][0])
+        self.starts = [t.box[0][0] for t in self.targets]
+        self.longest = max(t.box[1][0] for t in self.targets)
+
+    def meeting(self, src: ShardedTensor) -> list[_Target]:
+        """The targets whose first-axis range may meet ``src``'s (then checked box by box)."""
+        (o, *_), (n, *_) = box_of(src)
+        return self.targets[bisect_left(self.starts, o - self.longest + 1): bisect_left(self.starts, o + n)]
+
+
 def read_tree(container: Container, tensor_name: Callable[[int, str], str]) -> dict:
     """One old rank's snapshot as the tree it was saved from (``{"common", "sharded"}``): the container read
     whole into host buffers, every chunk's checksum verified (raises on a mismatch). ``tensor_name(i, path)``:
@@ -126,16 +144,17 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
     ranks' ``trees`` (:func:`read_tree`, replica 0's first; each may be dropped once the next is asked for).
     Returns the filled bases and counts (``tensors``, ``elements``, ``objects``). Raises ``ValueError`` naming
     the key where a tensor is not wholly covered, an object is missing, or the buckets differ."""
-    targets: dict[str, list[_Target]] = {}
+    by_key: dict[str, list[_Target]] = {}
     objects: dict[tuple, ShardedObject] = {}
     wanted_objects = [x for x in wanted if isinstance(x, ShardedObject)]
     want_ids = {_object_id(x) for x in wanted_objects}
     for x in wanted:
         if isinstance(x, ShardedTensor):
-            targets.setdefault(x.key, []).append(_Target(x))
+            by_key.setdefault(x.key, []).append(_Target(x))
         elif not isinstance(x, ShardedObject):
             raise TypeError(f"a load asked for {type(x).__name__} {getattr(x, 'key', '?')}: only sharded tensors "
                             f"and objects are restored from memory")
+    targets = {key: _TargetsOfKey(ts) for key, ts in by_key.items()}
     seen: set[tuple] = set()
     for tree in trees:
         for old in nested_values(tree["sharded"]):
@@ -144,7 +163,7 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
                 if shard in seen:  # the same shard saved twice (never, deduplicated): once is enough
                     continue
                 seen.add(shard)
-                for t in targets[old.key]:
+                for t in targets[old.key].meeting(old):
                     t.take(old)
             elif isinstance(old, ShardedObject) and _object_id(old) in want_ids:
                 oid = _object_id(old)
@@ -152,7 +171,7 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
                                           and not is_main_replica(objects[oid].replica_id)):
                     objects[oid] = old
     out = []
-    for ts in targets.values():
+    for ts in by_key.values():
         for t in ts:
             if t.filled != t.wanted:
                 raise ValueError(f"{t.sh.key} at {t.box[0]}: the old ranks hold {t.filled} of its {t.wanted} "
@@ -167,8 +186,8 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
                              f"data-parallel size and {x.data} at this one; its dp_reshardable state (Megatron's "
                              f"own rule) re-shards only between sizes with the same buckets (--ddp-bucket-size)")
         out.append(replace(x, data=old.data))
-    return out, {"tensors": sum(len(ts) for ts in targets.values()), "objects": len(wanted_objects),
-                 "elements": sum(t.wanted for ts in targets.values() for t in ts)}
+    return out, {"tensors": sum(len(ts) for ts in by_key.values()), "objects": len(wanted_objects),
+                 "elements": sum(t.wanted for ts in by_key.values() for t in ts)}
 
 
 class ReshardedStateDict(MCoreTensorAwareStateDict):
@@ -196,6 +215,7 @@ class ReshardedStateDict(MCoreTensorAwareStateDict):
         ranks = list(self._sources)
         first, self._first = self._first, None
         yield first if first is not None else read_tree(self._sources[ranks[0]], self._names)
+        del first  # its buffers go once the caller moves on (the common part is kept apart)
         for r in ranks[1:]:
             yield read_tree(self._sources[r], self._names)
 

@@ -121,3 +121,38 @@ def test_a_torn_container_is_never_read(tmp_path):
     with pytest.raises(Exception, match="checksum|corrupt|mismatch"):
         ReshardedStateDict.of({0: c}, tensor_name, lambda counts: None)
     c.close()
+
+
+def cuts(n: int, pieces: int, gen: torch.Generator) -> list[tuple[int, int]]:
+    edges = sorted(torch.randperm(n - 1, generator=gen)[:pieces - 1].add(1).tolist())
+    return list(zip([0, *edges], [*edges, n]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fill_many_pieces_of_one_key_cut_differently(seed):
+    """A bucket as the distributed optimizer cuts it: one key, many shards (a parameter's slice or padding
+    each), cut one way by the old ranks and another by the new one; and a layered weight (a prepended axis,
+    one shard per layer)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(97, generator=gen)
+    layers = torch.randn(5, 3, 2, generator=gen)
+
+    def piece(lo, hi, data=True):
+        return ShardedTensor("bucket", flat[lo:hi].clone() if data else None, torch.float32, (hi - lo,), (97,), (lo,),
+                             None)
+
+    def layer(i, data=True):
+        return ShardedTensor("layers.w", layers[i].clone() if data else None, torch.float32, (3, 2), (5, 3, 2),
+                             (i, 0, 0), None, prepend_axis_num=1)
+
+    old_cuts = cuts(97, 11, gen)
+    old = [{"sharded": [piece(a, b) for a, b in old_cuts[r::3]] + [layer(i) for i in range(5) if i % 3 == r]}
+           for r in range(3)]
+    wanted = [piece(a, b, data=False) for a, b in cuts(97, 7, gen)] + [layer(i, data=False) for i in (1, 4)]
+    filled, counts = fill(wanted, iter(old))
+    for x in filled:
+        if x.key == "bucket":
+            assert torch.equal(x.data, flat[x.global_offset[0]: x.global_offset[0] + x.local_shape[0]])
+        else:
+            assert torch.equal(x.data, layers[x.global_offset[0]])
+    assert counts["elements"] == 97 + 2 * 6
