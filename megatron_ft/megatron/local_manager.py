@@ -17,6 +17,10 @@ Megatron-LM (``core_v0.16.1``) drives its local tier through ``checkpointing_con
   (which re-distributes the deduplicated shards) and loads model, optimizer, scheduler, RNG and
   args from the result. It calls ``load()`` twice (``rank0=True`` for the common part, then for
   everything).
+* In a new generation of a job that went on at another data-parallel size (``recovery.elastic_after_s``),
+  where nothing of the generation itself is held yet, ``find_latest`` answers the step the previous
+  generation's snapshots hold and ``load`` a :class:`~.resharded_state_dict.ReshardedStateDict`, whose
+  ``to_state_dict`` fills the load's sharded tensors from those snapshots by their global coordinates.
 * ``local_ckpt_dir``: only printed (and joined into names); here it is the agents' persist dir.
 * ``training_loop(model, optimizer, scheduler, config)`` (megatron-ft's patch ``0005``, not Megatron's
   contract): once before the first iteration; the returned :class:`TrainingLoop` is called at each
@@ -55,7 +59,7 @@ import re
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -370,21 +374,24 @@ class InMemoryLocalCheckpointManager:
         try:
             sources = open_imports(self.cfg, self.rank, node, gen)
         except Exception as e:
-            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot restore from the previous generation's "
-                          f"snapshots in memory: {e}")
+            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot open the previous generation's "
+                          f"snapshots of step {gen.step} in memory: {e}")
         read = list(sources)
 
         def done(counts: dict) -> None:
             res = generation_result(gen, node, read, time.perf_counter() - t0, **counts)
             self._ckpt.restored_elsewhere(res)
 
+        def refuse(e: Exception) -> NoReturn:
+            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot restore step {gen.step} from the "
+                          f"previous generation's snapshots in memory: {e}")
+
         try:
-            resharded = ReshardedStateDict.of(sources, tensor_name, done)
+            resharded = ReshardedStateDict.of(sources, tensor_name, done, refuse)
         except Exception as e:
             for c in sources.values():
                 c.close()
-            fatal.end_job(f"rank {self.rank}: generation {gen.number} cannot read the previous generation's "
-                          f"snapshot of step {gen.step}: {e}")
+            refuse(e)
         return _Loaded(gen.step, "resharded", resharded=resharded)
 
     def load(self) -> tuple[MCoreTensorAwareStateDict, str]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NoReturn, Optional
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -52,6 +52,7 @@ from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensor
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from ..capture import tree as treecodec
+from ..capture.snapfile import SnapshotFormatError
 from ..capture.layout import dtype_from_name
 from ..capture.state import StateTensor
 from ..trainer.recovery import Container
@@ -200,15 +201,20 @@ class ReshardedStateDict(MCoreTensorAwareStateDict):
 
     _sources: dict
     _done: Callable[[dict], None]
+    _refuse: Callable[[Exception], NoReturn]
     _first: Optional[dict]
     _names: Callable[[int, str], str]
 
     @classmethod
     def of(cls, sources: dict[int, Container], tensor_name: Callable[[int, str], str],
-           done: Callable[[dict], None]) -> "ReshardedStateDict":
+           done: Callable[[dict], None], refuse: Callable[[Exception], NoReturn]) -> "ReshardedStateDict":
+        """``done(counts)`` once the fill succeeded; ``refuse(error)`` (it does not return: the job ends) where
+        the old ranks' state cannot answer the load - a torn container, a range no old rank holds, other
+        buckets - since a restart would find the same."""
         first = read_tree(next(iter(sources.values())), tensor_name)
         built = cls(common=first["common"], sharded_state_dict={})
-        built._sources, built._names, built._done, built._first = dict(sources), tensor_name, done, first
+        built._sources, built._names, built._first = dict(sources), tensor_name, first
+        built._done, built._refuse = done, refuse
         return built
 
     def _trees(self) -> Iterable[dict]:
@@ -235,6 +241,8 @@ class ReshardedStateDict(MCoreTensorAwareStateDict):
         part, _ = extract_sharded_base(load_preprocess(sharded_state_dict)[0])
         try:
             filled, counts = fill(list(nested_values(part)), self._trees())
+        except (ValueError, TypeError, SnapshotFormatError) as e:
+            self._refuse(e)
         finally:
             self.close()
         loaded = MCoreTensorAwareStateDict(common=self.common, sharded_state_dict={"resharded": filled})

@@ -50,6 +50,10 @@ def write_container(path: str, tree: dict) -> None:
                         {"state_dict": record, "iteration": 7}, {"run_id": "old"})
 
 
+def refuse(e: Exception):
+    raise AssertionError(f"refused: {e}")
+
+
 def wanted_at(rank: int, dp: int) -> list:
     return [weight_shard(rank, data=True), bucket_shard(rank, dp, data=False), rng(rank)]
 
@@ -97,7 +101,7 @@ def test_to_state_dict_from_containers(tmp_path):
         write_container(paths[r], old_tree(r, 3))
     told = []
     sources = {r: Container(p) for r, p in paths.items()}
-    sd = ReshardedStateDict.of(sources, tensor_name, told.append)
+    sd = ReshardedStateDict.of(sources, tensor_name, told.append, refuse)
     assert sd.to_state_dict(None)["iteration"] == 7  # Megatron's first ask: the common part only
     request = {"model": {"weight": weight_shard(1, data=True)}, "optimizer": {"state": bucket_shard(1, 2, data=False)},
                "rng_state": rng(1)}
@@ -107,6 +111,24 @@ def test_to_state_dict_from_containers(tmp_path):
     assert torch.equal(out["optimizer"]["state"], BUCKET[5:10])
     assert torch.equal(out["rng_state"]["stream"], torch.zeros(2))
     assert told and told[0]["tensors"] == 2 and told[0]["elements"] == 24 + 5
+
+
+def test_to_state_dict_refuses_what_the_old_ranks_cannot_answer(tmp_path):
+    """The old ranks hold another data-parallel size's buckets: refused (the job ends), nothing returned."""
+    path = os.path.join(tmp_path, "old0")
+    tree = old_tree(0, 1)
+    tree["sharded"]["n"] = ShardedObject("o.per_bucket_numel_unpadded", [10], (1,), (0,), replica_id=0)
+    write_container(path, tree)
+    refused = []
+
+    def note(e):
+        refused.append(str(e))
+        raise SystemExit(2)
+
+    sd = ReshardedStateDict.of({0: Container(path)}, tensor_name, lambda counts: None, note)
+    with pytest.raises(SystemExit):
+        sd.to_state_dict({"n": ShardedObject("o.per_bucket_numel_unpadded", [12], (1,), (0,), replica_id=0)})
+    assert refused and "[10] elements at the old data-parallel size and [12]" in refused[0]
 
 
 def test_a_torn_container_is_never_read(tmp_path):
@@ -119,7 +141,7 @@ def test_a_torn_container_is_never_read(tmp_path):
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(Exception, match="checksum|corrupt|mismatch"):
-        ReshardedStateDict.of({0: c}, tensor_name, lambda counts: None)
+        ReshardedStateDict.of({0: c}, tensor_name, lambda counts: None, refuse)
     c.close()
 
 
