@@ -297,6 +297,10 @@ def _run_elastic(args: argparse.Namespace, cfg: ftconfig.FTConfig, batch: int, w
             _kill_tree(rep)
         raise
     grow_step = grow[0]["step"]
+    if grow_step >= args.iters:  # nothing trained at the grown size: no reference to compare with
+        raise RuntimeError(f"the grow-back restored step {grow_step}, the job's last (--iters {args.iters}): nothing "
+                           f"trained after it to compare; raise --iters (or --min-iteration-s) so that the node's "
+                           f"return comes while the job still trains")
     refs = run_reference(cfg, trainer, workdir, step, grow_step, nodes - 1, max(60.0, deadline - time.time()), say,
                          bed)
     problems = compare_elastic(run_dir, refs, step, grow_step, nodes * rpn)

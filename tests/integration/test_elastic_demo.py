@@ -60,7 +60,7 @@ def test_upstream_megatron_lm_shrinks_from_memory_and_grows_back_bit_identical_t
     kill_at = 8
     extra = ["--train-arg=--use-distributed-optimizer"] if optimizer == "distributed" else []
     p = subprocess.run([sys.executable, "-m", "megatron_ft.cli", "demo", "--fail", "node", "--elastic",
-                        "--megatron-lm", source, "--workdir", str(tmp_path / "demo"), "--iters", "26",
+                        "--megatron-lm", source, "--workdir", str(tmp_path / "demo"), "--iters", "32",
                         "--kill-at", str(kill_at), "--quiet", *extra],
                        cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
