@@ -13,7 +13,8 @@ Megatron's own reshard.
    upstream's own ``--save``/``--load``) saved at DP at the shrink's step and loaded at DP', saved there at the
    grow-back's step and loaded at DP, trained to the end;
 4. every iteration's loss (the last one logged where an iteration ran twice) and every rank's final model,
-   optimizer and RNG digests against that reference.
+   optimizer and RNG digests (upstream: its parameters' and buffers' digest, :mod:`.megatron_lm`) against
+   that reference.
 
 The last line printed is one JSON object: ``scenario`` (``node-elastic``), ``recovered_from`` (the worst tier
 of the shrink's containers), ``resumed_step``, ``data_parallel_before`` / ``data_parallel_after``, the
