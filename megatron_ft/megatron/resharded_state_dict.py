@@ -49,12 +49,12 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
-from megatron.core.dist_checkpointing.utils import extract_sharded_base
+from megatron.core.dist_checkpointing.utils import (_sharded_object_id, _sharded_tensor_shard_id,
+                                                   extract_sharded_base)
 
 from ..capture import tree as treecodec
 from ..capture.snapfile import SnapshotFormatError
-from ..capture.layout import dtype_from_name
-from ..capture.state import StateTensor
+from ..capture.state import StateTensor, fresh_targets
 from ..trainer.recovery import Container
 
 #: a box in a global tensor: (offset, shape), one entry per global axis
@@ -130,14 +130,9 @@ def read_tree(container: Container, tensor_name: Callable[[int, str], str]) -> d
     record = container.version.get("extra", {}).get("state_dict")
     if record is None:
         raise ValueError(f"{container.path} holds no Megatron-LM state dict (a snapshot of another trainer?)")
-    buffers = {e.spec.name: torch.empty(e.spec.shape, dtype=dtype_from_name(e.spec.dtype))
-               for e in container.layout.entries}
+    buffers = fresh_targets(container.layout)  # host memory: the fill copies on to each destination's device
     container.load_verified({n: StateTensor(n, t, values_checked=False) for n, t in buffers.items()})
     return treecodec.decode(record, [buffers[tensor_name(i, p)] for i, p in enumerate(record["names"])])
-
-
-def _object_id(sh: ShardedObject) -> tuple:
-    return sh.key, tuple(sh.global_offset), tuple(sh.global_shape)
 
 
 def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
@@ -148,7 +143,7 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
     by_key: dict[str, list[_Target]] = {}
     objects: dict[tuple, ShardedObject] = {}
     wanted_objects = [x for x in wanted if isinstance(x, ShardedObject)]
-    want_ids = {_object_id(x) for x in wanted_objects}
+    want_ids = {_sharded_object_id(x) for x in wanted_objects}
     for x in wanted:
         if isinstance(x, ShardedTensor):
             by_key.setdefault(x.key, []).append(_Target(x))
@@ -160,14 +155,14 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
     for tree in trees:
         for old in nested_values(tree["sharded"]):
             if isinstance(old, ShardedTensor) and old.data is not None and old.key in targets:
-                shard = (old.key, tuple(old.global_offset))
+                shard = _sharded_tensor_shard_id(old)  # megatron-core's identity of a shard's data
                 if shard in seen:  # the same shard saved twice (never, deduplicated): once is enough
                     continue
                 seen.add(shard)
                 for t in targets[old.key].meeting(old):
                     t.take(old)
-            elif isinstance(old, ShardedObject) and _object_id(old) in want_ids:
-                oid = _object_id(old)
+            elif isinstance(old, ShardedObject) and _sharded_object_id(old) in want_ids:
+                oid = _sharded_object_id(old)
                 if oid not in objects or (is_main_replica(old.replica_id)
                                           and not is_main_replica(objects[oid].replica_id)):
                     objects[oid] = old
@@ -179,7 +174,7 @@ def fill(wanted: list, trees: Iterable[dict]) -> tuple[list, dict]:
                                  f"elements")
             out.append(replace(t.sh, data=t.data))
     for x in wanted_objects:
-        old = objects.get(_object_id(x))
+        old = objects.get(_sharded_object_id(x))
         if old is None:
             raise ValueError(f"sharded object {x.key} at {tuple(x.global_offset)}: no old rank holds it")
         if x.key.endswith(".per_bucket_numel_unpadded") and old.data != x.data:
